@@ -1,0 +1,1 @@
+"""mopflow compression: top-k ensembles, distillation into a student, registration and promotion."""

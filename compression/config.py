@@ -1,0 +1,232 @@
+"""The pipeline config: one frozen, validated object per stage, built once from a flat mapping.
+
+The flat mapping is what Airflow Params, ``mopflow run --config FILE`` and the REST API carry;
+:data:`CONF_FIELDS` maps each flat key to its stage and field, and :func:`conf_json_schema`
+derives the Params' JSON schema from the same definitions, so the trigger form and the
+task-side validation can never drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from training.config import DataConfig, SearchConfig, StageConfig, check_name
+from training.space import SearchSpace, SpaceError, format_validation_error, parse_space
+
+MAX_CONF_BYTES = 128 * 1024
+
+
+class ConfigError(ValueError):
+    """The pipeline config is invalid; the message names the key and the value."""
+
+
+class EnsembleConfig(StageConfig):
+    """Which trials form the ensemble."""
+
+    top_k: int = Field(3, ge=1, le=50, description="Number of best COMPLETE trials in the ensemble")
+
+
+class DistillConfig(StageConfig):
+    """The student and its training on the ensemble's soft targets."""
+
+    family: Literal["cnn", "mlp"] = Field("cnn", description="Student model family")
+    width: int | None = Field(None, ge=1, le=4096, description="Student width; None = largest within the budget")
+    depth: int = Field(3, ge=1, le=8, description="Student depth")
+    max_param_ratio: float = Field(0.1, gt=0, le=1.0, description="Student params <= ratio x ensemble params")
+    temperature: float = Field(4.0, gt=0, le=100, description="Softmax temperature of the soft targets")
+    alpha: float = Field(0.7, ge=0, le=1, description="Weight of the soft-target loss (1 - alpha on hard labels)")
+    epochs: int = Field(60, ge=1, le=1000, description="Student training epochs")
+    lr: float = Field(0.01, gt=0, le=1.0, description="Student peak learning rate")
+    batch_size: int = Field(64, ge=1, le=65536, description="Student batch size")
+
+
+class RegistryConfig(StageConfig):
+    """Names in the Model Registry and the promotion rule."""
+
+    model_name: str = Field("mopflow", description="Prefix of the registered model names")
+    promotion: Literal["accuracy", "always", "never"] = Field(
+        "accuracy", description="accuracy: champion if test accuracy >= the current champion's"
+    )
+
+    @field_validator("model_name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_name(value, "model_name")
+
+
+# flat key -> (stage, field)
+CONF_FIELDS: dict[str, tuple[str, str]] = {
+    "dataset": ("data", "dataset"),
+    "n_shards": ("data", "n_shards"),
+    "val_fraction": ("data", "val_fraction"),
+    "data_seed": ("data", "seed"),
+    "num_samples": ("data", "num_samples"),
+    "n_trials": ("search", "n_trials"),
+    "epochs": ("search", "epochs"),
+    "n_workers": ("search", "n_workers"),
+    "seed": ("search", "seed"),
+    "sampler": ("search", "sampler"),
+    "pruner": ("search", "pruner"),
+    "min_resource": ("search", "min_resource"),
+    "timeout_minutes": ("search", "timeout_minutes"),
+    "search_space": ("search", "space"),
+    "top_k": ("ensemble", "top_k"),
+    "student_family": ("distill", "family"),
+    "student_width": ("distill", "width"),
+    "student_depth": ("distill", "depth"),
+    "student_max_param_ratio": ("distill", "max_param_ratio"),
+    "temperature": ("distill", "temperature"),
+    "alpha": ("distill", "alpha"),
+    "distill_epochs": ("distill", "epochs"),
+    "distill_lr": ("distill", "lr"),
+    "distill_batch_size": ("distill", "batch_size"),
+    "model_name": ("registry", "model_name"),
+    "promotion": ("registry", "promotion"),
+}
+
+STAGE_MODELS: dict[str, type[StageConfig]] = {
+    "data": DataConfig,
+    "search": SearchConfig,
+    "ensemble": EnsembleConfig,
+    "distill": DistillConfig,
+    "registry": RegistryConfig,
+}
+
+
+def max_member_params(space: SearchSpace, input_dim: int = 40, num_classes: int = 10) -> int:
+    """The most parameters one trial's model can have in this space (an upper bound for budgets)."""
+    from training.models import ArchSpec, count_params  # torch: imported only when validating
+
+    best = 0
+    for family in space.families:
+        width = space.max_value(family, "width")
+        depth_spec = space.families[family]["depth"]
+        depths = (
+            [int(c) for c in depth_spec.choices]  # type: ignore[union-attr]
+            if depth_spec.type == "categorical"
+            else range(int(depth_spec.low), int(depth_spec.high) + 1)  # type: ignore[union-attr]
+        )
+        for depth in depths:
+            try:
+                best = max(best, count_params(ArchSpec(family, min(width, 4096), int(depth), input_dim, num_classes)))
+            except ValueError:
+                continue  # a depth that does not fit the input cannot be trained either
+    return best
+
+
+class PipelineConfig(BaseModel):
+    """All stages' configs, validated together (cross-stage rules live here)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: DataConfig = DataConfig()
+    search: SearchConfig = SearchConfig()
+    ensemble: EnsembleConfig = EnsembleConfig()
+    distill: DistillConfig = DistillConfig()
+    registry: RegistryConfig = RegistryConfig()
+
+    @model_validator(mode="after")
+    def _cross_stage(self) -> PipelineConfig:
+        if self.ensemble.top_k > self.search.n_trials:
+            raise ValueError(
+                f"top_k={self.ensemble.top_k} is larger than n_trials={self.search.n_trials}: "
+                "the ensemble cannot have more members than there are trials"
+            )
+        space = self.search.search_space()
+        if self.distill.width is not None:
+            from training.models import ArchSpec, count_params
+
+            student = count_params(ArchSpec(self.distill.family, self.distill.width, self.distill.depth, 40, 10))
+            ceiling = int(self.distill.max_param_ratio * self.ensemble.top_k * max_member_params(space))
+            if student > ceiling:
+                raise ValueError(
+                    f"student_width={self.distill.width} gives a student of {student} parameters, larger than the "
+                    f"budget: student_max_param_ratio={self.distill.max_param_ratio} x the largest possible "
+                    f"ensemble ({self.ensemble.top_k} members) allows at most {ceiling}"
+                )
+        return self
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any] | None) -> PipelineConfig:
+        """Build from a flat mapping (Airflow conf / YAML). Unknown keys and bad values raise ConfigError."""
+        conf = dict(conf or {})
+        size = len(json.dumps(conf, default=str))
+        if size > MAX_CONF_BYTES:
+            raise ConfigError(f"config is {size} bytes; the limit is {MAX_CONF_BYTES}")
+        unknown = sorted(set(conf) - set(CONF_FIELDS))
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {unknown}; expected some of {sorted(CONF_FIELDS)}")
+        sections: dict[str, dict[str, Any]] = {name: {} for name in STAGE_MODELS}
+        for key, value in conf.items():
+            if value is None and key not in {"timeout_minutes", "search_space", "student_width"}:
+                continue  # None means "use the default" for keys that have no null meaning
+            stage, field = CONF_FIELDS[key]
+            if key == "search_space" and isinstance(value, str):
+                value = None if not value.strip() else _parse_space_text(value)
+            sections[stage][field] = value
+        try:
+            return cls.model_validate(sections)
+        except ValidationError as exc:
+            raise ConfigError(_flat_error(exc)) from exc
+        except SpaceError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def to_conf(self) -> dict[str, Any]:
+        """The flat mapping that rebuilds this config."""
+        out = {}
+        for key, (stage, field) in CONF_FIELDS.items():
+            out[key] = getattr(getattr(self, stage), field)
+        return out
+
+
+def _parse_space_text(text: str) -> dict[str, Any]:
+    try:
+        return parse_space(text).model_dump()
+    except SpaceError as exc:
+        raise ConfigError(f"search_space: {exc}") from exc
+
+
+def _flat_error(exc: ValidationError) -> str:
+    reverse = {v: k for k, v in CONF_FIELDS.items()}
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        key = reverse.get((loc[0], loc[1])) if len(loc) >= 2 else None
+        where = key or ".".join(loc) or "config"
+        if key == "search_space" and len(loc) > 2:
+            where = "search_space." + ".".join(loc[2:])
+        value = err.get("input")
+        shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(f"{where}: {msg}" if where == "config" else f"{where}: {msg} (got {shown[:80]})")
+    return "; ".join(lines)
+
+
+def conf_json_schema() -> dict[str, dict[str, Any]]:
+    """Per flat key: a JSON schema (with default and description) for Airflow ``Param``s."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, (stage, field) in CONF_FIELDS.items():
+        model = STAGE_MODELS[stage]
+        schema = dict(model.model_json_schema()["properties"][field])
+        schema.pop("title", None)
+        info = model.model_fields[field]
+        default = info.default
+        if key == "search_space":
+            schema = {
+                "anyOf": [{"type": "null"}, {"type": "string", "maxLength": 65536}, {"type": "object"}],
+                "description": "Search space as JSON (families and common params); empty = default space",
+            }
+        schema["default"] = default
+        if "description" not in schema:
+            schema["description"] = info.description or key
+        out[key] = schema
+    return out
+
+
+def validate_conf(conf: Mapping[str, Any] | None) -> PipelineConfig:
+    """Alias used by the DAG tasks and the CLI: validate a flat conf or raise ConfigError."""
+    return PipelineConfig.from_conf(conf)

@@ -1,0 +1,537 @@
+"""The pipeline's stages, one function per Airflow task: shard, search, ensemble, distill, register.
+
+Each stage re-validates the flat conf (the trigger form validated it too), opens its own
+nested MLflow run under the pipeline's parent run, does its work through ``training`` /
+``compression``, and returns a small dict of references (URIs, ids, figures) for XCom.
+Every stage is idempotent: outputs are keyed by content hash or by the pipeline run key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from compression.config import PipelineConfig
+from infra import storage
+from infra.settings import Settings
+from infra.tracking import MlflowTracker
+from infra.version import code_version
+
+log = logging.getLogger(__name__)
+
+STAGE_TAG = "mopflow.stage"
+
+
+def permanent_errors() -> tuple[type[BaseException], ...]:
+    """Errors that a retry cannot fix (bad config, bad data): the task fails at once."""
+    from compression.config import ConfigError
+    from compression.distill import StudentBudgetError
+    from infra.optuna_storage import StorageConfigError
+    from training.data import ShardIntegrityError
+    from training.space import SpaceError
+
+    return (ConfigError, SpaceError, ShardIntegrityError, StudentBudgetError, StorageConfigError)
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Identity of one pipeline run (passed between tasks through XCom as a dict)."""
+
+    dag_id: str
+    airflow_run_id: str
+    run_key: str
+    parent_run_id: str
+
+    def tags(self) -> dict[str, str]:
+        return {
+            "mopflow.dag_id": self.dag_id,
+            "mopflow.airflow_run_id": self.airflow_run_id,
+            "mopflow.run_key": self.run_key,
+            "mopflow.code_version": code_version(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunContext:
+        return cls(**{k: str(data[k]) for k in ("dag_id", "airflow_run_id", "run_key", "parent_run_id")})
+
+
+def make_run_key(dag_id: str, airflow_run_id: str) -> str:
+    """Stable key of a pipeline run (logical_date may be null in Airflow 3: never key on it)."""
+    return hashlib.sha256(f"{dag_id}/{airflow_run_id}".encode()).hexdigest()[:12]
+
+
+def _tracker(settings: Settings) -> MlflowTracker:
+    return MlflowTracker(settings.tracking_uri, settings.experiment_name, settings.mlflow_artifact_location)
+
+
+def _stage_run(tracker: MlflowTracker, ctx: RunContext, stage: str, extra: Mapping[str, str] | None = None) -> str:
+    tags = {**ctx.tags(), STAGE_TAG: stage, **(extra or {})}
+    return tracker.get_or_start_run(stage, tags, parent_run_id=ctx.parent_run_id)
+
+
+def _run_dir(settings: Settings, ctx: RunContext) -> str:
+    return storage.join(settings.artifact_root, "runs", ctx.run_key)
+
+
+def study_name_for(cfg: PipelineConfig, ctx: RunContext) -> str:
+    """One study per pipeline run: rerunning the run resumes it instead of starting another."""
+    return f"{cfg.registry.model_name}-{ctx.run_key}"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def start_pipeline(conf: Mapping[str, Any] | None, dag_id: str, airflow_run_id: str, settings: Settings | None = None) -> dict[str, Any]:
+    """Validate the conf and open (or reopen) the pipeline's parent MLflow run."""
+    settings = settings or Settings.from_env()
+    cfg = PipelineConfig.from_conf(conf)
+    key = make_run_key(dag_id, airflow_run_id)
+    tracker = _tracker(settings)
+    base_tags = {
+        "mopflow.dag_id": dag_id,
+        "mopflow.airflow_run_id": airflow_run_id,
+        "mopflow.run_key": key,
+        "mopflow.code_version": code_version(),
+        STAGE_TAG: "pipeline",
+    }
+    parent = tracker.get_or_start_run(f"pipeline-{key}", base_tags)
+    tracker.log_params(parent, {k: v for k, v in cfg.to_conf().items() if k != "search_space"})
+    tracker.log_dict(parent, cfg.to_conf(), "config.json")
+    log.info("pipeline %s: run key %s, MLflow parent run %s", dag_id, key, parent)
+    return asdict(RunContext(dag_id, airflow_run_id, key, parent))
+
+
+def shard_stage(conf: Mapping[str, Any] | None, ctx_dict: Mapping[str, Any], settings: Settings | None = None) -> dict[str, Any]:
+    """Stage 1: generate and shard the dataset on Dask; returns the manifest URI and hash."""
+    from training.cluster import dask_client
+    from training.data import shard_dataset
+
+    settings = settings or Settings.from_env()
+    cfg = PipelineConfig.from_conf(conf)
+    ctx = RunContext.from_dict(ctx_dict)
+    tracker = _tracker(settings)
+    run_id = _stage_run(tracker, ctx, "shard")
+    try:
+        with dask_client(settings.dask_address, settings.dask_workers) as client:
+            result = shard_dataset(cfg.data, settings.data_root, client, settings.storage_options)
+        manifest = storage.read_json(result.manifest_uri, settings.storage_options)
+        lineage = {"mopflow.manifest_hash": result.manifest_hash}
+        tracker.set_tags(run_id, lineage)
+        tracker.set_tags(ctx.parent_run_id, lineage)
+        tracker.log_params(run_id, cfg.data.model_dump())
+        tracker.log_metrics(
+            run_id, {f"rows_{s}": sum(e["rows"] for e in manifest["splits"][s]) for s in manifest["splits"]}
+        )
+        tracker.log_dict(run_id, manifest, "manifest.json")
+        tracker.end_run(run_id)
+    except Exception:
+        tracker.end_run(run_id, "FAILED")
+        raise
+    return {"manifest_uri": result.manifest_uri, "manifest_hash": result.manifest_hash, "reused": result.reused}
+
+
+def search_stage(
+    conf: Mapping[str, Any] | None,
+    ctx_dict: Mapping[str, Any],
+    shard: Mapping[str, Any],
+    settings: Settings | None = None,
+) -> dict[str, Any]:
+    """Stage 2: the Optuna study, trials trained in parallel on Dask; one nested MLflow run per trial."""
+    from training.cluster import dask_client
+    from training.search import run_search
+    from training.trial import TrialResult
+
+    settings = settings or Settings.from_env()
+    cfg = PipelineConfig.from_conf(conf)
+    ctx = RunContext.from_dict(ctx_dict)
+    tracker = _tracker(settings)
+    study = study_name_for(cfg, ctx)
+    lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"]), "mopflow.study": study}
+    run_id = _stage_run(tracker, ctx, "search", lineage)
+    tracker.log_params(run_id, {k: v for k, v in cfg.search.model_dump().items() if k != "space"})
+    tracker.log_dict(run_id, cfg.search.search_space().model_dump(), "search_space.json")
+
+    def log_trial(result: TrialResult) -> None:
+        tags = {**ctx.tags(), **lineage, STAGE_TAG: "trial", "mopflow.trial": str(result.number)}
+        if tracker.find_run({"mopflow.run_key": ctx.run_key, "mopflow.study": study, "mopflow.trial": str(result.number)}):
+            return
+        trial_run = tracker.start_run(f"trial-{result.number}", tags, parent_run_id=run_id)
+        tracker.log_params(trial_run, result.params)
+        tracker.log_metric_history(trial_run, "val_acc", [(int(h["epoch"]), h["val_acc"]) for h in result.history])
+        tracker.log_metric_history(trial_run, "train_loss", [(int(h["epoch"]), h["train_loss"]) for h in result.history])
+        tracker.set_tags(trial_run, {"mopflow.trial_state": result.state, "mopflow.worker": result.worker})
+        if result.pruned_epoch is not None:
+            tracker.log_metrics(trial_run, {"pruned_epoch": result.pruned_epoch})
+        if result.error:
+            tracker.set_tags(trial_run, {"mopflow.fail_reason": result.error[:4000]})
+        if result.bundle_uri:
+            tracker.log_remote_dir(trial_run, result.bundle_uri, "checkpoint", settings.storage_options)
+        tracker.log_metrics(trial_run, {"duration_s": result.duration_s, "num_params": result.num_params})
+        tracker.end_run(trial_run, "FAILED" if result.state == "FAIL" else "FINISHED")
+
+    try:
+        with dask_client(settings.dask_address, settings.dask_workers) as client:
+            outcome = run_search(
+                cfg.search,
+                str(shard["manifest_uri"]),
+                study,
+                settings.optuna_storage,
+                settings.artifact_root,
+                client,
+                settings.storage_options,
+                on_trial_done=log_trial,
+            )
+        for result in outcome.results:  # trials finished by an earlier attempt but never logged
+            log_trial(result)
+        leaderboard = [
+            {
+                "trial": r.number,
+                "state": r.state,
+                "val_acc": r.value,
+                "pruned_epoch": r.pruned_epoch,
+                "params": r.params,
+                "duration_s": round(r.duration_s, 2),
+            }
+            for r in sorted(outcome.results, key=lambda r: (-(r.value or -1.0), r.number))
+        ]
+        tracker.log_dict(run_id, leaderboard, "leaderboard.json")
+        counts = {s: sum(1 for r in outcome.results if r.state == s) for s in ("COMPLETE", "PRUNED", "FAIL")}
+        tracker.log_metrics(run_id, {f"trials_{k.lower()}": v for k, v in counts.items()})
+        best = outcome.complete()
+        if not best:
+            raise RuntimeError(f"study {study} finished with no COMPLETE trial ({counts})")
+        tracker.log_metrics(run_id, {"best_val_acc": best[0].value or 0.0})
+        tracker.end_run(run_id)
+    except Exception:
+        tracker.end_run(run_id, "FAILED")
+        raise
+    log.info("search: study %s done: %s; best trial %d val_acc=%.4f", study, counts, best[0].number, best[0].value)
+    return {
+        "study_name": study,
+        "storage_url": settings.optuna_storage,
+        "counts": counts,
+        "best_trial": best[0].number,
+        "best_val_acc": best[0].value,
+    }
+
+
+def _load_candidates(search: Mapping[str, Any]) -> list[Any]:
+    import optuna
+
+    from compression.ensemble import Candidate
+    from infra.optuna_storage import make_storage, quiet_optuna
+    from training.search import STALE_ATTR
+    from training.space import params_from_optuna
+
+    quiet_optuna()
+    study = optuna.load_study(study_name=str(search["study_name"]), storage=make_storage(str(search["storage_url"])))
+    return [
+        Candidate(t.number, t.state.name, t.value, t.user_attrs.get("bundle_uri"), params_from_optuna(t.params))
+        for t in study.get_trials(deepcopy=False)
+        if not t.user_attrs.get(STALE_ATTR)
+    ]
+
+
+def _example_frame(manifest_uri: str, storage_options: Mapping[str, Any]) -> Any:
+    import pandas as pd
+
+    from training.data import load_manifest, load_split
+
+    manifest = load_manifest(manifest_uri, storage_options)
+    x, _ = load_split(manifest_uri, "validation", storage_options)
+    return pd.DataFrame(x[:5], columns=manifest["feature_columns"])
+
+
+def ensemble_stage(
+    conf: Mapping[str, Any] | None,
+    ctx_dict: Mapping[str, Any],
+    shard: Mapping[str, Any],
+    search: Mapping[str, Any],
+    settings: Settings | None = None,
+) -> dict[str, Any]:
+    """Stage 3: the top-k COMPLETE trials as one probability-averaging module, logged as a pyfunc."""
+    from compression.ensemble import build_ensemble, save_ensemble, select_top_k
+    from compression.registry import log_bundle_model
+    from training.bundle import accuracy, load_bundle
+    from training.data import load_split
+
+    settings = settings or Settings.from_env()
+    cfg = PipelineConfig.from_conf(conf)
+    ctx = RunContext.from_dict(ctx_dict)
+    so = settings.storage_options
+    tracker = _tracker(settings)
+    lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"]), "mopflow.study": str(search["study_name"])}
+    run_id = _stage_run(tracker, ctx, "ensemble", lineage)
+    try:
+        members = select_top_k(_load_candidates(search), cfg.ensemble.top_k)
+        ensemble, archs, columns = build_ensemble(members, so)
+        manifest_uri = str(shard["manifest_uri"])
+        x_val, y_val = load_split(manifest_uri, "validation", so)
+        x_test, y_test = load_split(manifest_uri, "test", so)
+        best = members[0]
+        best_test = accuracy(load_bundle(str(best.bundle_uri), so).module, x_test, y_test)
+        metrics = {
+            "val_acc": accuracy(ensemble, x_val, y_val),
+            "test_acc": accuracy(ensemble, x_test, y_test),
+            "num_params": float(sum(p.numel() for p in ensemble.parameters())),
+            "best_trial_val_acc": float(best.value or 0.0),
+            "best_trial_test_acc": best_test,
+        }
+        bundle_uri = storage.join(_run_dir(settings, ctx), "ensemble")
+        save_ensemble(
+            bundle_uri,
+            ensemble,
+            archs,
+            columns,
+            {"members": [m.number for m in members], "study": search["study_name"], "manifest_hash": shard["manifest_hash"]},
+            so,
+        )
+        tracker.log_params(run_id, {"top_k": cfg.ensemble.top_k, "members": [m.number for m in members]})
+        tracker.log_metrics(run_id, metrics)
+        model_uri = log_bundle_model(run_id, "ensemble", bundle_uri, _example_frame(manifest_uri, so), so)
+        tracker.end_run(run_id)
+    except Exception:
+        tracker.end_run(run_id, "FAILED")
+        raise
+    log.info(
+        "ensemble: members %s val_acc=%.4f test_acc=%.4f (%d params)",
+        [m.number for m in members],
+        metrics["val_acc"],
+        metrics["test_acc"],
+        int(metrics["num_params"]),
+    )
+    return {
+        "bundle_uri": bundle_uri,
+        "model_uri": model_uri,
+        "run_id": run_id,
+        "members": [m.number for m in members],
+        "best_trial": {"number": best.number, "params": dict(best.params), "val_acc": best.value, "test_acc": best_test},
+        **{k: float(v) for k, v in metrics.items()},
+    }
+
+
+def distill_stage(
+    conf: Mapping[str, Any] | None,
+    ctx_dict: Mapping[str, Any],
+    shard: Mapping[str, Any],
+    ensemble: Mapping[str, Any],
+    settings: Settings | None = None,
+) -> dict[str, Any]:
+    """Stage 4: a student (<= ratio x the ensemble's params) trained on soft targets + hard labels."""
+    import torch
+
+    from compression.distill import plan_student, student_accuracy, train_student
+    from compression.registry import log_bundle_model
+    from training.bundle import load_bundle, save_bundle
+    from training.data import load_manifest, load_split
+
+    settings = settings or Settings.from_env()
+    cfg = PipelineConfig.from_conf(conf)
+    ctx = RunContext.from_dict(ctx_dict)
+    so = settings.storage_options
+    tracker = _tracker(settings)
+    run_id = _stage_run(tracker, ctx, "distill", {"mopflow.manifest_hash": str(shard["manifest_hash"])})
+    try:
+        torch.set_num_threads(max(1, settings.dask_workers))
+        manifest_uri = str(shard["manifest_uri"])
+        manifest = load_manifest(manifest_uri, so)
+        teacher = load_bundle(str(ensemble["bundle_uri"]), so)
+        x_train, y_train = load_split(manifest_uri, "train", so)
+        x_val, y_val = load_split(manifest_uri, "validation", so)
+        x_test, y_test = load_split(manifest_uri, "test", so)
+        plan = plan_student(cfg.distill, teacher.num_params(), x_train.shape[1], int(manifest["num_classes"]))
+        log.info(
+            "distill: student %s width=%d depth=%d, %d params (budget %d, ensemble %d)",
+            plan.arch.family,
+            plan.arch.width,
+            plan.arch.depth,
+            plan.num_params,
+            plan.budget,
+            teacher.num_params(),
+        )
+        norm = manifest["normalization"]
+        student, history = train_student(
+            plan, cfg.distill, x_train, y_train, x_val, y_val, norm["mean"], norm["std"], teacher.module, cfg.search.seed
+        )
+        metrics = {
+            "val_acc": student_accuracy(student, x_val, y_val),
+            "test_acc": student_accuracy(student, x_test, y_test),
+            "num_params": float(plan.num_params),
+            "param_ratio": plan.num_params / teacher.num_params(),
+        }
+        bundle_uri = storage.join(_run_dir(settings, ctx), "student")
+        save_bundle(
+            bundle_uri,
+            [student],
+            [plan.arch],
+            manifest["feature_columns"],
+            {"teacher": ensemble["bundle_uri"], "temperature": cfg.distill.temperature, "alpha": cfg.distill.alpha},
+            so,
+        )
+        tracker.log_params(run_id, cfg.distill.model_dump() | {"student_width_used": plan.arch.width})
+        tracker.log_metric_history(run_id, "epoch_val_acc", [(int(h["epoch"]), h["val_acc"]) for h in history])
+        tracker.log_metrics(run_id, metrics)
+        model_uri = log_bundle_model(run_id, "student", bundle_uri, _example_frame(manifest_uri, so), so)
+        tracker.end_run(run_id)
+    except Exception:
+        tracker.end_run(run_id, "FAILED")
+        raise
+    log.info(
+        "distill: student val_acc=%.4f test_acc=%.4f with %d params (%.1f%% of the ensemble)",
+        metrics["val_acc"],
+        metrics["test_acc"],
+        plan.num_params,
+        100 * metrics["param_ratio"],
+    )
+    return {
+        "bundle_uri": bundle_uri,
+        "model_uri": model_uri,
+        "run_id": run_id,
+        "arch": plan.arch.to_dict(),
+        **{k: float(v) for k, v in metrics.items()},
+    }
+
+
+def register_stage(
+    conf: Mapping[str, Any] | None,
+    ctx_dict: Mapping[str, Any],
+    shard: Mapping[str, Any],
+    search: Mapping[str, Any],
+    ensemble: Mapping[str, Any],
+    distill: Mapping[str, Any],
+    settings: Settings | None = None,
+) -> dict[str, Any]:
+    """Stage 5: register ensemble and student; alias the student challenger, and champion if it passes the gate."""
+    import mlflow
+
+    from compression.registry import (
+        CHALLENGER,
+        CHAMPION,
+        PromotionDecision,
+        alias_version,
+        decide_promotion,
+        register_version,
+        set_alias,
+    )
+    from training.data import load_manifest, load_split
+
+    settings = settings or Settings.from_env()
+    cfg = PipelineConfig.from_conf(conf)
+    ctx = RunContext.from_dict(ctx_dict)
+    so = settings.storage_options
+    tracker = _tracker(settings)
+    client = tracker.client
+    run_id = _stage_run(tracker, ctx, "register", {"mopflow.manifest_hash": str(shard["manifest_hash"])})
+    try:
+        student_name = f"{cfg.registry.model_name}-student"
+        ensemble_name = f"{cfg.registry.model_name}-ensemble"
+        version_tags = {"mopflow.manifest_hash": str(shard["manifest_hash"]), "mopflow.study": str(search["study_name"])}
+        ens_version = register_version(client, ensemble_name, str(ensemble["model_uri"]), ctx.run_key, version_tags)
+        student_version = register_version(
+            client,
+            student_name,
+            str(distill["model_uri"]),
+            ctx.run_key,
+            version_tags | {"mopflow.test_acc": f"{distill['test_acc']:.6f}"},
+        )
+        # The gate compares against the current champion evaluated on *this* run's test set.
+        champion = alias_version(client, student_name, CHAMPION)
+        champion_acc: float | None = None
+        if champion is not None and str(champion.version) != str(student_version.version):
+            manifest_uri = str(shard["manifest_uri"])
+            manifest = load_manifest(manifest_uri, so)
+            x_test, y_test = load_split(manifest_uri, "test", so)
+            import pandas as pd
+
+            champ_model = mlflow.pyfunc.load_model(f"models:/{student_name}@{CHAMPION}")
+            probs = champ_model.predict(pd.DataFrame(x_test, columns=manifest["feature_columns"]))
+            champion_acc = float((probs.to_numpy().argmax(axis=1) == y_test).mean())
+        decision = decide_promotion(cfg.registry.promotion, float(distill["test_acc"]), champion_acc)
+        if champion is not None and str(champion.version) == str(student_version.version):
+            decision = PromotionDecision(True, "this version is already the champion")
+        set_alias(client, student_name, CHALLENGER, str(student_version.version))
+        set_alias(client, ensemble_name, CHALLENGER, str(ens_version.version))
+        if decision.promote:
+            set_alias(client, student_name, CHAMPION, str(student_version.version))
+            set_alias(client, ensemble_name, CHAMPION, str(ens_version.version))
+        aliases = [CHALLENGER] + ([CHAMPION] if decision.promote else [])
+        tracker.set_tags(
+            run_id,
+            {"mopflow.promoted": str(decision.promote).lower(), "mopflow.promotion_reason": decision.reason},
+        )
+        tracker.log_params(run_id, {"student_model": student_name, "student_version": student_version.version})
+        log.info(
+            "register: %s v%s aliases %s (%s)", student_name, student_version.version, aliases, decision.reason
+        )
+        summary = {
+            "run_key": ctx.run_key,
+            "dag_id": ctx.dag_id,
+            "airflow_run_id": ctx.airflow_run_id,
+            "manifest_hash": shard["manifest_hash"],
+            "trials": search["counts"],
+            "best_trial": ensemble["best_trial"],
+            "ensemble": {
+                "members": ensemble["members"],
+                "val_acc": ensemble["val_acc"],
+                "test_acc": ensemble["test_acc"],
+                "num_params": int(ensemble["num_params"]),
+                "registered": {"name": ensemble_name, "version": str(ens_version.version)},
+            },
+            "student": {
+                "arch": distill["arch"],
+                "val_acc": distill["val_acc"],
+                "test_acc": distill["test_acc"],
+                "num_params": int(distill["num_params"]),
+                "param_ratio": distill["param_ratio"],
+            },
+            "registered": {
+                "name": student_name,
+                "version": str(student_version.version),
+                "aliases": aliases,
+                "promoted": decision.promote,
+                "reason": decision.reason,
+                "previous_champion_test_acc": champion_acc,
+                "model_uri": f"models:/{student_name}@{CHAMPION if decision.promote else CHALLENGER}",
+            },
+            "mlflow": {
+                "tracking_uri": settings.tracking_uri,
+                "experiment": settings.experiment_name,
+                "parent_run_id": ctx.parent_run_id,
+            },
+            "optuna": {"storage": str(search["storage_url"]), "study_name": str(search["study_name"])},
+        }
+        tracker.log_dict(ctx.parent_run_id, summary, "summary.json")
+        storage.write_json_atomic(storage.join(_run_dir(settings, ctx), "summary.json"), summary, so)
+        tracker.end_run(run_id)
+    except Exception:
+        tracker.end_run(run_id, "FAILED")
+        raise
+    return summary
+
+
+def finalize_pipeline(ctx_dict: Mapping[str, Any], settings: Settings | None = None) -> dict[str, Any]:
+    """Last task (runs whatever happened upstream): close the parent run and any run left RUNNING.
+
+    Raises when the pipeline did not produce its summary, so the Airflow run is marked failed.
+    """
+    settings = settings or Settings.from_env()
+    ctx = RunContext.from_dict(ctx_dict)
+    tracker = _tracker(settings)
+    summary_uri = storage.join(_run_dir(settings, ctx), "summary.json")
+    succeeded = storage.exists(summary_uri, settings.storage_options)
+    leftovers = [
+        r for r in tracker.find_runs({"mopflow.run_key": ctx.run_key}) if r.info.status == "RUNNING" and r.info.run_id != ctx.parent_run_id
+    ]
+    for run in leftovers:
+        log.warning("finalize: run %s (%s) was left RUNNING; marking it FAILED", run.info.run_id, run.info.run_name)
+        tracker.end_run(run.info.run_id, "FAILED")
+    tracker.end_run(ctx.parent_run_id, "FINISHED" if succeeded else "FAILED")
+    if not succeeded:
+        raise RuntimeError(f"pipeline run {ctx.run_key} did not complete (no summary at {summary_uri})")
+    summary: dict[str, Any] = storage.read_json(summary_uri, settings.storage_options)
+    summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {"summary_uri": summary_uri, "run_key": ctx.run_key}

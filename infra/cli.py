@@ -1,0 +1,235 @@
+"""The ``mopflow`` command: the operator's entry point (the face of ``infra``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = Path(__file__).with_name("configs") / "default.yaml"
+DAG_ID = "mopflow_retrain"
+
+log = logging.getLogger("mopflow")
+
+
+class CliError(RuntimeError):
+    """A user-facing error: printed without a traceback, exit code 2."""
+
+
+def setup_logging() -> None:
+    """Progress of our stages at INFO; chatty libraries at WARNING."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("distributed", "tornado", "alembic", "optuna", "pytorch_lightning", "lightning", "mlflow", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def load_config_file(path: str | None) -> dict[str, Any]:
+    """Read a flat YAML/JSON config (the DAG's Params); None reads the packaged default."""
+    file = Path(path) if path else DEFAULT_CONFIG
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read config file {file}: {exc}") from exc
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise CliError(f"config file {file} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CliError(f"config file {file} must hold a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def airflow_env(airflow_home: str) -> dict[str, str]:
+    """Environment for an embedded Airflow: SQLite metadata in ``airflow_home``, this repo's dags/ and plugins/."""
+    env = {
+        "AIRFLOW_HOME": airflow_home,
+        "AIRFLOW__CORE__DAGS_FOLDER": os.environ.get("MOPFLOW_DAGS_FOLDER", str(REPO / "dags")),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+    }
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        env["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return env
+
+
+def migrate_airflow_db(env: Mapping[str, str]) -> None:
+    """``airflow db migrate`` (idempotent) so that dag.test() has its metadata DB."""
+    Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
+    airflow_bin = Path(sys.executable).with_name("airflow")
+    cmd = [str(airflow_bin) if airflow_bin.exists() else "airflow", "db", "migrate"]
+    log.info("airflow: migrating metadata DB in %s", env["AIRFLOW_HOME"])
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise CliError(f"`airflow db migrate` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+
+
+def run_pipeline(conf: Mapping[str, Any]) -> dict[str, Any]:
+    """Run the retraining DAG once through ``dag.test()`` (the product path) and return its summary."""
+    from compression.config import ConfigError, PipelineConfig
+    from infra import storage
+    from infra.settings import Settings
+
+    try:
+        PipelineConfig.from_conf(conf)  # refuse bad input before anything starts
+    except ConfigError as exc:
+        raise CliError(f"invalid config: {exc}") from exc
+    settings = Settings.from_env()
+    env = airflow_env(settings.airflow_home)
+    os.environ.update(env)
+    migrate_airflow_db(env)
+
+    import importlib.util
+
+    dag_file = Path(env["AIRFLOW__CORE__DAGS_FOLDER"]) / "retrain.py"
+    spec = importlib.util.spec_from_file_location("mopflow_dag_retrain", dag_file)
+    if spec is None or spec.loader is None:
+        raise CliError(f"cannot load the DAG file {dag_file}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    dag = next(v for v in vars(module).values() if getattr(v, "dag_id", None) == DAG_ID)
+    started = time.monotonic()
+    log.info("mopflow run: running DAG %s once (dag.test) with %d config keys", DAG_ID, len(conf))
+    dag_run = dag.test(run_conf=dict(conf))
+    wall = time.monotonic() - started
+    state = str(getattr(dag_run, "state", "unknown"))
+    from compression.pipeline import make_run_key
+
+    key = make_run_key(DAG_ID, dag_run.run_id)
+    summary_uri = storage.join(settings.artifact_root, "runs", key, "summary.json")
+    if not state.endswith("success") or not storage.exists(summary_uri, settings.storage_options):
+        raise CliError(f"DAG run {dag_run.run_id} ended in state {state}; see the task logs above")
+    summary: dict[str, Any] = storage.read_json(summary_uri, settings.storage_options)
+    summary["wall_time_s"] = round(wall, 1)
+    summary["how_to_open"] = ui_hints(settings, summary)
+    return summary
+
+
+def ui_hints(settings: Any, summary: Mapping[str, Any]) -> dict[str, str]:
+    """Commands that open the MLflow and Optuna UIs on this run's data."""
+    from infra.optuna_storage import journal_path, storage_kind
+
+    optuna_url = settings.optuna_storage
+    optuna_arg = journal_path(optuna_url) if storage_kind(optuna_url) == "journal" else optuna_url
+    return {
+        "mlflow": f"mlflow ui --backend-store-uri {settings.tracking_uri} --host 127.0.0.1 --port 5000",
+        "optuna": f"optuna-dashboard {optuna_arg} --host 127.0.0.1 --port 8081",
+    }
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The human-readable summary that `mopflow run` prints."""
+    best = summary["best_trial"]
+    ens = summary["ensemble"]
+    stu = summary["student"]
+    reg = summary["registered"]
+    trials = summary["trials"]
+    lines = [
+        "",
+        "mopflow run summary",
+        "===================",
+        f"trials           : {trials.get('COMPLETE', 0)} complete, {trials.get('PRUNED', 0)} pruned, {trials.get('FAIL', 0)} failed",
+        f"best trial       : #{best['number']} {best['params']}",
+        f"                   val_acc={best['val_acc']:.4f}  test_acc={best['test_acc']:.4f}",
+        f"ensemble         : trials {ens['members']}  test_acc={ens['test_acc']:.4f}  params={ens['num_params']}",
+        f"student          : {stu['arch']['family']} width={stu['arch']['width']} depth={stu['arch']['depth']}"
+        f"  test_acc={stu['test_acc']:.4f}  params={stu['num_params']}"
+        f" ({100 * stu['param_ratio']:.1f}% of the ensemble's {ens['num_params']})",
+        f"registered model : {reg['name']} version {reg['version']} aliases {reg['aliases']}",
+        f"                   promotion: {reg['reason']}",
+        f"MLflow           : {summary['mlflow']['tracking_uri']} (experiment {summary['mlflow']['experiment']},"
+        f" run {summary['mlflow']['parent_run_id']})",
+        f"Optuna           : {summary['optuna']['storage']} (study {summary['optuna']['study_name']})",
+    ]
+    hints = summary.get("how_to_open", {})
+    if hints:
+        lines += [f"open MLflow UI   : {hints['mlflow']}", f"open Optuna UI   : {hints['optuna']}"]
+    if "wall_time_s" in summary:
+        lines.append(f"wall time        : {summary['wall_time_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    conf = load_config_file(args.config)
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(f"--set expects KEY=VALUE, got {item!r}")
+        conf[key] = yaml.safe_load(value)
+    summary = run_pipeline(conf)
+    print(format_summary(summary))
+    if args.summary_json:
+        Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+        print(f"summary JSON     : {args.summary_json}")
+    return 0
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    from infra.settings import SETTING_ENV, Settings
+
+    settings = Settings.from_env().describe()
+    for name, (env, help_text) in SETTING_ENV.items():
+        print(f"{name:26} {env:28} {settings[name]}\n{'':26} {help_text}")
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from infra.optuna_storage import journal_path, storage_kind
+    from infra.settings import Settings
+
+    url = Settings.from_env().optuna_storage
+    target = journal_path(url) if storage_kind(url) == "journal" else url
+    dash = Path(sys.executable).with_name("optuna-dashboard")
+    cmd = [str(dash) if dash.exists() else "optuna-dashboard", target, "--host", "127.0.0.1", "--port", str(args.port)]
+    print("running:", " ".join(cmd))
+    return subprocess.call(cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mopflow", description="Model selection, ensembling and distillation on Airflow")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the retraining DAG once on this machine (dag.test)")
+    run.add_argument("--config", help="flat YAML/JSON config (default: the packaged demo config)")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one config key (repeatable)")
+    run.add_argument("--summary-json", help="also write the summary as JSON to this file")
+    run.set_defaults(func=cmd_run)
+    show = sub.add_parser("settings", help="show the effective settings and their environment variables")
+    show.set_defaults(func=cmd_settings)
+    dash = sub.add_parser("dashboard", help="open optuna-dashboard on the study storage")
+    dash.add_argument("--port", type=int, default=8081)
+    dash.set_defaults(func=cmd_dashboard)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mopflow`` command."""
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    try:
+        return int(args.func(args))
+    except CliError as exc:
+        print(f"mopflow: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from compression.config import ConfigError
+
+        if isinstance(exc, ConfigError):
+            print(f"mopflow: invalid config: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

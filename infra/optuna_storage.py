@@ -1,0 +1,50 @@
+"""Optuna storage from a URL: a journal file on one host, an RDB (PostgreSQL) across hosts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import optuna
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.storages.journal import JournalFileBackend
+
+
+class StorageConfigError(ValueError):
+    """The Optuna storage URL cannot be used for this search."""
+
+
+def storage_kind(url: str) -> str:
+    """'journal' for file paths and journal:// URLs, 'sqlite' or 'rdb' for database URLs."""
+    if url.startswith("journal://"):
+        return "journal"
+    if url.startswith("sqlite:"):
+        return "sqlite"
+    if "://" in url:
+        return "rdb"
+    return "journal"
+
+
+def journal_path(url: str) -> str:
+    """The file behind a journal URL or path."""
+    return url[len("journal://") :] if url.startswith("journal://") else url
+
+
+def make_storage(url: str, n_workers: int = 1) -> BaseStorage:
+    """Open an Optuna storage. SQLite is refused for parallel workers (it locks under concurrent writes)."""
+    kind = storage_kind(url)
+    if kind == "sqlite" and n_workers > 1:
+        raise StorageConfigError(
+            f"Optuna storage {url!r} is SQLite, which cannot take {n_workers} concurrent workers; "
+            "use a journal file (a path) or PostgreSQL"
+        )
+    if kind == "journal":
+        path = Path(journal_path(url)).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(os.fspath(path)))
+    return RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+
+
+def quiet_optuna() -> None:
+    """Keep Optuna's per-trial INFO lines out of task logs (mopflow logs its own progress)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -1,0 +1,106 @@
+"""Deployment settings: where data, artifacts, tracking and search state live.
+
+Settings say *where* things are (they change between the embedded default and the
+scale-out profile); the pipeline config says *what* to run. Every setting has an
+environment variable; nothing else is hard-coded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """A setting has a value mopflow cannot use."""
+
+
+def _default_home() -> Path:
+    return Path.home() / ".mopflow"
+
+
+# name -> (environment variable, help text). Defaults depending on MOPFLOW_HOME are filled in
+# from_env; this table is what the README documents and what the deployment files must pass.
+SETTING_ENV: dict[str, tuple[str, str]] = {
+    "home": ("MOPFLOW_HOME", "Root folder for everything local (default ~/.mopflow)"),
+    "data_root": ("MOPFLOW_DATA_ROOT", "fsspec URL where shards and manifests are written"),
+    "artifact_root": ("MOPFLOW_ARTIFACT_ROOT", "fsspec URL for checkpoints and model bundles"),
+    "tracking_uri": ("MOPFLOW_TRACKING_URI", "MLflow tracking URI (default sqlite:///<home>/mlflow/mlflow.db)"),
+    "mlflow_artifact_location": (
+        "MOPFLOW_MLFLOW_ARTIFACTS",
+        "Artifact location for a new MLflow experiment (local default <home>/mlflow/artifacts)",
+    ),
+    "experiment_name": ("MOPFLOW_EXPERIMENT", "MLflow experiment name"),
+    "optuna_storage": (
+        "MOPFLOW_OPTUNA_STORAGE",
+        "Optuna storage: a journal file path or journal:///path, or an RDB URL (postgresql://...)",
+    ),
+    "dask_address": ("MOPFLOW_DASK_ADDRESS", "Address of an existing Dask scheduler; empty = LocalCluster"),
+    "dask_workers": ("MOPFLOW_DASK_WORKERS", "Worker processes of the LocalCluster"),
+    "storage_options": ("MOPFLOW_STORAGE_OPTIONS", "JSON object of fsspec storage options (e.g. s3 endpoint)"),
+    "airflow_home": ("MOPFLOW_AIRFLOW_HOME", "AIRFLOW_HOME used by `mopflow run` (default <home>/airflow)"),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where mopflow reads and writes. Build with :meth:`from_env`."""
+
+    home: str
+    data_root: str
+    artifact_root: str
+    tracking_uri: str
+    mlflow_artifact_location: str
+    experiment_name: str
+    optuna_storage: str
+    dask_address: str
+    dask_workers: int
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    airflow_home: str = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read settings from environment variables, filling in the embedded defaults."""
+        env = os.environ if environ is None else environ
+        home = Path(env.get("MOPFLOW_HOME") or _default_home()).expanduser().resolve()
+        workers_raw = env.get("MOPFLOW_DASK_WORKERS", "2")
+        try:
+            workers = int(workers_raw)
+        except ValueError as exc:
+            raise SettingsError(f"MOPFLOW_DASK_WORKERS={workers_raw!r} is not an integer") from exc
+        if not 1 <= workers <= 256:
+            raise SettingsError(f"MOPFLOW_DASK_WORKERS={workers} must be between 1 and 256")
+        raw_options = env.get("MOPFLOW_STORAGE_OPTIONS", "") or "{}"
+        try:
+            options = json.loads(raw_options)
+        except json.JSONDecodeError as exc:
+            raise SettingsError(f"MOPFLOW_STORAGE_OPTIONS is not valid JSON: {exc}") from exc
+        if not isinstance(options, dict):
+            raise SettingsError("MOPFLOW_STORAGE_OPTIONS must be a JSON object")
+        return cls(
+            home=str(home),
+            data_root=env.get("MOPFLOW_DATA_ROOT") or str(home / "data"),
+            artifact_root=env.get("MOPFLOW_ARTIFACT_ROOT") or str(home / "artifacts"),
+            tracking_uri=env.get("MOPFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
+            mlflow_artifact_location=env.get("MOPFLOW_MLFLOW_ARTIFACTS") or str(home / "mlflow" / "artifacts"),
+            experiment_name=env.get("MOPFLOW_EXPERIMENT") or "mopflow",
+            optuna_storage=env.get("MOPFLOW_OPTUNA_STORAGE") or str(home / "optuna" / "journal.log"),
+            dask_address=env.get("MOPFLOW_DASK_ADDRESS", ""),
+            dask_workers=workers,
+            storage_options=options,
+            airflow_home=env.get("MOPFLOW_AIRFLOW_HOME") or str(home / "airflow"),
+        )
+
+    def describe(self) -> dict[str, str]:
+        """Settings as printable strings, secrets in storage options masked."""
+        out: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "storage_options":
+                value = {k: ("***" if "secret" in k or "key" in k or "token" in k else v) for k, v in value.items()}
+            out[f.name] = str(value)
+        return out

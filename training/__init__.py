@@ -1,0 +1,1 @@
+"""mopflow training: data sharding on Dask, models, Lightning modules, the Optuna search."""

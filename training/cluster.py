@@ -1,0 +1,34 @@
+"""Dask client at the edge: an existing scheduler when an address is set, else a LocalCluster."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from distributed import Client, LocalCluster
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def dask_client(address: str = "", n_workers: int = 2) -> Iterator[Client]:
+    """Yield a Dask client; a LocalCluster (one thread per worker process) is closed on exit."""
+    if address:
+        log.info("connecting to Dask scheduler at %s", address)
+        with Client(address, timeout="30s") as client:
+            yield client
+        return
+    log.info("starting Dask LocalCluster with %d worker processes", n_workers)
+    with (
+        LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            host="127.0.0.1",
+            silence_logs=logging.WARNING,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield client

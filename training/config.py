@@ -1,0 +1,63 @@
+"""Frozen, validated configs of the training stages (data sharding and search)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from training.space import SearchSpace, default_space, parse_space
+
+KNOWN_DATASETS = ("mnist1d",)
+
+
+class StageConfig(BaseModel):
+    """Base: immutable, unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(StageConfig):
+    """What to shard and how."""
+
+    dataset: str = Field("mnist1d", description="Dataset name (mnist1d)")
+    n_shards: int = Field(4, ge=1, le=1024, description="Number of training shards")
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of train rows held out for validation")
+    seed: int = Field(42, ge=0, le=2**31 - 1, description="Generator seed (42 = the published split)")
+    num_samples: int = Field(5000, ge=100, le=10_000_000, description="Rows generated (train+test)")
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, value: str) -> str:
+        if value not in KNOWN_DATASETS:
+            raise ValueError(f"unknown dataset {value!r}; expected one of {list(KNOWN_DATASETS)}")
+        return value
+
+
+class SearchConfig(StageConfig):
+    """The Optuna search: budget, parallelism, sampler and pruner, and the space (as data)."""
+
+    n_trials: int = Field(10, ge=1, le=1000, description="Number of trials to finish")
+    epochs: int = Field(40, ge=1, le=1000, description="Training epochs per trial")
+    n_workers: int = Field(2, ge=1, le=256, description="Trials trained at once (Dask workers)")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Sampler and training seed")
+    sampler: Literal["tpe", "random"] = "tpe"
+    pruner: Literal["successive_halving", "none"] = "successive_halving"
+    min_resource: int = Field(5, ge=1, le=1000, description="Epochs before the first pruning decision")
+    timeout_minutes: float | None = Field(None, gt=0, le=7 * 24 * 60, description="Wall-clock budget")
+    space: dict[str, Any] | None = Field(None, description="Search space spec; None = the packaged default")
+
+    def search_space(self) -> SearchSpace:
+        """The validated search space."""
+        return default_space() if self.space is None else parse_space(self.space)
+
+
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_name(value: str, what: str) -> str:
+    """Names used for studies and registered models: letters, digits, '_', '.', '-'."""
+    if not _NAME_RE.match(value):
+        raise ValueError(f"{what} {value!r} must match {_NAME_RE.pattern}")
+    return value

@@ -1,0 +1,220 @@
+"""The Optuna search: a coordinator that asks for trials, trains them on Dask workers, tells results.
+
+Ask-and-tell keeps sampling and bookkeeping in one process; workers only report per-epoch
+values (for pruning) to the shared storage. At most ``n_workers`` trials run at once, and a
+worker runs one trial at a time (one thread per worker process).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from infra import storage
+from infra.optuna_storage import make_storage, quiet_optuna
+from training.config import SearchConfig
+from training.data import verify_manifest
+from training.space import params_from_optuna, sample_params
+from training.trial import TrialResult, TrialSpec, train_trial
+
+log = logging.getLogger(__name__)
+
+STALE_ATTR = "mopflow_stale_retried"
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    """The study and every finished trial that counts towards the budget."""
+
+    study_name: str
+    storage_url: str
+    results: list[TrialResult]
+
+    def complete(self) -> list[TrialResult]:
+        """COMPLETE trials, best validation accuracy first."""
+        done = [r for r in self.results if r.state == "COMPLETE" and r.value is not None]
+        return sorted(done, key=lambda r: (-(r.value or 0.0), r.number))
+
+
+def make_sampler(cfg: SearchConfig) -> optuna.samplers.BaseSampler:
+    """Seeded sampler from the config."""
+    if cfg.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=cfg.seed)
+    startup = max(2, min(10, cfg.n_trials // 3))
+    # group=True: the space is conditional (each family has its own params).
+    return optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=startup, multivariate=True, group=True)
+
+
+def make_pruner(cfg: SearchConfig) -> optuna.pruners.BasePruner:
+    """Successive halving at epoch boundaries (or none)."""
+    if cfg.pruner == "none":
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.SuccessiveHalvingPruner(min_resource=cfg.min_resource, reduction_factor=3)
+
+
+def result_from_frozen(trial: optuna.trial.FrozenTrial) -> TrialResult:
+    """Rebuild a result from what the storage recorded (for trials finished by an earlier attempt)."""
+    attrs = trial.user_attrs
+    state = trial.state.name
+    value = trial.value if trial.state == TrialState.COMPLETE else attrs.get("last_value")
+    return TrialResult(
+        number=trial.number,
+        trial_id=trial._trial_id,
+        params=params_from_optuna(trial.params),
+        state=state,
+        value=value,
+        history=list(attrs.get("history", [])),
+        bundle_uri=attrs.get("bundle_uri"),
+        pruned_epoch=attrs.get("pruned_epoch"),
+        error=attrs.get("fail_reason"),
+        duration_s=float(attrs.get("duration_s", 0.0)),
+        worker=str(attrs.get("worker", "")),
+        num_params=int(attrs.get("num_params", 0)),
+    )
+
+
+def _counted(trial: optuna.trial.FrozenTrial) -> bool:
+    return trial.state in FINISHED and not trial.user_attrs.get(STALE_ATTR)
+
+
+def retry_stale_trials(study: optuna.Study) -> int:
+    """Fail trials left RUNNING by a dead coordinator and enqueue their params again.
+
+    Only one coordinator drives a study (the search task), so at its start every RUNNING
+    trial is stale. Journal storage has no heartbeats; this is how we recover.
+    """
+    stale = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+    for t in stale:
+        optuna.trial.Trial(study, t._trial_id).set_user_attr(STALE_ATTR, True)
+        study.tell(t.number, state=TrialState.FAIL)
+        study.enqueue_trial(dict(t.params), skip_if_exists=False)
+        log.warning("search: trial %d was left RUNNING by an earlier attempt; retrying its params", t.number)
+    return len(stale)
+
+
+def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -> None:
+    attrs: dict[str, Any] = {
+        "bundle_uri": result.bundle_uri,
+        "history": result.history,
+        "worker": result.worker,
+        "duration_s": round(result.duration_s, 3),
+        "num_params": result.num_params,
+        "last_value": result.value,
+    }
+    if result.pruned_epoch is not None:
+        attrs["pruned_epoch"] = result.pruned_epoch
+    if result.error:
+        attrs["fail_reason"] = result.error[:2000]
+    for key, value in attrs.items():
+        trial.set_user_attr(key, value)
+    if result.state == "COMPLETE":
+        study.tell(trial, result.value)
+    elif result.state == "PRUNED":
+        study.tell(trial, state=TrialState.PRUNED)
+    else:
+        study.tell(trial, state=TrialState.FAIL)
+
+
+def run_search(
+    cfg: SearchConfig,
+    manifest_uri: str,
+    study_name: str,
+    storage_url: str,
+    artifact_root: str,
+    client: Any,
+    storage_options: Mapping[str, Any] | None = None,
+    on_trial_done: Callable[[TrialResult], None] | None = None,
+) -> SearchOutcome:
+    """Run (or resume) the study until ``cfg.n_trials`` trials have finished or time runs out."""
+    quiet_optuna()
+    space = cfg.search_space()
+    verify_manifest(manifest_uri, storage_options)  # a bad shard fails here, before any training
+    study = optuna.create_study(
+        study_name=study_name,
+        storage=make_storage(storage_url, cfg.n_workers),
+        direction="maximize",
+        sampler=make_sampler(cfg),
+        pruner=make_pruner(cfg),
+        load_if_exists=True,
+    )
+    retry_stale_trials(study)
+    already = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
+    results = [result_from_frozen(t) for t in already]
+    remaining = cfg.n_trials - len(already)
+    if already:
+        log.info("search: study %s already has %d finished trials; %d to go", study_name, len(already), max(remaining, 0))
+    deadline = time.monotonic() + cfg.timeout_minutes * 60 if cfg.timeout_minutes else None
+    in_flight: dict[Any, optuna.trial.Trial] = {}
+    asked = 0
+    started = time.monotonic()
+    from distributed import wait
+
+    while asked < remaining or in_flight:
+        while len(in_flight) < cfg.n_workers and asked < remaining:
+            if deadline is not None and time.monotonic() > deadline:
+                log.info("search: time budget of %.1f min reached; not starting more trials", cfg.timeout_minutes)
+                remaining = asked
+                break
+            trial = study.ask()
+            params = sample_params(space, trial)
+            spec = TrialSpec(
+                number=trial.number,
+                trial_id=trial._trial_id,
+                params=params,
+                epochs=cfg.epochs,
+                seed=cfg.seed * 1000 + trial.number,
+                manifest_uri=manifest_uri,
+                bundle_uri=storage.join(artifact_root, "studies", study_name, f"trial-{trial.number:04d}"),
+                study_name=study_name,
+                optuna_storage=storage_url,
+                storage_options=dict(storage_options or {}),
+            )
+            future = client.submit(train_trial, spec, pure=False, key=f"trial-{study_name}-{trial.number}")
+            in_flight[future] = trial
+            asked += 1
+            log.info("search: started trial %d %s", trial.number, params)
+        if not in_flight:
+            break
+        done, _ = wait(list(in_flight), return_when="FIRST_COMPLETED")
+        for future in done:
+            trial = in_flight.pop(future)
+            try:
+                result: TrialResult = future.result()
+            except Exception as exc:  # the worker died or the task could not run
+                result = TrialResult(
+                    number=trial.number,
+                    trial_id=trial._trial_id,
+                    params=sample_params(space, trial),
+                    state="FAIL",
+                    value=None,
+                    history=[],
+                    bundle_uri=None,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+            _tell(study, trial, result)
+            results.append(result)
+            finished = len(results)
+            detail = f"val_acc={result.value:.4f}" if result.value is not None else f"error={result.error}"
+            if result.pruned_epoch is not None:
+                detail += f" (pruned after epoch {result.pruned_epoch + 1})"
+            log.info(
+                "search: trial %d %s %s in %.1fs — %d/%d finished, %d running, %.0fs elapsed",
+                result.number,
+                result.state,
+                detail,
+                result.duration_s,
+                finished,
+                cfg.n_trials,
+                len(in_flight),
+                time.monotonic() - started,
+            )
+            if on_trial_done is not None:
+                on_trial_done(result)
+    return SearchOutcome(study_name=study_name, storage_url=storage_url, results=sorted(results, key=lambda r: r.number))

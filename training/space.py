@@ -1,0 +1,238 @@
+"""Search spaces as data: a JSON/YAML spec, validated, turned into Optuna suggestions.
+
+Nothing in a spec is evaluated: names are allow-listed, numbers must be finite and bounded,
+and JSON's non-standard NaN/Infinity literals are refused while parsing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from importlib import resources
+from typing import Annotated, Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_ABS_VALUE = 1e9
+MAX_CHOICES = 64
+MAX_SPEC_BYTES = 64 * 1024
+
+FAMILY_PARAMS: dict[str, frozenset[str]] = {
+    "cnn": frozenset({"width", "depth"}),
+    "mlp": frozenset({"width", "depth"}),
+}
+COMMON_PARAMS = frozenset({"lr", "weight_decay", "batch_size"})
+
+
+class SpaceError(ValueError):
+    """The search space spec is invalid; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _finite(value: float, what: str) -> float:
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{what} must be finite, got {value}")
+    if abs(value) > MAX_ABS_VALUE:
+        raise ValueError(f"{what}={value} is out of range (|value| <= {MAX_ABS_VALUE:g})")
+    return value
+
+
+class IntParam(_Strict):
+    """An integer in [low, high], optionally log-uniform."""
+
+    type: Literal["int"]
+    low: int
+    high: int
+    log: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> IntParam:
+        _finite(self.low, "low")
+        _finite(self.high, "high")
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0, got low={self.low}")
+        return self
+
+
+class FloatParam(_Strict):
+    """A float in [low, high], optionally log-uniform."""
+
+    type: Literal["float"]
+    low: float
+    high: float
+    log: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> FloatParam:
+        _finite(self.low, "low")
+        _finite(self.high, "high")
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0, got low={self.low}")
+        return self
+
+
+class CategoricalParam(_Strict):
+    """One of a short list of scalar choices."""
+
+    type: Literal["categorical"]
+    choices: list[int | float | str | bool] = Field(min_length=1, max_length=MAX_CHOICES)
+
+    @field_validator("choices")
+    @classmethod
+    def _check_choices(cls, choices: list[Any]) -> list[Any]:
+        for choice in choices:
+            if isinstance(choice, float):
+                _finite(choice, "choice")
+            if isinstance(choice, str) and len(choice) > 64:
+                raise ValueError("string choices are limited to 64 characters")
+        if len({json.dumps(c) for c in choices}) != len(choices):
+            raise ValueError("choices must be distinct")
+        return choices
+
+
+ParamSpec = Annotated[IntParam | FloatParam | CategoricalParam, Field(discriminator="type")]
+
+
+class SearchSpace(_Strict):
+    """Model families with their own params, plus params common to every family."""
+
+    families: dict[str, dict[str, ParamSpec]] = Field(min_length=1)
+    common: dict[str, ParamSpec] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_names(self) -> SearchSpace:
+        for family, params in self.families.items():
+            if family not in FAMILY_PARAMS:
+                raise ValueError(f"unknown model family {family!r}; expected one of {sorted(FAMILY_PARAMS)}")
+            unknown = set(params) - FAMILY_PARAMS[family]
+            if unknown:
+                raise ValueError(
+                    f"unknown parameter(s) {sorted(unknown)} for family {family!r}; "
+                    f"expected {sorted(FAMILY_PARAMS[family])}"
+                )
+            missing = FAMILY_PARAMS[family] - set(params)
+            if missing:
+                raise ValueError(f"family {family!r} is missing parameter(s) {sorted(missing)}")
+            for name, spec in params.items():
+                if isinstance(spec, CategoricalParam) and not all(
+                    isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in spec.choices
+                ):
+                    raise ValueError(f"{family}.{name}: choices must be positive integers")
+                if isinstance(spec, FloatParam):
+                    raise ValueError(f"{family}.{name} must be an int or categorical of ints")
+                if isinstance(spec, IntParam) and spec.low < 1:
+                    raise ValueError(f"{family}.{name}: low must be >= 1, got {spec.low}")
+        unknown_common = set(self.common) - COMMON_PARAMS
+        if unknown_common:
+            raise ValueError(f"unknown common parameter(s) {sorted(unknown_common)}; expected {sorted(COMMON_PARAMS)}")
+        lr = self.common.get("lr")
+        if isinstance(lr, (IntParam, FloatParam)) and lr.low <= 0:
+            raise ValueError(f"lr: low must be > 0, got {lr.low}")
+        batch = self.common.get("batch_size")
+        if batch is not None and (
+            isinstance(batch, FloatParam)
+            or (isinstance(batch, IntParam) and not 1 <= batch.low <= batch.high <= 65536)
+            or (isinstance(batch, CategoricalParam) and not all(isinstance(c, int) and 1 <= c <= 65536 for c in batch.choices))
+        ):
+            raise ValueError("batch_size must be integers between 1 and 65536")
+        return self
+
+    def max_value(self, family: str, name: str) -> int:
+        """Largest value a family's integer parameter can take (for size bounds)."""
+        spec = self.families[family][name]
+        if isinstance(spec, CategoricalParam):
+            return max(int(c) for c in spec.choices)
+        return int(spec.high)
+
+
+DEFAULT_COMMON = {"lr": 1e-2, "weight_decay": 0.0, "batch_size": 128}
+
+
+def _reject_constant(name: str) -> Any:
+    raise SpaceError(f"non-finite number {name} is not allowed in a search space")
+
+
+def parse_space(spec: str | Mapping[str, Any]) -> SearchSpace:
+    """Parse and validate a search space from JSON text or an already-parsed mapping."""
+    if isinstance(spec, str):
+        if len(spec.encode()) > MAX_SPEC_BYTES:
+            raise SpaceError(f"search space is {len(spec.encode())} bytes; the limit is {MAX_SPEC_BYTES}")
+        try:
+            data = json.loads(spec, parse_constant=_reject_constant)
+        except json.JSONDecodeError as exc:
+            raise SpaceError(f"search space is not valid JSON: {exc}") from exc
+    else:
+        data = dict(spec)
+    try:
+        return SearchSpace.model_validate(data)
+    except ValidationError as exc:
+        raise SpaceError(format_validation_error("search space", exc)) from exc
+
+
+def default_space() -> SearchSpace:
+    """The packaged default space: 1-D CNN and MLP families."""
+    text = resources.files("training").joinpath("spaces/default.json").read_text()
+    return parse_space(text)
+
+
+def format_validation_error(what: str, exc: ValidationError) -> str:
+    """One line per problem, each naming the field path and the offending value."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        value = err.get("input")
+        shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+        lines.append(f"{what}: {loc}: {err['msg']} (got {shown[:80]})")
+    return "; ".join(lines)
+
+
+class Suggester(Protocol):
+    """The part of ``optuna.Trial`` that sampling needs."""
+
+    def suggest_int(self, name: str, low: int, high: int, *, log: bool = False) -> int: ...
+
+    def suggest_float(self, name: str, low: float, high: float, *, log: bool = False) -> float: ...
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any: ...
+
+
+def _suggest(trial: Suggester, name: str, spec: IntParam | FloatParam | CategoricalParam) -> Any:
+    if isinstance(spec, IntParam):
+        return trial.suggest_int(name, spec.low, spec.high, log=spec.log)
+    if isinstance(spec, FloatParam):
+        return trial.suggest_float(name, spec.low, spec.high, log=spec.log)
+    return trial.suggest_categorical(name, list(spec.choices))
+
+
+def sample_params(space: SearchSpace, trial: Suggester) -> dict[str, Any]:
+    """Draw one configuration. Family params get family-prefixed Optuna names (conditional space)."""
+    families = sorted(space.families)
+    family = families[0] if len(families) == 1 else trial.suggest_categorical("family", families)
+    params: dict[str, Any] = {"family": family}
+    for name, spec in sorted(space.families[family].items()):
+        params[name] = _suggest(trial, f"{family}_{name}", spec)
+    for name, default in DEFAULT_COMMON.items():
+        params[name] = _suggest(trial, name, space.common[name]) if name in space.common else default
+    return params
+
+
+def params_from_optuna(optuna_params: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn a trial's Optuna param names back into a model configuration."""
+    family = str(optuna_params.get("family", ""))
+    if not family:
+        prefixed = [k.split("_", 1)[0] for k in optuna_params if k.split("_", 1)[0] in FAMILY_PARAMS]
+        family = prefixed[0] if prefixed else "cnn"
+    params: dict[str, Any] = {"family": family}
+    for key, value in optuna_params.items():
+        if key.startswith(f"{family}_"):
+            params[key[len(family) + 1 :]] = value
+    for name, default in DEFAULT_COMMON.items():
+        params[name] = optuna_params.get(name, default)
+    return params

@@ -1,0 +1,196 @@
+"""One trial: train a configuration on the shards, report each epoch, save the model bundle.
+
+Runs on a Dask worker. It talks to the Optuna storage only to report and ask whether to
+prune; asking for trials and telling results stays with the coordinator (``search.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class Reporter(Protocol):
+    """Receives a trial's per-epoch metric and decides about pruning."""
+
+    def report(self, value: float, step: int) -> None: ...
+
+    def should_prune(self) -> bool: ...
+
+
+class OptunaReporter:
+    """Reports to a trial in an Optuna storage (opened in the worker process)."""
+
+    def __init__(self, storage_url: str, study_name: str, trial_id: int) -> None:
+        import optuna
+
+        from infra.optuna_storage import make_storage, quiet_optuna
+
+        quiet_optuna()
+        study = optuna.load_study(study_name=study_name, storage=make_storage(storage_url))
+        self._trial = optuna.trial.Trial(study, trial_id)
+
+    def report(self, value: float, step: int) -> None:
+        self._trial.report(value, step)
+
+    def should_prune(self) -> bool:
+        return bool(self._trial.should_prune())
+
+
+class NullReporter:
+    """Never prunes; used when training outside a study."""
+
+    def report(self, value: float, step: int) -> None:
+        return None
+
+    def should_prune(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """Everything a worker needs to train one trial (small and picklable)."""
+
+    number: int
+    trial_id: int
+    params: dict[str, Any]
+    epochs: int
+    seed: int
+    manifest_uri: str
+    bundle_uri: str
+    study_name: str = ""
+    optuna_storage: str = ""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    torch_threads: int = 1
+
+
+@dataclass
+class TrialResult:
+    """What a trial produced. ``state`` is COMPLETE, PRUNED or FAIL."""
+
+    number: int
+    trial_id: int
+    params: dict[str, Any]
+    state: str
+    value: float | None
+    history: list[dict[str, float]]
+    bundle_uri: str | None
+    pruned_epoch: int | None = None
+    error: str | None = None
+    duration_s: float = 0.0
+    worker: str = ""
+    num_params: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResult:
+    """Train ``spec.params`` for up to ``spec.epochs`` epochs; never raises for a training failure.
+
+    A NaN/inf loss or any error ends the trial as FAIL with the reason; a pruning decision at
+    an epoch boundary ends it as PRUNED.
+    """
+    started = time.monotonic()
+    worker = f"{os.uname().nodename}:{os.getpid()}"
+    history: list[dict[str, float]] = []
+    state = {"pruned_epoch": None}
+    try:
+        import pytorch_lightning as pl
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        from training.bundle import save_bundle
+        from training.data import load_manifest, load_split
+        from training.lit import Classifier, quiet_trainer_kwargs
+        from training.models import ArchSpec, build_model, count_params
+
+        torch.set_num_threads(spec.torch_threads)
+        if reporter is None:
+            reporter = (
+                OptunaReporter(spec.optuna_storage, spec.study_name, spec.trial_id)
+                if spec.optuna_storage
+                else NullReporter()
+            )
+        manifest = load_manifest(spec.manifest_uri, spec.storage_options)
+        x_train, y_train = load_split(spec.manifest_uri, "train", spec.storage_options)
+        x_val, y_val = load_split(spec.manifest_uri, "validation", spec.storage_options)
+        arch = ArchSpec.from_params(spec.params, x_train.shape[1], int(manifest["num_classes"]))
+        norm = manifest["normalization"]
+        pl.seed_everything(spec.seed, workers=False, verbose=False)
+        model = build_model(arch, norm["mean"], norm["std"])
+        module = Classifier(model, lr=float(spec.params["lr"]), weight_decay=float(spec.params["weight_decay"]))
+        train_loader = DataLoader(
+            TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train)),
+            batch_size=int(spec.params["batch_size"]),
+            shuffle=True,
+            generator=torch.Generator().manual_seed(spec.seed),
+        )
+        val_loader = DataLoader(TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)), batch_size=4096)
+
+        class EpochReport(pl.Callback):
+            """Reports validation accuracy each epoch and stops the trainer when Optuna prunes."""
+
+            def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+                if trainer.sanity_checking:
+                    return
+                epoch = trainer.current_epoch
+                val_acc = float(trainer.callback_metrics["val_acc"])
+                train_loss = float(trainer.callback_metrics.get("train_loss", math.nan))
+                history.append({"epoch": epoch, "val_acc": val_acc, "train_loss": train_loss})
+                reporter.report(val_acc, epoch)
+                if epoch == 0 or (epoch + 1) % 10 == 0 or epoch + 1 == spec.epochs:
+                    log.info("trial %d: epoch %d/%d val_acc=%.4f", spec.number, epoch + 1, spec.epochs, val_acc)
+                if reporter.should_prune():
+                    state["pruned_epoch"] = epoch
+                    trainer.should_stop = True
+
+        trainer = pl.Trainer(max_epochs=spec.epochs, callbacks=[EpochReport()], **quiet_trainer_kwargs())
+        trainer.fit(module, train_loader, val_loader)
+        save_bundle(
+            spec.bundle_uri,
+            [model],
+            [arch],
+            manifest["feature_columns"],
+            extra={"trial": spec.number, "params": spec.params, "manifest_hash": manifest["manifest_hash"]},
+            storage_options=spec.storage_options,
+        )
+        value = history[-1]["val_acc"] if history else None
+        if value is None or not np.isfinite(value):
+            raise RuntimeError("training produced no finite validation accuracy")
+        return TrialResult(
+            number=spec.number,
+            trial_id=spec.trial_id,
+            params=spec.params,
+            state="PRUNED" if state["pruned_epoch"] is not None else "COMPLETE",
+            value=value,
+            history=history,
+            bundle_uri=spec.bundle_uri,
+            pruned_epoch=state["pruned_epoch"],
+            duration_s=time.monotonic() - started,
+            worker=worker,
+            num_params=count_params(arch),
+        )
+    except Exception as exc:  # a failed trial is a result, not a crash of the sweep
+        log.warning("trial %d failed: %s", spec.number, exc)
+        return TrialResult(
+            number=spec.number,
+            trial_id=spec.trial_id,
+            params=spec.params,
+            state="FAIL",
+            value=None,
+            history=history,
+            bundle_uri=None,
+            error=f"{type(exc).__name__}: {exc}",
+            duration_s=time.monotonic() - started,
+            worker=worker,
+        )
+
