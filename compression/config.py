@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from training.config import DataConfig, SearchConfig, StageConfig, check_name
-from training.space import SearchSpace, SpaceError, format_validation_error, parse_space
+from training.space import SearchSpace, SpaceError, parse_space
 
 MAX_CONF_BYTES = 128 * 1024
 
@@ -34,11 +34,15 @@ class DistillConfig(StageConfig):
     """The student and its training on the ensemble's soft targets."""
 
     family: Literal["cnn", "mlp"] = Field("cnn", description="Student model family")
-    width: int | None = Field(None, ge=1, le=4096, description="Student width; None = largest within the budget")
+    width: int | None = Field(
+        None, ge=1, le=4096, description="Student width; None = largest within the budget"
+    )
     depth: int = Field(3, ge=1, le=8, description="Student depth")
     max_param_ratio: float = Field(0.1, gt=0, le=1.0, description="Student params <= ratio x ensemble params")
     temperature: float = Field(4.0, gt=0, le=100, description="Softmax temperature of the soft targets")
-    alpha: float = Field(0.7, ge=0, le=1, description="Weight of the soft-target loss (1 - alpha on hard labels)")
+    alpha: float = Field(
+        0.7, ge=0, le=1, description="Weight of the soft-target loss (1 - alpha on hard labels)"
+    )
     epochs: int = Field(60, ge=1, le=1000, description="Student training epochs")
     lr: float = Field(0.01, gt=0, le=1.0, description="Student peak learning rate")
     batch_size: int = Field(64, ge=1, le=65536, description="Student batch size")
@@ -112,7 +116,9 @@ def max_member_params(space: SearchSpace, input_dim: int = 40, num_classes: int 
         )
         for depth in depths:
             try:
-                best = max(best, count_params(ArchSpec(family, min(width, 4096), int(depth), input_dim, num_classes)))
+                best = max(
+                    best, count_params(ArchSpec(family, min(width, 4096), int(depth), input_dim, num_classes))
+                )
             except ValueError:
                 continue  # a depth that does not fit the input cannot be trained either
     return best
@@ -140,7 +146,9 @@ class PipelineConfig(BaseModel):
         if self.distill.width is not None:
             from training.models import ArchSpec, count_params
 
-            student = count_params(ArchSpec(self.distill.family, self.distill.width, self.distill.depth, 40, 10))
+            student = count_params(
+                ArchSpec(self.distill.family, self.distill.width, self.distill.depth, 40, 10)
+            )
             ceiling = int(self.distill.max_param_ratio * self.ensemble.top_k * max_member_params(space))
             if student > ceiling:
                 raise ValueError(

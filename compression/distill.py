@@ -58,7 +58,9 @@ def soft_targets(teacher: nn.Module, x: np.ndarray, temperature: float) -> torch
     """The teacher's class probabilities at ``temperature`` (computed once, without gradients)."""
     with torch.no_grad():
         xt = torch.as_tensor(x, dtype=torch.float32)
-        return torch.cat([teacher(xt[i : i + 4096], temperature=temperature) for i in range(0, len(xt), 4096)])
+        return torch.cat(
+            [teacher(xt[i : i + 4096], temperature=temperature) for i in range(0, len(xt), 4096)]
+        )
 
 
 def train_student(
@@ -74,6 +76,9 @@ def train_student(
     seed: int,
 ) -> tuple[nn.Module, list[dict[str, float]]]:
     """Train the student; with ``teacher=None`` it learns from hard labels alone (the baseline)."""
+    from training.trial import quiet_lightning
+
+    quiet_lightning()
     pl.seed_everything(seed, workers=False, verbose=False)
     model = build_model(plan.arch, mean, std)
     alpha = cfg.alpha if teacher is not None else 0.0
@@ -82,7 +87,10 @@ def train_student(
     if teacher is not None:
         tensors.append(soft_targets(teacher, x_train, cfg.temperature))
     loader = DataLoader(
-        TensorDataset(*tensors), batch_size=cfg.batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed)
+        TensorDataset(*tensors),
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
     )
     val_loader = DataLoader(TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)), batch_size=4096)
     history: list[dict[str, float]] = []
@@ -92,7 +100,13 @@ def train_student(
         def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             epoch = trainer.current_epoch
             acc = float(trainer.callback_metrics["val_acc"])
-            history.append({"epoch": epoch, "val_acc": acc, "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan")))})
+            history.append(
+                {
+                    "epoch": epoch,
+                    "val_acc": acc,
+                    "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
+                }
+            )
             if (epoch + 1) % 10 == 0 or epoch + 1 == cfg.epochs:
                 log.info(
                     "distill: %s student epoch %d/%d val_acc=%.4f (%.0fs)",

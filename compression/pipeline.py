@@ -68,7 +68,9 @@ def _tracker(settings: Settings) -> MlflowTracker:
     return MlflowTracker(settings.tracking_uri, settings.experiment_name, settings.mlflow_artifact_location)
 
 
-def _stage_run(tracker: MlflowTracker, ctx: RunContext, stage: str, extra: Mapping[str, str] | None = None) -> str:
+def _stage_run(
+    tracker: MlflowTracker, ctx: RunContext, stage: str, extra: Mapping[str, str] | None = None
+) -> str:
     tags = {**ctx.tags(), STAGE_TAG: stage, **(extra or {})}
     return tracker.get_or_start_run(stage, tags, parent_run_id=ctx.parent_run_id)
 
@@ -85,7 +87,9 @@ def study_name_for(cfg: PipelineConfig, ctx: RunContext) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def start_pipeline(conf: Mapping[str, Any] | None, dag_id: str, airflow_run_id: str, settings: Settings | None = None) -> dict[str, Any]:
+def start_pipeline(
+    conf: Mapping[str, Any] | None, dag_id: str, airflow_run_id: str, settings: Settings | None = None
+) -> dict[str, Any]:
     """Validate the conf and open (or reopen) the pipeline's parent MLflow run."""
     settings = settings or Settings.from_env()
     cfg = PipelineConfig.from_conf(conf)
@@ -105,7 +109,9 @@ def start_pipeline(conf: Mapping[str, Any] | None, dag_id: str, airflow_run_id: 
     return asdict(RunContext(dag_id, airflow_run_id, key, parent))
 
 
-def shard_stage(conf: Mapping[str, Any] | None, ctx_dict: Mapping[str, Any], settings: Settings | None = None) -> dict[str, Any]:
+def shard_stage(
+    conf: Mapping[str, Any] | None, ctx_dict: Mapping[str, Any], settings: Settings | None = None
+) -> dict[str, Any]:
     """Stage 1: generate and shard the dataset on Dask; returns the manifest URI and hash."""
     from training.cluster import dask_client
     from training.data import shard_dataset
@@ -131,7 +137,11 @@ def shard_stage(conf: Mapping[str, Any] | None, ctx_dict: Mapping[str, Any], set
     except Exception:
         tracker.end_run(run_id, "FAILED")
         raise
-    return {"manifest_uri": result.manifest_uri, "manifest_hash": result.manifest_hash, "reused": result.reused}
+    return {
+        "manifest_uri": result.manifest_uri,
+        "manifest_hash": result.manifest_hash,
+        "reused": result.reused,
+    }
 
 
 def search_stage(
@@ -157,12 +167,18 @@ def search_stage(
 
     def log_trial(result: TrialResult) -> None:
         tags = {**ctx.tags(), **lineage, STAGE_TAG: "trial", "mopflow.trial": str(result.number)}
-        if tracker.find_run({"mopflow.run_key": ctx.run_key, "mopflow.study": study, "mopflow.trial": str(result.number)}):
+        if tracker.find_run(
+            {"mopflow.run_key": ctx.run_key, "mopflow.study": study, "mopflow.trial": str(result.number)}
+        ):
             return
         trial_run = tracker.start_run(f"trial-{result.number}", tags, parent_run_id=run_id)
         tracker.log_params(trial_run, result.params)
-        tracker.log_metric_history(trial_run, "val_acc", [(int(h["epoch"]), h["val_acc"]) for h in result.history])
-        tracker.log_metric_history(trial_run, "train_loss", [(int(h["epoch"]), h["train_loss"]) for h in result.history])
+        tracker.log_metric_history(
+            trial_run, "val_acc", [(int(h["epoch"]), h["val_acc"]) for h in result.history]
+        )
+        tracker.log_metric_history(
+            trial_run, "train_loss", [(int(h["epoch"]), h["train_loss"]) for h in result.history]
+        )
         tracker.set_tags(trial_run, {"mopflow.trial_state": result.state, "mopflow.worker": result.worker})
         if result.pruned_epoch is not None:
             tracker.log_metrics(trial_run, {"pruned_epoch": result.pruned_epoch})
@@ -209,7 +225,9 @@ def search_stage(
     except Exception:
         tracker.end_run(run_id, "FAILED")
         raise
-    log.info("search: study %s done: %s; best trial %d val_acc=%.4f", study, counts, best[0].number, best[0].value)
+    log.info(
+        "search: study %s done: %s; best trial %d val_acc=%.4f", study, counts, best[0].number, best[0].value
+    )
     return {
         "study_name": study,
         "storage_url": settings.optuna_storage,
@@ -228,9 +246,13 @@ def _load_candidates(search: Mapping[str, Any]) -> list[Any]:
     from training.space import params_from_optuna
 
     quiet_optuna()
-    study = optuna.load_study(study_name=str(search["study_name"]), storage=make_storage(str(search["storage_url"])))
+    study = optuna.load_study(
+        study_name=str(search["study_name"]), storage=make_storage(str(search["storage_url"]))
+    )
     return [
-        Candidate(t.number, t.state.name, t.value, t.user_attrs.get("bundle_uri"), params_from_optuna(t.params))
+        Candidate(
+            t.number, t.state.name, t.value, t.user_attrs.get("bundle_uri"), params_from_optuna(t.params)
+        )
         for t in study.get_trials(deepcopy=False)
         if not t.user_attrs.get(STALE_ATTR)
     ]
@@ -264,7 +286,10 @@ def ensemble_stage(
     ctx = RunContext.from_dict(ctx_dict)
     so = settings.storage_options
     tracker = _tracker(settings)
-    lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"]), "mopflow.study": str(search["study_name"])}
+    lineage = {
+        "mopflow.manifest_hash": str(shard["manifest_hash"]),
+        "mopflow.study": str(search["study_name"]),
+    }
     run_id = _stage_run(tracker, ctx, "ensemble", lineage)
     try:
         members = select_top_k(_load_candidates(search), cfg.ensemble.top_k)
@@ -287,7 +312,11 @@ def ensemble_stage(
             ensemble,
             archs,
             columns,
-            {"members": [m.number for m in members], "study": search["study_name"], "manifest_hash": shard["manifest_hash"]},
+            {
+                "members": [m.number for m in members],
+                "study": search["study_name"],
+                "manifest_hash": shard["manifest_hash"],
+            },
             so,
         )
         tracker.log_params(run_id, {"top_k": cfg.ensemble.top_k, "members": [m.number for m in members]})
@@ -309,7 +338,12 @@ def ensemble_stage(
         "model_uri": model_uri,
         "run_id": run_id,
         "members": [m.number for m in members],
-        "best_trial": {"number": best.number, "params": dict(best.params), "val_acc": best.value, "test_acc": best_test},
+        "best_trial": {
+            "number": best.number,
+            "params": dict(best.params),
+            "val_acc": best.value,
+            "test_acc": best_test,
+        },
         **{k: float(v) for k, v in metrics.items()},
     }
 
@@ -355,7 +389,16 @@ def distill_stage(
         )
         norm = manifest["normalization"]
         student, history = train_student(
-            plan, cfg.distill, x_train, y_train, x_val, y_val, norm["mean"], norm["std"], teacher.module, cfg.search.seed
+            plan,
+            cfg.distill,
+            x_train,
+            y_train,
+            x_val,
+            y_val,
+            norm["mean"],
+            norm["std"],
+            teacher.module,
+            cfg.search.seed,
         )
         metrics = {
             "val_acc": student_accuracy(student, x_val, y_val),
@@ -369,11 +412,17 @@ def distill_stage(
             [student],
             [plan.arch],
             manifest["feature_columns"],
-            {"teacher": ensemble["bundle_uri"], "temperature": cfg.distill.temperature, "alpha": cfg.distill.alpha},
+            {
+                "teacher": ensemble["bundle_uri"],
+                "temperature": cfg.distill.temperature,
+                "alpha": cfg.distill.alpha,
+            },
             so,
         )
         tracker.log_params(run_id, cfg.distill.model_dump() | {"student_width_used": plan.arch.width})
-        tracker.log_metric_history(run_id, "epoch_val_acc", [(int(h["epoch"]), h["val_acc"]) for h in history])
+        tracker.log_metric_history(
+            run_id, "epoch_val_acc", [(int(h["epoch"]), h["val_acc"]) for h in history]
+        )
         tracker.log_metrics(run_id, metrics)
         model_uri = log_bundle_model(run_id, "student", bundle_uri, _example_frame(manifest_uri, so), so)
         tracker.end_run(run_id)
@@ -429,8 +478,13 @@ def register_stage(
     try:
         student_name = f"{cfg.registry.model_name}-student"
         ensemble_name = f"{cfg.registry.model_name}-ensemble"
-        version_tags = {"mopflow.manifest_hash": str(shard["manifest_hash"]), "mopflow.study": str(search["study_name"])}
-        ens_version = register_version(client, ensemble_name, str(ensemble["model_uri"]), ctx.run_key, version_tags)
+        version_tags = {
+            "mopflow.manifest_hash": str(shard["manifest_hash"]),
+            "mopflow.study": str(search["study_name"]),
+        }
+        ens_version = register_version(
+            client, ensemble_name, str(ensemble["model_uri"]), ctx.run_key, version_tags
+        )
         student_version = register_version(
             client,
             student_name,
@@ -463,9 +517,15 @@ def register_stage(
             run_id,
             {"mopflow.promoted": str(decision.promote).lower(), "mopflow.promotion_reason": decision.reason},
         )
-        tracker.log_params(run_id, {"student_model": student_name, "student_version": student_version.version})
+        tracker.log_params(
+            run_id, {"student_model": student_name, "student_version": student_version.version}
+        )
         log.info(
-            "register: %s v%s aliases %s (%s)", student_name, student_version.version, aliases, decision.reason
+            "register: %s v%s aliases %s (%s)",
+            student_name,
+            student_version.version,
+            aliases,
+            decision.reason,
         )
         summary = {
             "run_key": ctx.run_key,
@@ -524,10 +584,14 @@ def finalize_pipeline(ctx_dict: Mapping[str, Any], settings: Settings | None = N
     summary_uri = storage.join(_run_dir(settings, ctx), "summary.json")
     succeeded = storage.exists(summary_uri, settings.storage_options)
     leftovers = [
-        r for r in tracker.find_runs({"mopflow.run_key": ctx.run_key}) if r.info.status == "RUNNING" and r.info.run_id != ctx.parent_run_id
+        r
+        for r in tracker.find_runs({"mopflow.run_key": ctx.run_key})
+        if r.info.status == "RUNNING" and r.info.run_id != ctx.parent_run_id
     ]
     for run in leftovers:
-        log.warning("finalize: run %s (%s) was left RUNNING; marking it FAILED", run.info.run_id, run.info.run_name)
+        log.warning(
+            "finalize: run %s (%s) was left RUNNING; marking it FAILED", run.info.run_id, run.info.run_name
+        )
         tracker.end_run(run.info.run_id, "FAILED")
     tracker.end_run(ctx.parent_run_id, "FINISHED" if succeeded else "FAILED")
     if not succeeded:

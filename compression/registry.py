@@ -41,7 +41,9 @@ def decide_promotion(policy: str, challenger_acc: float, champion_acc: float | N
         return PromotionDecision(
             True, f"test accuracy {challenger_acc:.4f} >= champion's {champion_acc:.4f} on the same test set"
         )
-    return PromotionDecision(False, f"test accuracy {challenger_acc:.4f} < champion's {champion_acc:.4f} on the same test set")
+    return PromotionDecision(
+        False, f"test accuracy {challenger_acc:.4f} < champion's {champion_acc:.4f} on the same test set"
+    )
 
 
 def _pip_requirements() -> list[str]:

@@ -42,11 +42,11 @@ def _call(stage: str, *args: Any) -> Any:
     max_active_runs=1,
     tags=["mopflow"],
     params={key: Param(**schema) for key, schema in conf_json_schema().items()},
-    default_args={"retries": 0, "execution_timeout": timedelta(hours=2)},
+    default_args={"execution_timeout": timedelta(hours=2), **RETRIES},
     doc_md=__doc__,
 )
 def mopflow_retrain() -> None:
-    @task(retries=0, execution_timeout=timedelta(minutes=5))
+    @task(execution_timeout=timedelta(minutes=5), **RETRIES)
     def start() -> dict[str, Any]:
         from airflow.sdk import get_current_context
         from airflow.sdk.exceptions import AirflowFailException
@@ -77,7 +77,11 @@ def mopflow_retrain() -> None:
 
     @task(execution_timeout=timedelta(minutes=30), **RETRIES)
     def register(
-        ctx: dict[str, Any], shards: dict[str, Any], study: dict[str, Any], ens: dict[str, Any], student: dict[str, Any]
+        ctx: dict[str, Any],
+        shards: dict[str, Any],
+        study: dict[str, Any],
+        ens: dict[str, Any],
+        student: dict[str, Any],
     ) -> dict[str, Any]:
         return _call("register_stage", ctx, shards, study, ens, student)
 

@@ -28,8 +28,19 @@ class CliError(RuntimeError):
 
 def setup_logging() -> None:
     """Progress of our stages at INFO; chatty libraries at WARNING."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("distributed", "tornado", "alembic", "optuna", "pytorch_lightning", "lightning", "mlflow", "urllib3"):
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    for noisy in (
+        "distributed",
+        "tornado",
+        "alembic",
+        "optuna",
+        "pytorch_lightning",
+        "lightning",
+        "mlflow",
+        "urllib3",
+    ):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -192,17 +203,28 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     url = Settings.from_env().optuna_storage
     target = journal_path(url) if storage_kind(url) == "journal" else url
     dash = Path(sys.executable).with_name("optuna-dashboard")
-    cmd = [str(dash) if dash.exists() else "optuna-dashboard", target, "--host", "127.0.0.1", "--port", str(args.port)]
+    cmd = [
+        str(dash) if dash.exists() else "optuna-dashboard",
+        target,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+    ]
     print("running:", " ".join(cmd))
     return subprocess.call(cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mopflow", description="Model selection, ensembling and distillation on Airflow")
+    parser = argparse.ArgumentParser(
+        prog="mopflow", description="Model selection, ensembling and distillation on Airflow"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the retraining DAG once on this machine (dag.test)")
     run.add_argument("--config", help="flat YAML/JSON config (default: the packaged demo config)")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one config key (repeatable)")
+    run.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override one config key (repeatable)"
+    )
     run.add_argument("--summary-json", help="also write the summary as JSON to this file")
     run.set_defaults(func=cmd_run)
     show = sub.add_parser("settings", help="show the effective settings and their environment variables")

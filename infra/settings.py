@@ -29,7 +29,10 @@ SETTING_ENV: dict[str, tuple[str, str]] = {
     "home": ("MOPFLOW_HOME", "Root folder for everything local (default ~/.mopflow)"),
     "data_root": ("MOPFLOW_DATA_ROOT", "fsspec URL where shards and manifests are written"),
     "artifact_root": ("MOPFLOW_ARTIFACT_ROOT", "fsspec URL for checkpoints and model bundles"),
-    "tracking_uri": ("MOPFLOW_TRACKING_URI", "MLflow tracking URI (default sqlite:///<home>/mlflow/mlflow.db)"),
+    "tracking_uri": (
+        "MOPFLOW_TRACKING_URI",
+        "MLflow tracking URI (default sqlite:///<home>/mlflow/mlflow.db)",
+    ),
     "mlflow_artifact_location": (
         "MOPFLOW_MLFLOW_ARTIFACTS",
         "Artifact location for a new MLflow experiment (local default <home>/mlflow/artifacts)",
@@ -41,7 +44,10 @@ SETTING_ENV: dict[str, tuple[str, str]] = {
     ),
     "dask_address": ("MOPFLOW_DASK_ADDRESS", "Address of an existing Dask scheduler; empty = LocalCluster"),
     "dask_workers": ("MOPFLOW_DASK_WORKERS", "Worker processes of the LocalCluster"),
-    "storage_options": ("MOPFLOW_STORAGE_OPTIONS", "JSON object of fsspec storage options (e.g. s3 endpoint)"),
+    "storage_options": (
+        "MOPFLOW_STORAGE_OPTIONS",
+        "JSON object of fsspec storage options (e.g. s3 endpoint)",
+    ),
     "airflow_home": ("MOPFLOW_AIRFLOW_HOME", "AIRFLOW_HOME used by `mopflow run` (default <home>/airflow)"),
 }
 
@@ -86,7 +92,8 @@ class Settings:
             data_root=env.get("MOPFLOW_DATA_ROOT") or str(home / "data"),
             artifact_root=env.get("MOPFLOW_ARTIFACT_ROOT") or str(home / "artifacts"),
             tracking_uri=env.get("MOPFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
-            mlflow_artifact_location=env.get("MOPFLOW_MLFLOW_ARTIFACTS") or str(home / "mlflow" / "artifacts"),
+            mlflow_artifact_location=env.get("MOPFLOW_MLFLOW_ARTIFACTS")
+            or str(home / "mlflow" / "artifacts"),
             experiment_name=env.get("MOPFLOW_EXPERIMENT") or "mopflow",
             optuna_storage=env.get("MOPFLOW_OPTUNA_STORAGE") or str(home / "optuna" / "journal.log"),
             dask_address=env.get("MOPFLOW_DASK_ADDRESS", ""),
@@ -101,6 +108,8 @@ class Settings:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "storage_options":
-                value = {k: ("***" if "secret" in k or "key" in k or "token" in k else v) for k, v in value.items()}
+                value = {
+                    k: ("***" if "secret" in k or "key" in k or "token" in k else v) for k, v in value.items()
+                }
             out[f.name] = str(value)
         return out

@@ -73,7 +73,9 @@ class MlflowTracker:
                 Path(location).mkdir(parents=True, exist_ok=True)
                 location = Path(location).resolve().as_uri()
             try:
-                self.experiment_id = self.client.create_experiment(experiment_name, artifact_location=location)
+                self.experiment_id = self.client.create_experiment(
+                    experiment_name, artifact_location=location
+                )
             except Exception:  # created concurrently by another task
                 found = self.client.get_experiment_by_name(experiment_name)
                 if found is None:
@@ -144,7 +146,9 @@ class MlflowTracker:
     def log_artifacts(self, run_id: str, local_dir: str, artifact_path: str | None = None) -> None:
         self.client.log_artifacts(run_id, local_dir, artifact_path)
 
-    def log_remote_dir(self, run_id: str, url: str, artifact_path: str, storage_options: Mapping[str, Any] | None) -> None:
+    def log_remote_dir(
+        self, run_id: str, url: str, artifact_path: str, storage_options: Mapping[str, Any] | None
+    ) -> None:
         """Copy a folder from any fsspec URL into the run's artifacts."""
         from infra.storage import filesystem
 

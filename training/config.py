@@ -23,7 +23,9 @@ class DataConfig(StageConfig):
 
     dataset: str = Field("mnist1d", description="Dataset name (mnist1d)")
     n_shards: int = Field(4, ge=1, le=1024, description="Number of training shards")
-    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of train rows held out for validation")
+    val_fraction: float = Field(
+        0.1, gt=0.0, lt=0.5, description="Share of train rows held out for validation"
+    )
     seed: int = Field(42, ge=0, le=2**31 - 1, description="Generator seed (42 = the published split)")
     num_samples: int = Field(5000, ge=100, le=10_000_000, description="Rows generated (train+test)")
 

@@ -66,7 +66,12 @@ def feature_columns(n_features: int) -> list[str]:
 def shard_key(source: Mapping[str, Any], cfg: DataConfig) -> str:
     """Content address of a sharded dataset: the source fingerprint plus the shard config."""
     return storage.canonical_hash(
-        {"source": dict(source), "n_shards": cfg.n_shards, "val_fraction": cfg.val_fraction, "v": MANIFEST_VERSION}
+        {
+            "source": dict(source),
+            "n_shards": cfg.n_shards,
+            "val_fraction": cfg.val_fraction,
+            "v": MANIFEST_VERSION,
+        }
     )[:16]
 
 
@@ -95,7 +100,9 @@ def combine_stats(parts: Sequence[Mapping[str, Any]]) -> tuple[list[float], list
 
 def manifest_hash(manifest: Mapping[str, Any]) -> str:
     """Hash of a manifest's content (everything but its timestamps and its own hash)."""
-    return storage.canonical_hash({k: v for k, v in manifest.items() if k not in {"created_at", "manifest_hash"}})
+    return storage.canonical_hash(
+        {k: v for k, v in manifest.items() if k not in {"created_at", "manifest_hash"}}
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,14 +169,21 @@ def shard_dataset(
 
     Reuses an existing, complete output with the same content address.
     """
-    source = {"dataset": cfg.dataset, "num_samples": cfg.num_samples, "seed": cfg.seed, "generator": "mnist1d-0.0.2"}
+    source = {
+        "dataset": cfg.dataset,
+        "num_samples": cfg.num_samples,
+        "seed": cfg.seed,
+        "generator": "mnist1d-0.0.2",
+    }
     key = shard_key(source, cfg)
     out_dir = storage.join(data_root, "datasets", f"{cfg.dataset}-{key}")
     manifest_uri = storage.join(out_dir, MANIFEST_NAME)
     if storage.exists(manifest_uri, storage_options):
-        manifest = storage.read_json(manifest_uri, storage_options)
-        log.info("shard: reusing existing shards at %s (manifest %s)", out_dir, manifest["manifest_hash"][:12])
-        return ShardResult(manifest_uri, manifest["manifest_hash"], reused=True)
+        existing = storage.read_json(manifest_uri, storage_options)
+        log.info(
+            "shard: reusing existing shards at %s (manifest %s)", out_dir, existing["manifest_hash"][:12]
+        )
+        return ShardResult(manifest_uri, existing["manifest_hash"], reused=True)
 
     started = time.monotonic()
     log.info("shard: generating %s (%d samples, seed %d) on Dask", cfg.dataset, cfg.num_samples, cfg.seed)
@@ -185,7 +199,9 @@ def shard_dataset(
             name = f"{split}-{i:05d}.parquet"
             names[split].append(name)
             futures[split].append(
-                client.submit(write_shard, frame, split, start, stop, storage.join(out_dir, name), storage_options)
+                client.submit(
+                    write_shard, frame, split, start, stop, storage.join(out_dir, name), storage_options
+                )
             )
     results = {split: client.gather(fs) for split, fs in futures.items()}
     n_features = len(results["train"][0]["schema"]) - 1
@@ -235,7 +251,9 @@ def load_manifest(manifest_uri: str, storage_options: Mapping[str, Any] | None =
     if manifest.get("version") != MANIFEST_VERSION or "splits" not in manifest:
         raise ShardIntegrityError(f"{manifest_uri} is not a mopflow manifest (version {MANIFEST_VERSION})")
     if manifest_hash(manifest) != manifest.get("manifest_hash"):
-        raise ShardIntegrityError(f"manifest {manifest_uri} was modified: its hash does not match its content")
+        raise ShardIntegrityError(
+            f"manifest {manifest_uri} was modified: its hash does not match its content"
+        )
     return manifest
 
 

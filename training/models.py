@@ -34,9 +34,13 @@ class ArchSpec:
         if not 1 <= self.depth <= 8:
             raise ValueError(f"depth={self.depth} must be between 1 and 8")
         if self.input_dim < 1 or self.num_classes < 2:
-            raise ValueError(f"input_dim={self.input_dim} must be >= 1 and num_classes={self.num_classes} >= 2")
+            raise ValueError(
+                f"input_dim={self.input_dim} must be >= 1 and num_classes={self.num_classes} >= 2"
+            )
         if self.family == "cnn" and _conv_out_len(self.input_dim, self.depth) < 1:
-            raise ValueError(f"a CNN of depth {self.depth} does not fit an input of {self.input_dim} features")
+            raise ValueError(
+                f"a CNN of depth {self.depth} does not fit an input of {self.input_dim} features"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +65,9 @@ class Standardize(nn.Module):
         std_t = torch.tensor(list(std), dtype=torch.float32).clamp_min(1e-6)
         self.register_buffer("mean", torch.tensor(list(mean), dtype=torch.float32))
         self.register_buffer("std", std_t)
+
+    mean: torch.Tensor
+    std: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean) / self.std
@@ -108,12 +115,16 @@ class MLP(nn.Module):
         return out
 
 
-def build_model(arch: ArchSpec, mean: Sequence[float] | None = None, std: Sequence[float] | None = None) -> nn.Module:
+def build_model(
+    arch: ArchSpec, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
+) -> nn.Module:
     """A classifier returning logits: standardisation followed by the family's backbone."""
     mean = list(mean) if mean is not None else [0.0] * arch.input_dim
     std = list(std) if std is not None else [1.0] * arch.input_dim
     if len(mean) != arch.input_dim or len(std) != arch.input_dim:
-        raise ValueError(f"normalisation stats have {len(mean)}/{len(std)} entries; expected {arch.input_dim}")
+        raise ValueError(
+            f"normalisation stats have {len(mean)}/{len(std)} entries; expected {arch.input_dim}"
+        )
     backbone: nn.Module
     if arch.family == "cnn":
         backbone = CNN1D(arch.input_dim, arch.num_classes, arch.width, arch.depth)
@@ -128,7 +139,9 @@ def count_params(arch: ArchSpec) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def largest_width_within(family: str, depth: int, input_dim: int, num_classes: int, max_params: int) -> int | None:
+def largest_width_within(
+    family: str, depth: int, input_dim: int, num_classes: int, max_params: int
+) -> int | None:
     """The largest width whose model has at most ``max_params`` parameters (None if even width 1 is too big)."""
     lo, hi, best = 1, 4096, None
     while lo <= hi:

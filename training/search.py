@@ -21,7 +21,7 @@ from infra.optuna_storage import make_storage, quiet_optuna
 from training.config import SearchConfig
 from training.data import verify_manifest
 from training.space import params_from_optuna, sample_params
-from training.trial import TrialResult, TrialSpec, train_trial
+from training.trial import TrialResult, TrialSpec, make_pruner, train_trial
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,6 @@ def make_sampler(cfg: SearchConfig) -> optuna.samplers.BaseSampler:
     startup = max(2, min(10, cfg.n_trials // 3))
     # group=True: the space is conditional (each family has its own params).
     return optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=startup, multivariate=True, group=True)
-
-
-def make_pruner(cfg: SearchConfig) -> optuna.pruners.BasePruner:
-    """Successive halving at epoch boundaries (or none)."""
-    if cfg.pruner == "none":
-        return optuna.pruners.NopPruner()
-    return optuna.pruners.SuccessiveHalvingPruner(min_resource=cfg.min_resource, reduction_factor=3)
 
 
 def result_from_frozen(trial: optuna.trial.FrozenTrial) -> TrialResult:
@@ -141,7 +134,7 @@ def run_search(
         storage=make_storage(storage_url, cfg.n_workers),
         direction="maximize",
         sampler=make_sampler(cfg),
-        pruner=make_pruner(cfg),
+        pruner=make_pruner(cfg.pruner, cfg.min_resource),
         load_if_exists=True,
     )
     retry_stale_trials(study)
@@ -149,17 +142,29 @@ def run_search(
     results = [result_from_frozen(t) for t in already]
     remaining = cfg.n_trials - len(already)
     if already:
-        log.info("search: study %s already has %d finished trials; %d to go", study_name, len(already), max(remaining, 0))
+        log.info(
+            "search: study %s already has %d finished trials; %d to go",
+            study_name,
+            len(already),
+            max(remaining, 0),
+        )
     deadline = time.monotonic() + cfg.timeout_minutes * 60 if cfg.timeout_minutes else None
     in_flight: dict[Any, optuna.trial.Trial] = {}
     asked = 0
     started = time.monotonic()
     from distributed import wait
 
+    try:  # show the workers' per-epoch progress in this (task) log
+        client.forward_logging("training", level=logging.INFO)
+    except Exception:  # an older scheduler without log forwarding still trains
+        log.debug("worker log forwarding unavailable")
+
     while asked < remaining or in_flight:
         while len(in_flight) < cfg.n_workers and asked < remaining:
             if deadline is not None and time.monotonic() > deadline:
-                log.info("search: time budget of %.1f min reached; not starting more trials", cfg.timeout_minutes)
+                log.info(
+                    "search: time budget of %.1f min reached; not starting more trials", cfg.timeout_minutes
+                )
                 remaining = asked
                 break
             trial = study.ask()
@@ -175,6 +180,8 @@ def run_search(
                 study_name=study_name,
                 optuna_storage=storage_url,
                 storage_options=dict(storage_options or {}),
+                pruner=cfg.pruner,
+                min_resource=cfg.min_resource,
             )
             future = client.submit(train_trial, spec, pure=False, key=f"trial-{study_name}-{trial.number}")
             in_flight[future] = trial
@@ -217,4 +224,6 @@ def run_search(
             )
             if on_trial_done is not None:
                 on_trial_done(result)
-    return SearchOutcome(study_name=study_name, storage_url=storage_url, results=sorted(results, key=lambda r: r.number))
+    return SearchOutcome(
+        study_name=study_name, storage_url=storage_url, results=sorted(results, key=lambda r: r.number)
+    )

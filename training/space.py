@@ -131,7 +131,9 @@ class SearchSpace(_Strict):
                     raise ValueError(f"{family}.{name}: low must be >= 1, got {spec.low}")
         unknown_common = set(self.common) - COMMON_PARAMS
         if unknown_common:
-            raise ValueError(f"unknown common parameter(s) {sorted(unknown_common)}; expected {sorted(COMMON_PARAMS)}")
+            raise ValueError(
+                f"unknown common parameter(s) {sorted(unknown_common)}; expected {sorted(COMMON_PARAMS)}"
+            )
         lr = self.common.get("lr")
         if isinstance(lr, (IntParam, FloatParam)) and lr.low <= 0:
             raise ValueError(f"lr: low must be > 0, got {lr.low}")
@@ -139,7 +141,10 @@ class SearchSpace(_Strict):
         if batch is not None and (
             isinstance(batch, FloatParam)
             or (isinstance(batch, IntParam) and not 1 <= batch.low <= batch.high <= 65536)
-            or (isinstance(batch, CategoricalParam) and not all(isinstance(c, int) and 1 <= c <= 65536 for c in batch.choices))
+            or (
+                isinstance(batch, CategoricalParam)
+                and not all(isinstance(c, int) and 1 <= c <= 65536 for c in batch.choices)
+            )
         ):
             raise ValueError("batch_size must be integers between 1 and 65536")
         return self

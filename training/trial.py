@@ -26,16 +26,27 @@ class Reporter(Protocol):
     def should_prune(self) -> bool: ...
 
 
+def make_pruner(name: str, min_resource: int) -> Any:
+    """The study's pruner. Workers must build the same one: pruners are not stored in the storage."""
+    import optuna
+
+    if name == "none":
+        return optuna.pruners.NopPruner()
+    if name == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=min_resource, reduction_factor=3)
+    raise ValueError(f"unknown pruner {name!r}; expected 'successive_halving' or 'none'")
+
+
 class OptunaReporter:
     """Reports to a trial in an Optuna storage (opened in the worker process)."""
 
-    def __init__(self, storage_url: str, study_name: str, trial_id: int) -> None:
+    def __init__(self, storage_url: str, study_name: str, trial_id: int, pruner: Any) -> None:
         import optuna
 
         from infra.optuna_storage import make_storage, quiet_optuna
 
         quiet_optuna()
-        study = optuna.load_study(study_name=study_name, storage=make_storage(storage_url))
+        study = optuna.load_study(study_name=study_name, storage=make_storage(storage_url), pruner=pruner)
         self._trial = optuna.trial.Trial(study, trial_id)
 
     def report(self, value: float, step: int) -> None:
@@ -55,6 +66,12 @@ class NullReporter:
         return False
 
 
+def quiet_lightning() -> None:
+    """Lightning's INFO chatter (GPU available, tips) does not belong in task logs."""
+    for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 @dataclass(frozen=True)
 class TrialSpec:
     """Everything a worker needs to train one trial (small and picklable)."""
@@ -70,6 +87,8 @@ class TrialSpec:
     optuna_storage: str = ""
     storage_options: dict[str, Any] = field(default_factory=dict)
     torch_threads: int = 1
+    pruner: str = "successive_halving"
+    min_resource: int = 1
 
 
 @dataclass
@@ -102,7 +121,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
     started = time.monotonic()
     worker = f"{os.uname().nodename}:{os.getpid()}"
     history: list[dict[str, float]] = []
-    state = {"pruned_epoch": None}
+    state: dict[str, int | None] = {"pruned_epoch": None}
     try:
         import pytorch_lightning as pl
         import torch
@@ -114,9 +133,21 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
         from training.models import ArchSpec, build_model, count_params
 
         torch.set_num_threads(spec.torch_threads)
-        if reporter is None:
-            reporter = (
-                OptunaReporter(spec.optuna_storage, spec.study_name, spec.trial_id)
+        quiet_lightning()
+        log.setLevel(
+            logging.INFO
+        )  # worker processes default to WARNING; progress is forwarded to the task log
+        active: Reporter
+        if reporter is not None:
+            active = reporter
+        else:
+            active = (
+                OptunaReporter(
+                    spec.optuna_storage,
+                    spec.study_name,
+                    spec.trial_id,
+                    make_pruner(spec.pruner, spec.min_resource),
+                )
                 if spec.optuna_storage
                 else NullReporter()
             )
@@ -127,14 +158,18 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
         norm = manifest["normalization"]
         pl.seed_everything(spec.seed, workers=False, verbose=False)
         model = build_model(arch, norm["mean"], norm["std"])
-        module = Classifier(model, lr=float(spec.params["lr"]), weight_decay=float(spec.params["weight_decay"]))
+        module = Classifier(
+            model, lr=float(spec.params["lr"]), weight_decay=float(spec.params["weight_decay"])
+        )
         train_loader = DataLoader(
             TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train)),
             batch_size=int(spec.params["batch_size"]),
             shuffle=True,
             generator=torch.Generator().manual_seed(spec.seed),
         )
-        val_loader = DataLoader(TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)), batch_size=4096)
+        val_loader = DataLoader(
+            TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)), batch_size=4096
+        )
 
         class EpochReport(pl.Callback):
             """Reports validation accuracy each epoch and stops the trainer when Optuna prunes."""
@@ -146,10 +181,12 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                 val_acc = float(trainer.callback_metrics["val_acc"])
                 train_loss = float(trainer.callback_metrics.get("train_loss", math.nan))
                 history.append({"epoch": epoch, "val_acc": val_acc, "train_loss": train_loss})
-                reporter.report(val_acc, epoch)
+                active.report(val_acc, epoch)
                 if epoch == 0 or (epoch + 1) % 10 == 0 or epoch + 1 == spec.epochs:
-                    log.info("trial %d: epoch %d/%d val_acc=%.4f", spec.number, epoch + 1, spec.epochs, val_acc)
-                if reporter.should_prune():
+                    log.info(
+                        "trial %d: epoch %d/%d val_acc=%.4f", spec.number, epoch + 1, spec.epochs, val_acc
+                    )
+                if active.should_prune():
                     state["pruned_epoch"] = epoch
                     trainer.should_stop = True
 
@@ -193,4 +230,3 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
             duration_s=time.monotonic() - started,
             worker=worker,
         )
-

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compression.config import DistillConfig
+from compression.distill import (
+    StudentBudgetError,
+    plan_student,
+    soft_targets,
+    student_accuracy,
+    train_student,
+)
+from compression.registry import decide_promotion
+from training.bundle import ProbabilityEnsemble
+from training.models import ArchSpec, build_model, count_params
+
+
+def test_auto_sized_student_is_the_largest_within_budget() -> None:
+    plan = plan_student(DistillConfig(), ensemble_params=100_000, input_dim=40, num_classes=10)
+    assert plan.num_params <= 10_000 == plan.budget
+    bigger = ArchSpec(plan.arch.family, plan.arch.width + 1, plan.arch.depth, 40, 10)
+    assert count_params(bigger) > plan.budget
+
+
+def test_configured_student_over_budget_is_refused() -> None:
+    with pytest.raises(StudentBudgetError, match="student_width=64"):
+        plan_student(DistillConfig(width=64), ensemble_params=20_000, input_dim=40, num_classes=10)
+
+
+def test_soft_targets_are_distributions_that_flatten_with_temperature() -> None:
+    torch.manual_seed(0)
+    teacher = ProbabilityEnsemble([build_model(ArchSpec("mlp", 16, 1, 40, 10)) for _ in range(2)])
+    x = np.random.default_rng(0).normal(size=(32, 40)).astype(np.float32) * 5
+    cold, hot = soft_targets(teacher, x, 1.0), soft_targets(teacher, x, 8.0)
+    assert torch.allclose(cold.sum(1), torch.ones(32), atol=1e-5)
+    assert hot.max(1).values.mean() < cold.max(1).values.mean()
+
+
+def test_student_learns_from_soft_targets_on_a_separable_problem() -> None:
+    rng = np.random.default_rng(0)
+    centers = rng.normal(0, 3, size=(3, 40))
+    y = rng.integers(0, 3, size=600)
+    x = (centers[y] + rng.normal(size=(600, 40))).astype(np.float32)
+    torch.manual_seed(0)
+    teacher_model = build_model(ArchSpec("mlp", 32, 1, 40, 3))
+    opt = torch.optim.Adam(teacher_model.parameters(), lr=0.01)
+    for _ in range(200):
+        loss = torch.nn.functional.cross_entropy(teacher_model(torch.from_numpy(x)), torch.from_numpy(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    teacher = ProbabilityEnsemble([teacher_model])
+    cfg = DistillConfig(family="mlp", depth=1, epochs=5, max_param_ratio=1.0, batch_size=32)
+    plan = plan_student(cfg, 10_000, 40, 3)
+    student, history = train_student(
+        plan, cfg, x[:500], y[:500], x[500:], y[500:], [0.0] * 40, [1.0] * 40, teacher, 0
+    )
+    assert len(history) == 5
+    assert student_accuracy(student, x[500:], y[500:]) > 0.9
+
+
+@pytest.mark.parametrize(
+    ("policy", "new", "champ", "promote"),
+    [
+        ("accuracy", 0.90, None, True),
+        ("accuracy", 0.90, 0.90, True),
+        ("accuracy", 0.89, 0.90, False),
+        ("never", 0.99, None, False),
+        ("always", 0.10, 0.99, True),
+    ],
+)
+def test_promotion_gate(policy: str, new: float, champ: float | None, promote: bool) -> None:
+    decision = decide_promotion(policy, new, champ)
+    assert decision.promote is promote
+    assert decision.reason

@@ -1,0 +1,62 @@
+"""Shared fixtures: an isolated MOPFLOW_HOME, a real Dask LocalCluster, a small sharded dataset."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def service_available(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def require_service(name: str, host: str, port: int) -> None:
+    """Skip when a service is down, or fail under MOPFLOW_REQUIRE_SERVICES=1 (CI)."""
+    if service_available(host, port):
+        return
+    message = f"{name} is not reachable at {host}:{port}"
+    if os.environ.get("MOPFLOW_REQUIRE_SERVICES") == "1":
+        pytest.fail(message + " and MOPFLOW_REQUIRE_SERVICES=1")
+    pytest.skip(message)
+
+
+@pytest.fixture()
+def mopflow_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty MOPFLOW_HOME for one test, with every derived setting cleared."""
+    home = tmp_path / "home"
+    for var in list(os.environ):
+        if var.startswith("MOPFLOW_") and var not in {"MOPFLOW_REQUIRE_SERVICES"}:
+            monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MOPFLOW_HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def dask_client() -> Iterator[object]:
+    """One real LocalCluster (2 worker processes) shared by the tests that need Dask."""
+    from training.cluster import dask_client as make_client
+
+    with make_client("", 2) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def small_manifest(tmp_path_factory: pytest.TempPathFactory, dask_client: object) -> str:
+    """MNIST-1D with 1000 samples, sharded into 2 train shards."""
+    from training.config import DataConfig
+    from training.data import shard_dataset
+
+    root = tmp_path_factory.mktemp("data")
+    result = shard_dataset(DataConfig(num_samples=1000, n_shards=2), str(root), dask_client)
+    return result.manifest_uri

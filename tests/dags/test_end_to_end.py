@@ -1,0 +1,143 @@
+"""`mopflow run` end to end through Airflow's dag.test() on a tiny config, then the outcomes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {
+    "num_samples": 1000,
+    "n_shards": 2,
+    "n_trials": 3,
+    "epochs": 3,
+    "min_resource": 1,
+    "top_k": 2,
+    "distill_epochs": 2,
+    "model_name": "e2e",
+}
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW"))}
+    env["MOPFLOW_HOME"] = str(home)
+    env["MOPFLOW_RETRY_DELAY_S"] = "1"
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def _mopflow(home: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", *args],
+        cwd=REPO,
+        env=_env(home),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    home = tmp_path_factory.mktemp("e2e") / "home"
+    config = home.parent / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    summary_file = home.parent / "summary.json"
+    proc = _mopflow(home, "run", "--config", str(config), "--summary-json", str(summary_file))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "mopflow run summary" in proc.stdout
+    return home, json.loads(summary_file.read_text())
+
+
+@pytest.mark.slow
+def test_student_is_registered_as_champion(pipeline_run: tuple[Path, dict]) -> None:
+    home, summary = pipeline_run
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    version = client.get_model_version_by_alias("e2e-student", "champion")
+    assert str(version.version) == summary["registered"]["version"]
+    assert client.get_model_version_by_alias("e2e-student", "challenger").version == version.version
+    assert summary["student"]["num_params"] <= 0.1 * summary["ensemble"]["num_params"]
+    assert 0.0 <= summary["ensemble"]["test_acc"] <= 1.0
+
+
+@pytest.mark.slow
+def test_champion_pyfunc_loads_in_a_fresh_process(pipeline_run: tuple[Path, dict]) -> None:
+    home, _ = pipeline_run
+    code = f"""
+import json, mlflow, numpy as np, pandas as pd
+mlflow.set_tracking_uri("sqlite:///{home / "mlflow" / "mlflow.db"}")
+model = mlflow.pyfunc.load_model("models:/e2e-student@champion")
+cols = [f"x{{i:03d}}" for i in range(40)]
+out = model.predict(pd.DataFrame(np.random.default_rng(0).normal(size=(7, 40)).astype("float32"), columns=cols))
+print(json.dumps({{"shape": list(out.shape), "sums": out.sum(axis=1).tolist()}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["shape"] == [7, 10]
+    assert all(abs(s - 1.0) < 1e-4 for s in result["sums"])
+
+
+@pytest.mark.slow
+def test_runs_carry_lineage_and_match_the_study(pipeline_run: tuple[Path, dict]) -> None:
+    home, summary = pipeline_run
+    import optuna
+    from mlflow import MlflowClient
+    from optuna.trial import TrialState
+
+    from infra import storage
+    from infra.optuna_storage import make_storage
+
+    uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("mopflow")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{summary['run_key']}'")
+    manifest_files = list((home / "data").rglob("manifest.json"))
+    assert len(manifest_files) == 1
+    manifest = storage.read_json(str(manifest_files[0]))
+    stages = {r.data.tags.get("mopflow.stage") for r in runs}
+    assert {"pipeline", "shard", "search", "ensemble", "distill", "register", "trial"} <= stages
+    for run in runs:
+        assert run.info.status == "FINISHED", (run.info.run_name, run.info.status)
+        if run.data.tags["mopflow.stage"] != "pipeline":
+            assert run.data.tags["mopflow.manifest_hash"] == manifest["manifest_hash"], run.info.run_name
+            assert run.data.tags["mlflow.parentRunId"]
+        assert run.data.tags["mopflow.dag_id"] == "mopflow_retrain"
+        assert run.data.tags["mopflow.airflow_run_id"] == summary["airflow_run_id"]
+    trial_runs = [r for r in runs if r.data.tags["mopflow.stage"] == "trial"]
+    study = optuna.load_study(
+        study_name=summary["optuna"]["study_name"], storage=make_storage(summary["optuna"]["storage"])
+    )
+    finished = [
+        t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    ]
+    assert len(trial_runs) == len(finished) == TINY["n_trials"]
+    assert {r.data.tags["mopflow.trial"] for r in trial_runs} == {str(t.number) for t in finished}
+    for run in trial_runs:
+        assert run.data.tags["mopflow.study"] == study.study_name
+        assert client.get_metric_history(run.info.run_id, "val_acc"), "per-epoch metrics are logged"
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("dataset=imagenet", "imagenet"),
+        ("n_trials=0", "n_trials"),
+        ("top_k=9", "top_k=9"),
+        ("student_width=3000", "student_width=3000"),
+    ],
+)
+def test_bad_input_fails_before_any_training(tmp_path: Path, override: str, needle: str) -> None:
+    home = tmp_path / "home"
+    proc = _mopflow(home, "run", "--set", override, timeout=120)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert not (home / "optuna").exists() and not (home / "data").exists() and not (home / "mlflow").exists()

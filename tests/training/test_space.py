@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+
+from training.space import SpaceError, default_space, params_from_optuna, parse_space, sample_params
+
+VALID = {
+    "families": {
+        "cnn": {"width": {"type": "int", "low": 8, "high": 32}, "depth": {"type": "int", "low": 2, "high": 3}}
+    },
+    "common": {"lr": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}},
+}
+
+
+def _with(path: list[str], value: object) -> dict:
+    spec = json.loads(json.dumps(VALID))
+    node = spec
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return spec
+
+
+def test_default_space_has_both_families() -> None:
+    space = default_space()
+    assert set(space.families) == {"cnn", "mlp"}
+    assert {"lr", "weight_decay", "batch_size"} <= set(space.common)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"families": {"cnn": {"width": {"type": "int", "low": NaN, "high": 3}}}}', "NaN"),
+        ('{"families": {"cnn": {"width": {"type": "int", "low": 1, "high": Infinity}}}}', "Infinity"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_non_finite_and_malformed_json_are_refused(text: str, needle: str) -> None:
+    with pytest.raises(SpaceError, match=needle):
+        parse_space(text)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "needle"),
+    [
+        (["families", "cnn", "width", "low"], 64, "low"),  # low > high
+        (["common", "lr", "low"], 0.0, "log scale needs low > 0"),
+        (["common", "lr", "high"], 1e22, "out of range"),
+        (["families", "cnn", "width", "type"], "__import__('os').system('x')", "type"),
+        (["families", "cnn", "width", "extra"], 1, "extra"),
+        (["common", "momentum"], {"type": "float", "low": 0.1, "high": 0.9}, "momentum"),
+        (["families", "transformer"], {"width": {"type": "int", "low": 1, "high": 2}}, "transformer"),
+        (["common", "batch_size"], {"type": "categorical", "choices": list(range(1, 200))}, "choices"),
+    ],
+)
+def test_invalid_specs_name_the_field(path: list[str], value: object, needle: str) -> None:
+    with pytest.raises(SpaceError) as info:
+        parse_space(_with(path, value))
+    assert needle in str(info.value)
+
+
+def test_oversized_and_deeply_nested_text_is_refused() -> None:
+    with pytest.raises(SpaceError, match="limit"):
+        parse_space(" " * 70_000 + json.dumps(VALID))
+    deep = "[" * 500 + "]" * 500
+    with pytest.raises(SpaceError):
+        parse_space(json.dumps({"families": {"cnn": {"width": json.loads(deep)}}}))
+
+
+def test_sampled_params_respect_bounds_and_round_trip() -> None:
+    space = parse_space(VALID)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(20):
+        trial = study.ask()
+        params = sample_params(space, trial)
+        assert params["family"] == "cnn"
+        assert 8 <= params["width"] <= 32 and 2 <= params["depth"] <= 3
+        assert 1e-3 <= params["lr"] <= 1e-1
+        assert params["batch_size"] == 128  # default when the space has no batch_size
+        assert params_from_optuna(trial.params) == params
+        study.tell(trial, 0.5)
