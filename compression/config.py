@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 class EnsembleConfig(StageConfig):
     """Which trials form the ensemble."""
 
-    top_k: int = Field(3, ge=1, le=50, description="Number of best COMPLETE trials in the ensemble")
+    top_k: int = Field(4, ge=1, le=50, description="Number of best COMPLETE trials in the ensemble")
 
 
 class DistillConfig(StageConfig):
@@ -43,7 +43,7 @@ class DistillConfig(StageConfig):
     alpha: float = Field(
         0.7, ge=0, le=1, description="Weight of the soft-target loss (1 - alpha on hard labels)"
     )
-    epochs: int = Field(60, ge=1, le=1000, description="Student training epochs")
+    epochs: int = Field(120, ge=1, le=1000, description="Student training epochs")
     lr: float = Field(0.01, gt=0, le=1.0, description="Student peak learning rate")
     batch_size: int = Field(64, ge=1, le=65536, description="Student batch size")
 

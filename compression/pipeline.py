@@ -200,6 +200,7 @@ def search_stage(
                 client,
                 settings.storage_options,
                 on_trial_done=log_trial,
+                min_complete=cfg.ensemble.top_k,
             )
         for result in outcome.results:  # trials finished by an earlier attempt but never logged
             log_trial(result)

@@ -40,13 +40,15 @@ class DataConfig(StageConfig):
 class SearchConfig(StageConfig):
     """The Optuna search: budget, parallelism, sampler and pruner, and the space (as data)."""
 
-    n_trials: int = Field(10, ge=1, le=1000, description="Number of trials to finish")
-    epochs: int = Field(40, ge=1, le=1000, description="Training epochs per trial")
+    n_trials: int = Field(20, ge=1, le=1000, description="Number of trials to finish")
+    epochs: int = Field(80, ge=1, le=1000, description="Training epochs per trial")
     n_workers: int = Field(2, ge=1, le=256, description="Trials trained at once (Dask workers)")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Sampler and training seed")
-    sampler: Literal["tpe", "random"] = "tpe"
-    pruner: Literal["successive_halving", "none"] = "successive_halving"
-    min_resource: int = Field(5, ge=1, le=1000, description="Epochs before the first pruning decision")
+    sampler: Literal["tpe", "random"] = Field("tpe", description="Optuna sampler (seeded)")
+    pruner: Literal["successive_halving", "none"] = Field(
+        "successive_halving", description="Pruner applied at epoch boundaries"
+    )
+    min_resource: int = Field(15, ge=1, le=1000, description="Epochs before the first pruning decision")
     timeout_minutes: float | None = Field(None, gt=0, le=7 * 24 * 60, description="Wall-clock budget")
     space: dict[str, Any] | None = Field(None, description="Search space spec; None = the packaged default")
 

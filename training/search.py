@@ -124,8 +124,14 @@ def run_search(
     client: Any,
     storage_options: Mapping[str, Any] | None = None,
     on_trial_done: Callable[[TrialResult], None] | None = None,
+    min_complete: int = 1,
 ) -> SearchOutcome:
-    """Run (or resume) the study until ``cfg.n_trials`` trials have finished or time runs out."""
+    """Run (or resume) the study until ``cfg.n_trials`` trials have finished or time runs out.
+
+    If pruning left fewer than ``min_complete`` COMPLETE trials (the ensemble needs its
+    members), extra trials are run with pruning off until there are enough (at most
+    ``2 * min_complete`` extra attempts).
+    """
     quiet_optuna()
     space = cfg.search_space()
     verify_manifest(manifest_uri, storage_options)  # a bad shard fails here, before any training
@@ -140,90 +146,113 @@ def run_search(
     retry_stale_trials(study)
     already = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
     results = [result_from_frozen(t) for t in already]
-    remaining = cfg.n_trials - len(already)
     if already:
         log.info(
             "search: study %s already has %d finished trials; %d to go",
             study_name,
             len(already),
-            max(remaining, 0),
+            max(cfg.n_trials - len(already), 0),
         )
     deadline = time.monotonic() + cfg.timeout_minutes * 60 if cfg.timeout_minutes else None
-    in_flight: dict[Any, optuna.trial.Trial] = {}
-    asked = 0
     started = time.monotonic()
-    from distributed import wait
-
     try:  # show the workers' per-epoch progress in this (task) log
         client.forward_logging("training", level=logging.INFO)
     except Exception:  # an older scheduler without log forwarding still trains
         log.debug("worker log forwarding unavailable")
 
-    while asked < remaining or in_flight:
-        while len(in_flight) < cfg.n_workers and asked < remaining:
-            if deadline is not None and time.monotonic() > deadline:
-                log.info(
-                    "search: time budget of %.1f min reached; not starting more trials", cfg.timeout_minutes
-                )
-                remaining = asked
-                break
-            trial = study.ask()
-            params = sample_params(space, trial)
-            spec = TrialSpec(
-                number=trial.number,
-                trial_id=trial._trial_id,
-                params=params,
-                epochs=cfg.epochs,
-                seed=cfg.seed * 1000 + trial.number,
-                manifest_uri=manifest_uri,
-                bundle_uri=storage.join(artifact_root, "studies", study_name, f"trial-{trial.number:04d}"),
-                study_name=study_name,
-                optuna_storage=storage_url,
-                storage_options=dict(storage_options or {}),
-                pruner=cfg.pruner,
-                min_resource=cfg.min_resource,
-            )
-            future = client.submit(train_trial, spec, pure=False, key=f"trial-{study_name}-{trial.number}")
-            in_flight[future] = trial
-            asked += 1
-            log.info("search: started trial %d %s", trial.number, params)
-        if not in_flight:
-            break
-        done, _ = wait(list(in_flight), return_when="FIRST_COMPLETED")
-        for future in done:
-            trial = in_flight.pop(future)
-            try:
-                result: TrialResult = future.result()
-            except Exception as exc:  # the worker died or the task could not run
-                result = TrialResult(
+    def run_batch(count: int, pruner: str, respect_deadline: bool) -> None:
+        """Ask for ``count`` trials, keeping at most ``n_workers`` in flight, and tell their results."""
+        from distributed import wait
+
+        in_flight: dict[Any, optuna.trial.Trial] = {}
+        asked = 0
+        while asked < count or in_flight:
+            while len(in_flight) < cfg.n_workers and asked < count:
+                if respect_deadline and deadline is not None and time.monotonic() > deadline:
+                    log.info(
+                        "search: time budget of %.1f min reached; not starting more trials",
+                        cfg.timeout_minutes,
+                    )
+                    count = asked
+                    break
+                trial = study.ask()
+                params = sample_params(space, trial)
+                spec = TrialSpec(
                     number=trial.number,
                     trial_id=trial._trial_id,
-                    params=sample_params(space, trial),
-                    state="FAIL",
-                    value=None,
-                    history=[],
-                    bundle_uri=None,
-                    error=f"{type(exc).__name__}: {exc}",
+                    params=params,
+                    epochs=cfg.epochs,
+                    seed=cfg.seed * 1000 + trial.number,
+                    manifest_uri=manifest_uri,
+                    bundle_uri=storage.join(
+                        artifact_root, "studies", study_name, f"trial-{trial.number:04d}"
+                    ),
+                    study_name=study_name,
+                    optuna_storage=storage_url,
+                    storage_options=dict(storage_options or {}),
+                    pruner=pruner,
+                    min_resource=cfg.min_resource,
                 )
-            _tell(study, trial, result)
-            results.append(result)
-            finished = len(results)
-            detail = f"val_acc={result.value:.4f}" if result.value is not None else f"error={result.error}"
-            if result.pruned_epoch is not None:
-                detail += f" (pruned after epoch {result.pruned_epoch + 1})"
-            log.info(
-                "search: trial %d %s %s in %.1fs — %d/%d finished, %d running, %.0fs elapsed",
-                result.number,
-                result.state,
-                detail,
-                result.duration_s,
-                finished,
-                cfg.n_trials,
-                len(in_flight),
-                time.monotonic() - started,
-            )
-            if on_trial_done is not None:
-                on_trial_done(result)
+                future = client.submit(
+                    train_trial, spec, pure=False, key=f"trial-{study_name}-{trial.number}"
+                )
+                in_flight[future] = trial
+                asked += 1
+                log.info("search: started trial %d %s", trial.number, params)
+            if not in_flight:
+                break
+            done, _ = wait(list(in_flight), return_when="FIRST_COMPLETED")
+            for future in done:
+                trial = in_flight.pop(future)
+                try:
+                    result: TrialResult = future.result()
+                except Exception as exc:  # the worker died or the task could not run
+                    result = TrialResult(
+                        number=trial.number,
+                        trial_id=trial._trial_id,
+                        params=sample_params(space, trial),
+                        state="FAIL",
+                        value=None,
+                        history=[],
+                        bundle_uri=None,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
+                _tell(study, trial, result)
+                results.append(result)
+                detail = (
+                    f"val_acc={result.value:.4f}" if result.value is not None else f"error={result.error}"
+                )
+                if result.pruned_epoch is not None:
+                    detail += f" (pruned after epoch {result.pruned_epoch + 1})"
+                log.info(
+                    "search: trial %d %s %s in %.1fs — %d/%d finished, %d running, %.0fs elapsed",
+                    result.number,
+                    result.state,
+                    detail,
+                    result.duration_s,
+                    len(results),
+                    cfg.n_trials,
+                    len(in_flight),
+                    time.monotonic() - started,
+                )
+                if on_trial_done is not None:
+                    on_trial_done(result)
+
+    run_batch(max(cfg.n_trials - len(already), 0), cfg.pruner, respect_deadline=True)
+    extra_attempts = 0
+    while True:
+        complete = sum(1 for r in results if r.state == "COMPLETE")
+        missing = min_complete - complete
+        if missing <= 0 or extra_attempts >= 2 * min_complete:
+            break
+        log.warning(
+            "search: only %d COMPLETE trial(s), %d needed; running %d more without pruning",
+            complete,
+            min_complete,
+            missing,
+        )
+        run_batch(missing, "none", respect_deadline=False)
+        extra_attempts += missing
     return SearchOutcome(
         study_name=study_name, storage_url=storage_url, results=sorted(results, key=lambda r: r.number)
     )

@@ -119,7 +119,8 @@ def test_runs_carry_lineage_and_match_the_study(pipeline_run: tuple[Path, dict])
     finished = [
         t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
     ]
-    assert len(trial_runs) == len(finished) == TINY["n_trials"]
+    assert len(trial_runs) == len(finished) >= TINY["n_trials"]
+    assert sum(t.state == TrialState.COMPLETE for t in finished) >= TINY["top_k"]
     assert {r.data.tags["mopflow.trial"] for r in trial_runs} == {str(t.number) for t in finished}
     for run in trial_runs:
         assert run.data.tags["mopflow.study"] == study.study_name
@@ -131,7 +132,7 @@ def test_runs_carry_lineage_and_match_the_study(pipeline_run: tuple[Path, dict])
     [
         ("dataset=imagenet", "imagenet"),
         ("n_trials=0", "n_trials"),
-        ("top_k=9", "top_k=9"),
+        ("top_k=25", "top_k=25"),
         ("student_width=3000", "student_width=3000"),
     ],
 )

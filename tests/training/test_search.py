@@ -140,3 +140,15 @@ def test_trial_left_running_is_retried_with_the_same_params(
 def test_sqlite_storage_is_refused_for_parallel_workers(tmp_path: Path) -> None:
     with pytest.raises(StorageConfigError, match="SQLite"):
         make_storage(f"sqlite:///{tmp_path}/o.db", n_workers=2)
+
+
+def test_search_adds_unpruned_trials_until_the_ensemble_has_its_members(
+    small_manifest: str, tmp_path: Path, dask_client: object
+) -> None:
+    # min_resource=1 with reduction 3 prunes most of 3 trials; 3 COMPLETE are still required.
+    cfg = SearchConfig(n_trials=3, epochs=3, n_workers=2, space=TINY_SPACE, min_resource=1, sampler="random")
+    outcome = run_search(
+        cfg, small_manifest, "s3", str(tmp_path / "j.log"), str(tmp_path / "art"), dask_client, min_complete=3
+    )
+    assert len(outcome.complete()) >= 3
+    assert len(outcome.results) >= 3

@@ -1,0 +1,80 @@
+"""The stage functions without Airflow: idempotent reruns and the final reconciliation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+
+from compression import pipeline
+from infra.optuna_storage import make_storage
+from infra.settings import Settings
+
+CONF = {
+    "num_samples": 600,
+    "n_shards": 2,
+    "n_trials": 2,
+    "epochs": 2,
+    "min_resource": 1,
+    "top_k": 2,
+    "distill_epochs": 1,
+    "model_name": "idem",
+}
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return Settings.from_env({"MOPFLOW_HOME": str(tmp_path_factory.mktemp("pipe"))})
+
+
+@pytest.mark.slow
+def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
+    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__test", settings)
+    assert pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__test", settings) == ctx
+    shard = pipeline.shard_stage(CONF, ctx, settings)
+    search = pipeline.search_stage(CONF, ctx, shard, settings)
+    ens = pipeline.ensemble_stage(CONF, ctx, shard, search, settings)
+    student = pipeline.distill_stage(CONF, ctx, shard, ens, settings)
+    first = pipeline.register_stage(CONF, ctx, shard, search, ens, student, settings)
+
+    # The same run again, stage by stage (an Airflow "clear and rerun").
+    shard2 = pipeline.shard_stage(CONF, ctx, settings)
+    assert shard2["reused"] and shard2["manifest_hash"] == shard["manifest_hash"]
+    search2 = pipeline.search_stage(CONF, ctx, shard2, settings)
+    assert search2["study_name"] == search["study_name"]
+    second = pipeline.register_stage(CONF, ctx, shard2, search2, ens, student, settings)
+    assert second["registered"]["version"] == first["registered"]["version"] == "1"
+
+    study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
+    assert len(study.trials) == CONF["n_trials"]
+    client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
+    assert len(client.search_model_versions("name='idem-student'")) == 1
+    assert len(client.search_model_versions("name='idem-ensemble'")) == 1
+    experiment = client.get_experiment_by_name(settings.experiment_name)
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
+    stages = [r.data.tags["mopflow.stage"] for r in runs]
+    assert stages.count("pipeline") == 1 and stages.count("search") == 1 and stages.count("register") == 1
+    assert stages.count("trial") == CONF["n_trials"]
+
+    # A run left RUNNING (a killed task) is closed by finalize; the parent ends FINISHED.
+    tracker = pipeline._tracker(settings)
+    dangling = tracker.start_run("killed", {"mopflow.run_key": ctx["run_key"], "mopflow.stage": "ghost"})
+    pipeline.finalize_pipeline(ctx, settings)
+    assert client.get_run(dangling).info.status == "FAILED"
+    assert client.get_run(ctx["parent_run_id"]).info.status == "FINISHED"
+
+
+def test_finalize_fails_the_run_when_the_pipeline_did_not_finish(settings: Settings, tmp_path: Path) -> None:
+    local = Settings.from_env({"MOPFLOW_HOME": str(tmp_path)})
+    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__broken", local)
+    with pytest.raises(RuntimeError, match="did not complete"):
+        pipeline.finalize_pipeline(ctx, local)
+    client = MlflowClient(tracking_uri=local.tracking_uri)
+    assert client.get_run(ctx["parent_run_id"]).info.status == "FAILED"
+
+
+def test_run_key_is_stable_and_distinct() -> None:
+    assert pipeline.make_run_key("d", "r1") == pipeline.make_run_key("d", "r1")
+    assert pipeline.make_run_key("d", "r1") != pipeline.make_run_key("d", "r2")
