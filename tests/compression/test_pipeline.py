@@ -17,7 +17,7 @@ CONF = {
     "n_shards": 2,
     "n_trials": 2,
     "epochs": 2,
-    "min_resource": 1,
+    "pruner": "none",
     "top_k": 2,
     "distill_epochs": 1,
     "model_name": "idem",

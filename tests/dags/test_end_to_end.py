@@ -24,7 +24,8 @@ TINY = {
 
 
 def _env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW"))}
+    # MLflow exports its URIs into os.environ when set in-process: never leak them into a child.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
     env["MOPFLOW_HOME"] = str(home)
     env["MOPFLOW_RETRY_DELAY_S"] = "1"
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
@@ -79,7 +80,10 @@ cols = [f"x{{i:03d}}" for i in range(40)]
 out = model.predict(pd.DataFrame(np.random.default_rng(0).normal(size=(7, 40)).astype("float32"), columns=cols))
 print(json.dumps({{"shape": list(out.shape), "sums": out.sum(axis=1).tolist()}}))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
+    clean_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "MOPFLOW_"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/", env=clean_env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["shape"] == [7, 10]
