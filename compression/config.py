@@ -65,10 +65,15 @@ class RegistryConfig(StageConfig):
 # flat key -> (stage, field)
 CONF_FIELDS: dict[str, tuple[str, str]] = {
     "dataset": ("data", "dataset"),
+    "label_column": ("data", "label_column"),
+    "feature_columns": ("data", "feature_columns"),
     "n_shards": ("data", "n_shards"),
     "val_fraction": ("data", "val_fraction"),
+    "test_fraction": ("data", "test_fraction"),
     "data_seed": ("data", "seed"),
     "num_samples": ("data", "num_samples"),
+    "partition_rows": ("data", "partition_rows"),
+    "nan_policy": ("data", "nan_policy"),
     "n_trials": ("search", "n_trials"),
     "epochs": ("search", "epochs"),
     "n_workers": ("search", "n_workers"),
@@ -170,7 +175,12 @@ class PipelineConfig(BaseModel):
             raise ConfigError(f"unknown config key(s) {unknown}; expected some of {sorted(CONF_FIELDS)}")
         sections: dict[str, dict[str, Any]] = {name: {} for name in STAGE_MODELS}
         for key, value in conf.items():
-            if value is None and key not in {"timeout_minutes", "search_space", "student_width"}:
+            if value is None and key not in {
+                "timeout_minutes",
+                "search_space",
+                "student_width",
+                "feature_columns",
+            }:
                 continue  # None means "use the default" for keys that have no null meaning
             stage, field = CONF_FIELDS[key]
             if key == "search_space" and isinstance(value, str):

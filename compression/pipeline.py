@@ -31,10 +31,17 @@ def permanent_errors() -> tuple[type[BaseException], ...]:
     from compression.config import ConfigError
     from compression.distill import StudentBudgetError
     from infra.optuna_storage import StorageConfigError
-    from training.data import ShardIntegrityError
+    from training.data import DataValidationError, ShardIntegrityError
     from training.space import SpaceError
 
-    return (ConfigError, SpaceError, ShardIntegrityError, StudentBudgetError, StorageConfigError)
+    return (
+        ConfigError,
+        SpaceError,
+        ShardIntegrityError,
+        DataValidationError,
+        StudentBudgetError,
+        StorageConfigError,
+    )
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,12 @@ import os
 from datetime import datetime, timedelta
 from typing import Any
 
-from airflow.sdk import Param, dag, task
+from airflow.sdk import Asset, Param, dag, task
 
 from compression.config import conf_json_schema
 
+# Published by the shard task: other DAGs can be scheduled on new sharded data.
+SHARDED_DATASET = Asset("mopflow_sharded_dataset")
 SCHEDULE = os.environ.get("MOPFLOW_RETRAIN_SCHEDULE", "@weekly")
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("MOPFLOW_RETRY_DELAY_S", "30")))
 RETRIES = {"retries": int(os.environ.get("MOPFLOW_TASK_RETRIES", "2")), "retry_delay": RETRY_DELAY}
@@ -59,9 +61,15 @@ def mopflow_retrain() -> None:
         except permanent_errors() as exc:
             raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
-    @task(execution_timeout=timedelta(minutes=30), **RETRIES)
+    @task(execution_timeout=timedelta(minutes=30), outlets=[SHARDED_DATASET], **RETRIES)
     def shard(ctx: dict[str, Any]) -> dict[str, Any]:
-        return _call("shard_stage", ctx)
+        from airflow.sdk import get_current_context
+
+        result: dict[str, Any] = _call("shard_stage", ctx)
+        get_current_context()["outlet_events"][SHARDED_DATASET].extra = {
+            k: result[k] for k in ("manifest_uri", "manifest_hash")
+        }
+        return result
 
     @task(execution_timeout=timedelta(hours=6), **RETRIES)
     def search(ctx: dict[str, Any], shards: dict[str, Any]) -> dict[str, Any]:

@@ -19,22 +19,59 @@ class StageConfig(BaseModel):
 
 
 class DataConfig(StageConfig):
-    """What to shard and how."""
+    """What to shard and how: a generated dataset by name, or a user table by fsspec URL."""
 
-    dataset: str = Field("mnist1d", description="Dataset name (mnist1d)")
+    dataset: str = Field(
+        "mnist1d", description="Dataset: a name (mnist1d) or a parquet/CSV URL (file, folder, s3://)"
+    )
+    label_column: str = Field(
+        "label", min_length=1, max_length=128, description="Label column of a user table"
+    )
+    feature_columns: list[str] | None = Field(
+        None,
+        max_length=10_000,
+        description="Feature columns of a user table; None = all other numeric columns",
+    )
     n_shards: int = Field(4, ge=1, le=1024, description="Number of training shards")
     val_fraction: float = Field(
         0.1, gt=0.0, lt=0.5, description="Share of train rows held out for validation"
     )
+    test_fraction: float = Field(
+        0.2, gt=0.0, lt=0.5, description="Share of a user table's rows held out for test"
+    )
     seed: int = Field(42, ge=0, le=2**31 - 1, description="Generator seed (42 = the published split)")
-    num_samples: int = Field(5000, ge=100, le=10_000_000, description="Rows generated (train+test)")
+    num_samples: int = Field(5000, ge=100, le=100_000_000, description="Rows generated (train+test)")
+    partition_rows: int = Field(
+        50_000, ge=100, le=10_000_000, description="Rows generated per Dask task (one seed per partition)"
+    )
+    nan_policy: Literal["fail", "drop"] = Field(
+        "fail", description="Rows with NaN/inf features: fail or drop"
+    )
 
     @field_validator("dataset")
     @classmethod
     def _known_dataset(cls, value: str) -> str:
-        if value not in KNOWN_DATASETS:
-            raise ValueError(f"unknown dataset {value!r}; expected one of {list(KNOWN_DATASETS)}")
+        if value in KNOWN_DATASETS or is_table_url(value):
+            return value
+        raise ValueError(
+            f"unknown dataset {value!r}; expected one of {list(KNOWN_DATASETS)} or a parquet/CSV URL "
+            "(a path or s3://... ending in .parquet or .csv, or a folder of them)"
+        )
+
+    @field_validator("feature_columns")
+    @classmethod
+    def _columns(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("feature_columns must name at least one column (or be null for all numeric)")
+            if len(set(value)) != len(value):
+                raise ValueError("feature_columns has duplicates")
         return value
+
+
+def is_table_url(value: str) -> bool:
+    """Whether a dataset string looks like a table location (path or URL), not a dataset name."""
+    return "/" in value or value.endswith((".parquet", ".csv", ".pq"))
 
 
 class SearchConfig(StageConfig):

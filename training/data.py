@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,17 +46,21 @@ class ShardResult:
 # ---------------------------------------------------------------------------------------------
 # Pure helpers
 
+SPLIT_COLUMN = "_split"
+DROPPED = "_dropped"  # rows with NaN/inf features under nan_policy="drop"
+INVALID = "_invalid"  # the same rows under nan_policy="fail" (reported, never written)
+PARTITION_SEED_STRIDE = 1_000_003
 
-def row_unit_interval(features: np.ndarray, labels: np.ndarray, salt: str) -> np.ndarray:
-    """A number in [0, 1) per row from a hash of its content: the split does not move when rows are appended."""
-    feats = np.ascontiguousarray(features, dtype=np.float32)
-    labs = np.asarray(labels, dtype=np.int64)
-    out = np.empty(len(feats), dtype=np.float64)
-    salt_b = salt.encode()
-    for i in range(len(feats)):
-        digest = hashlib.blake2b(feats[i].tobytes() + labs[i].tobytes(), digest_size=8, key=salt_b).digest()
-        out[i] = int.from_bytes(digest, "big") / 2.0**64
-    return out
+
+class DataValidationError(ValueError):
+    """The source cannot be sharded as configured; the message names the column, value or count."""
+
+
+def row_unit_interval(frame: pd.DataFrame, salt: str) -> np.ndarray:
+    """A number in [0, 1) per row from a hash of its content: a row keeps its split when rows are appended."""
+    key = hashlib.sha256(salt.encode()).hexdigest()[:16]
+    hashed = pd.util.hash_pandas_object(frame, index=False, hash_key=key).to_numpy(dtype=np.uint64)
+    return hashed.astype(np.float64) / 2.0**64
 
 
 def feature_columns(n_features: int) -> list[str]:
@@ -65,20 +70,14 @@ def feature_columns(n_features: int) -> list[str]:
 
 def shard_key(source: Mapping[str, Any], cfg: DataConfig) -> str:
     """Content address of a sharded dataset: the source fingerprint plus the shard config."""
-    return storage.canonical_hash(
-        {
-            "source": dict(source),
-            "n_shards": cfg.n_shards,
-            "val_fraction": cfg.val_fraction,
-            "v": MANIFEST_VERSION,
-        }
-    )[:16]
+    shard_cfg = cfg.model_dump(include={"n_shards", "val_fraction", "test_fraction", "nan_policy"})
+    return storage.canonical_hash({"source": dict(source), "shards": shard_cfg, "v": MANIFEST_VERSION})[:16]
 
 
 def even_chunks(n_rows: int, n_chunks: int) -> list[tuple[int, int]]:
     """Split ``range(n_rows)`` into ``n_chunks`` contiguous ranges whose sizes differ by at most one."""
     if n_chunks > n_rows:
-        raise ValueError(f"cannot cut {n_rows} rows into {n_chunks} shards: more shards than rows")
+        raise DataValidationError(f"cannot cut {n_rows} rows into {n_chunks} shards: more shards than rows")
     base, extra = divmod(n_rows, n_chunks)
     bounds, start = [], 0
     for i in range(n_chunks):
@@ -86,6 +85,21 @@ def even_chunks(n_rows: int, n_chunks: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def plan_shards(partition_rows: Sequence[int], n_shards: int) -> list[list[tuple[int, int, int]]]:
+    """For each shard, the (partition, start, stop) slices it takes, cutting the rows of all
+    partitions (in order) into ``n_shards`` near-equal contiguous pieces."""
+    offsets = np.concatenate([[0], np.cumsum(partition_rows)]).astype(int)
+    plan: list[list[tuple[int, int, int]]] = []
+    for start, stop in even_chunks(int(offsets[-1]), n_shards):
+        slices = []
+        for p in range(len(partition_rows)):
+            lo, hi = max(start, offsets[p]), min(stop, offsets[p + 1])
+            if lo < hi:
+                slices.append((p, int(lo - offsets[p]), int(hi - offsets[p])))
+        plan.append(slices)
+    return plan
 
 
 def combine_stats(parts: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float]]:
@@ -105,12 +119,98 @@ def manifest_hash(manifest: Mapping[str, Any]) -> str:
     )
 
 
+def check_columns(dtypes: Mapping[str, Any], label: str, features: Sequence[str] | None) -> list[str]:
+    """Validate a table's columns before reading any rows; return the feature columns."""
+    columns = list(dtypes)
+    if label not in dtypes:
+        raise DataValidationError(f"label column {label!r} is missing; the source has columns {columns[:20]}")
+    if features is None:
+        chosen = [c for c in columns if c != label and pd.api.types.is_numeric_dtype(dtypes[c])]
+        if not chosen:
+            raise DataValidationError(
+                f"the source has no numeric feature columns besides the label {label!r}"
+            )
+        return chosen
+    missing = [c for c in features if c not in dtypes]
+    if missing:
+        raise DataValidationError(
+            f"feature column(s) {missing} are missing; the source has columns {columns[:20]}"
+        )
+    bad = {c: str(dtypes[c]) for c in features if not pd.api.types.is_numeric_dtype(dtypes[c])}
+    if bad:
+        raise DataValidationError(f"feature column(s) must be numeric: {bad}")
+    if label in features:
+        raise DataValidationError(f"label column {label!r} is also listed as a feature")
+    return list(features)
+
+
+def mark_nonfinite(frame: pd.DataFrame, features: Sequence[str], policy: str) -> pd.DataFrame:
+    """Flag rows with NaN/inf features (``_dropped`` or ``_invalid`` in the split column)."""
+    values = frame[list(features)].to_numpy(dtype=np.float64)
+    bad = ~np.isfinite(values).all(axis=1)
+    if bad.any():
+        frame.loc[bad, SPLIT_COLUMN] = DROPPED if policy == "drop" else INVALID
+    return frame
+
+
+def validate_stats(
+    stats: Sequence[Mapping[str, Any]], cfg: DataConfig, features: Sequence[str], n_shards: int
+) -> dict[str, Any]:
+    """Check the gathered per-partition counts; return the totals. Raises naming the problem."""
+    split_rows: dict[str, int] = {}
+    classes: dict[int, int] = {}
+    nonfinite: dict[str, int] = {}
+    label_problems: list[str] = []
+    for part in stats:
+        for split, n in part["split_rows"].items():
+            split_rows[split] = split_rows.get(split, 0) + int(n)
+        for label, n in part["classes"].items():
+            classes[int(label)] = classes.get(int(label), 0) + int(n)
+        for col, n in part["nonfinite"].items():
+            nonfinite[col] = nonfinite.get(col, 0) + int(n)
+        label_problems += part["label_problems"]
+    usable = sum(n for s, n in split_rows.items() if s in SPLITS)
+    if usable == 0 and not split_rows.get(DROPPED) and not split_rows.get(INVALID):
+        raise DataValidationError(f"the source {cfg.dataset!r} is empty: it has no rows")
+    if label_problems:
+        raise DataValidationError(
+            f"label column {cfg.label_column!r} must hold integer class ids >= 0; found {label_problems[:3]}"
+        )
+    if split_rows.get(INVALID):
+        worst = sorted(nonfinite.items(), key=lambda kv: -kv[1])[:5]
+        raise DataValidationError(
+            f"{split_rows[INVALID]} row(s) have NaN/inf features (by column: {dict(worst)}); "
+            "nan_policy='fail' refuses them (set nan_policy='drop' to drop those rows)"
+        )
+    if usable == 0:
+        raise DataValidationError(
+            f"all {split_rows.get(DROPPED, 0)} rows of {cfg.dataset!r} have NaN/inf features"
+        )
+    if len(classes) < 2:
+        raise DataValidationError(
+            f"label column {cfg.label_column!r} has {len(classes)} class(es) {sorted(classes)}; at least 2 are needed"
+        )
+    if split_rows.get("train", 0) < n_shards:
+        raise DataValidationError(
+            f"n_shards={n_shards} is more than the {split_rows.get('train', 0)} training rows: more shards than rows"
+        )
+    for split in SPLITS:
+        if split_rows.get(split, 0) == 0:
+            raise DataValidationError(f"the {split} split is empty ({usable} usable rows); use more rows")
+    return {"split_rows": split_rows, "classes": classes, "dropped": split_rows.get(DROPPED, 0)}
+
+
 # ---------------------------------------------------------------------------------------------
 # Tasks that run on Dask workers
 
 
-def generate_mnist1d(num_samples: int, seed: int, val_fraction: float) -> pd.DataFrame:
-    """MNIST-1D from the ``mnist1d`` package (defaults + seed), with a ``split`` column."""
+def generate_mnist1d_partition(num_samples: int, seed: int, val_fraction: float) -> pd.DataFrame:
+    """One partition of MNIST-1D from the ``mnist1d`` package (its default arguments and ``seed``).
+
+    The package splits its samples 80/20 into train and test; validation rows are then held
+    out of train by a hash of each row's content. With 5000 samples and seed 42 this is the
+    published 4000/1000 split.
+    """
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
@@ -120,24 +220,73 @@ def generate_mnist1d(num_samples: int, seed: int, val_fraction: float) -> pd.Dat
     cols = feature_columns(data["x"].shape[1])
     train = pd.DataFrame(np.asarray(data["x"], dtype=np.float32), columns=cols)
     train[LABEL_COLUMN] = np.asarray(data["y"], dtype=np.int64)
-    u = row_unit_interval(train[cols].to_numpy(), train[LABEL_COLUMN].to_numpy(), salt=f"val-{seed}")
-    train["split"] = np.where(u < val_fraction, "validation", "train")
+    u = row_unit_interval(train, salt=f"val-{seed}")
+    train[SPLIT_COLUMN] = np.where(u < val_fraction, "validation", "train")
     test = pd.DataFrame(np.asarray(data["x_test"], dtype=np.float32), columns=cols)
     test[LABEL_COLUMN] = np.asarray(data["y_test"], dtype=np.int64)
-    test["split"] = "test"
+    test[SPLIT_COLUMN] = "test"
     return pd.concat([train, test], ignore_index=True)
 
 
-def write_shard(
+def prepare_table_partition(
     frame: pd.DataFrame,
+    features: Sequence[str],
+    label: str,
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+    nan_policy: str,
+) -> pd.DataFrame:
+    """Select and type a user table's columns and assign each row its split by content hash."""
+    out = frame[list(features)].astype(np.float32)
+    out.columns = list(features)
+    out[LABEL_COLUMN] = frame[label].to_numpy()
+    u = row_unit_interval(out, salt=f"split-{seed}")
+    out[SPLIT_COLUMN] = np.where(
+        u < test_fraction, "test", np.where(u < test_fraction + val_fraction, "validation", "train")
+    )
+    return mark_nonfinite(out.reset_index(drop=True), features, nan_policy)
+
+
+def partition_stats(frame: pd.DataFrame, features: Sequence[str]) -> dict[str, Any]:
+    """Counts the driver needs to validate and plan shards (never the rows themselves)."""
+    split_rows = frame[SPLIT_COLUMN].value_counts().to_dict()
+    labels = frame.loc[frame[SPLIT_COLUMN].isin(SPLITS), LABEL_COLUMN]
+    problems: list[str] = []
+    if len(labels):
+        if not pd.api.types.is_integer_dtype(labels.dtype):
+            numeric = pd.to_numeric(labels, errors="coerce")
+            bad = labels[numeric.isna() | (numeric != np.floor(numeric))]
+            if len(bad):
+                problems.append(f"{bad.iloc[0]!r}")
+        if not problems and (pd.to_numeric(labels) < 0).any():
+            problems.append(f"{int(pd.to_numeric(labels).min())}")
+    classes = {} if problems else pd.to_numeric(labels).astype(np.int64).value_counts().to_dict()
+    values = frame[list(features)].to_numpy(dtype=np.float64)
+    nonfinite = (~np.isfinite(values)).sum(axis=0)
+    return {
+        "split_rows": {str(k): int(v) for k, v in split_rows.items()},
+        "classes": {int(k): int(v) for k, v in classes.items()},
+        "nonfinite": {c: int(n) for c, n in zip(features, nonfinite, strict=True) if n},
+        "label_problems": problems,
+    }
+
+
+def write_shard(
     split: str,
-    start: int,
-    stop: int,
+    slices: Sequence[tuple[int, int, int]],
     url: str,
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None,
+    partitions: Sequence[pd.DataFrame],
 ) -> dict[str, Any]:
-    """Write rows [start, stop) of ``split`` as one parquet shard; return its stats for the manifest."""
-    part = frame[frame["split"] == split].iloc[start:stop].drop(columns=["split"]).reset_index(drop=True)
+    """Write one parquet shard from slices of the split's rows in several partitions; return its stats."""
+    pieces = []
+    for index, start, stop in slices:
+        frame = partitions[index]
+        rows = frame[frame[SPLIT_COLUMN] == split]
+        pieces.append(rows.iloc[start:stop])
+    part = pd.concat(pieces, ignore_index=True).drop(columns=[SPLIT_COLUMN])
+    part[LABEL_COLUMN] = pd.to_numeric(part[LABEL_COLUMN]).astype(np.int64)
     buffer = io.BytesIO()
     part.to_parquet(buffer, index=False)
     data = buffer.getvalue()
@@ -156,6 +305,115 @@ def write_shard(
 
 
 # ---------------------------------------------------------------------------------------------
+# Sources
+
+
+def table_fingerprint(url: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What identifies a user table's content: its files with sizes and modification stamps."""
+    fs, path = storage.filesystem(url, storage_options)
+    if not fs.exists(path):
+        raise DataValidationError(f"dataset {url!r} does not exist")
+    files = (
+        [path]
+        if fs.isfile(path)
+        else sorted(f for f in fs.find(path) if f.endswith((".parquet", ".pq", ".csv")))
+    )
+    if not files:
+        raise DataValidationError(f"dataset folder {url!r} holds no .parquet or .csv files")
+    entries = []
+    for f in files:
+        info = fs.info(f)
+        stamp = info.get("ETag") or info.get("mtime") or info.get("LastModified") or info.get("created")
+        entries.append(
+            {
+                "file": f.rsplit("/", 1)[-1] if len(files) == 1 else f[len(path) :],
+                "size": info.get("size"),
+                "stamp": str(stamp),
+            }
+        )
+    return {"url": url, "files": entries}
+
+
+def read_table(url: str, storage_options: Mapping[str, Any] | None) -> Any:
+    """A lazy Dask DataFrame over a parquet or CSV file or folder."""
+    import dask.dataframe as dd
+
+    so = dict(storage_options or {})
+    fs, path = storage.filesystem(url, storage_options)
+    is_csv = path.endswith(".csv") or (
+        fs.isdir(path)
+        and any(f.endswith(".csv") for f in fs.find(path))
+        and not any(f.endswith((".parquet", ".pq")) for f in fs.find(path))
+    )
+    try:
+        if is_csv:
+            target = url if not fs.isdir(path) else storage.join(url, "*.csv")
+            return dd.read_csv(target, storage_options=so, blocksize="64MB", assume_missing=False)
+        return dd.read_parquet(url, storage_options=so)
+    except (ValueError, OSError) as exc:
+        raise DataValidationError(f"cannot read dataset {url!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """What a source is (its fingerprint) and its columns, known before any row is read."""
+
+    fingerprint: dict[str, Any]
+    features: list[str]
+    table: Any = None  # the lazy Dask DataFrame of a user table
+
+
+def describe_source(cfg: DataConfig, storage_options: Mapping[str, Any] | None) -> SourceInfo:
+    """Fingerprint and columns of the source; a user table's columns are validated here, from metadata."""
+    if cfg.dataset == "mnist1d":
+        fingerprint = {
+            "dataset": "mnist1d",
+            "num_samples": cfg.num_samples,
+            "seed": cfg.seed,
+            "partition_rows": cfg.partition_rows,
+            "val_fraction": cfg.val_fraction,
+            "generator": "mnist1d-0.0.2",
+        }
+        return SourceInfo(fingerprint, feature_columns(40))
+    fingerprint = table_fingerprint(cfg.dataset, storage_options)
+    ddf = read_table(cfg.dataset, storage_options)
+    features = check_columns(dict(ddf.dtypes.items()), cfg.label_column, cfg.feature_columns)
+    fingerprint |= {"label": cfg.label_column, "features": features, "seed": cfg.seed}
+    return SourceInfo(fingerprint, features, ddf)
+
+
+def source_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
+    """Futures of the source's prepared partitions; the rows stay on the workers."""
+    if cfg.dataset == "mnist1d":
+        n_parts = max(1, -(-cfg.num_samples // cfg.partition_rows))
+        return [
+            client.submit(
+                generate_mnist1d_partition,
+                stop - start,
+                cfg.seed + p * PARTITION_SEED_STRIDE,
+                cfg.val_fraction,
+                pure=False,
+            )
+            for p, (start, stop) in enumerate(even_chunks(cfg.num_samples, n_parts))
+        ]
+    raw = client.compute(info.table.to_delayed())
+    return [
+        client.submit(
+            prepare_table_partition,
+            part,
+            info.features,
+            cfg.label_column,
+            cfg.val_fraction,
+            cfg.test_fraction,
+            cfg.seed,
+            cfg.nan_policy,
+            pure=False,
+        )
+        for part in raw
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
 # The stage
 
 
@@ -165,18 +423,22 @@ def shard_dataset(
     client: Any,
     storage_options: Mapping[str, Any] | None = None,
 ) -> ShardResult:
-    """Generate ``cfg.dataset`` on the Dask cluster and write shards + manifest under ``data_root``.
+    """Shard ``cfg.dataset`` on the Dask cluster and write shards + manifest under ``data_root``.
 
-    Reuses an existing, complete output with the same content address.
+    The driver only ever holds counts and statistics: rows stay on the workers. A rerun with
+    the same input reuses the existing output; a failure removes what was half-written.
     """
-    source = {
-        "dataset": cfg.dataset,
-        "num_samples": cfg.num_samples,
-        "seed": cfg.seed,
-        "generator": "mnist1d-0.0.2",
-    }
+    started = time.monotonic()
+    if cfg.dataset == "mnist1d":
+        log.info("shard: generating mnist1d (%d samples, seed %d) on Dask", cfg.num_samples, cfg.seed)
+    else:
+        log.info("shard: reading %s on Dask", cfg.dataset)
+    info = describe_source(cfg, storage_options)
+    features, source = info.features, info.fingerprint
+    n_classes_hint = 10 if cfg.dataset == "mnist1d" else 0
     key = shard_key(source, cfg)
-    out_dir = storage.join(data_root, "datasets", f"{cfg.dataset}-{key}")
+    name = cfg.dataset if cfg.dataset == "mnist1d" else "table"
+    out_dir = storage.join(data_root, "datasets", f"{name}-{key}")
     manifest_uri = storage.join(out_dir, MANIFEST_NAME)
     if storage.exists(manifest_uri, storage_options):
         existing = storage.read_json(manifest_uri, storage_options)
@@ -185,36 +447,61 @@ def shard_dataset(
         )
         return ShardResult(manifest_uri, existing["manifest_hash"], reused=True)
 
-    started = time.monotonic()
-    log.info("shard: generating %s (%d samples, seed %d) on Dask", cfg.dataset, cfg.num_samples, cfg.seed)
-    frame = client.submit(generate_mnist1d, cfg.num_samples, cfg.seed, cfg.val_fraction, pure=False)
-    counts = client.submit(lambda f: f["split"].value_counts().to_dict(), frame).result()
-    per_split_chunks = {"train": cfg.n_shards, "validation": 1, "test": 1}
-    futures: dict[str, list[Any]] = {}
-    names: dict[str, list[str]] = {}
-    for split, n_chunks in per_split_chunks.items():
-        n_rows = int(counts.get(split, 0))
-        futures[split], names[split] = [], []
-        for i, (start, stop) in enumerate(even_chunks(n_rows, n_chunks)):
-            name = f"{split}-{i:05d}.parquet"
-            names[split].append(name)
-            futures[split].append(
-                client.submit(
-                    write_shard, frame, split, start, stop, storage.join(out_dir, name), storage_options
+    partitions = source_partitions(cfg, info, client)
+    try:
+        stats = client.gather([client.submit(partition_stats, p, features, pure=False) for p in partitions])
+    except Exception:
+        client.cancel(partitions)
+        raise
+    per_split_shards = {"train": cfg.n_shards, "validation": 1, "test": 1}
+    try:
+        totals = validate_stats(stats, cfg, features, cfg.n_shards)
+    except DataValidationError:
+        client.cancel(partitions)
+        raise
+    if totals["dropped"]:
+        log.warning("shard: dropped %d row(s) with NaN/inf features (nan_policy='drop')", totals["dropped"])
+    log.info("shard: %s rows per split in %d partition(s)", totals["split_rows"], len(partitions))
+    try:
+        futures: dict[str, list[Any]] = {}
+        names: dict[str, list[str]] = {}
+        for split, n_chunks in per_split_shards.items():
+            rows_per_partition = [int(s["split_rows"].get(split, 0)) for s in stats]
+            futures[split], names[split] = [], []
+            for i, slices in enumerate(plan_shards(rows_per_partition, n_chunks)):
+                shard_name = f"{split}-{i:05d}.parquet"
+                names[split].append(shard_name)
+                needed = [partitions[p] for p, _, _ in slices]
+                local = [(j, start, stop) for j, (_, start, stop) in enumerate(slices)]
+                futures[split].append(
+                    client.submit(
+                        write_shard,
+                        split,
+                        local,
+                        storage.join(out_dir, shard_name),
+                        storage_options,
+                        needed,
+                        pure=False,
+                    )
                 )
-            )
-    results = {split: client.gather(fs) for split, fs in futures.items()}
-    n_features = len(results["train"][0]["schema"]) - 1
+        results = {split: client.gather(fs) for split, fs in futures.items()}
+    except Exception:
+        _remove_partial(out_dir, storage_options)
+        raise
+    finally:
+        client.cancel(partitions)
     mean, std = combine_stats(results["train"])
+    num_classes = max(n_classes_hint, max(totals["classes"]) + 1)
     manifest: dict[str, Any] = {
         "version": MANIFEST_VERSION,
         "dataset": cfg.dataset,
         "source": source,
         "config": cfg.model_dump(),
-        "feature_columns": feature_columns(n_features),
+        "feature_columns": list(features),
         "label_column": LABEL_COLUMN,
-        "num_classes": 10,
+        "num_classes": int(num_classes),
         "schema": results["train"][0]["schema"],
+        "dropped_rows": int(totals["dropped"]),
         "normalization": {"mean": mean, "std": std},
         "splits": {
             split: [
@@ -226,7 +513,11 @@ def shard_dataset(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     manifest["manifest_hash"] = manifest_hash(manifest)
-    storage.write_json_atomic(manifest_uri, manifest, storage_options)
+    try:
+        storage.write_json_atomic(manifest_uri, manifest, storage_options)
+    except Exception:
+        _remove_partial(out_dir, storage_options)
+        raise
     rows = {s: sum(e["rows"] for e in manifest["splits"][s]) for s in SPLITS}
     log.info(
         "shard: wrote %d train shards (%s rows per split) to %s in %.1fs",
@@ -236,6 +527,17 @@ def shard_dataset(
         time.monotonic() - started,
     )
     return ShardResult(manifest_uri, manifest["manifest_hash"], reused=False)
+
+
+def _remove_partial(out_dir: str, storage_options: Mapping[str, Any] | None) -> None:
+    """Delete a half-written output folder (its manifest was never written)."""
+    try:
+        fs, path = storage.filesystem(out_dir, storage_options)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+            log.warning("shard: removed the partial output at %s", out_dir)
+    except Exception as exc:  # cleanup must not hide the original error
+        log.warning("shard: could not remove the partial output at %s: %s", out_dir, exc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,18 +563,41 @@ def _manifest_dir(manifest_uri: str) -> str:
     return manifest_uri.rsplit("/", 1)[0]
 
 
+def _is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def _fetch_shard(
+    url: str, entry: Mapping[str, Any], storage_options: Mapping[str, Any] | None, cache_dir: str | None
+) -> bytes:
+    """A shard's bytes; remote shards are cached on local disk under their sha256 (re-verified on use)."""
+    cached = None
+    if cache_dir and not _is_local(url):
+        cached = Path(cache_dir) / f"{entry['sha256']}.parquet"
+        if cached.exists():
+            data = cached.read_bytes()
+            if storage.sha256_bytes(data) == entry["sha256"]:
+                return data
+            cached.unlink()  # a damaged cache entry is fetched again
+    try:
+        data = storage.read_bytes(url, storage_options)
+    except FileNotFoundError as exc:
+        raise ShardIntegrityError(f"shard {entry['name']} is missing ({url})") from exc
+    if cached is not None and storage.sha256_bytes(data) == entry["sha256"]:
+        storage.write_bytes_atomic(str(cached), data)
+    return data
+
+
 def read_shard(
     manifest_uri: str,
     manifest: Mapping[str, Any],
     entry: Mapping[str, Any],
     storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | None = None,
 ) -> pd.DataFrame:
     """Read one shard, verifying its checksum and schema; errors name the shard."""
     url = storage.join(_manifest_dir(manifest_uri), str(entry["name"]))
-    try:
-        data = storage.read_bytes(url, storage_options)
-    except FileNotFoundError as exc:
-        raise ShardIntegrityError(f"shard {entry['name']} is missing ({url})") from exc
+    data = _fetch_shard(url, entry, storage_options, cache_dir)
     digest = storage.sha256_bytes(data)
     if digest != entry["sha256"]:
         raise ShardIntegrityError(
@@ -290,13 +615,17 @@ def load_split(
     split: str,
     storage_options: Mapping[str, Any] | None = None,
     shard_names: Sequence[str] | None = None,
+    cache_dir: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Features (float32) and labels (int64) of a split, read from its verified shards."""
+    """Features (float32) and labels (int64) of a split, read from its verified shards.
+
+    ``shard_names`` restricts reading to the shards a worker holds; memory is bounded by those.
+    """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
     manifest = load_manifest(manifest_uri, storage_options)
     entries = [e for e in manifest["splits"][split] if shard_names is None or e["name"] in shard_names]
-    frames = [read_shard(manifest_uri, manifest, e, storage_options) for e in entries]
+    frames = [read_shard(manifest_uri, manifest, e, storage_options, cache_dir) for e in entries]
     frame = pd.concat(frames, ignore_index=True)
     x = frame[manifest["feature_columns"]].to_numpy(dtype=np.float32)
     y = frame[manifest["label_column"]].to_numpy(dtype=np.int64)

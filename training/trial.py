@@ -66,6 +66,13 @@ class NullReporter:
         return False
 
 
+def shard_cache_dir() -> str:
+    """Where a worker caches remote shards on its local disk (``MOPFLOW_SHARD_CACHE``)."""
+    import tempfile
+
+    return os.environ.get("MOPFLOW_SHARD_CACHE") or os.path.join(tempfile.gettempdir(), "mopflow-shard-cache")
+
+
 def quiet_lightning() -> None:
     """Lightning's INFO chatter (GPU available, tips) does not belong in task logs."""
     for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
@@ -152,8 +159,9 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                 else NullReporter()
             )
         manifest = load_manifest(spec.manifest_uri, spec.storage_options)
-        x_train, y_train = load_split(spec.manifest_uri, "train", spec.storage_options)
-        x_val, y_val = load_split(spec.manifest_uri, "validation", spec.storage_options)
+        cache = shard_cache_dir()
+        x_train, y_train = load_split(spec.manifest_uri, "train", spec.storage_options, cache_dir=cache)
+        x_val, y_val = load_split(spec.manifest_uri, "validation", spec.storage_options, cache_dir=cache)
         arch = ArchSpec.from_params(spec.params, x_train.shape[1], int(manifest["num_classes"]))
         norm = manifest["normalization"]
         pl.seed_everything(spec.seed, workers=False, verbose=False)

@@ -36,6 +36,7 @@ def test_retrain_dag_shape_and_task_settings(dagbag: object) -> None:
         assert task.retries is not None and task.retries >= 1, task.task_id
         assert task.execution_timeout is not None, task.task_id
     assert dag.get_task("finalize").trigger_rule == "all_done"
+    assert [o.name for o in dag.get_task("shard").outlets] == ["mopflow_sharded_dataset"]
 
 
 def test_every_param_has_a_schema_and_a_description(dagbag: object) -> None:

@@ -3,11 +3,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from infra import storage
 from training.config import DataConfig
 from training.data import (
+    DataValidationError,
     ShardIntegrityError,
     combine_stats,
     even_chunks,
@@ -22,16 +24,16 @@ from training.data import (
 def test_even_chunks_cover_all_rows_with_near_equal_sizes() -> None:
     chunks = even_chunks(10, 3)
     assert chunks == [(0, 4), (4, 7), (7, 10)]
-    with pytest.raises(ValueError, match="more shards than rows"):
+    with pytest.raises(DataValidationError, match="more shards than rows"):
         even_chunks(2, 3)
 
 
 def test_split_of_a_row_does_not_move_when_rows_are_appended() -> None:
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(200, 5)).astype(np.float32)
-    y = rng.integers(0, 3, size=200)
-    before = row_unit_interval(x[:150], y[:150], salt="s") < 0.2
-    after = row_unit_interval(x, y, salt="s") < 0.2
+    frame = pd.DataFrame(rng.normal(size=(200, 5)).astype(np.float32))
+    frame["label"] = rng.integers(0, 3, size=200)
+    before = row_unit_interval(frame.iloc[:150], salt="s") < 0.2
+    after = row_unit_interval(frame, salt="s") < 0.2
     assert np.array_equal(before, after[:150])
     assert 0.05 < after.mean() < 0.4
 

@@ -1,0 +1,481 @@
+"""Benchmark of the data-sharding stage (``training.data.shard_dataset``) on MNIST-1D.
+
+What is measured
+----------------
+1. Throughput. Generating and sharding ``--rows`` MNIST-1D rows (default 1,000,000;
+   ``DataConfig(num_samples=rows, partition_rows=50_000, n_shards=8)``) with Dask on 1 worker and
+   on 2 workers, each on a fresh ``LocalCluster`` (``training.cluster.dask_client("", n)``, one
+   thread per worker process, 127.0.0.1 only) and a fresh temporary ``data_root``. The reference
+   is a single-process pandas/numpy baseline without Dask that does the same work: it calls
+   ``generate_mnist1d_partition`` for each partition in turn (same sizes and seeds as the stage),
+   concatenates the rows of each split, writes the same shards (``n_shards`` train, 1 validation,
+   1 test) with ``DataFrame.to_parquet`` and computes the sha256 of each file. ``wall_s`` of a
+   Dask run is the ``shard_dataset`` call only (cluster start-up is recorded separately in the
+   JSON). ``speedup`` = baseline wall / run wall; target: >= 1.7x on 2 workers.
+2. Peak memory per process. Every configuration runs in a fresh subprocess (this script
+   re-invoked with ``--run NAME``) so that peaks are not polluted by earlier runs. The driver's
+   (or the baseline's) peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss`` of that subprocess; note
+   that the LocalCluster's scheduler lives in the driver process, so it is included. The
+   workers' peak RSS is sampled with psutil every 0.2 s over the worker PIDs
+   (``client.run(os.getpid)``); the table shows the largest worker, the JSON has each one.
+3. Driver memory scaling. The 2-worker run is repeated at ``--base-rows`` (default 100,000)
+   and the driver peak RSS ratio (rows run / base run) is reported; target: < 1.5.
+
+Output: a plain-text table on stdout and every figure in ``benchmarks/results/shard.json``
+(with the machine's CPU count and the date). Nothing is downloaded; MNIST-1D is generated.
+
+Run it from the repository root::
+
+    .venv/bin/python benchmarks/shard.py                               # full size (minutes)
+    .venv/bin/python benchmarks/shard.py --rows 20000 --base-rows 2000  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "shard.json"
+PARTITION_ROWS = 50_000
+N_SHARDS = 8
+SAMPLE_INTERVAL_S = 0.2
+SPEEDUP_TARGET = 1.7
+MEMORY_RATIO_TARGET = 1.5
+RUNS = ("baseline", "dask-1-worker", "dask-2-workers")
+WORKERS = {"dask-1-worker": 1, "dask-2-workers": 2}
+MB = 1024 * 1024
+
+
+@dataclass
+class RunResult:
+    """The figures of one configuration, measured in its own subprocess."""
+
+    config: str
+    rows_requested: int
+    rows: int
+    wall_s: float
+    n_workers: int
+    driver_peak_mb: float
+    driver_rss_before_mb: float
+    driver_cpu_s: float
+    worker_peak_mb: list[float] = field(default_factory=list)
+    worker_cpu_s: list[float] = field(default_factory=list)
+    cluster_start_s: float = 0.0
+    shard_sha256: dict[str, str] = field(default_factory=dict)
+    # CPU seconds during the timed window: this run's own processes vs the whole machine, to
+    # show whether something else running on the machine took CPU away from the run
+    own_cpu_s: float = 0.0
+    machine_busy_cpu_s: float = 0.0
+    other_cpu_share: float = 0.0
+    load_avg_1m_before: float = 0.0
+
+
+class CpuWindow:
+    """System-wide busy CPU seconds and this process's CPU seconds over a ``with`` block."""
+
+    def __enter__(self) -> CpuWindow:
+        import psutil
+
+        self.load_before = os.getloadavg()[0]
+        self._machine = psutil.cpu_times()
+        self._self = _self_cpu_s()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import psutil
+
+        after = psutil.cpu_times()
+        self.wall_s = time.perf_counter() - self._t0
+        self.self_cpu_s = _self_cpu_s() - self._self
+        self.machine_busy_s = _busy(after) - _busy(self._machine)
+
+    def other_share(self, own_cpu_s: float) -> float:
+        """Share of the machine's CPU capacity in the window used by processes not of this run."""
+        capacity = self.wall_s * (os.cpu_count() or 1)
+        return max(0.0, self.machine_busy_s - own_cpu_s) / capacity
+
+
+def _busy(times: Any) -> float:
+    """Busy CPU seconds of a ``psutil.cpu_times()`` sample (everything but idle and iowait)."""
+    return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
+
+
+class RssSampler:
+    """Samples the RSS (and CPU time) of some processes in a background thread; keeps the peaks."""
+
+    def __init__(self, pids: list[int], interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        import psutil
+
+        self._procs = [psutil.Process(pid) for pid in pids]
+        self._interval_s = interval_s
+        self.peak_rss = [0] * len(pids)
+        self.cpu_s = [0.0] * len(pids)
+        self.cpu_start_s: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        for i, proc in enumerate(self._procs):
+            try:
+                with proc.oneshot():
+                    rss = proc.memory_info().rss
+                    cpu = proc.cpu_times()
+            except psutil.Error:  # a worker that exited or was restarted
+                continue
+            self.peak_rss[i] = max(self.peak_rss[i], rss)
+            self.cpu_s[i] = cpu.user + cpu.system
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self._interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self._sample()
+        self.cpu_start_s = list(self.cpu_s)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def _self_peak_mb() -> float:
+    """Peak RSS of this process in MiB (Linux reports ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _self_rss_mb() -> float:
+    import psutil
+
+    return float(psutil.Process().memory_info().rss) / MB
+
+
+def _self_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _data_config(rows: int) -> Any:
+    from training.config import DataConfig
+
+    return DataConfig(num_samples=rows, partition_rows=PARTITION_ROWS, n_shards=N_SHARDS)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# The configurations (each runs in its own subprocess)
+
+
+def run_baseline(rows: int) -> RunResult:
+    """Generate and shard in one process with pandas/numpy only: no Dask."""
+    import pandas as pd
+
+    from training.data import (
+        LABEL_COLUMN,
+        PARTITION_SEED_STRIDE,
+        SPLIT_COLUMN,
+        SPLITS,
+        even_chunks,
+        generate_mnist1d_partition,
+    )
+
+    cfg = _data_config(rows)
+    rss_before = _self_rss_mb()
+    with tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as root:
+        out_dir = Path(root) / "baseline"
+        out_dir.mkdir()
+        with CpuWindow() as window:
+            n_parts = max(1, -(-cfg.num_samples // cfg.partition_rows))
+            frames = [
+                generate_mnist1d_partition(
+                    stop - start, cfg.seed + p * PARTITION_SEED_STRIDE, cfg.val_fraction
+                )
+                for p, (start, stop) in enumerate(even_chunks(cfg.num_samples, n_parts))
+            ]
+            per_split_shards = {"train": cfg.n_shards, "validation": 1, "test": 1}
+            written, hashes = 0, {}
+            for split in SPLITS:
+                table = pd.concat([f[f[SPLIT_COLUMN] == split] for f in frames], ignore_index=True)
+                table = table.drop(columns=[SPLIT_COLUMN])
+                table[LABEL_COLUMN] = table[LABEL_COLUMN].astype("int64")
+                for i, (lo, hi) in enumerate(even_chunks(len(table), per_split_shards[split])):
+                    path = out_dir / f"{split}-{i:05d}.parquet"
+                    table.iloc[lo:hi].to_parquet(path, index=False)
+                    hashes[path.name] = _sha256_file(path)
+                    written += hi - lo
+    return RunResult(
+        config="baseline",
+        rows_requested=rows,
+        rows=written,
+        wall_s=window.wall_s,
+        n_workers=0,
+        driver_peak_mb=_self_peak_mb(),
+        driver_rss_before_mb=rss_before,
+        driver_cpu_s=_self_cpu_s(),
+        shard_sha256=hashes,
+        own_cpu_s=window.self_cpu_s,
+        machine_busy_cpu_s=window.machine_busy_s,
+        other_cpu_share=window.other_share(window.self_cpu_s),
+        load_avg_1m_before=window.load_before,
+    )
+
+
+def run_dask(name: str, rows: int) -> RunResult:
+    """Shard with ``shard_dataset`` on a fresh LocalCluster of ``WORKERS[name]`` workers."""
+    from training.cluster import dask_client
+    from training.data import SPLITS, load_manifest, shard_dataset
+
+    n_workers = WORKERS[name]
+    cfg = _data_config(rows)
+    t0 = time.perf_counter()
+    with (
+        dask_client("", n_workers) as client,
+        tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as root,
+    ):
+        cluster_start = time.perf_counter() - t0
+        pids = sorted(client.run(os.getpid).values())
+        rss_before = _self_rss_mb()
+        with RssSampler(pids) as sampler, CpuWindow() as window:
+            result = shard_dataset(cfg, root, client)
+        if result.reused:
+            raise RuntimeError("shard_dataset reused an existing output in a fresh data_root")
+        manifest = load_manifest(result.manifest_uri)
+        entries = [e for split in SPLITS for e in manifest["splits"][split]]
+    worker_cpu = [end - start for start, end in zip(sampler.cpu_start_s, sampler.cpu_s, strict=True)]
+    own_cpu = window.self_cpu_s + sum(worker_cpu)
+    return RunResult(
+        config=name,
+        rows_requested=rows,
+        rows=sum(int(e["rows"]) for e in entries),
+        wall_s=window.wall_s,
+        n_workers=n_workers,
+        driver_peak_mb=_self_peak_mb(),
+        driver_rss_before_mb=rss_before,
+        driver_cpu_s=_self_cpu_s(),
+        worker_peak_mb=[rss / MB for rss in sampler.peak_rss],
+        worker_cpu_s=worker_cpu,
+        cluster_start_s=cluster_start,
+        shard_sha256={str(e["name"]): str(e["sha256"]) for e in entries},
+        own_cpu_s=own_cpu,
+        machine_busy_cpu_s=window.machine_busy_s,
+        other_cpu_share=window.other_share(own_cpu),
+        load_avg_1m_before=window.load_before,
+    )
+
+
+def run_one(name: str, rows: int, out: Path) -> None:
+    """Entry point of a subprocess: run one configuration and write its result as JSON."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    if name != "baseline":
+        import distributed  # noqa: F401  (its import sets the "distributed" logger to INFO)
+
+        logging.getLogger("distributed").setLevel(logging.WARNING)  # the in-process scheduler's chatter
+    result = run_baseline(rows) if name == "baseline" else run_dask(name, rows)
+    out.write_text(json.dumps(asdict(result)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestration (the parent process stays light: it imports neither pandas nor Dask)
+
+
+def spawn(name: str, rows: int, timeout_s: float) -> RunResult:
+    """Run one configuration in a fresh Python subprocess and read back its result."""
+    print(f"running {name} on {rows:,} rows ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--run", name, "--rows", str(rows)]
+        cmd += ["--out", str(out)]
+        subprocess.run(cmd, check=True, timeout=timeout_s, cwd=REPO_ROOT)  # noqa: S603
+        result = RunResult(**json.loads(out.read_text()))
+    print(f"  {name}: {result.wall_s:.1f}s", file=sys.stderr, flush=True)
+    return result
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("dask", "distributed", "pandas", "numpy", "pyarrow", "mnist1d", "psutil"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "missing"
+    return found
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The results as a fixed-width plain-text table."""
+    headers = ["config", "rows", "wall_s", "rows_per_s", "speedup", "driver_peak_mb", "worker_peak_mb"]
+    cells = [
+        [
+            r["config"],
+            f"{r['rows']:,}",
+            f"{r['wall_s']:.1f}",
+            f"{r['rows_per_s']:,.0f}",
+            "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            f"{r['driver_peak_mb']:.0f}",
+            "-" if r["worker_peak_mb"] is None else f"{r['worker_peak_mb']:.0f}",
+        ]
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+
+    def line(values: list[str]) -> str:
+        # first column left-aligned, the figures right-aligned
+        padded = [
+            v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        ]
+        return "  ".join(padded)
+
+    lines = [line(headers), line(["-" * w for w in widths])] + [line(c) for c in cells]
+    return "\n".join(lines)
+
+
+def main_orchestrate(rows: int, base_rows: int, timeout_s: float, results_path: Path) -> int:
+    """Run every configuration, print the table and targets, write the JSON; 0 if all targets pass."""
+    started_at = datetime.now(UTC)
+    runs = {name: spawn(name, rows, timeout_s) for name in RUNS}
+    base = runs["dask-2-workers"] if base_rows == rows else spawn("dask-2-workers", base_rows, timeout_s)
+
+    baseline_wall = runs["baseline"].wall_s
+    table: list[dict[str, Any]] = []
+    for result, compare in [(r, True) for r in runs.values()] + [(base, False)]:
+        if result is base and base_rows == rows:
+            continue
+        table.append(
+            {
+                "config": result.config,
+                "rows": result.rows,
+                "wall_s": result.wall_s,
+                "rows_per_s": result.rows / result.wall_s,
+                "speedup": baseline_wall / result.wall_s if compare else None,
+                "driver_peak_mb": result.driver_peak_mb,
+                "worker_peak_mb": max(result.worker_peak_mb) if result.worker_peak_mb else None,
+            }
+        )
+    speedup_2 = baseline_wall / runs["dask-2-workers"].wall_s
+    big, small = runs["dask-2-workers"], base
+    mem_ratio = big.driver_peak_mb / small.driver_peak_mb
+    growth_big = big.driver_peak_mb - big.driver_rss_before_mb
+    growth_small = small.driver_peak_mb - small.driver_rss_before_mb
+    factor = rows / base_rows
+    speedup_ok = speedup_2 >= SPEEDUP_TARGET
+    memory_ok = mem_ratio < MEMORY_RATIO_TARGET
+    same_output = all(runs[n].shard_sha256 == runs["baseline"].shard_sha256 for n in WORKERS)
+    rows_ok = all(r.rows == r.rows_requested for r in [*runs.values(), base])
+
+    cpus = os.cpu_count() or 0
+    print(f"shard benchmark: MNIST-1D, partition_rows={PARTITION_ROWS:,}, n_shards={N_SHARDS}, {cpus} CPUs")
+    print(format_table(table))
+    print(
+        f"speedup on 2 workers: {speedup_2:.2f}x (target >= {SPEEDUP_TARGET}x): "
+        f"{'PASS' if speedup_ok else 'FAIL'}"
+    )
+    print(
+        f"driver peak RSS ratio, 2 workers, {rows:,} / {base_rows:,} rows ({factor:g}x): "
+        f"{big.driver_peak_mb:.0f} / {small.driver_peak_mb:.0f} MB = {mem_ratio:.2f} "
+        f"(target < {MEMORY_RATIO_TARGET}): {'PASS' if memory_ok else 'FAIL'}"
+    )
+    print(
+        f"  (driver growth during shard_dataset above its pre-run RSS: "
+        f"{growth_big:.0f} MB vs {growth_small:.0f} MB)"
+    )
+    print(f"shards byte-identical to the baseline's: {'yes' if same_output else 'NO'}")
+    busy = {r.config + f"@{r.rows_requested}": r.other_cpu_share for r in [*runs.values(), base]}
+    noisy = {k: v for k, v in busy.items() if v > 0.05}
+    if noisy:
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in noisy.items())
+        print(f"WARNING: other processes used CPU during the runs (share of machine capacity): {shares}")
+    if not rows_ok:
+        print("WARNING: some run wrote a different number of rows than requested")
+
+    report = {
+        "benchmark": "shard",
+        "date": started_at.isoformat(timespec="seconds"),
+        "machine": {
+            "cpu_count": cpus,
+            "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "packages": _versions(),
+        },
+        "params": {
+            "rows": rows,
+            "base_rows": base_rows,
+            "partition_rows": PARTITION_ROWS,
+            "n_shards": N_SHARDS,
+            "sample_interval_s": SAMPLE_INTERVAL_S,
+        },
+        "table": table,
+        "runs": {name: asdict(r) for name, r in runs.items()} | {"dask-2-workers-base": asdict(base)},
+        "targets": {
+            "speedup_2_workers": {"value": speedup_2, "target_min": SPEEDUP_TARGET, "pass": speedup_ok},
+            "driver_memory_ratio": {
+                "value": mem_ratio,
+                "rows": rows,
+                "base_rows": base_rows,
+                "target_max": MEMORY_RATIO_TARGET,
+                "pass": memory_ok,
+                "driver_growth_mb": {"rows": growth_big, "base_rows": growth_small},
+            },
+        },
+        "shards_identical_to_baseline": same_output,
+        "rows_as_requested": rows_ok,
+    }
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {results_path}")
+    return 0 if speedup_ok and memory_ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="rows for the throughput runs")
+    parser.add_argument("--base-rows", type=int, default=100_000, help="rows of the memory-scaling base run")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per configuration")
+    parser.add_argument("--results", type=Path, default=RESULTS_PATH, help="where to write the JSON")
+    parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)  # internal: one config
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # internal: its result file
+    args = parser.parse_args(argv)
+    if args.run:
+        if args.out is None:
+            parser.error("--run needs --out")
+        run_one(args.run, args.rows, args.out)
+        return 0
+    return main_orchestrate(args.rows, args.base_rows, args.timeout, args.results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
