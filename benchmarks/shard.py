@@ -90,6 +90,10 @@ class RunResult:
 class CpuWindow:
     """System-wide busy CPU seconds and this process's CPU seconds over a ``with`` block."""
 
+    def __init__(self) -> None:
+        self.load_before = 0.0
+        self.wall_s = self.self_cpu_s = self.machine_busy_s = 0.0
+
     def __enter__(self) -> CpuWindow:
         import psutil
 

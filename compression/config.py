@@ -27,7 +27,10 @@ class ConfigError(ValueError):
 class EnsembleConfig(StageConfig):
     """Which trials form the ensemble."""
 
-    top_k: int = Field(4, ge=1, le=50, description="Number of best COMPLETE trials in the ensemble")
+    top_k: int = Field(4, ge=1, le=50, description="Ensemble size: top-k members, or greedy selection steps")
+    selection: Literal["top_k", "greedy"] = Field(
+        "top_k", description="top_k: the k best COMPLETE trials; greedy: forward selection with replacement"
+    )
 
 
 class DistillConfig(StageConfig):
@@ -46,6 +49,11 @@ class DistillConfig(StageConfig):
     epochs: int = Field(120, ge=1, le=1000, description="Student training epochs")
     lr: float = Field(0.01, gt=0, le=1.0, description="Student peak learning rate")
     batch_size: int = Field(64, ge=1, le=65536, description="Student batch size")
+    munge_multiplier: int = Field(
+        0, ge=0, le=20, description="MUNGE synthetic points per training example (0 = off)"
+    )
+    munge_swap_prob: float = Field(0.5, gt=0, le=1, description="MUNGE: probability of swapping an attribute")
+    munge_spread: float = Field(1.0, gt=0, le=100, description="MUNGE: perturbation width divisor s")
 
 
 class RegistryConfig(StageConfig):
@@ -54,6 +62,12 @@ class RegistryConfig(StageConfig):
     model_name: str = Field("mopflow", description="Prefix of the registered model names")
     promotion: Literal["accuracy", "always", "never"] = Field(
         "accuracy", description="accuracy: champion if test accuracy >= the current champion's"
+    )
+    max_gap_to_ensemble: float = Field(
+        2.0,
+        ge=0,
+        le=100,
+        description="Promotion also needs the student within this many points of the ensemble",
     )
 
     @field_validator("model_name")
@@ -84,6 +98,7 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "timeout_minutes": ("search", "timeout_minutes"),
     "search_space": ("search", "space"),
     "top_k": ("ensemble", "top_k"),
+    "ensemble_selection": ("ensemble", "selection"),
     "student_family": ("distill", "family"),
     "student_width": ("distill", "width"),
     "student_depth": ("distill", "depth"),
@@ -93,8 +108,12 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "distill_epochs": ("distill", "epochs"),
     "distill_lr": ("distill", "lr"),
     "distill_batch_size": ("distill", "batch_size"),
+    "munge_multiplier": ("distill", "munge_multiplier"),
+    "munge_swap_prob": ("distill", "munge_swap_prob"),
+    "munge_spread": ("distill", "munge_spread"),
     "model_name": ("registry", "model_name"),
     "promotion": ("registry", "promotion"),
+    "max_gap_to_ensemble": ("registry", "max_gap_to_ensemble"),
 }
 
 STAGE_MODELS: dict[str, type[StageConfig]] = {

@@ -124,6 +124,6 @@ def train_student(
 
 
 def student_accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
-    """Top-1 accuracy of a logits model."""
+    """Top-1 accuracy of a model returning scores per class (logits or probabilities)."""
     probs = predict_proba(model, x)
     return float((probs.argmax(dim=1) == torch.as_tensor(y)).float().mean())

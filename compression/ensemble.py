@@ -6,7 +6,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from training.bundle import Bundle, ProbabilityEnsemble, load_bundle, save_bundle
+import numpy as np
+
+from training.bundle import Bundle, ProbabilityEnsemble, load_bundle, predict_proba, save_bundle
 from training.models import ArchSpec
 
 
@@ -34,10 +36,65 @@ def select_top_k(candidates: Sequence[Candidate], k: int) -> list[Candidate]:
     return sorted(complete, key=lambda c: (-(c.value or 0.0), c.number))[:k]
 
 
+def greedy_selection(val_probs: Sequence[np.ndarray], y: np.ndarray, size: int) -> list[int]:
+    """Ensemble selection (Caruana et al. 2004): forward selection *with replacement*.
+
+    At each of ``size`` steps, add the candidate that makes the running average most accurate
+    on the validation set (log loss breaks ties). Returns the chosen indices, repeats included:
+    a model chosen twice gets twice the weight.
+    """
+    if not val_probs:
+        raise ValueError("greedy selection needs at least one candidate")
+    rows = np.arange(len(y))
+    chosen: list[int] = []
+    running = np.zeros_like(val_probs[0], dtype=np.float64)
+    for _ in range(size):
+        best_key: tuple[float, float] | None = None
+        best_index = 0
+        for i, probs in enumerate(val_probs):
+            candidate = (running * len(chosen) + probs) / (len(chosen) + 1)
+            accuracy = float((candidate.argmax(axis=1) == y).mean())
+            log_loss = float(-np.log(candidate[rows, y] + 1e-12).mean())
+            key = (accuracy, -log_loss)
+            if best_key is None or key > best_key:
+                best_key, best_index = key, i
+        running = (running * len(chosen) + val_probs[best_index]) / (len(chosen) + 1)
+        chosen.append(best_index)
+    return chosen
+
+
+def choose_members(
+    candidates: Sequence[Candidate],
+    method: str,
+    size: int,
+    x_val: np.ndarray,
+    y_val: np.ndarray,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[list[Candidate], list[float]]:
+    """The ensemble's members and weights: top-k (equal weights) or greedy selection (counts)."""
+    if method == "top_k":
+        members = select_top_k(candidates, size)
+        return members, [1.0] * len(members)
+    if method != "greedy":
+        raise ValueError(f"unknown ensemble selection {method!r}; expected 'top_k' or 'greedy'")
+    pool = select_top_k(
+        candidates,
+        sum(1 for c in candidates if c.state == "COMPLETE" and c.bundle_uri and c.value is not None),
+    )
+    probs = [
+        predict_proba(load_bundle(str(c.bundle_uri), storage_options).module, x_val).numpy() for c in pool
+    ]
+    picks = greedy_selection(probs, y_val, size)
+    order = sorted(set(picks), key=picks.index)
+    return [pool[i] for i in order], [float(picks.count(i)) for i in order]
+
+
 def build_ensemble(
-    members: Sequence[Candidate], storage_options: Mapping[str, Any] | None = None
+    members: Sequence[Candidate],
+    storage_options: Mapping[str, Any] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> tuple[ProbabilityEnsemble, list[ArchSpec], list[str]]:
-    """Load each member's bundle and stack them into one probability-averaging module."""
+    """Load each member's bundle and combine them into one probability-averaging module."""
     bundles: list[Bundle] = [load_bundle(str(m.bundle_uri), storage_options) for m in members]
     columns = bundles[0].feature_columns
     for member, bundle in zip(members, bundles, strict=True):
@@ -45,7 +102,7 @@ def build_ensemble(
             raise ValueError(f"trial {member.number} was trained on different feature columns")
     modules = [mod for b in bundles for mod in b.module.members]
     archs = [ArchSpec(**arch) for b in bundles for arch in b.spec["members"]]
-    return ProbabilityEnsemble(modules), archs, columns
+    return ProbabilityEnsemble(modules, weights), archs, columns
 
 
 def save_ensemble(
@@ -56,5 +113,13 @@ def save_ensemble(
     extra: Mapping[str, Any],
     storage_options: Mapping[str, Any] | None = None,
 ) -> str:
-    """Write the ensemble as one bundle (all members' weights, one spec)."""
-    return save_bundle(url, list(ensemble.members), archs, feature_columns, extra, storage_options)
+    """Write the ensemble as one bundle (all members' weights and their ensemble weights, one spec)."""
+    return save_bundle(
+        url,
+        list(ensemble.members),
+        archs,
+        feature_columns,
+        extra,
+        storage_options,
+        weights=ensemble.weights.tolist(),
+    )

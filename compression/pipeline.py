@@ -284,7 +284,7 @@ def ensemble_stage(
     settings: Settings | None = None,
 ) -> dict[str, Any]:
     """Stage 3: the top-k COMPLETE trials as one probability-averaging module, logged as a pyfunc."""
-    from compression.ensemble import build_ensemble, save_ensemble, select_top_k
+    from compression.ensemble import build_ensemble, choose_members, save_ensemble
     from compression.registry import log_bundle_model
     from training.bundle import accuracy, load_bundle
     from training.data import load_split
@@ -300,12 +300,15 @@ def ensemble_stage(
     }
     run_id = _stage_run(tracker, ctx, "ensemble", lineage)
     try:
-        members = select_top_k(_load_candidates(search), cfg.ensemble.top_k)
-        ensemble, archs, columns = build_ensemble(members, so)
         manifest_uri = str(shard["manifest_uri"])
         x_val, y_val = load_split(manifest_uri, "validation", so)
         x_test, y_test = load_split(manifest_uri, "test", so)
-        best = members[0]
+        candidates = _load_candidates(search)
+        members, weights = choose_members(
+            candidates, cfg.ensemble.selection, cfg.ensemble.top_k, x_val, y_val, so
+        )
+        ensemble, archs, columns = build_ensemble(members, so, weights)
+        best = sorted(members, key=lambda m: (-(m.value or 0.0), m.number))[0]
         best_test = accuracy(load_bundle(str(best.bundle_uri), so).module, x_test, y_test)
         metrics = {
             "val_acc": accuracy(ensemble, x_val, y_val),
@@ -327,7 +330,15 @@ def ensemble_stage(
             },
             so,
         )
-        tracker.log_params(run_id, {"top_k": cfg.ensemble.top_k, "members": [m.number for m in members]})
+        tracker.log_params(
+            run_id,
+            {
+                "top_k": cfg.ensemble.top_k,
+                "selection": cfg.ensemble.selection,
+                "members": [m.number for m in members],
+                "member_weights": [round(w, 4) for w in ensemble.weights.tolist()],
+            },
+        )
         tracker.log_metrics(run_id, metrics)
         model_uri = log_bundle_model(run_id, "ensemble", bundle_uri, _example_frame(manifest_uri, so), so)
         tracker.end_run(run_id)
@@ -346,6 +357,8 @@ def ensemble_stage(
         "model_uri": model_uri,
         "run_id": run_id,
         "members": [m.number for m in members],
+        "member_weights": ensemble.weights.tolist(),
+        "best_trial_bundle": best.bundle_uri,
         "best_trial": {
             "number": best.number,
             "params": dict(best.params),
@@ -363,16 +376,21 @@ def distill_stage(
     ensemble: Mapping[str, Any],
     settings: Settings | None = None,
 ) -> dict[str, Any]:
-    """Stage 4: a student (<= ratio x the ensemble's params) trained on soft targets + hard labels."""
+    """Stage 4: a student (<= ratio x the ensemble's params) trained on soft targets + hard labels,
+    beside the same student on hard labels alone; INT8 quantization; the evaluation report."""
+    import numpy as np
     import torch
 
-    from compression.distill import plan_student, student_accuracy, train_student
+    from compression.distill import plan_student, soft_targets, student_accuracy, train_student
+    from compression.evaluate import evaluate, format_table, quantize_int8, serialized_bytes
+    from compression.munge import munge
     from compression.registry import log_bundle_model
-    from training.bundle import load_bundle, save_bundle
+    from training.bundle import ProbabilityEnsemble, StackedEnsemble, load_bundle, save_bundle
     from training.data import load_manifest, load_split
 
     settings = settings or Settings.from_env()
     cfg = PipelineConfig.from_conf(conf)
+    dcfg = cfg.distill
     ctx = RunContext.from_dict(ctx_dict)
     so = settings.storage_options
     tracker = _tracker(settings)
@@ -381,11 +399,12 @@ def distill_stage(
         torch.set_num_threads(max(1, settings.dask_workers))
         manifest_uri = str(shard["manifest_uri"])
         manifest = load_manifest(manifest_uri, so)
-        teacher = load_bundle(str(ensemble["bundle_uri"]), so)
+        teacher_bundle = load_bundle(str(ensemble["bundle_uri"]), so)
+        teacher = StackedEnsemble(teacher_bundle.module)  # one graph: stacked members, one vmap call
         x_train, y_train = load_split(manifest_uri, "train", so)
         x_val, y_val = load_split(manifest_uri, "validation", so)
         x_test, y_test = load_split(manifest_uri, "test", so)
-        plan = plan_student(cfg.distill, teacher.num_params(), x_train.shape[1], int(manifest["num_classes"]))
+        plan = plan_student(dcfg, teacher_bundle.num_params(), x_train.shape[1], int(manifest["num_classes"]))
         log.info(
             "distill: student %s width=%d depth=%d, %d params (budget %d, ensemble %d)",
             plan.arch.family,
@@ -393,26 +412,43 @@ def distill_stage(
             plan.arch.depth,
             plan.num_params,
             plan.budget,
-            teacher.num_params(),
+            teacher_bundle.num_params(),
         )
+        # Transfer set: the training data, plus MUNGE points near it labelled by the ensemble.
+        synthetic = munge(
+            x_train, dcfg.munge_multiplier, dcfg.munge_swap_prob, dcfg.munge_spread, cfg.search.seed
+        )
+        x_transfer = np.concatenate([x_train, synthetic]) if len(synthetic) else x_train
+        y_transfer = y_train
+        if len(synthetic):
+            teacher_labels = soft_targets(teacher, synthetic, 1.0).argmax(dim=1).numpy()
+            y_transfer = np.concatenate([y_train, teacher_labels])
+            log.info("distill: transfer set has %d real + %d MUNGE points", len(x_train), len(synthetic))
         norm = manifest["normalization"]
         student, history = train_student(
             plan,
-            cfg.distill,
-            x_train,
-            y_train,
+            dcfg,
+            x_transfer,
+            y_transfer,
             x_val,
             y_val,
             norm["mean"],
             norm["std"],
-            teacher.module,
+            teacher,
             cfg.search.seed,
         )
+        log.info("distill: training the hard-label baseline (same student, no soft targets)")
+        baseline, _ = train_student(
+            plan, dcfg, x_train, y_train, x_val, y_val, norm["mean"], norm["std"], None, cfg.search.seed
+        )
+        quantized = quantize_int8(student)
         metrics = {
             "val_acc": student_accuracy(student, x_val, y_val),
             "test_acc": student_accuracy(student, x_test, y_test),
             "num_params": float(plan.num_params),
-            "param_ratio": plan.num_params / teacher.num_params(),
+            "param_ratio": plan.num_params / teacher_bundle.num_params(),
+            "hard_label_test_acc": student_accuracy(baseline, x_test, y_test),
+            "int8_test_acc": student_accuracy(quantized, x_test, y_test),
         }
         bundle_uri = storage.join(_run_dir(settings, ctx), "student")
         save_bundle(
@@ -420,27 +456,48 @@ def distill_stage(
             [student],
             [plan.arch],
             manifest["feature_columns"],
-            {
-                "teacher": ensemble["bundle_uri"],
-                "temperature": cfg.distill.temperature,
-                "alpha": cfg.distill.alpha,
-            },
+            {"teacher": ensemble["bundle_uri"], "temperature": dcfg.temperature, "alpha": dcfg.alpha},
             so,
         )
-        tracker.log_params(run_id, cfg.distill.model_dump() | {"student_width_used": plan.arch.width})
+        # The evaluation report: every model the pipeline produced, on the same test set.
+        best = load_bundle(str(ensemble["best_trial_bundle"]), so)
+        student_probs = ProbabilityEnsemble([student]).eval()
+        baseline_probs = ProbabilityEnsemble([baseline]).eval()
+        models = {
+            f"best trial #{ensemble['best_trial']['number']}": (
+                best.module,
+                best.num_params(),
+                serialized_bytes(best.module),
+            ),
+            "ensemble": (teacher, teacher_bundle.num_params(), serialized_bytes(teacher_bundle.module)),
+            "student": (student_probs, plan.num_params, serialized_bytes(student)),
+            "student int8": (quantized, plan.num_params, serialized_bytes(quantized)),
+            "hard-label student": (baseline_probs, plan.num_params, serialized_bytes(baseline)),
+        }
+        report = evaluate(models, x_test, y_test)
+        table = format_table(report)
+        log.info("distill: evaluation report (test set, CPU, 1 thread)\n%s", table)
+        gain = metrics["test_acc"] - metrics["hard_label_test_acc"]
+        headroom = float(ensemble["test_acc"]) - metrics["hard_label_test_acc"]
+        metrics["recovered_gain"] = gain / headroom if headroom > 0 else float("nan")
+        tracker.log_dict(run_id, report, "evaluation.json")
+        tracker.log_text(run_id, table + "\n", "evaluation.md")
+        tracker.log_dict(ctx.parent_run_id, report, "evaluation.json")
+        tracker.log_params(run_id, dcfg.model_dump() | {"student_width_used": plan.arch.width})
         tracker.log_metric_history(
             run_id, "epoch_val_acc", [(int(h["epoch"]), h["val_acc"]) for h in history]
         )
-        tracker.log_metrics(run_id, metrics)
+        tracker.log_metrics(run_id, {k: v for k, v in metrics.items() if np.isfinite(v)})
         model_uri = log_bundle_model(run_id, "student", bundle_uri, _example_frame(manifest_uri, so), so)
         tracker.end_run(run_id)
     except Exception:
         tracker.end_run(run_id, "FAILED")
         raise
     log.info(
-        "distill: student val_acc=%.4f test_acc=%.4f with %d params (%.1f%% of the ensemble)",
-        metrics["val_acc"],
+        "distill: student test_acc=%.4f (hard-label %.4f, int8 %.4f) with %d params (%.1f%% of the ensemble)",
         metrics["test_acc"],
+        metrics["hard_label_test_acc"],
+        metrics["int8_test_acc"],
         plan.num_params,
         100 * metrics["param_ratio"],
     )
@@ -449,6 +506,7 @@ def distill_stage(
         "model_uri": model_uri,
         "run_id": run_id,
         "arch": plan.arch.to_dict(),
+        "evaluation": report,
         **{k: float(v) for k, v in metrics.items()},
     }
 
@@ -512,7 +570,13 @@ def register_stage(
             champ_model = mlflow.pyfunc.load_model(f"models:/{student_name}@{CHAMPION}")
             probs = champ_model.predict(pd.DataFrame(x_test, columns=manifest["feature_columns"]))
             champion_acc = float((probs.to_numpy().argmax(axis=1) == y_test).mean())
-        decision = decide_promotion(cfg.registry.promotion, float(distill["test_acc"]), champion_acc)
+        decision = decide_promotion(
+            cfg.registry.promotion,
+            float(distill["test_acc"]),
+            champion_acc,
+            float(ensemble["test_acc"]),
+            cfg.registry.max_gap_to_ensemble,
+        )
         if champion is not None and str(champion.version) == str(student_version.version):
             decision = PromotionDecision(True, "this version is already the champion")
         set_alias(client, student_name, CHALLENGER, str(student_version.version))
@@ -544,12 +608,17 @@ def register_stage(
             "best_trial": ensemble["best_trial"],
             "ensemble": {
                 "members": ensemble["members"],
+                "member_weights": ensemble.get("member_weights"),
                 "val_acc": ensemble["val_acc"],
                 "test_acc": ensemble["test_acc"],
                 "num_params": int(ensemble["num_params"]),
                 "registered": {"name": ensemble_name, "version": str(ens_version.version)},
             },
+            "evaluation": distill.get("evaluation", []),
             "student": {
+                "hard_label_test_acc": distill.get("hard_label_test_acc"),
+                "int8_test_acc": distill.get("int8_test_acc"),
+                "recovered_gain": distill.get("recovered_gain"),
                 "arch": distill["arch"],
                 "val_acc": distill["val_acc"],
                 "test_acc": distill["test_acc"],

@@ -18,9 +18,13 @@ class BundleProbabilities(PythonModel):
     """Input: a table with the bundle's feature columns. Output: one ``prob_<class>`` column per class."""
 
     def load_context(self, context: Any) -> None:
-        from training.bundle import load_bundle
+        from training.bundle import StackedEnsemble, load_bundle
 
         self.bundle = load_bundle(context.artifacts["bundle"])
+        # Evaluate as one graph: members sharing an architecture run in one vmap call.
+        self.forward = (
+            StackedEnsemble(self.bundle.module) if len(self.bundle.module.members) > 1 else self.bundle.module
+        )
 
     def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> pd.DataFrame:
         from training.bundle import predict_proba
@@ -35,7 +39,7 @@ class BundleProbabilities(PythonModel):
             x = np.asarray(model_input, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != len(columns):
             raise ValueError(f"expected {len(columns)} features per row, got shape {x.shape}")
-        probs = predict_proba(self.bundle.module, x).numpy()
+        probs = predict_proba(self.forward, x).numpy()
         return pd.DataFrame(probs, columns=[f"prob_{i}" for i in range(probs.shape[1])])
 
 

@@ -29,21 +29,40 @@ class PromotionDecision:
     reason: str
 
 
-def decide_promotion(policy: str, challenger_acc: float, champion_acc: float | None) -> PromotionDecision:
-    """The gate: with ``accuracy``, promote when the challenger is at least as accurate as the champion."""
+def decide_promotion(
+    policy: str,
+    challenger_acc: float,
+    champion_acc: float | None,
+    ensemble_acc: float | None = None,
+    max_gap_points: float | None = None,
+) -> PromotionDecision:
+    """The gate. With ``accuracy``: promote when the student is at least as accurate as the current
+    champion on the same test set *and* within ``max_gap_points`` of the ensemble it came from."""
     if policy == "never":
         return PromotionDecision(False, "promotion policy is 'never'")
     if policy == "always":
         return PromotionDecision(True, "promotion policy is 'always'")
+    reasons: list[str] = []
+    ok = True
     if champion_acc is None:
-        return PromotionDecision(True, "there is no champion yet")
-    if challenger_acc >= champion_acc:
-        return PromotionDecision(
-            True, f"test accuracy {challenger_acc:.4f} >= champion's {champion_acc:.4f} on the same test set"
+        reasons.append("there is no champion yet")
+    elif challenger_acc >= champion_acc:
+        reasons.append(
+            f"test accuracy {challenger_acc:.4f} >= champion's {champion_acc:.4f} on the same test set"
         )
-    return PromotionDecision(
-        False, f"test accuracy {challenger_acc:.4f} < champion's {champion_acc:.4f} on the same test set"
-    )
+    else:
+        ok = False
+        reasons.append(
+            f"test accuracy {challenger_acc:.4f} < champion's {champion_acc:.4f} on the same test set"
+        )
+    if ensemble_acc is not None and max_gap_points is not None:
+        gap = 100 * (ensemble_acc - challenger_acc)
+        if gap <= max_gap_points:
+            reasons.append(f"{gap:.2f} points below the ensemble (allowed {max_gap_points:g})")
+        else:
+            ok = False
+            reasons.append(f"{gap:.2f} points below the ensemble, more than the allowed {max_gap_points:g}")
+    return PromotionDecision(ok, "; ".join(reasons))
 
 
 def _pip_requirements() -> list[str]:
@@ -120,12 +139,57 @@ def alias_version(client: Any, name: str, alias: str) -> Any | None:
         return None
 
 
+HISTORY_TAG = "mopflow.champion_history"
+
+
+class RegistryError(ValueError):
+    """A promotion or rollback cannot be done (unknown model or version, nothing to roll back to)."""
+
+
+def _history(client: Any, name: str) -> list[str]:
+    model = client.get_registered_model(name)
+    raw = model.tags.get(HISTORY_TAG, "")
+    return [v for v in raw.split(",") if v]
+
+
 def set_alias(client: Any, name: str, alias: str, version: str) -> None:
-    """Point ``alias`` at ``version`` (idempotent)."""
+    """Point ``alias`` at ``version`` (idempotent). Champion changes are remembered for rollback."""
     current = alias_version(client, name, alias)
     if current is not None and str(current.version) == str(version):
         return
     client.set_registered_model_alias(name, alias, str(version))
     if alias == CHAMPION and current is not None:
-        # Remember the previous champion so that a rollback can bring it back.
+        history = _history(client, name) + [str(current.version)]
+        client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history[-50:]))
         client.set_model_version_tag(name, str(version), "mopflow.previous_champion", str(current.version))
+
+
+def promote(client: Any, name: str, version: str) -> str:
+    """Make ``version`` the champion (by hand); returns a description of what changed."""
+    try:
+        client.get_model_version(name, str(version))
+    except Exception as exc:
+        raise RegistryError(f"registered model {name!r} has no version {version!r}") from exc
+    previous = alias_version(client, name, CHAMPION)
+    set_alias(client, name, CHAMPION, str(version))
+    client.set_model_version_tag(name, str(version), "mopflow.promotion_reason", "promoted by hand")
+    before = previous.version if previous is not None else "none"
+    return f"{name}: champion {before} -> {version}"
+
+
+def rollback(client: Any, name: str) -> str:
+    """Bring the previous champion back; returns a description of what changed."""
+    try:
+        history = _history(client, name)
+    except Exception as exc:
+        raise RegistryError(f"registered model {name!r} does not exist") from exc
+    current = alias_version(client, name, CHAMPION)
+    while history and current is not None and history[-1] == str(current.version):
+        history.pop()
+    if not history:
+        raise RegistryError(f"{name} has no previous champion to roll back to")
+    target = history.pop()
+    client.set_registered_model_alias(name, CHAMPION, target)
+    client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history))
+    before = current.version if current is not None else "none"
+    return f"{name}: champion {before} -> {target} (rolled back)"

@@ -215,6 +215,36 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+def _registry_client() -> Any:
+    from infra.settings import Settings
+    from infra.tracking import MlflowTracker
+
+    settings = Settings.from_env()
+    return MlflowTracker(
+        settings.tracking_uri, settings.experiment_name, settings.mlflow_artifact_location
+    ).client
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from compression.registry import RegistryError, promote
+
+    try:
+        print(promote(_registry_client(), args.name, str(args.version)))
+    except RegistryError as exc:
+        raise CliError(str(exc)) from exc
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from compression.registry import RegistryError, rollback
+
+    try:
+        print(rollback(_registry_client(), args.name))
+    except RegistryError as exc:
+        raise CliError(str(exc)) from exc
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mopflow", description="Model selection, ensembling and distillation on Airflow"
@@ -232,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     dash = sub.add_parser("dashboard", help="open optuna-dashboard on the study storage")
     dash.add_argument("--port", type=int, default=8081)
     dash.set_defaults(func=cmd_dashboard)
+    prom = sub.add_parser("promote", help="make a registered model version the champion")
+    prom.add_argument("name", help="registered model name, e.g. mopflow-student")
+    prom.add_argument("version", help="model version number")
+    prom.set_defaults(func=cmd_promote)
+    back = sub.add_parser("rollback", help="bring the previous champion back")
+    back.add_argument("name", help="registered model name, e.g. mopflow-student")
+    back.set_defaults(func=cmd_rollback)
     return parser
 
 

@@ -25,17 +25,71 @@ class BundleError(ValueError):
 
 
 class ProbabilityEnsemble(nn.Module):
-    """Average of the members' softmax outputs (one member = a plain classifier's probabilities)."""
+    """Weighted average of the members' softmax outputs (one member = a plain classifier's probabilities)."""
 
-    def __init__(self, members: Sequence[nn.Module]) -> None:
+    weights: torch.Tensor
+
+    def __init__(self, members: Sequence[nn.Module], weights: Sequence[float] | None = None) -> None:
         super().__init__()
         if not members:
             raise ValueError("an ensemble needs at least one member")
+        w = torch.tensor(list(weights) if weights is not None else [1.0] * len(members), dtype=torch.float32)
+        if w.shape != (len(members),) or bool((w < 0).any()) or float(w.sum()) <= 0:
+            raise ValueError(
+                f"weights {w.tolist()} must be {len(members)} non-negative numbers, not all zero"
+            )
         self.members = nn.ModuleList(members)
+        self.register_buffer("weights", w / w.sum())
 
     def forward(self, x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        probs = [F.softmax(m(x) / temperature, dim=1) for m in self.members]
-        return torch.stack(probs).mean(dim=0)
+        probs = torch.stack([F.softmax(m(x) / temperature, dim=1) for m in self.members])
+        return (self.weights[:, None, None] * probs).sum(dim=0)
+
+
+def _signature(module: nn.Module) -> tuple[Any, ...]:
+    """Members with the same structure (module types and tensor shapes) can be stacked."""
+    types = tuple(type(m).__name__ for m in module.modules())
+    shapes = tuple((k, tuple(v.shape)) for k, v in module.state_dict().items())
+    return types, shapes
+
+
+class StackedEnsemble(nn.Module):
+    """The same ensemble as one graph for inference: members that share an architecture are
+    stacked (``torch.func.stack_module_state``) and run in one vectorised call (``vmap``)."""
+
+    def __init__(self, ensemble: ProbabilityEnsemble) -> None:
+        super().__init__()
+        import copy
+
+        from torch.func import stack_module_state
+
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, member in enumerate(ensemble.members):
+            groups.setdefault(_signature(member), []).append(i)
+        self._groups: list[tuple[nn.Module, dict[str, torch.Tensor], torch.Tensor]] = []
+        for indices in groups.values():
+            members = [ensemble.members[i] for i in indices]
+            params, buffers = stack_module_state(members)  # type: ignore[arg-type]
+            base = copy.deepcopy(members[0]).to("meta")
+            stacked = {k: v.detach() for k, v in {**params, **buffers}.items()}
+            self._groups.append((base, stacked, ensemble.weights[indices].detach().clone()))
+        self.group_sizes = [len(v) for v in groups.values()]
+
+    def forward(self, x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        from torch.func import functional_call, vmap
+
+        total = torch.zeros(())
+        for base, stacked, weights in self._groups:
+
+            def call(
+                state: dict[str, torch.Tensor], inputs: torch.Tensor, module: nn.Module = base
+            ) -> torch.Tensor:
+                return functional_call(module, state, (inputs,))
+
+            logits = vmap(call, in_dims=(0, None))(stacked, x)  # [members, batch, classes]
+            probs = F.softmax(logits / temperature, dim=-1)
+            total = total + (weights[:, None, None] * probs).sum(dim=0)
+        return total
 
 
 @dataclass(frozen=True)
@@ -64,6 +118,7 @@ def save_bundle(
     feature_columns: Sequence[str],
     extra: Mapping[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> str:
     """Write members (each ``Sequential(Standardize, backbone)``) as one bundle folder at ``url``."""
     if len(members) != len(archs):
@@ -76,6 +131,7 @@ def save_bundle(
         "format": "mopflow-bundle/1",
         "members": [a.to_dict() for a in archs],
         "feature_columns": list(feature_columns),
+        "weights": [float(w) for w in weights] if weights is not None else [1.0] * len(members),
         "extra": dict(extra or {}),
     }
     # Weights first, spec last: a folder with a spec always has its weights.
@@ -109,14 +165,14 @@ def load_bundle(url: str, storage_options: Mapping[str, Any] | None = None) -> B
             raise BundleError(f"weights of member {i} at {url} do not match its architecture: {exc}") from exc
         model.eval()
         members.append(model)
-    module = ProbabilityEnsemble(members)
+    module = ProbabilityEnsemble(members, spec.get("weights"))
     module.eval()
     return Bundle(module=module, spec=spec)
 
 
 @torch.no_grad()
 def predict_proba(module: nn.Module, x: Any, batch_size: int = 4096) -> torch.Tensor:
-    """Class probabilities for a float array/tensor of features, in batches."""
+    """The module's output (class probabilities for bundles) for a float array of features, in batches."""
     xt = torch.as_tensor(x, dtype=torch.float32)
     module.eval()
     outs = [module(xt[i : i + batch_size]) for i in range(0, len(xt), batch_size)]

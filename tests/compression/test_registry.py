@@ -1,0 +1,64 @@
+"""Promotion and rollback against a real MLflow registry (SQLite)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from compression.registry import CHAMPION, RegistryError, promote, rollback, set_alias
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _client_with_versions(tmp_path: Path, n: int) -> tuple[MlflowClient, str]:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.create_registered_model("m-student")
+    for _ in range(n):
+        client.create_model_version("m-student", source=str(tmp_path / "model"))
+    return client, uri
+
+
+def test_promote_then_rollback_brings_the_previous_champion_back(tmp_path: Path) -> None:
+    client, _ = _client_with_versions(tmp_path, 3)
+    set_alias(client, "m-student", CHAMPION, "1")
+    set_alias(client, "m-student", CHAMPION, "2")
+    assert "champion 2 -> 3" in promote(client, "m-student", "3")
+    assert str(client.get_model_version_by_alias("m-student", CHAMPION).version) == "3"
+    rollback(client, "m-student")
+    assert str(client.get_model_version_by_alias("m-student", CHAMPION).version) == "2"
+    rollback(client, "m-student")
+    assert str(client.get_model_version_by_alias("m-student", CHAMPION).version) == "1"
+    with pytest.raises(RegistryError, match="no previous champion"):
+        rollback(client, "m-student")
+    with pytest.raises(RegistryError, match="no version '9'"):
+        promote(client, "m-student", "9")
+
+
+def test_cli_promote_and_rollback(tmp_path: Path) -> None:
+    _, uri = _client_with_versions(tmp_path, 2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "MOPFLOW_"))}
+    env |= {"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_TRACKING_URI": uri}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "infra.cli", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    assert cli("promote", "m-student", "1").returncode == 0
+    out = cli("promote", "m-student", "2")
+    assert out.returncode == 0 and "champion 1 -> 2" in out.stdout
+    back = cli("rollback", "m-student")
+    assert back.returncode == 0 and "-> 1" in back.stdout
+    bad = cli("promote", "m-student", "7")
+    assert bad.returncode == 2 and "no version '7'" in bad.stderr

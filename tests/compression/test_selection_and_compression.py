@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compression.ensemble import greedy_selection
+from compression.evaluate import evaluate, format_table, quantize_int8
+from compression.munge import munge, nearest_neighbours
+from compression.registry import decide_promotion
+from training.bundle import ProbabilityEnsemble, StackedEnsemble, predict_proba
+from training.models import ArchSpec, build_model
+
+
+def _onehot(labels: np.ndarray, confidence: float = 0.9, classes: int = 3) -> np.ndarray:
+    probs = np.full((len(labels), classes), (1 - confidence) / (classes - 1))
+    probs[np.arange(len(labels)), labels] = confidence
+    return probs
+
+
+def test_greedy_selection_picks_complementary_models_with_replacement() -> None:
+    y = np.array([0, 1, 2, 0, 1, 2])
+    right_first_half = _onehot(np.array([0, 1, 2, 1, 2, 0]))  # 3/6 right
+    right_second_half = _onehot(np.array([1, 2, 0, 0, 1, 2]), confidence=0.8)  # 3/6 right
+    always_zero = _onehot(np.zeros(6, dtype=int), confidence=0.95)  # 2/6 right
+    picks = greedy_selection([always_zero, right_first_half, right_second_half], y, size=4)
+    assert picks[0] in (1, 2)
+    assert {1, 2} <= set(picks)  # together they are right everywhere
+    assert 0 not in picks
+    assert len(picks) == 4  # with replacement: repeats allowed
+
+
+def test_stacked_ensemble_is_the_same_function_as_the_loop() -> None:
+    torch.manual_seed(0)
+    members = [build_model(ArchSpec("cnn", 8, 3, 40, 10), [0.2] * 40, [1.5] * 40) for _ in range(3)]
+    members.append(build_model(ArchSpec("mlp", 12, 2, 40, 10)))
+    loop = ProbabilityEnsemble(members, [2.0, 1.0, 1.0, 3.0]).eval()
+    stacked = StackedEnsemble(loop)
+    assert sorted(stacked.group_sizes) == [1, 3]
+    x = torch.randn(64, 40)
+    assert torch.allclose(predict_proba(loop, x), predict_proba(stacked, x), atol=1e-6)
+    assert torch.allclose(predict_proba(stacked, x).sum(1), torch.ones(64), atol=1e-5)
+    with pytest.raises(ValueError, match="non-negative"):
+        ProbabilityEnsemble(members, [1.0, -1.0, 1.0, 1.0])
+
+
+def test_munge_points_are_near_the_data_and_reproducible() -> None:
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(0, 0.1, size=(50, 4)), rng.normal(10, 0.1, size=(50, 4))]).astype(
+        np.float32
+    )
+    nn = nearest_neighbours(x)
+    assert (nn != np.arange(100)).all()
+    assert ((nn < 50) == (np.arange(100) < 50)).all()  # neighbours come from the same cluster
+    points = munge(x, multiplier=2, swap_prob=0.5, spread=1.0, seed=1)
+    assert points.shape == (200, 4) and points.dtype == np.float32
+    assert np.array_equal(points, munge(x, multiplier=2, swap_prob=0.5, spread=1.0, seed=1))
+    distance_to_data = np.abs(points[:, None, :] - x[None, :, :]).sum(-1).min(1)
+    assert np.median(distance_to_data) < 1.0  # near the data, not between the clusters
+    assert munge(x, 0).shape == (0, 4)
+
+
+def test_int8_student_keeps_its_accuracy_and_report_has_every_row() -> None:
+    rng = np.random.default_rng(0)
+    centers = rng.normal(0, 3, size=(3, 40))
+    y = rng.integers(0, 3, size=300)
+    x = (centers[y] + rng.normal(size=(300, 40))).astype(np.float32)
+    model = build_model(ArchSpec("mlp", 32, 1, 40, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(150):
+        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    quantized = quantize_int8(model)
+    assert any("quantized" in type(m).__module__ for m in quantized.modules())
+    rows = evaluate({"fp32": (model, 1000, 4000), "int8": (quantized, 1000, 1000)}, x, y, repeats=3)
+    assert [r["model"] for r in rows] == ["fp32", "int8"]
+    assert rows[0]["test_acc"] > 0.9 and abs(rows[0]["test_acc"] - rows[1]["test_acc"]) < 0.02
+    assert all(r["latency_ms_b1"] > 0 and r["latency_ms_b256"] > 0 for r in rows)
+    assert "| int8 |" in format_table(rows)
+
+
+@pytest.mark.parametrize(
+    ("student", "champion", "ensemble", "promote"),
+    [
+        (0.93, None, 0.94, True),
+        (0.93, None, 0.96, False),  # 3 points below the ensemble
+        (0.93, 0.94, 0.935, False),  # worse than the champion
+        (0.95, 0.94, 0.96, True),
+    ],
+)
+def test_gate_needs_champion_and_ensemble_conditions(
+    student: float, champion: float | None, ensemble: float, promote: bool
+) -> None:
+    decision = decide_promotion("accuracy", student, champion, ensemble, max_gap_points=2.0)
+    assert decision.promote is promote
+    assert "ensemble" in decision.reason
