@@ -1,0 +1,607 @@
+"""Benchmark of ensemble distillation and compression on MNIST-1D (CPU, real training, no downloads).
+
+What is measured
+----------------
+1. Data. Default MNIST-1D (``DataConfig()``: 5000 generated samples, seed 42, 4 training shards)
+   is sharded into a temporary data root with ``training.data.shard_dataset`` on a 2-worker Dask
+   ``LocalCluster`` (``training.cluster.dask_client("", 2)``).
+2. Teacher. ``--members`` CNN ensemble members (default 4) with fixed, known-good configurations
+   (two architectures, two seeds each; see ``MEMBER_CONFIGS``) are trained for ``--epochs``
+   epochs (default 80) with ``training.trial.train_trial(spec, NullReporter())`` submitted to the
+   Dask workers (no Optuna storage). The COMPLETE members are combined with
+   ``compression.ensemble.build_ensemble`` into a ``ProbabilityEnsemble`` (equal weights); the
+   cluster is closed before the students are trained.
+3. Students. ``plan_student(DistillConfig(epochs=...), ensemble_params, 40, 10)`` sizes a CNN
+   student to at most 10% of the ensemble's parameters. For each of ``--seeds`` seeds (default 1)
+   the same student architecture is trained twice on the training split, in this process, with
+   ``compression.distill.train_student``: (a) distilled, with ``StackedEnsemble(ensemble)`` as the
+   teacher (soft targets at T=4, alpha=0.7), and (b) on hard labels alone (``teacher=None``). Both
+   use the manifest's normalisation. Each distilled student is quantized with
+   ``compression.evaluate.quantize_int8`` (dynamic INT8, Linear layers only). The ensemble is
+   trained once and kept fixed across student seeds.
+4. Figures. Test accuracy (1000 test rows), parameter count, serialised size
+   (``serialized_bytes``) and single-thread CPU latency (``latency_ms``: median of ``--repeats``
+   forward passes on random inputs, batch 1 and batch 256) of: the ensemble as the loop
+   ``ProbabilityEnsemble`` and as the vmapped ``StackedEnsemble``, the best single member (by
+   validation accuracy), the distilled student, the hard-label student and the INT8 student.
+   Every model is timed as a probability-returning module: the students are wrapped in
+   ``ProbabilityEnsemble([student])`` (the INT8 student too), so all rows include the same
+   softmax. Student accuracies in the table are the means over the seeds; latencies are those of
+   the first seed's models (the architecture, hence the cost, is the same for every seed).
+   Per-seed figures are in the JSON.
+
+Targets (each printed as PASS/FAIL)
+-----------------------------------
+* recovered gain = (distilled acc - hard-label acc) / (ensemble acc - hard-label acc) >= 0.80,
+  on the seed means; UNDEFINED when the ensemble is not more accurate than the hard-label
+  student (there is no gain to recover).
+* student parameters <= 10% of the ensemble's.
+* student >= 5x faster than the ensemble at batch 256, against the *faster* of the two ensemble
+  forms (loop or stacked).
+* INT8 student >= 2x faster than the fp32 student at batch 256, losing < 0.5 points of test
+  accuracy (mean over seeds).
+The stacked-vs-loop ensemble latency ratio is printed for information only.
+
+Output: a plain-text table on stdout, the target lines, and every figure in
+``benchmarks/results/distill.json`` (with the CPU count, load averages and the date). Latencies
+are wall-clock on a shared machine: other processes running at the same time inflate them.
+
+Run it from the repository root::
+
+    .venv/bin/python benchmarks/distill.py                # full: 4 members x 80 epochs, 120-epoch students
+    .venv/bin/python benchmarks/distill.py --seeds 2      # students repeated over 2 seeds
+    .venv/bin/python benchmarks/distill.py --quick        # smoke test: 2 members, 5 epochs, 5 student epochs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from compression.config import DistillConfig  # noqa: E402
+from compression.distill import StudentPlan, plan_student, student_accuracy, train_student  # noqa: E402
+from compression.ensemble import Candidate, build_ensemble  # noqa: E402
+from compression.evaluate import format_table, latency_ms, quantize_int8, serialized_bytes  # noqa: E402
+from training.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
+from training.cluster import dask_client  # noqa: E402
+from training.config import DataConfig  # noqa: E402
+from training.data import load_manifest, load_split, shard_dataset  # noqa: E402
+from training.trial import NullReporter, TrialResult, TrialSpec, train_trial  # noqa: E402
+
+RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "distill.json"
+N_DASK_WORKERS = 2
+MAX_PARAM_RATIO = 0.10
+RECOVERED_GAIN_TARGET = 0.80
+STUDENT_SPEEDUP_TARGET = 5.0
+INT8_SPEEDUP_TARGET = 2.0
+INT8_MAX_LOSS_POINTS = 0.5
+
+# Known-good CNN configurations (MNIST-1D), two architectures with two seeds each.
+MEMBER_CONFIGS: tuple[tuple[dict[str, Any], int], ...] = (
+    (
+        {"family": "cnn", "width": 64, "depth": 3, "lr": 0.01, "weight_decay": 1e-5, "batch_size": 128},
+        0,
+    ),
+    (
+        {"family": "cnn", "width": 64, "depth": 3, "lr": 0.01, "weight_decay": 1e-5, "batch_size": 128},
+        1,
+    ),
+    (
+        {"family": "cnn", "width": 48, "depth": 4, "lr": 0.015, "weight_decay": 1e-5, "batch_size": 128},
+        2,
+    ),
+    (
+        {"family": "cnn", "width": 48, "depth": 4, "lr": 0.015, "weight_decay": 1e-5, "batch_size": 128},
+        3,
+    ),
+)
+
+log = logging.getLogger("benchmarks.distill")
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's sizes (full or ``--quick``)."""
+
+    members: int
+    epochs: int
+    student_epochs: int
+    seeds: int
+    repeats: int
+    quick: bool
+
+
+@dataclass
+class StudentRun:
+    """One seed's students and their test accuracies."""
+
+    seed: int
+    distilled: nn.Module
+    hard: nn.Module
+    int8: nn.Module
+    distilled_acc: float
+    hard_acc: float
+    int8_acc: float
+    distilled_val_acc: float
+    hard_val_acc: float
+    distilled_train_s: float
+    hard_train_s: float
+
+
+def n_params(module: nn.Module) -> int:
+    """Trainable parameters of a module."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def train_members(settings: Settings, data_root: str) -> tuple[str, list[TrialResult], float, float]:
+    """Shard MNIST-1D and train the ensemble members on a 2-worker Dask LocalCluster."""
+    with dask_client("", N_DASK_WORKERS) as client:
+        started = time.monotonic()
+        shard = shard_dataset(DataConfig(), data_root, client)
+        shard_s = time.monotonic() - started
+        log.info("sharded MNIST-1D in %.1fs: %s", shard_s, shard.manifest_uri)
+        specs = [
+            TrialSpec(
+                number=i,
+                trial_id=i,
+                params=dict(params),
+                epochs=settings.epochs,
+                seed=seed,
+                manifest_uri=shard.manifest_uri,
+                bundle_uri=os.path.join(data_root, "bundles", f"member-{i}"),
+                torch_threads=1,
+            )
+            for i, (params, seed) in enumerate(MEMBER_CONFIGS[: settings.members])
+        ]
+        started = time.monotonic()
+        futures = [client.submit(train_trial, spec, NullReporter(), pure=False) for spec in specs]
+        results: list[TrialResult] = client.gather(futures)
+        train_s = time.monotonic() - started
+    for r in results:
+        log.info(
+            "member %d: %s val_acc=%s in %.1fs (%s)",
+            r.number,
+            r.state,
+            f"{r.value:.4f}" if r.value is not None else "-",
+            r.duration_s,
+            r.error or r.worker,
+        )
+    return shard.manifest_uri, results, shard_s, train_s
+
+
+def train_students(
+    settings: Settings,
+    plan: StudentPlan,
+    dcfg: DistillConfig,
+    teacher: nn.Module,
+    data: dict[str, tuple[np.ndarray, np.ndarray]],
+    norm: dict[str, list[float]],
+) -> list[StudentRun]:
+    """For each seed: the distilled student, the hard-label student and the INT8 distilled student."""
+    (x_train, y_train), (x_val, y_val), (x_test, y_test) = data["train"], data["validation"], data["test"]
+    runs = []
+    for seed in range(settings.seeds):
+        started = time.monotonic()
+        distilled, _ = train_student(
+            plan, dcfg, x_train, y_train, x_val, y_val, norm["mean"], norm["std"], teacher, seed
+        )
+        distilled_s = time.monotonic() - started
+        started = time.monotonic()
+        hard, _ = train_student(
+            plan, dcfg, x_train, y_train, x_val, y_val, norm["mean"], norm["std"], None, seed
+        )
+        hard_s = time.monotonic() - started
+        int8 = quantize_int8(distilled)
+        run = StudentRun(
+            seed=seed,
+            distilled=distilled,
+            hard=hard,
+            int8=int8,
+            distilled_acc=student_accuracy(distilled, x_test, y_test),
+            hard_acc=student_accuracy(hard, x_test, y_test),
+            int8_acc=student_accuracy(int8, x_test, y_test),
+            distilled_val_acc=student_accuracy(distilled, x_val, y_val),
+            hard_val_acc=student_accuracy(hard, x_val, y_val),
+            distilled_train_s=distilled_s,
+            hard_train_s=hard_s,
+        )
+        log.info(
+            "seed %d: distilled %.4f (%.0fs), hard-label %.4f (%.0fs), int8 %.4f",
+            seed,
+            run.distilled_acc,
+            distilled_s,
+            run.hard_acc,
+            hard_s,
+            run.int8_acc,
+        )
+        runs.append(run)
+    return runs
+
+
+def measure(
+    name: str, forward: Forward, acc: float, params: int, size: int, n_features: int, repeats: int
+) -> dict[str, Any]:
+    """One table row: the given accuracy and size, and the latency measured now."""
+    return {
+        "model": name,
+        "test_acc": acc,
+        "params": int(params),
+        "size_kb": round(size / 1024, 1),
+        "latency_ms_b1": latency_ms(forward, n_features, 1, repeats),
+        "latency_ms_b256": latency_ms(forward, n_features, 256, repeats),
+    }
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def mean(values: Sequence[float]) -> float:
+    return float(np.mean(values))
+
+
+def run(settings: Settings, results_path: Path) -> int:
+    started_at = datetime.now(UTC)
+    wall_start = time.monotonic()
+    torch.set_num_threads(max(1, min(N_DASK_WORKERS, os.cpu_count() or 1)))
+    data_root = tempfile.mkdtemp(prefix="mopflow-distill-bench-")
+    try:
+        manifest_uri, results, shard_s, members_train_s = train_members(settings, data_root)
+        manifest = load_manifest(manifest_uri)
+        norm = manifest["normalization"]
+        data = {split: load_split(manifest_uri, split) for split in ("train", "validation", "test")}
+        x_test, y_test = data["test"]
+        n_features = x_test.shape[1]
+        num_classes = int(manifest["num_classes"])
+
+        candidates = [Candidate(r.number, r.state, r.value, r.bundle_uri, r.params) for r in results]
+        complete = [c for c in candidates if c.state == "COMPLETE" and c.bundle_uri and c.value is not None]
+        if len(complete) < len(candidates):
+            failed = [(r.number, r.state, r.error) for r in results if r.state != "COMPLETE"]
+            log.warning("members that did not complete (left out of the ensemble): %s", failed)
+        if not complete:
+            raise RuntimeError("no ensemble member completed")
+        ensemble, archs, _ = build_ensemble(complete)
+        ensemble.eval()
+        stacked = StackedEnsemble(ensemble).eval()
+        ensemble_params = n_params(ensemble)
+        ensemble_acc = student_accuracy(ensemble, x_test, y_test)
+        stacked_acc = student_accuracy(stacked, x_test, y_test)
+        member_accs = [
+            student_accuracy(ProbabilityEnsemble([m]).eval(), x_test, y_test) for m in ensemble.members
+        ]
+        best_index = max(range(len(complete)), key=lambda i: (complete[i].value or 0.0, -i))
+        best_member = ProbabilityEnsemble([ensemble.members[best_index]]).eval()
+        log.info(
+            "ensemble of %d: test_acc=%.4f (stacked %.4f), %d params; members %s",
+            len(complete),
+            ensemble_acc,
+            stacked_acc,
+            ensemble_params,
+            [f"{a:.4f}" for a in member_accs],
+        )
+
+        dcfg = DistillConfig(epochs=settings.student_epochs)
+        plan = plan_student(dcfg, ensemble_params, n_features, num_classes)
+        log.info(
+            "student: %s width=%d depth=%d, %d params (budget %d)",
+            plan.arch.family,
+            plan.arch.width,
+            plan.arch.depth,
+            plan.num_params,
+            plan.budget,
+        )
+        students_start = time.monotonic()
+        runs = train_students(settings, plan, dcfg, stacked, data, norm)
+        students_s = time.monotonic() - students_start
+
+        distilled_acc = mean([r.distilled_acc for r in runs])
+        hard_acc = mean([r.hard_acc for r in runs])
+        int8_acc = mean([r.int8_acc for r in runs])
+        first = runs[0]
+        load_before = os.getloadavg()
+        rows = [
+            measure(
+                f"ensemble x{len(complete)} (loop)",
+                ensemble,
+                ensemble_acc,
+                ensemble_params,
+                serialized_bytes(ensemble),
+                n_features,
+                settings.repeats,
+            ),
+            measure(
+                f"ensemble x{len(complete)} (stacked)",
+                stacked,
+                stacked_acc,
+                ensemble_params,
+                serialized_bytes(ensemble),  # same weights; the stacked copy is not a state dict
+                n_features,
+                settings.repeats,
+            ),
+            measure(
+                f"best member #{complete[best_index].number}",
+                best_member,
+                member_accs[best_index],
+                n_params(best_member),
+                serialized_bytes(ensemble.members[best_index]),
+                n_features,
+                settings.repeats,
+            ),
+            measure(
+                "student (distilled)",
+                ProbabilityEnsemble([first.distilled]).eval(),
+                distilled_acc,
+                plan.num_params,
+                serialized_bytes(first.distilled),
+                n_features,
+                settings.repeats,
+            ),
+            measure(
+                "student (hard labels)",
+                ProbabilityEnsemble([first.hard]).eval(),
+                hard_acc,
+                plan.num_params,
+                serialized_bytes(first.hard),
+                n_features,
+                settings.repeats,
+            ),
+            measure(
+                "student int8",
+                ProbabilityEnsemble([first.int8]).eval(),
+                int8_acc,
+                plan.num_params,
+                serialized_bytes(first.int8),
+                n_features,
+                settings.repeats,
+            ),
+        ]
+        load_after = os.getloadavg()
+        by_name = {r["model"]: r for r in rows}
+        loop_row = rows[0]
+        stacked_row = rows[1]
+        student_row = by_name["student (distilled)"]
+        int8_row = by_name["student int8"]
+
+        # Targets.
+        headroom = ensemble_acc - hard_acc
+        recovered = (distilled_acc - hard_acc) / headroom if headroom > 0 else None
+        per_seed_recovered = [
+            (r.distilled_acc - r.hard_acc) / (ensemble_acc - r.hard_acc)
+            if ensemble_acc > r.hard_acc
+            else None
+            for r in runs
+        ]
+        param_ratio = plan.num_params / ensemble_params
+        speedup_loop = loop_row["latency_ms_b256"] / student_row["latency_ms_b256"]
+        speedup_stacked = stacked_row["latency_ms_b256"] / student_row["latency_ms_b256"]
+        speedup = min(speedup_loop, speedup_stacked)
+        int8_speedup = student_row["latency_ms_b256"] / int8_row["latency_ms_b256"]
+        int8_loss_points = 100 * mean([r.distilled_acc - r.int8_acc for r in runs])
+        stacked_ratio_b1 = loop_row["latency_ms_b1"] / stacked_row["latency_ms_b1"]
+        stacked_ratio_b256 = loop_row["latency_ms_b256"] / stacked_row["latency_ms_b256"]
+
+        targets: dict[str, Any] = {
+            "recovered_gain": {
+                "value": recovered,
+                "target": f">= {RECOVERED_GAIN_TARGET}",
+                "status": "UNDEFINED" if recovered is None else verdict(recovered >= RECOVERED_GAIN_TARGET),
+            },
+            "param_ratio": {
+                "value": param_ratio,
+                "target": f"<= {MAX_PARAM_RATIO}",
+                "status": verdict(param_ratio <= MAX_PARAM_RATIO),
+            },
+            "student_speedup_b256": {
+                "value": speedup,
+                "vs_loop": speedup_loop,
+                "vs_stacked": speedup_stacked,
+                "target": f">= {STUDENT_SPEEDUP_TARGET} (vs the faster ensemble form)",
+                "status": verdict(speedup >= STUDENT_SPEEDUP_TARGET),
+            },
+            "int8": {
+                "speedup_b256": int8_speedup,
+                "accuracy_loss_points": int8_loss_points,
+                "target": f"speedup >= {INT8_SPEEDUP_TARGET} and loss < {INT8_MAX_LOSS_POINTS} points",
+                "status": verdict(
+                    int8_speedup >= INT8_SPEEDUP_TARGET and int8_loss_points < INT8_MAX_LOSS_POINTS
+                ),
+            },
+        }
+        if recovered is None:
+            gain_line = (
+                f"recovered gain: UNDEFINED (ensemble {ensemble_acc:.4f} is not better than the "
+                f"hard-label student {hard_acc:.4f}; distilled {distilled_acc:.4f})"
+            )
+        else:
+            gain_line = (
+                f"recovered gain = ({distilled_acc:.4f} - {hard_acc:.4f}) / ({ensemble_acc:.4f} - {hard_acc:.4f})"
+                f" = {recovered:.3f}  (target >= {RECOVERED_GAIN_TARGET:.2f})  "
+                f"{targets['recovered_gain']['status']}"
+            )
+        lines = [
+            gain_line,
+            f"student params = {plan.num_params} / {ensemble_params} = {100 * param_ratio:.1f}% "
+            f"(target <= {100 * MAX_PARAM_RATIO:.0f}%)  {targets['param_ratio']['status']}",
+            f"student speedup at b256 = {speedup:.1f}x (vs loop {speedup_loop:.1f}x, vs stacked "
+            f"{speedup_stacked:.1f}x; target >= {STUDENT_SPEEDUP_TARGET:.0f}x vs the faster)  "
+            f"{targets['student_speedup_b256']['status']}",
+            f"int8 student: {int8_speedup:.2f}x faster than fp32 at b256 (target >= "
+            f"{INT8_SPEEDUP_TARGET:.0f}x), accuracy lost {int8_loss_points:+.2f} points (target < "
+            f"{INT8_MAX_LOSS_POINTS}) {targets['int8']['status']}",
+            f"info: stacked vs loop ensemble latency: loop/stacked = {stacked_ratio_b1:.2f}x at b1, "
+            f"{stacked_ratio_b256:.2f}x at b256 (stacked groups {stacked.group_sizes})",
+        ]
+        if settings.seeds > 1:
+            lines.append(
+                "info: per-seed test acc distilled "
+                + ", ".join(f"{r.distilled_acc:.4f}" for r in runs)
+                + "; hard-label "
+                + ", ".join(f"{r.hard_acc:.4f}" for r in runs)
+                + "; int8 "
+                + ", ".join(f"{r.int8_acc:.4f}" for r in runs)
+            )
+
+        header = (
+            f"MNIST-1D distillation benchmark ({'quick' if settings.quick else 'full'}): "
+            f"{len(complete)} members x {settings.epochs} epochs, student {plan.arch.family} "
+            f"w{plan.arch.width} d{plan.arch.depth}, {settings.student_epochs} epochs, {settings.seeds} seed(s); "
+            f"test n={len(y_test)}; latency: 1 thread, median of {settings.repeats}, "
+            "probability outputs; student accuracies are seed means"
+        )
+        print(header)
+        print(format_table(rows))
+        print()
+        for line in lines:
+            print(line)
+
+        report = {
+            "benchmark": "distill",
+            "date": started_at.isoformat(timespec="seconds"),
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "torch_threads_training": torch.get_num_threads(),
+                "latency_threads": 1,
+                "loadavg_before_latency": list(load_before),
+                "loadavg_after_latency": list(load_after),
+            },
+            "settings": {
+                "quick": settings.quick,
+                "members": settings.members,
+                "member_epochs": settings.epochs,
+                "student_epochs": settings.student_epochs,
+                "seeds": settings.seeds,
+                "latency_repeats": settings.repeats,
+                "dask_workers": N_DASK_WORKERS,
+                "data": DataConfig().model_dump(),
+                "distill": dcfg.model_dump(),
+                "latency_forward": "probability modules (students wrapped in ProbabilityEnsemble([model]))",
+            },
+            "members": [
+                {
+                    "number": r.number,
+                    "params": r.params,
+                    "seed": MEMBER_CONFIGS[r.number][1],
+                    "state": r.state,
+                    "val_acc": r.value,
+                    "num_params": r.num_params,
+                    "duration_s": r.duration_s,
+                    "worker": r.worker,
+                    "error": r.error,
+                }
+                for r in results
+            ],
+            "member_test_acc": member_accs,
+            "ensemble": {
+                "members": [c.number for c in complete],
+                "archs": [a.to_dict() for a in archs],
+                "test_acc": ensemble_acc,
+                "stacked_test_acc": stacked_acc,
+                "params": ensemble_params,
+                "stacked_groups": stacked.group_sizes,
+            },
+            "student": {
+                "arch": plan.arch.to_dict(),
+                "params": plan.num_params,
+                "budget": plan.budget,
+                "test_acc_mean": distilled_acc,
+                "hard_label_test_acc_mean": hard_acc,
+                "int8_test_acc_mean": int8_acc,
+                "per_seed": [
+                    {
+                        "seed": r.seed,
+                        "distilled_test_acc": r.distilled_acc,
+                        "hard_label_test_acc": r.hard_acc,
+                        "int8_test_acc": r.int8_acc,
+                        "distilled_val_acc": r.distilled_val_acc,
+                        "hard_label_val_acc": r.hard_val_acc,
+                        "recovered_gain": g,
+                        "distilled_train_s": r.distilled_train_s,
+                        "hard_label_train_s": r.hard_train_s,
+                    }
+                    for r, g in zip(runs, per_seed_recovered, strict=True)
+                ],
+            },
+            "rows": rows,
+            "targets": targets,
+            "info": {
+                "loop_over_stacked_latency_b1": stacked_ratio_b1,
+                "loop_over_stacked_latency_b256": stacked_ratio_b256,
+            },
+            "timings_s": {
+                "shard": shard_s,
+                "members_train": members_train_s,
+                "students_train": students_s,
+                "total": time.monotonic() - wall_start,
+            },
+            "printed": [header, format_table(rows), *lines],
+        }
+        results_path.parent.mkdir(parents=True, exist_ok=True)
+        results_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {results_path}")
+        return 0
+    finally:
+        shutil.rmtree(data_root, ignore_errors=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: 2 members, 5 epochs, 5 student epochs"
+    )
+    parser.add_argument("--seeds", type=int, default=1, help="student seeds (distilled + hard-label each)")
+    parser.add_argument(
+        "--members", type=int, default=None, help=f"ensemble members (1..{len(MEMBER_CONFIGS)})"
+    )
+    parser.add_argument("--epochs", type=int, default=None, help="epochs per ensemble member")
+    parser.add_argument("--student-epochs", type=int, default=None, help="student training epochs")
+    parser.add_argument("--repeats", type=int, default=50, help="timed forward passes per latency figure")
+    parser.add_argument("--out", type=Path, default=RESULTS_PATH, help="where the JSON is written")
+    args = parser.parse_args(argv)
+    members = args.members if args.members is not None else (2 if args.quick else 4)
+    epochs = args.epochs if args.epochs is not None else (5 if args.quick else 80)
+    student_epochs = args.student_epochs if args.student_epochs is not None else (5 if args.quick else 120)
+    if not 1 <= members <= len(MEMBER_CONFIGS):
+        parser.error(f"--members must be between 1 and {len(MEMBER_CONFIGS)}")
+    if args.seeds < 1 or epochs < 1 or student_epochs < 1 or args.repeats < 1:
+        parser.error("--seeds, --epochs, --student-epochs and --repeats must be >= 1")
+    return Settings(members, epochs, student_epochs, args.seeds, args.repeats, args.quick), args.out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, out = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for name in ("distributed", "pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    return run(settings, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from training.executors import DataRef, EpochReport, ModelSpec
+from training.executors.gantt import gantt_png, idle_fraction
+from training.executors.mop import MopExecutor, partition_shards
+from training.executors.scheduler import MopScheduler, check_invariants, round_robin
+from training.executors.task import SequentialExecutor, TaskExecutor
+
+CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
+
+
+def _simulate(scheduler: MopScheduler, models: list[str], seed: int) -> list[dict]:
+    """Drive the scheduler with random unit durations; return the unit records of one epoch."""
+    rng = random.Random(seed)
+    scheduler.start_epoch(models)
+    clock, free_at, records, started = 0.0, {w: 0.0 for w in set(scheduler.placement.values())}, [], {}
+    while not scheduler.epoch_finished:
+        idle = [w for w, t in free_at.items() if t <= clock and w not in scheduler.running]
+        for worker, unit in scheduler.assign(idle):
+            started[worker] = clock
+            free_at[worker] = clock + rng.uniform(1, 3)
+        worker = min((w for w in scheduler.running), key=lambda w: free_at[w])
+        clock = free_at[worker]
+        unit = scheduler.complete(worker)
+        records.append(
+            {
+                "model": unit.model,
+                "partition": unit.partition,
+                "worker": worker,
+                "start": started[worker],
+                "end": clock,
+            }
+        )
+    return records
+
+
+def test_scheduler_keeps_the_mop_invariants_and_is_seeded() -> None:
+    placement = round_robin(["p0", "p1", "p2"], ["w0", "w1", "w2"])
+    models = ["a", "b", "c", "d"]
+    first = _simulate(MopScheduler(dict(placement), seed=7), models, seed=1)
+    check_invariants(first, models, placement)
+    again = _simulate(MopScheduler(dict(placement), seed=7), models, seed=1)
+    assert [(r["model"], r["partition"]) for r in first] == [(r["model"], r["partition"]) for r in again]
+    other = _simulate(MopScheduler(dict(placement), seed=8), models, seed=1)
+    assert [(r["model"], r["partition"]) for r in first] != [(r["model"], r["partition"]) for r in other]
+
+
+def test_check_invariants_catches_violations() -> None:
+    ok = [
+        {"model": "a", "partition": "p0", "worker": "w0", "start": 0, "end": 1},
+        {"model": "a", "partition": "p1", "worker": "w1", "start": 1, "end": 2},
+    ]
+    check_invariants(ok, ["a"], ["p0", "p1"])
+    overlap = [dict(ok[0]), dict(ok[1], start=0.5)]
+    with pytest.raises(AssertionError, match="model a ran two units at once"):
+        check_invariants(overlap, ["a"], ["p0", "p1"])
+    with pytest.raises(AssertionError, match="differ"):
+        check_invariants(ok[:1], ["a"], ["p0", "p1"])
+
+
+def test_lost_worker_requeues_its_unit_and_moves_its_partitions() -> None:
+    scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0", "w1"]), seed=0)
+    scheduler.start_epoch(["a", "b"])
+    assigned = dict(scheduler.assign(["w0", "w1"]))
+    lost = scheduler.lose_worker("w1", ["w0"])
+    assert lost == assigned["w1"] and lost in scheduler.queue
+    assert set(scheduler.placement.values()) == {"w0"}
+    scheduler.complete("w0")
+    while not scheduler.epoch_finished:
+        for worker, _ in scheduler.assign(["w0"]):
+            scheduler.complete(worker)
+    assert sorted((u.model, u.partition) for u in scheduler.done) == [
+        ("a", "p0"),
+        ("a", "p1"),
+        ("b", "p0"),
+        ("b", "p1"),
+    ]
+
+
+def _shards(manifest: str) -> list[str]:
+    from training.data import load_manifest
+
+    return [e["name"] for e in load_manifest(manifest)["splits"]["train"]]
+
+
+def test_mop_on_dask_trains_every_model_on_every_partition(
+    small_manifest: str, dask_client: object, tmp_path: Path
+) -> None:
+    data = DataRef(small_manifest)
+    models = [ModelSpec(f"m{i}", CNN | {"width": 6 + 2 * i}, seed=i) for i in range(3)]
+    executor = MopExecutor(dask_client, data, _shards(small_manifest), str(tmp_path / "ckpt"), seed=3)
+    outcomes = executor.run(models, epochs=2)
+    assert partition_shards(_shards(small_manifest), 2) == executor.partitions
+    for epoch, records in executor.epoch_records.items():
+        check_invariants(records, [m.model_id for m in models], executor.partitions)
+        assert len({r["worker"] for r in records}) == 2, epoch
+    for outcome in outcomes.values():
+        assert [r.epoch for r in outcome.history] == [0, 1] and outcome.state
+        assert Path(str(outcome.checkpoint_uri)).exists()
+    png = gantt_png(executor.epoch_records[1], str(tmp_path / "gantt.png"))
+    assert Path(png).stat().st_size > 1000
+    assert 0.0 <= idle_fraction(executor.epoch_records[1]) < 1.0
+
+
+def test_mop_matches_sequential_training(small_manifest: str, dask_client: object) -> None:
+    data = DataRef(small_manifest)
+    spec = ModelSpec("m", CNN | {"width": 16, "depth": 3, "lr": 0.02}, seed=0)
+    shards = _shards(small_manifest)
+    mop = MopExecutor(dask_client, data, shards, seed=0).run([spec], epochs=6)["m"].history[-1].val_acc
+    sequential = SequentialExecutor(data, shards).run([spec], epochs=6)["m"].history[-1].val_acc
+    assert mop > 0.3 and sequential > 0.3  # both learned (chance is 0.1)
+    assert abs(mop - sequential) <= 0.1
+
+
+class StopAndAdd:
+    """Stops m0 after its first epoch and adds one model once."""
+
+    def __init__(self) -> None:
+        self.reports: list[EpochReport] = []
+        self.added = False
+
+    def on_epoch_end(self, report: EpochReport) -> bool:
+        self.reports.append(report)
+        return not (report.model_id == "m0" and report.epoch == 0)
+
+    def new_models(self, free_slots: int) -> list[ModelSpec]:
+        if self.added or free_slots == 0:
+            return []
+        self.added = True
+        return [ModelSpec("late", CNN, seed=9)]
+
+
+@pytest.mark.parametrize("strategy", ["task", "mop"])
+def test_caller_can_stop_and_add_models_between_epochs(
+    strategy: str, small_manifest: str, dask_client: object
+) -> None:
+    data, shards = DataRef(small_manifest), _shards(small_manifest)
+    executor = (
+        TaskExecutor(dask_client, data, shards)
+        if strategy == "task"
+        else MopExecutor(dask_client, data, shards)
+    )
+    controller = StopAndAdd()
+    outcomes = executor.run(
+        [ModelSpec("m0", CNN, 0), ModelSpec("m1", CNN, 1)], epochs=2, controller=controller
+    )
+    assert outcomes["m0"].stopped_early and outcomes["m0"].epochs_done == 1
+    assert outcomes["m1"].epochs_done == 2
+    assert "late" in outcomes and outcomes["late"].epochs_done >= 1
+
+
+def test_mop_resumes_from_its_sub_epoch_checkpoints(
+    small_manifest: str, dask_client: object, tmp_path: Path
+) -> None:
+    data, shards = DataRef(small_manifest), _shards(small_manifest)
+    spec = ModelSpec("m", CNN, seed=0)
+    first = MopExecutor(dask_client, data, shards, str(tmp_path), seed=0).run([spec], epochs=1)
+    assert first["m"].epochs_done == 1
+    resumed = MopExecutor(dask_client, data, shards, str(tmp_path), seed=0)
+    outcome = resumed.run([spec], epochs=3)["m"]
+    assert [r.epoch for r in outcome.history] == [1, 2]  # epoch 0 was not redone
+    assert sorted(resumed.epoch_records) == [1, 2]

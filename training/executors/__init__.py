@@ -1,0 +1,17 @@
+"""Execution strategies for training many models: sequential, task, ddp, mop."""
+
+from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
+from training.executors.units import DataRef, ModelSpec
+
+STRATEGIES = ("task", "ddp", "mop")
+
+__all__ = [
+    "STRATEGIES",
+    "Controller",
+    "DataRef",
+    "EpochReport",
+    "Executor",
+    "ModelOutcome",
+    "ModelSpec",
+    "TrainAll",
+]

@@ -1,0 +1,105 @@
+"""One interface for training many configurations: "train these for E epochs on these shards;
+report each model's validation metric after every epoch; let the caller stop or add models
+between epochs; return checkpoints"."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from infra import storage
+from training.executors.units import DataRef, ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """A model's validation metric after an epoch."""
+
+    model_id: str
+    epoch: int
+    val_acc: float
+    train_loss: float
+
+
+@dataclass
+class ModelOutcome:
+    """What training a model produced."""
+
+    spec: ModelSpec
+    history: list[EpochReport] = field(default_factory=list)
+    state: bytes | None = None
+    stopped_early: bool = False
+    error: str | None = None
+    checkpoint_uri: str | None = None
+
+    @property
+    def epochs_done(self) -> int:
+        return len(self.history)
+
+
+class Controller(Protocol):
+    """The caller's say between epochs (the search's pruner and sampler live behind it)."""
+
+    def on_epoch_end(self, report: EpochReport) -> bool:
+        """Return False to stop training this model."""
+        ...
+
+    def new_models(self, free_slots: int) -> list[ModelSpec]:
+        """Models to add now that ``free_slots`` slots are free (may be empty)."""
+        ...
+
+
+class TrainAll:
+    """Default controller: every model trains for all epochs; nothing is added."""
+
+    def on_epoch_end(self, report: EpochReport) -> bool:
+        return True
+
+    def new_models(self, free_slots: int) -> list[ModelSpec]:
+        return []
+
+
+class Executor(ABC):
+    """A strategy for training many models; see the module docstring."""
+
+    name = "base"
+
+    def __init__(self, data: DataRef, checkpoint_root: str = "") -> None:
+        self.data = data
+        self.checkpoint_root = checkpoint_root
+        self.records: list[dict[str, Any]] = []  # one per unit/pass: worker, model, timings
+
+    @abstractmethod
+    def run(
+        self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
+    ) -> dict[str, ModelOutcome]:
+        """Train ``models`` for up to ``epochs`` epochs; return their outcomes by model id."""
+
+    # -- checkpoints: the latest state of each model, written after every pass --------------
+
+    def checkpoint_uri(self, model_id: str) -> str:
+        return storage.join(self.checkpoint_root, model_id, "last.safetensors")
+
+    def save_checkpoint(self, model_id: str, state: bytes) -> str | None:
+        if not self.checkpoint_root:
+            return None
+        uri = self.checkpoint_uri(model_id)
+        storage.write_bytes_atomic(uri, state, self.data.storage_options)
+        return uri
+
+    def load_checkpoint(self, model_id: str) -> tuple[bytes, dict[str, Any]] | None:
+        """The latest state of a model and its metadata (epoch, visited partitions), if any."""
+        if not self.checkpoint_root:
+            return None
+        uri = self.checkpoint_uri(model_id)
+        if not storage.exists(uri, self.data.storage_options):
+            return None
+        data = storage.read_bytes(uri, self.data.storage_options)
+        from training.executors.units import read_meta
+
+        return data, read_meta(data)

@@ -1,0 +1,118 @@
+"""The Model Hopper Parallelism scheduler (Cerebro, VLDB 2020), as a pure, seeded state machine.
+
+Per epoch every active model must visit every partition exactly once. A queue holds the
+(model, partition) units still to run; whenever a worker is idle the queue is shuffled and
+the first unit whose model is idle and whose partition that worker holds is given to it. A
+model never runs on two workers at once and a worker runs one unit at a time. A unit lost
+with its worker goes back to the queue (its partition moves to a surviving worker).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, order=True)
+class Unit:
+    """One sub-epoch: ``model`` trains one pass over ``partition``."""
+
+    model: str
+    partition: str
+
+
+@dataclass
+class MopScheduler:
+    """Assigns units to idle workers; every method is deterministic for a given seed."""
+
+    placement: dict[str, str]  # partition -> worker holding it
+    seed: int = 0
+    queue: list[Unit] = field(default_factory=list)
+    running: dict[str, Unit] = field(default_factory=dict)  # worker -> unit
+    done: list[Unit] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def start_epoch(self, models: Iterable[str]) -> None:
+        """Queue every (model, partition) unit of a new epoch."""
+        if self.queue or self.running:
+            raise RuntimeError("the previous epoch has not finished")
+        self.done = []
+        self.queue = [Unit(m, p) for m in sorted(models) for p in sorted(self.placement)]
+
+    @property
+    def busy_models(self) -> set[str]:
+        return {u.model for u in self.running.values()}
+
+    def assign(self, idle_workers: Iterable[str]) -> list[tuple[str, Unit]]:
+        """Units for the idle workers (at most one each), following the randomized rule."""
+        assignments: list[tuple[str, Unit]] = []
+        for worker in sorted(idle_workers):
+            if worker in self.running:
+                continue
+            self._rng.shuffle(self.queue)
+            busy = self.busy_models
+            for unit in self.queue:
+                if unit.model not in busy and self.placement[unit.partition] == worker:
+                    self.queue.remove(unit)
+                    self.running[worker] = unit
+                    assignments.append((worker, unit))
+                    break
+        return assignments
+
+    def complete(self, worker: str) -> Unit:
+        """The unit on ``worker`` finished."""
+        unit = self.running.pop(worker)
+        self.done.append(unit)
+        return unit
+
+    def lose_worker(self, worker: str, survivors: Iterable[str]) -> Unit | None:
+        """``worker`` is gone: requeue its unit and move its partitions to the least-loaded survivors."""
+        alive = sorted(set(survivors) - {worker})
+        if not alive:
+            raise RuntimeError("no worker is left to take over the lost worker's partitions")
+        unit = self.running.pop(worker, None)
+        if unit is not None:
+            self.queue.append(unit)
+        for partition, holder in sorted(self.placement.items()):
+            if holder == worker:
+                load = {w: sum(1 for h in self.placement.values() if h == w) for w in alive}
+                self.placement[partition] = min(alive, key=lambda w: (load[w], w))
+        return unit
+
+    def drop_model(self, model: str) -> None:
+        """Stop a model between units: its remaining units of this epoch are dropped."""
+        self.queue = [u for u in self.queue if u.model != model]
+
+    @property
+    def epoch_finished(self) -> bool:
+        return not self.queue and not self.running
+
+
+def round_robin(partitions: Iterable[str], workers: Iterable[str]) -> dict[str, str]:
+    """Place partitions on workers in turn (the data is partitioned once, never replicated)."""
+    ws = sorted(workers)
+    if not ws:
+        raise ValueError("no workers to place partitions on")
+    return {p: ws[i % len(ws)] for i, p in enumerate(sorted(partitions))}
+
+
+def check_invariants(
+    records: Iterable[Mapping[str, object]], models: Iterable[str], partitions: Iterable[str]
+) -> None:
+    """Raise AssertionError unless an epoch's unit records (model, partition, worker, start, end)
+    visit each (model, partition) exactly once, never overlap for one model, never overlap on one worker."""
+    recs = list(records)
+    seen = sorted((str(r["model"]), str(r["partition"])) for r in recs)
+    expected = sorted((m, p) for m in models for p in partitions)
+    assert seen == expected, f"units run {seen} differ from every (model, partition) once {expected}"
+    for key in ("model", "worker"):
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for r in recs:
+            groups.setdefault(str(r[key]), []).append((float(r["start"]), float(r["end"])))  # type: ignore[arg-type]
+        for name, spans in groups.items():
+            spans.sort()
+            for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+                assert start >= end, f"{key} {name} ran two units at once"
