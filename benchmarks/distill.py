@@ -13,10 +13,10 @@ What is measured
    cluster is closed before the students are trained.
 3. Students. ``plan_student(DistillConfig(epochs=...), ensemble_params, 40, 10)`` sizes a CNN
    student to at most 10% of the ensemble's parameters. For each of ``--seeds`` seeds (default 1)
-   the same student architecture is trained twice on the training split, in this process, with
-   ``compression.distill.train_student``: (a) distilled, with ``StackedEnsemble(ensemble)`` as the
-   teacher (soft targets at T=4, alpha=0.7), and (b) on hard labels alone (``teacher=None``). Both
-   use the manifest's normalisation. Each distilled student is quantized with
+   the same student architecture is trained twice on the training split, in this process (one
+   torch thread), with ``compression.distill.train_student``: (a) distilled, with
+   ``StackedEnsemble(ensemble)`` as the teacher (soft targets at T=4, alpha=0.7), and (b) on hard
+   labels alone (``teacher=None``). Both use the manifest's normalisation. Each distilled student is quantized with
    ``compression.evaluate.quantize_int8`` (dynamic INT8, Linear layers only). The ensemble is
    trained once and kept fixed across student seeds.
 4. Figures. Test accuracy (1000 test rows), parameter count, serialised size
@@ -91,6 +91,7 @@ from training.trial import NullReporter, TrialResult, TrialSpec, train_trial  # 
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "distill.json"
 N_DASK_WORKERS = 2
+TRAIN_THREADS = 1
 MAX_PARAM_RATIO = 0.10
 RECOVERED_GAIN_TARGET = 0.80
 STUDENT_SPEEDUP_TARGET = 5.0
@@ -266,7 +267,9 @@ def mean(values: Sequence[float]) -> float:
 def run(settings: Settings, results_path: Path) -> int:
     started_at = datetime.now(UTC)
     wall_start = time.monotonic()
-    torch.set_num_threads(max(1, min(N_DASK_WORKERS, os.cpu_count() or 1)))
+    # One thread: these models are tiny, and on a small shared machine more intra-op threads
+    # make each training step many times slower (spin-waiting), not faster.
+    torch.set_num_threads(TRAIN_THREADS)
     data_root = tempfile.mkdtemp(prefix="mopflow-distill-bench-")
     try:
         manifest_uri, results, shard_s, members_train_s = train_members(settings, data_root)

@@ -64,8 +64,16 @@ class Classifier(pl.LightningModule):
         x, y = batch[0], batch[1]
         logits = self(x)
         acc = (logits.argmax(dim=1) == y).float().mean()
-        self.log("val_acc", acc, on_step=False, on_epoch=True, prog_bar=False)
-        self.log("val_loss", F.cross_entropy(logits, y), on_step=False, on_epoch=True, prog_bar=False)
+        # sync_dist: under DDP each rank validates a slice; the logged value is over all of them.
+        self.log("val_acc", acc, on_step=False, on_epoch=True, prog_bar=False, sync_dist=True)
+        self.log(
+            "val_loss",
+            F.cross_entropy(logits, y),
+            on_step=False,
+            on_epoch=True,
+            prog_bar=False,
+            sync_dist=True,
+        )
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

@@ -21,7 +21,7 @@ def _simulate(scheduler: MopScheduler, models: list[str], seed: int) -> list[dic
     clock, free_at, records, started = 0.0, {w: 0.0 for w in set(scheduler.placement.values())}, [], {}
     while not scheduler.epoch_finished:
         idle = [w for w, t in free_at.items() if t <= clock and w not in scheduler.running]
-        for worker, unit in scheduler.assign(idle):
+        for worker, _unit in scheduler.assign(idle):
             started[worker] = clock
             free_at[worker] = clock + rng.uniform(1, 3)
         worker = min((w for w in scheduler.running), key=lambda w: free_at[w])
@@ -165,3 +165,35 @@ def test_mop_resumes_from_its_sub_epoch_checkpoints(
     outcome = resumed.run([spec], epochs=3)["m"]
     assert [r.epoch for r in outcome.history] == [1, 2]  # epoch 0 was not redone
     assert sorted(resumed.epoch_records) == [1, 2]
+
+
+@pytest.mark.slow
+def test_ddp_over_two_processes_matches_one_process_at_the_global_batch(small_manifest: str) -> None:
+    from training.executors.ddp import DDPExecutor
+
+    spec = ModelSpec("d", CNN | {"width": 16, "depth": 3, "batch_size": 64, "lr": 0.02}, seed=0)
+    two = DDPExecutor(DataRef(small_manifest), world_size=2).run([spec], epochs=5)["d"]
+    one = DDPExecutor(DataRef(small_manifest), world_size=1).run([spec], epochs=5)["d"]
+    assert two.error is None and one.error is None, (two.error, one.error)
+    assert [r.epoch for r in two.history] == list(range(5)) and two.state
+    assert two.history[-1].val_acc > 0.2 and one.history[-1].val_acc > 0.2  # both learned (chance is 0.1)
+    # The validation split of this small set has ~80 rows: 0.15 is about a dozen rows.
+    assert abs(two.history[-1].val_acc - one.history[-1].val_acc) <= 0.15
+
+
+@pytest.mark.slow
+def test_ddp_job_stops_between_epochs_when_the_caller_says_so(small_manifest: str) -> None:
+    from training.executors.ddp import DDPExecutor
+
+    class StopAfterFirst:
+        def on_epoch_end(self, report: EpochReport) -> bool:
+            return False
+
+        def new_models(self, free_slots: int) -> list[ModelSpec]:
+            return []
+
+    outcome = DDPExecutor(DataRef(small_manifest), world_size=2).run(
+        [ModelSpec("d", CNN, seed=0)], epochs=8, controller=StopAfterFirst()
+    )["d"]
+    assert outcome.error is None and outcome.stopped_early
+    assert 1 <= outcome.epochs_done < 8  # every rank stopped together, long before the end

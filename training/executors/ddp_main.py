@@ -1,0 +1,102 @@
+"""One DDP training job, run by ``torchrun`` (one process per rank): ``python -m torch.distributed.run
+--standalone --nproc-per-node=W -m training.executors.ddp_main --job job.json``.
+
+Lightning detects torchelastic and does not relaunch anything. Rank 0 alone writes the
+per-epoch report and the checkpoint; the stop decision (a STOP file the caller writes) is read
+by rank 0 and broadcast, so every rank stops at the same epoch boundary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", required=True)
+    args = parser.parse_args(argv)
+    job = json.loads(Path(args.job).read_text())
+
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from training.data import load_manifest, load_split
+    from training.executors.units import DataRef, ModelSpec, _build, pack_state
+    from training.lit import Classifier, quiet_trainer_kwargs
+    from training.trial import quiet_lightning
+
+    torch.set_num_threads(1)
+    quiet_lightning()
+    spec = ModelSpec(**job["spec"])
+    data = DataRef(**job["data"])
+    out = Path(job["out_dir"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    manifest = load_manifest(data.manifest_uri, data.storage_options)
+    pl.seed_everything(spec.seed, workers=False, verbose=False)
+    _, model = _build(spec, manifest)
+    module = Classifier(model, lr=float(spec.params["lr"]), weight_decay=float(spec.params["weight_decay"]))
+    x, y = load_split(data.manifest_uri, "train", data.storage_options)
+    xv, yv = load_split(data.manifest_uri, "validation", data.storage_options)
+    # Per-rank batch b: the global batch is world x b (Lightning adds a DistributedSampler).
+    train = DataLoader(
+        TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
+        batch_size=int(job["batch_per_rank"]),
+        shuffle=True,
+    )
+    val = DataLoader(TensorDataset(torch.from_numpy(xv), torch.from_numpy(yv)), batch_size=4096)
+
+    class Report(pl.Callback):
+        def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            if trainer.sanity_checking:
+                return
+            stop = False
+            if trainer.is_global_zero:
+                record = {
+                    "model_id": spec.model_id,
+                    "epoch": trainer.current_epoch,
+                    "val_acc": float(trainer.callback_metrics["val_acc"]),
+                    "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
+                    "world_size": world,
+                }
+                state = pack_state(model, None, {"epoch": trainer.current_epoch, "model_id": spec.model_id})
+                tmp = out / "last.safetensors.tmp"
+                tmp.write_bytes(state)
+                tmp.replace(out / "last.safetensors")
+                with (out / "epochs.jsonl").open("a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+                stop = (out / "STOP").exists()
+            if trainer.strategy.broadcast(stop, src=0):
+                trainer.should_stop = True
+
+    hook = None
+    if job.get("bf16_compress"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.bf16_compress_hook
+    kwargs = quiet_trainer_kwargs() | {"devices": world}
+    trainer = pl.Trainer(
+        max_epochs=int(job["epochs"]),
+        strategy=DDPStrategy(process_group_backend="gloo", ddp_comm_hook=hook, timeout=_timeout(job)),
+        callbacks=[Report()],
+        **kwargs,
+    )
+    trainer.fit(module, train, val)
+    return 0
+
+
+def _timeout(job: dict[str, Any]) -> Any:
+    from datetime import timedelta
+
+    # A collective that waits longer than this (a rank died) fails instead of hanging.
+    return timedelta(seconds=float(job.get("collective_timeout_s", 120)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
