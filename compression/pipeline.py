@@ -9,6 +9,7 @@ Every stage is idempotent: outputs are keyed by content hash or by the pipeline 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -159,7 +160,7 @@ def search_stage(
 ) -> dict[str, Any]:
     """Stage 2: the Optuna study, trials trained in parallel on Dask; one nested MLflow run per trial."""
     from training.cluster import dask_client
-    from training.search import run_search
+    from training.search import run_search, run_search_with_executor
     from training.trial import TrialResult
 
     settings = settings or Settings.from_env()
@@ -198,19 +199,33 @@ def search_stage(
 
     try:
         with dask_client(settings.dask_address, settings.dask_workers) as client:
-            outcome = run_search(
-                cfg.search,
-                str(shard["manifest_uri"]),
-                study,
-                settings.optuna_storage,
-                settings.artifact_root,
-                client,
-                settings.storage_options,
-                on_trial_done=log_trial,
-                min_complete=cfg.ensemble.top_k,
-            )
+            if cfg.search.strategy == "task":
+                outcome = run_search(
+                    cfg.search,
+                    str(shard["manifest_uri"]),
+                    study,
+                    settings.optuna_storage,
+                    settings.artifact_root,
+                    client,
+                    settings.storage_options,
+                    on_trial_done=log_trial,
+                    min_complete=cfg.ensemble.top_k,
+                )
+            else:
+                outcome = run_search_with_executor(
+                    cfg.search,
+                    str(shard["manifest_uri"]),
+                    study,
+                    settings.optuna_storage,
+                    settings.artifact_root,
+                    client,
+                    settings.storage_options,
+                    on_trial_done=log_trial,
+                    checkpoint_root=storage.join(settings.artifact_root, "checkpoints", study),
+                )
         for result in outcome.results:  # trials finished by an earlier attempt but never logged
             log_trial(result)
+        _log_mop_epochs(tracker, run_id, outcome.epoch_records)
         leaderboard = [
             {
                 "trial": r.number,
@@ -243,6 +258,33 @@ def search_stage(
         "best_trial": best[0].number,
         "best_val_acc": best[0].value,
     }
+
+
+def _log_mop_epochs(
+    tracker: MlflowTracker, run_id: str, epoch_records: Mapping[int, list[dict[str, Any]]]
+) -> None:
+    """Per MOP epoch: a Gantt chart (worker x time, a colour per model), unit timings, idle fraction."""
+    import tempfile
+    from pathlib import Path
+
+    from training.executors.gantt import gantt_png, idle_fraction
+
+    for epoch, records in sorted(epoch_records.items()):
+        if not records:
+            continue
+        idle = idle_fraction(records)
+        durations = [r["end"] - r["start"] for r in records]
+        tracker.log_metrics(
+            run_id,
+            {"mop_idle_fraction": idle, "mop_unit_seconds_mean": sum(durations) / len(durations)},
+            step=epoch,
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            gantt_png(records, str(Path(tmp) / f"gantt-epoch-{epoch + 1:03d}.png"))
+            Path(tmp, f"units-epoch-{epoch + 1:03d}.json").write_text(
+                json.dumps(records, indent=1, default=str)
+            )
+            tracker.log_artifacts(run_id, tmp, "mop")
 
 
 def _load_candidates(search: Mapping[str, Any]) -> list[Any]:
@@ -396,7 +438,7 @@ def distill_stage(
     tracker = _tracker(settings)
     run_id = _stage_run(tracker, ctx, "distill", {"mopflow.manifest_hash": str(shard["manifest_hash"])})
     try:
-        torch.set_num_threads(max(1, settings.dask_workers))
+        torch.set_num_threads(1)  # small models: one thread is fastest, more only contend with each other
         manifest_uri = str(shard["manifest_uri"])
         manifest = load_manifest(manifest_uri, so)
         teacher_bundle = load_bundle(str(ensemble["bundle_uri"]), so)

@@ -88,6 +88,12 @@ class SearchConfig(StageConfig):
     min_resource: int = Field(15, ge=1, le=1000, description="Epochs before the first pruning decision")
     timeout_minutes: float | None = Field(None, gt=0, le=7 * 24 * 60, description="Wall-clock budget")
     space: dict[str, Any] | None = Field(None, description="Search space spec; None = the packaged default")
+    strategy: Literal["task", "ddp", "mop"] = Field(
+        "task", description="task: a trial per worker; ddp: each trial on W DDP processes; mop: model hopper"
+    )
+    ddp_world_size: int = Field(2, ge=1, le=64, description="DDP processes per trial (strategy=ddp)")
+    bf16_compress: bool = Field(False, description="bf16 gradient compression hook under DDP")
+    model_slots: int = Field(4, ge=1, le=256, description="Models training at once under strategy=mop")
 
     def search_space(self) -> SearchSpace:
         """The validated search space."""

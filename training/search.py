@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
@@ -36,6 +36,7 @@ class SearchOutcome:
     study_name: str
     storage_url: str
     results: list[TrialResult]
+    epoch_records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # MOP units per epoch
 
     def complete(self) -> list[TrialResult]:
         """COMPLETE trials, best validation accuracy first."""
@@ -256,3 +257,131 @@ def run_search(
     return SearchOutcome(
         study_name=study_name, storage_url=storage_url, results=sorted(results, key=lambda r: r.number)
     )
+
+
+class _SearchController:
+    """Optuna behind the executor interface: reports and pruning happen here, in the coordinator."""
+
+    def __init__(self, study: optuna.Study, space: Any, cfg: SearchConfig, budget: int) -> None:
+        self.study, self.space, self.cfg, self.budget = study, space, cfg, budget
+        self.trials: dict[str, optuna.trial.Trial] = {}
+        self.pruned: dict[str, int] = {}
+
+    def ask(self, count: int) -> list[Any]:
+        from training.executors import ModelSpec
+
+        specs = []
+        while count > 0 and len(self.trials) < self.budget:
+            trial = self.study.ask()
+            params = sample_params(self.space, trial)
+            model_id = f"trial-{trial.number:04d}"
+            self.trials[model_id] = trial
+            specs.append(ModelSpec(model_id, params, seed=self.cfg.seed * 1000 + trial.number))
+            log.info("search: started trial %d %s", trial.number, params)
+            count -= 1
+        return specs
+
+    def on_epoch_end(self, report: Any) -> bool:
+        trial = self.trials[report.model_id]
+        trial.report(report.val_acc, report.epoch)
+        if self.cfg.pruner != "none" and trial.should_prune():
+            self.pruned[report.model_id] = report.epoch
+            return False
+        return True
+
+    def new_models(self, free_slots: int) -> list[Any]:
+        return self.ask(free_slots)
+
+
+def run_search_with_executor(
+    cfg: SearchConfig,
+    manifest_uri: str,
+    study_name: str,
+    storage_url: str,
+    artifact_root: str,
+    client: Any,
+    storage_options: Mapping[str, Any] | None = None,
+    on_trial_done: Callable[[TrialResult], None] | None = None,
+    checkpoint_root: str = "",
+) -> SearchOutcome:
+    """The search over the ``ddp`` or ``mop`` executor: ask-and-tell in this process; the executor
+    reports every model's validation accuracy after each epoch and pruned models free their slot
+    for new trials, which join at the next epoch (MOP) or start at once (DDP)."""
+    from training.data import load_manifest
+    from training.executors import DataRef
+    from training.executors.units import state_to_bundle
+
+    quiet_optuna()
+    space = cfg.search_space()
+    verify_manifest(manifest_uri, storage_options)
+    study = optuna.create_study(
+        study_name=study_name,
+        storage=make_storage(storage_url, cfg.n_workers),
+        direction="maximize",
+        sampler=make_sampler(cfg),
+        pruner=make_pruner(cfg.pruner, cfg.min_resource),
+        load_if_exists=True,
+    )
+    retry_stale_trials(study)
+    already = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
+    results = [result_from_frozen(t) for t in already]
+    budget = max(cfg.n_trials - len(already), 0)
+    if budget == 0:
+        return SearchOutcome(study_name, storage_url, sorted(results, key=lambda r: r.number))
+    data = DataRef(manifest_uri, dict(storage_options or {}))
+    shards = [e["name"] for e in load_manifest(manifest_uri, storage_options)["splits"]["train"]]
+    controller = _SearchController(study, space, cfg, budget)
+    executor: Any
+    if cfg.strategy == "mop":
+        from training.executors.mop import MopExecutor
+
+        executor = MopExecutor(client, data, shards, checkpoint_root, seed=cfg.seed, slots=cfg.model_slots)
+        initial = controller.ask(cfg.model_slots)
+    elif cfg.strategy == "ddp":
+        from training.executors.ddp import DDPExecutor
+
+        executor = DDPExecutor(data, cfg.ddp_world_size, checkpoint_root, bf16_compress=cfg.bf16_compress)
+        initial = controller.ask(1)
+    else:
+        raise ValueError(f"strategy {cfg.strategy!r} does not run through an executor here")
+    started = time.monotonic()
+    outcomes = executor.run(initial, cfg.epochs, controller)
+    for model_id, outcome in sorted(outcomes.items()):
+        trial = controller.trials[model_id]
+        history = [
+            {"epoch": r.epoch, "val_acc": r.val_acc, "train_loss": r.train_loss} for r in outcome.history
+        ]
+        bundle_uri = None
+        if outcome.state is not None and outcome.error is None:
+            bundle_uri = storage.join(artifact_root, "studies", study_name, f"trial-{trial.number:04d}")
+            state_to_bundle(outcome.spec, outcome.state, data, bundle_uri)
+        state = (
+            "FAIL"
+            if outcome.error or not history
+            else ("PRUNED" if model_id in controller.pruned else "COMPLETE")
+        )
+        result = TrialResult(
+            number=trial.number,
+            trial_id=trial._trial_id,
+            params=dict(outcome.spec.params),
+            state=state,
+            value=history[-1]["val_acc"] if history else None,
+            history=history,
+            bundle_uri=bundle_uri,
+            pruned_epoch=controller.pruned.get(model_id),
+            error=outcome.error,
+            worker=cfg.strategy,
+        )
+        _tell(study, trial, result)
+        results.append(result)
+        log.info("search: trial %d %s after %d epochs (%s)", trial.number, state, len(history), cfg.strategy)
+        if on_trial_done is not None:
+            on_trial_done(result)
+    epoch_records: dict[int, list[dict[str, Any]]] = dict(getattr(executor, "epoch_records", {}))
+    log.info(
+        "search: %s executor finished %d trials in %.0fs",
+        cfg.strategy,
+        len(outcomes),
+        time.monotonic() - started,
+    )
+    return SearchOutcome(study_name, storage_url, sorted(results, key=lambda r: r.number), epoch_records)

@@ -78,3 +78,21 @@ def test_finalize_fails_the_run_when_the_pipeline_did_not_finish(settings: Setti
 def test_run_key_is_stable_and_distinct() -> None:
     assert pipeline.make_run_key("d", "r1") == pipeline.make_run_key("d", "r1")
     assert pipeline.make_run_key("d", "r1") != pipeline.make_run_key("d", "r2")
+
+
+@pytest.mark.slow
+def test_mop_strategy_runs_the_search_and_logs_gantt_charts(tmp_path: Path) -> None:
+    local = Settings.from_env({"MOPFLOW_HOME": str(tmp_path)})
+    conf = CONF | {"strategy": "mop", "n_trials": 3, "model_slots": 2, "epochs": 2, "model_name": "mop"}
+    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "manual__mop", local)
+    shard = pipeline.shard_stage(conf, ctx, local)
+    search = pipeline.search_stage(conf, ctx, shard, local)
+    assert sum(search["counts"].values()) == 3 and search["counts"]["COMPLETE"] == 3
+    client = MlflowClient(tracking_uri=local.tracking_uri)
+    experiment = client.get_experiment_by_name(local.experiment_name)
+    run = client.search_runs([experiment.experiment_id], "tags.`mopflow.stage` = 'search'")[0]
+    names = [f.path for f in client.list_artifacts(run.info.run_id, "mop")]
+    assert "mop/gantt-epoch-001.png" in names and "mop/units-epoch-002.json" in names
+    assert client.get_metric_history(run.info.run_id, "mop_idle_fraction")
+    trials = client.search_runs([experiment.experiment_id], "tags.`mopflow.stage` = 'trial'")
+    assert len(trials) == 3

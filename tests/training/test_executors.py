@@ -151,7 +151,7 @@ def test_caller_can_stop_and_add_models_between_epochs(
     )
     assert outcomes["m0"].stopped_early and outcomes["m0"].epochs_done == 1
     assert outcomes["m1"].epochs_done == 2
-    assert "late" in outcomes and outcomes["late"].epochs_done >= 1
+    assert "late" in outcomes and outcomes["late"].epochs_done == 2  # a late model still trains every epoch
 
 
 def test_mop_resumes_from_its_sub_epoch_checkpoints(
@@ -164,7 +164,7 @@ def test_mop_resumes_from_its_sub_epoch_checkpoints(
     resumed = MopExecutor(dask_client, data, shards, str(tmp_path), seed=0)
     outcome = resumed.run([spec], epochs=3)["m"]
     assert [r.epoch for r in outcome.history] == [1, 2]  # epoch 0 was not redone
-    assert sorted(resumed.epoch_records) == [1, 2]
+    assert len(resumed.epoch_records) == 2
 
 
 @pytest.mark.slow

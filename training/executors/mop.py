@@ -29,7 +29,13 @@ class MopExecutor(Executor):
     name = "mop"
 
     def __init__(
-        self, client: Any, data: DataRef, shard_names: Sequence[str], checkpoint_root: str = "", seed: int = 0
+        self,
+        client: Any,
+        data: DataRef,
+        shard_names: Sequence[str],
+        checkpoint_root: str = "",
+        seed: int = 0,
+        slots: int | None = None,
     ) -> None:
         super().__init__(data, checkpoint_root)
         self.client = client
@@ -37,6 +43,8 @@ class MopExecutor(Executor):
         workers = sorted(client.scheduler_info()["workers"])
         self.partitions = partition_shards(shard_names, len(workers))
         self.scheduler = MopScheduler(round_robin(self.partitions, workers), seed=seed)
+        # Model slots: models training at once (at least one per partition keeps every worker busy).
+        self.slots = slots or len(self.partitions)
         self.epoch_records: dict[int, list[dict[str, Any]]] = {}
 
     def _alive(self) -> list[str]:
@@ -45,35 +53,38 @@ class MopExecutor(Executor):
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
     ) -> dict[str, ModelOutcome]:
+        """Rounds of MOP epochs: in each round every active model visits every partition once.
+
+        A model trains ``epochs`` epochs whenever it joined; models added by the controller
+        join at the next round, in the slots that stopped or finished models freed.
+        """
         from distributed import wait
 
         controller = controller or TrainAll()
         outcomes = {m.model_id: ModelOutcome(m) for m in models}
         states: dict[str, bytes] = {}
         visited: dict[str, list[str]] = {}
-        start_epoch: dict[str, int] = {}
+        next_epoch: dict[str, int] = {}
         for spec in models:
-            self._restore(spec, states, visited, start_epoch)
-        active = {m.model_id: m for m in models}
-        for epoch in range(epochs):
-            runnable = [mid for mid in active if start_epoch.get(mid, 0) <= epoch]
-            if not runnable:
-                continue
-            self.scheduler.start_epoch(runnable)
-            for mid in runnable:  # resume mid-epoch: partitions already visited are skipped
-                done = set(visited.get(mid, [])) if start_epoch.get(mid, 0) == epoch else set()
+            self._restore(spec, states, visited, next_epoch)
+        active = {m.model_id: m for m in models if next_epoch.get(m.model_id, 0) < epochs}
+        round_index = 0
+        while active:
+            self.scheduler.start_epoch(list(active))
+            for mid in active:  # resume mid-epoch: partitions already visited are skipped
+                done = set(visited.get(mid, []))
                 self.scheduler.queue = [
                     u for u in self.scheduler.queue if not (u.model == mid and u.partition in done)
                 ]
             records: list[dict[str, Any]] = []
             in_flight: dict[Any, tuple[str, Unit]] = {}
-            epoch_started = time.monotonic()
+            round_started = time.monotonic()
             total_units = len(self.scheduler.queue)
             while not self.scheduler.epoch_finished:
                 idle = [w for w in self._alive() if w not in self.scheduler.running]
                 for worker, unit in self.scheduler.assign(idle):
                     spec = active[unit.model]
-                    seen = visited.get(unit.model, []) if start_epoch.get(unit.model, 0) == epoch else []
+                    epoch = next_epoch.get(unit.model, 0)
                     future = self.client.submit(
                         train_pass,
                         spec,
@@ -83,7 +94,7 @@ class MopExecutor(Executor):
                         epoch,
                         epochs,
                         int(unit.partition[1:]),
-                        {"visited": [*seen, unit.partition]},
+                        {"visited": [*visited.get(unit.model, []), unit.partition]},
                         workers=[worker],
                         allow_other_workers=False,
                         pure=False,
@@ -91,16 +102,31 @@ class MopExecutor(Executor):
                     )
                     in_flight[future] = (worker, unit)
                     log.info(
-                        "mop: epoch %d: %s on %s runs on %s", epoch + 1, unit.model, unit.partition, worker
+                        "mop: round %d: %s (epoch %d) on %s runs on %s",
+                        round_index + 1,
+                        unit.model,
+                        epoch + 1,
+                        unit.partition,
+                        worker,
                     )
                 if not in_flight:
                     time.sleep(0.05)
                     continue
-                done, _ = wait(list(in_flight), return_when="FIRST_COMPLETED")
-                for future in done:
+                done_futures, _ = wait(list(in_flight), return_when="FIRST_COMPLETED")
+                for future in done_futures:
                     worker, unit = in_flight.pop(future)
                     try:
                         state, record = future.result()
+                    except (
+                        FloatingPointError
+                    ) as exc:  # NonFiniteLossError: the model fails, the sweep goes on
+                        self.scheduler.complete(worker)
+                        self.scheduler.drop_model(unit.model)
+                        outcomes[unit.model].error = f"{type(exc).__name__}: {exc}"
+                        states.pop(unit.model, None)
+                        active.pop(unit.model, None)
+                        log.warning("mop: %s failed on %s: %s", unit.model, unit.partition, exc)
+                        continue
                     except Exception as exc:
                         log.warning(
                             "mop: unit %s on %s was lost (%s); it goes back to the queue", unit, worker, exc
@@ -111,14 +137,13 @@ class MopExecutor(Executor):
                         continue
                     self.scheduler.complete(worker)
                     states[unit.model] = state
-                    visited[unit.model] = read_meta(state).get("visited", [])
-                    start_epoch[unit.model] = epoch
-                    record |= {"worker": worker, "partition": unit.partition}
+                    visited[unit.model] = list(read_meta(state).get("visited", []))
+                    record |= {"worker": worker, "partition": unit.partition, "round": round_index}
                     records.append(record)
                     self.save_checkpoint(unit.model, state)
                     log.info(
-                        "mop: epoch %d: %s finished %s on %s in %.2fs (%d/%d units)",
-                        epoch + 1,
+                        "mop: round %d: %s finished %s on %s in %.2fs (%d/%d units)",
+                        round_index + 1,
                         unit.model,
                         unit.partition,
                         worker,
@@ -127,11 +152,10 @@ class MopExecutor(Executor):
                         total_units,
                     )
             self.records += records
-            self.epoch_records[epoch] = records
-            log.info("mop: epoch %d done in %.1fs", epoch + 1, time.monotonic() - epoch_started)
-            self._end_epoch(
-                epoch, epochs, active, states, visited, start_epoch, outcomes, controller, records
-            )
+            self.epoch_records[round_index] = records
+            log.info("mop: round %d done in %.1fs", round_index + 1, time.monotonic() - round_started)
+            self._end_round(epochs, active, states, visited, next_epoch, outcomes, controller, records)
+            round_index += 1
         for mid, state in states.items():
             outcomes[mid].state = state
             outcomes[mid].checkpoint_uri = self.checkpoint_uri(mid) if self.checkpoint_root else None
@@ -142,7 +166,7 @@ class MopExecutor(Executor):
         spec: ModelSpec,
         states: dict[str, bytes],
         visited: dict[str, list[str]],
-        start_epoch: dict[str, int],
+        next_epoch: dict[str, int],
     ) -> None:
         found = self.load_checkpoint(spec.model_id)
         if found is None:
@@ -152,53 +176,56 @@ class MopExecutor(Executor):
         epoch = int(meta.get("epoch", -1))
         seen = list(meta.get("visited", []))
         if len(seen) >= len(self.partitions):  # that epoch was complete
-            start_epoch[spec.model_id], visited[spec.model_id] = epoch + 1, []
+            next_epoch[spec.model_id], visited[spec.model_id] = epoch + 1, []
         else:
-            start_epoch[spec.model_id], visited[spec.model_id] = epoch, seen
+            next_epoch[spec.model_id], visited[spec.model_id] = epoch, seen
         log.info(
-            "mop: %s resumes at epoch %d from its checkpoint", spec.model_id, start_epoch[spec.model_id] + 1
+            "mop: %s resumes at epoch %d from its checkpoint", spec.model_id, next_epoch[spec.model_id] + 1
         )
 
-    def _end_epoch(
+    def _end_round(
         self,
-        epoch: int,
         epochs: int,
         active: dict[str, ModelSpec],
         states: dict[str, bytes],
         visited: dict[str, list[str]],
-        start_epoch: dict[str, int],
+        next_epoch: dict[str, int],
         outcomes: dict[str, ModelOutcome],
         controller: Controller,
         records: list[dict[str, Any]],
     ) -> None:
-        """Validate every model that finished this epoch; the controller may stop or add models."""
-        finished = [mid for mid in active if start_epoch.get(mid, -1) == epoch and mid in states]
+        """Validate every model that finished an epoch; the controller may stop or add models."""
+        finished = [
+            mid for mid in active if mid in states and len(visited.get(mid, [])) >= len(self.partitions)
+        ]
         futures = {
             mid: self.client.submit(evaluate_state, active[mid], states[mid], self.data, pure=False)
             for mid in finished
         }
         for mid, future in futures.items():
+            epoch = next_epoch.get(mid, 0)
             losses = [r["train_loss"] for r in records if r["model"] == mid]
             report = EpochReport(
                 mid, epoch, float(future.result()), float(losses[-1]) if losses else float("nan")
             )
             outcomes[mid].history.append(report)
-            start_epoch[mid], visited[mid] = epoch + 1, []
+            next_epoch[mid], visited[mid] = epoch + 1, []
             keep = controller.on_epoch_end(report)
             log.info(
-                "mop: epoch %d: %s val_acc=%.4f%s",
-                epoch + 1,
+                "mop: %s epoch %d/%d val_acc=%.4f%s",
                 mid,
+                epoch + 1,
+                epochs,
                 report.val_acc,
                 "" if keep else " (stopped)",
             )
             if not keep:
                 outcomes[mid].stopped_early = True
+            if not keep or epoch + 1 >= epochs:
                 outcomes[mid].state = states[mid]
                 del active[mid]
-        if epoch + 1 < epochs:
-            for spec in controller.new_models(max(0, len(self.partitions) - len(active))):
-                active[spec.model_id] = spec
-                outcomes[spec.model_id] = ModelOutcome(spec)
-                start_epoch[spec.model_id] = epoch + 1
-                log.info("mop: %s joins at epoch %d", spec.model_id, epoch + 2)
+        for spec in controller.new_models(max(0, self.slots - len(active))):
+            active[spec.model_id] = spec
+            outcomes[spec.model_id] = ModelOutcome(spec)
+            next_epoch[spec.model_id] = 0
+            log.info("mop: %s joins at the next round", spec.model_id)
