@@ -116,6 +116,31 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -
         study.tell(trial, state=TrialState.FAIL)
 
 
+def _open_study(
+    cfg: SearchConfig,
+    manifest_uri: str,
+    study_name: str,
+    storage_url: str,
+    storage_options: Mapping[str, Any] | None,
+) -> tuple[optuna.Study, Any, list[optuna.trial.FrozenTrial], list[TrialResult]]:
+    """Verify the shards, then create or resume the study (stale trials retried); return it, the
+    space, the trials that already count towards the budget and their results."""
+    quiet_optuna()
+    space = cfg.search_space()
+    verify_manifest(manifest_uri, storage_options)  # a bad shard fails here, before any training
+    study = optuna.create_study(
+        study_name=study_name,
+        storage=make_storage(storage_url, cfg.n_workers),
+        direction="maximize",
+        sampler=make_sampler(cfg),
+        pruner=make_pruner(cfg.pruner, cfg.min_resource),
+        load_if_exists=True,
+    )
+    retry_stale_trials(study)
+    already = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
+    return study, space, already, [result_from_frozen(t) for t in already]
+
+
 def run_search(
     cfg: SearchConfig,
     manifest_uri: str,
@@ -133,20 +158,7 @@ def run_search(
     members), extra trials are run with pruning off until there are enough (at most
     ``2 * min_complete`` extra attempts).
     """
-    quiet_optuna()
-    space = cfg.search_space()
-    verify_manifest(manifest_uri, storage_options)  # a bad shard fails here, before any training
-    study = optuna.create_study(
-        study_name=study_name,
-        storage=make_storage(storage_url, cfg.n_workers),
-        direction="maximize",
-        sampler=make_sampler(cfg),
-        pruner=make_pruner(cfg.pruner, cfg.min_resource),
-        load_if_exists=True,
-    )
-    retry_stale_trials(study)
-    already = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
-    results = [result_from_frozen(t) for t in already]
+    study, space, already, results = _open_study(cfg, manifest_uri, study_name, storage_url, storage_options)
     if already:
         log.info(
             "search: study %s already has %d finished trials; %d to go",
@@ -311,20 +323,7 @@ def run_search_with_executor(
     from training.executors import DataRef
     from training.executors.units import state_to_bundle
 
-    quiet_optuna()
-    space = cfg.search_space()
-    verify_manifest(manifest_uri, storage_options)
-    study = optuna.create_study(
-        study_name=study_name,
-        storage=make_storage(storage_url, cfg.n_workers),
-        direction="maximize",
-        sampler=make_sampler(cfg),
-        pruner=make_pruner(cfg.pruner, cfg.min_resource),
-        load_if_exists=True,
-    )
-    retry_stale_trials(study)
-    already = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
-    results = [result_from_frozen(t) for t in already]
+    study, space, already, results = _open_study(cfg, manifest_uri, study_name, storage_url, storage_options)
     budget = max(cfg.n_trials - len(already), 0)
     if budget == 0:
         return SearchOutcome(study_name, storage_url, sorted(results, key=lambda r: r.number))

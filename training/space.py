@@ -40,6 +40,15 @@ def _finite(value: float, what: str) -> float:
     return value
 
 
+def _check_range(low: float, high: float, log: bool) -> None:
+    _finite(low, "low")
+    _finite(high, "high")
+    if low >= high:
+        raise ValueError(f"low ({low}) must be < high ({high})")
+    if log and low <= 0:
+        raise ValueError(f"log scale needs low > 0, got low={low}")
+
+
 class IntParam(_Strict):
     """An integer in [low, high], optionally log-uniform."""
 
@@ -50,12 +59,7 @@ class IntParam(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> IntParam:
-        _finite(self.low, "low")
-        _finite(self.high, "high")
-        if self.low >= self.high:
-            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
-        if self.log and self.low <= 0:
-            raise ValueError(f"log scale needs low > 0, got low={self.low}")
+        _check_range(self.low, self.high, self.log)
         return self
 
 
@@ -69,12 +73,7 @@ class FloatParam(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> FloatParam:
-        _finite(self.low, "low")
-        _finite(self.high, "high")
-        if self.low >= self.high:
-            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
-        if self.log and self.low <= 0:
-            raise ValueError(f"log scale needs low > 0, got low={self.low}")
+        _check_range(self.low, self.high, self.log)
         return self
 
 

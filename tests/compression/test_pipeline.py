@@ -96,3 +96,17 @@ def test_mop_strategy_runs_the_search_and_logs_gantt_charts(tmp_path: Path) -> N
     assert client.get_metric_history(run.info.run_id, "mop_idle_fraction")
     trials = client.search_runs([experiment.experiment_id], "tags.`mopflow.stage` = 'trial'")
     assert len(trials) == 3
+
+
+@pytest.mark.slow
+def test_ddp_strategy_runs_the_search_through_torchrun(tmp_path: Path) -> None:
+    local = Settings.from_env({"MOPFLOW_HOME": str(tmp_path)})
+    conf = CONF | {"strategy": "ddp", "ddp_world_size": 2, "n_trials": 2, "epochs": 2, "model_name": "ddp"}
+    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "manual__ddp", local)
+    shard = pipeline.shard_stage(conf, ctx, local)
+    search = pipeline.search_stage(conf, ctx, shard, local)
+    assert search["counts"] == {"COMPLETE": 2, "PRUNED": 0, "FAIL": 0}
+    study = optuna.load_study(study_name=search["study_name"], storage=make_storage(local.optuna_storage))
+    for trial in study.trials:
+        assert [h["epoch"] for h in trial.user_attrs["history"]] == [0, 1]
+        assert Path(trial.user_attrs["bundle_uri"], "weights.safetensors").exists()

@@ -182,6 +182,22 @@ def test_ddp_over_two_processes_matches_one_process_at_the_global_batch(small_ma
 
 
 @pytest.mark.slow
+def test_ddp_resumes_from_its_epoch_checkpoint(small_manifest: str, tmp_path: Path) -> None:
+    from training.executors.ddp import DDPExecutor
+
+    spec = ModelSpec("d", CNN, seed=0)
+    first = DDPExecutor(DataRef(small_manifest), world_size=2, checkpoint_root=str(tmp_path)).run(
+        [spec], epochs=1
+    )
+    assert [r.epoch for r in first["d"].history] == [0]
+    resumed = DDPExecutor(DataRef(small_manifest), world_size=2, checkpoint_root=str(tmp_path)).run(
+        [spec], epochs=3
+    )
+    assert resumed["d"].error is None
+    assert [r.epoch for r in resumed["d"].history] == [1, 2]  # epoch 0 was not redone
+
+
+@pytest.mark.slow
 def test_ddp_job_stops_between_epochs_when_the_caller_says_so(small_manifest: str) -> None:
     from training.executors.ddp import DDPExecutor
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
 from training.executors.units import DataRef, ModelSpec
@@ -60,7 +61,7 @@ class DDPExecutor(Executor):
         with tempfile.TemporaryDirectory(prefix=f"ddp-{spec.model_id}-") as tmp:
             out = Path(tmp)
             batch = int(spec.params["batch_size"])
-            job = {
+            job: dict[str, Any] = {
                 "spec": asdict(spec),
                 "data": asdict(self.data),
                 "epochs": epochs,
@@ -69,6 +70,18 @@ class DDPExecutor(Executor):
                 "batch_per_rank": max(1, batch // self.world_size),
                 "bf16_compress": self.bf16_compress,
             }
+            found = self.load_checkpoint(spec.model_id)
+            if found is not None:  # resume from the latest epoch checkpoint (weights; a fresh optimizer)
+                state, meta = found
+                (out / "resume.safetensors").write_bytes(state)
+                job["resume_state"] = str(out / "resume.safetensors")
+                job["start_epoch"] = int(meta.get("epoch", -1)) + 1
+                log.info(
+                    "ddp: %s resumes at epoch %d from its checkpoint", spec.model_id, job["start_epoch"] + 1
+                )
+                if job["start_epoch"] >= epochs:
+                    outcome.state = state
+                    return outcome
             (out / "job.json").write_text(json.dumps(job))
             cmd = [
                 sys.executable,

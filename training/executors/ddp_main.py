@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     manifest = load_manifest(data.manifest_uri, data.storage_options)
     pl.seed_everything(spec.seed, workers=False, verbose=False)
     _, model = _build(spec, manifest)
+    start_epoch = int(job.get("start_epoch", 0))
+    if job.get("resume_state"):
+        from training.executors.units import unpack_state
+
+        unpack_state(Path(job["resume_state"]).read_bytes(), model, None)  # safetensors: nothing unpickled
     module = Classifier(model, lr=float(spec.params["lr"]), weight_decay=float(spec.params["weight_decay"]))
     x, y = load_split(data.manifest_uri, "train", data.storage_options)
     xv, yv = load_split(data.manifest_uri, "validation", data.storage_options)
@@ -58,14 +63,15 @@ def main(argv: list[str] | None = None) -> int:
                 return
             stop = False
             if trainer.is_global_zero:
+                epoch = start_epoch + trainer.current_epoch
                 record = {
                     "model_id": spec.model_id,
-                    "epoch": trainer.current_epoch,
+                    "epoch": epoch,
                     "val_acc": float(trainer.callback_metrics["val_acc"]),
                     "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
                     "world_size": world,
                 }
-                state = pack_state(model, None, {"epoch": trainer.current_epoch, "model_id": spec.model_id})
+                state = pack_state(model, None, {"epoch": epoch, "model_id": spec.model_id})
                 tmp = out / "last.safetensors.tmp"
                 tmp.write_bytes(state)
                 tmp.replace(out / "last.safetensors")
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         hook = default_hooks.bf16_compress_hook
     kwargs = quiet_trainer_kwargs() | {"devices": world}
     trainer = pl.Trainer(
-        max_epochs=int(job["epochs"]),
+        max_epochs=int(job["epochs"]) - start_epoch,
         strategy=DDPStrategy(process_group_backend="gloo", ddp_comm_hook=hook, timeout=_timeout(job)),
         callbacks=[Report()],
         **kwargs,

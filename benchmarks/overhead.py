@@ -1,0 +1,324 @@
+"""Benchmark of the Lightning training loop's per-step overhead against a plain PyTorch loop.
+
+What is measured
+----------------
+Small models are where a framework's overhead shows, so both loops train the same small model,
+``build_model(ArchSpec("cnn", 16, 3, 40, 10))`` (seeded, so every run starts from the same
+weights), on the same data: ``--rows`` rows (default 20,000) of MNIST-1D-like random data
+(40 float32 features, 10 classes whose labels come from a fixed random linear teacher), through
+the same ``DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)`` with a seeded
+generator, for ``--epochs`` epochs (default 3), with one torch thread.
+
+* ``lightning``: ``training.lit.Classifier(model, lr=0.01, weight_decay=1e-5)`` fitted by
+  ``pl.Trainer(max_epochs=E, **quiet_trainer_kwargs())`` (no validation loader): AdamW and a
+  per-step ``OneCycleLR`` over ``trainer.estimated_stepping_batches`` steps, as in production.
+* ``plain``: the same AdamW and ``OneCycleLR`` (same total steps) in a bare loop:
+  ``zero_grad(set_to_none=True)``, forward, cross-entropy, backward, ``step``, scheduler ``step``.
+* ``plain_checks`` (information): ``plain`` plus what ``Classifier.training_step`` adds on top of
+  the maths (the ``torch.isfinite(loss)`` check in a Python ``if`` and ``float(loss.detach())``),
+  to separate the module's own per-step work from the framework's.
+
+Each loop is timed end to end (``trainer.fit`` / the whole loop, including the Trainer's set-up,
+excluding the data creation), divided by the number of optimizer steps. The three loops are run
+interleaved ``--repeats`` times (default 3); the figure is the median time per step over the
+repeats. ``ratio`` = lightning / plain; target: <= 1.15x. The median per-iteration time
+(steady state, set-up excluded) is reported too.
+
+Output: a plain-text table on stdout, the target line, and every figure in
+``benchmarks/results/overhead.json`` (with the CPU count, load averages and the date). Timings
+are wall-clock on a shared machine: other processes running at the same time inflate them.
+
+Run it from the repository root::
+
+    .venv/bin/python benchmarks/overhead.py            # full: 20,000 rows, 3 epochs, 3 repeats
+    .venv/bin/python benchmarks/overhead.py --quick    # smoke test: 2,000 rows, 1 epoch, 1 repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from training.lit import Classifier, quiet_trainer_kwargs  # noqa: E402
+from training.models import ArchSpec, build_model  # noqa: E402
+from training.trial import quiet_lightning  # noqa: E402
+
+RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "overhead.json"
+ARCH = ArchSpec("cnn", 16, 3, 40, 10)
+BATCH_SIZE = 64
+LR = 0.01
+WEIGHT_DECAY = 1e-5
+MODEL_SEED = 0
+DATA_SEED = 1234
+TARGET_RATIO = 1.15
+LOOPS = ("lightning", "plain", "plain_checks")
+
+
+@dataclass(frozen=True)
+class Settings:
+    rows: int
+    epochs: int
+    repeats: int
+    quick: bool
+
+
+@dataclass
+class Timing:
+    """One timed run of one loop."""
+
+    loop: str
+    repeat: int
+    steps: int
+    total_s: float
+    per_step_ms: float
+    median_iteration_ms: float
+    final_loss: float
+
+
+def make_data(rows: int) -> TensorDataset:
+    """MNIST-1D-like data: 40 float32 features, labels from a fixed random linear teacher."""
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    x = torch.randn(rows, ARCH.input_dim, generator=generator)
+    teacher = torch.randn(ARCH.input_dim, ARCH.num_classes, generator=generator)
+    noise = 0.5 * torch.randn(rows, ARCH.num_classes, generator=generator)
+    y = (x @ teacher + noise).argmax(dim=1).to(torch.int64)
+    return TensorDataset(x, y)
+
+
+def make_loader(dataset: TensorDataset, repeat: int) -> DataLoader[Any]:
+    generator = torch.Generator().manual_seed(DATA_SEED + repeat)
+    return DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, generator=generator)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(MODEL_SEED)
+    return build_model(ARCH)
+
+
+class IterationClock(pl.Callback):
+    """Start time of every training batch (the per-iteration steady-state cost)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.stamps.append(time.perf_counter())
+
+
+def _median_interval_ms(stamps: Sequence[float]) -> float:
+    diffs = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return 1000 * statistics.median(diffs) if diffs else float("nan")
+
+
+def run_lightning(dataset: TensorDataset, epochs: int, repeat: int) -> Timing:
+    model = make_model()
+    module = Classifier(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    loader = make_loader(dataset, repeat)
+    clock = IterationClock()
+    started = time.perf_counter()
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=[clock], **quiet_trainer_kwargs())
+    trainer.fit(module, loader)
+    total = time.perf_counter() - started
+    steps = int(trainer.global_step)
+    return Timing(
+        "lightning",
+        repeat,
+        steps,
+        total,
+        1000 * total / steps,
+        _median_interval_ms(clock.stamps),
+        float(module.last_train_loss),
+    )
+
+
+def run_plain(dataset: TensorDataset, epochs: int, repeat: int, checks: bool) -> Timing:
+    model = make_model()
+    loader = make_loader(dataset, repeat)
+    stamps: list[float] = []
+    last_loss = float("nan")
+    started = time.perf_counter()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    total_steps = epochs * len(loader)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=LR, total_steps=max(total_steps, 1))
+    model.train()
+    steps = 0
+    for _ in range(epochs):
+        for x, y in loader:
+            stamps.append(time.perf_counter())
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            if checks:
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"training loss became {loss.item()}")
+                last_loss = float(loss.detach())
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            steps += 1
+    stamps.append(time.perf_counter())
+    total = time.perf_counter() - started
+    if not checks:
+        last_loss = float(loss.detach())
+    return Timing(
+        "plain_checks" if checks else "plain",
+        repeat,
+        steps,
+        total,
+        1000 * total / steps,
+        _median_interval_ms(stamps),
+        last_loss,
+    )
+
+
+def run(settings: Settings, out: Path) -> int:
+    torch.set_num_threads(1)
+    dataset = make_data(settings.rows)
+    runners: dict[str, Callable[[int], Timing]] = {
+        "lightning": lambda r: run_lightning(dataset, settings.epochs, r),
+        "plain": lambda r: run_plain(dataset, settings.epochs, r, checks=False),
+        "plain_checks": lambda r: run_plain(dataset, settings.epochs, r, checks=True),
+    }
+    # Warm-up (not timed): first-call costs of imports, allocator and kernels hit neither loop.
+    warm = TensorDataset(*dataset[: 4 * BATCH_SIZE])
+    run_lightning(warm, 1, -1)
+    run_plain(warm, 1, -1, checks=False)
+    load_before = list(os.getloadavg())
+    timings: list[Timing] = []
+    for repeat in range(settings.repeats):
+        order = LOOPS if repeat % 2 == 0 else tuple(reversed(LOOPS))  # interleaved, alternating order
+        for loop in order:
+            timing = runners[loop](repeat)
+            timings.append(timing)
+            print(
+                f"  repeat {repeat + 1}/{settings.repeats} {loop:<13} {timing.steps} steps "
+                f"{timing.total_s:.2f}s ({timing.per_step_ms:.3f} ms/step)",
+                flush=True,
+            )
+    load_after = list(os.getloadavg())
+    summary: dict[str, dict[str, float]] = {}
+    for loop in LOOPS:
+        mine = [t for t in timings if t.loop == loop]
+        summary[loop] = {
+            "per_step_ms_median": statistics.median(t.per_step_ms for t in mine),
+            "median_iteration_ms_median": statistics.median(t.median_iteration_ms for t in mine),
+            "steps": float(mine[0].steps),
+        }
+    ratio = summary["lightning"]["per_step_ms_median"] / summary["plain"]["per_step_ms_median"]
+    ratio_checks = summary["lightning"]["per_step_ms_median"] / summary["plain_checks"]["per_step_ms_median"]
+    ratio_iter = (
+        summary["lightning"]["median_iteration_ms_median"] / summary["plain"]["median_iteration_ms_median"]
+    )
+    header = (
+        f"overhead: {ARCH.family} width {ARCH.width} depth {ARCH.depth}, {settings.rows} rows, batch "
+        f"{BATCH_SIZE}, {settings.epochs} epochs, {settings.repeats} repeats, 1 torch thread, "
+        f"{os.cpu_count()} CPUs"
+    )
+    rows = [f"{'loop':<14}{'steps':>7}{'ms/step (end to end)':>22}{'ms/iteration (steady)':>23}{'ratio':>8}"]
+    rows.append("-" * len(rows[0]))
+    base = summary["plain"]["per_step_ms_median"]
+    for loop in LOOPS:
+        s = summary[loop]
+        rows.append(
+            f"{loop:<14}{int(s['steps']):>7}{s['per_step_ms_median']:>22.3f}"
+            f"{s['median_iteration_ms_median']:>23.3f}{s['per_step_ms_median'] / base:>7.2f}x"
+        )
+    table = "\n".join(rows)
+    status = "PASS" if ratio <= TARGET_RATIO else "FAIL"
+    target_line = f"{status:<9} Lightning / plain PyTorch per step: {ratio:.2f}x (target <= {TARGET_RATIO}x)"
+    info_lines = [
+        f"info      Lightning / plain loop with the same NaN check and loss read: {ratio_checks:.2f}x",
+        f"info      Lightning / plain, median steady-state iteration (set-up excluded): {ratio_iter:.2f}x",
+    ]
+    print()
+    print(header)
+    print(table)
+    print()
+    print(target_line)
+    for line in info_lines:
+        print(line)
+    report = {
+        "benchmark": "overhead",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "pytorch_lightning": pl.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "loadavg_before": load_before,
+            "loadavg_after": load_after,
+        },
+        "settings": asdict(settings)
+        | {
+            "arch": ARCH.to_dict(),
+            "batch_size": BATCH_SIZE,
+            "lr": LR,
+            "weight_decay": WEIGHT_DECAY,
+            "data": "random normal features, labels = argmax of a fixed random linear teacher + noise",
+        },
+        "summary": summary,
+        "ratio": ratio,
+        "ratio_vs_plain_with_checks": ratio_checks,
+        "ratio_steady_iteration": ratio_iter,
+        "target": {"bound": TARGET_RATIO, "status": status},
+        "timings": [asdict(t) for t in timings],
+        "printed": [header, table, target_line, *info_lines],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 2000 rows, 1 epoch, 1 repeat")
+    parser.add_argument("--rows", type=int, default=None, help="training rows (default 20000)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs per run (default 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3)")
+    parser.add_argument("--out", type=Path, default=RESULTS_PATH, help="where the JSON is written")
+    args = parser.parse_args(argv)
+    rows = args.rows or (2000 if args.quick else 20_000)
+    epochs = args.epochs or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick else 3)
+    if rows < BATCH_SIZE or epochs < 1 or repeats < 1:
+        parser.error(f"--rows must be >= {BATCH_SIZE}; --epochs and --repeats >= 1")
+    return Settings(rows, epochs, repeats, args.quick), args.out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, out = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    quiet_lightning()
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    return run(settings, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

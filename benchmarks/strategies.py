@@ -1,0 +1,633 @@
+"""Benchmark of the four execution strategies for training many models: sequential, task, ddp, mop.
+
+What is measured
+----------------
+8 fixed configurations (small 1-D CNNs and MLPs, ``CONFIGS``; seeds 0..7, batch 256, AdamW with
+weight decay 1e-5) are trained for 4 epochs each on MNIST-1D by every strategy in
+``training.executors``:
+
+* ``sequential``: ``SequentialExecutor``, one model after another in one process.
+* ``task``: ``TaskExecutor`` on a fresh 2-worker Dask ``LocalCluster``: one model-epoch per
+  task over all training shards, at most one model per worker.
+* ``mop``: ``MopExecutor`` on a fresh 2-worker ``LocalCluster``: the training shards are split
+  into one partition per worker and model states hop between the workers (Cerebro's model
+  hopper parallelism).
+* ``ddp``: ``DDPExecutor(world_size=2)``: one ``torchrun`` job per model, 2 gloo processes.
+
+Data: ``DataConfig(num_samples=142_000, partition_rows=50_000, n_shards=4)`` (>= 100,000
+training rows; the row counts are read from the manifest) is sharded once with
+``training.data.shard_dataset`` into a temporary data root and reused by every strategy.
+
+Each strategy runs in its own subprocess (this script re-invoked with ``--run-strategy``), so
+that none inherits another's partition cache, and under a wall-clock limit (``--timeout-s``):
+on expiry the subprocess and all its descendants are killed by pid and the strategy is
+reported as failed. For ``task`` and ``mop`` the cluster start-up and the workers' first import
+of torch/Lightning happen before the clock starts; the clock covers ``executor.run`` only.
+
+Figures per strategy
+--------------------
+* ``wall_s``: wall time of ``executor.run``; ``per_epoch_s`` = wall / epochs;
+  ``rows_per_s`` (throughput) = configs x epochs x training rows / wall.
+* ``footprint``: bytes of training data materialised across processes. ``sequential``:
+  ``units.cached_bytes()`` of the benchmark subprocess (measured). ``task``/``mop``: the sum of
+  ``client.run(units.cached_bytes)`` over the workers after the run (measured). ``ddp``:
+  every rank loads the full training split (``ddp_main``), so world_size x rows x
+  (40 float32 + 1 int64) bytes (computed, not measured).
+* ``moved``: bytes moved between processes. ``sequential``: 0 (one process). ``task``/``mop``:
+  2 x the sum of ``record["state_bytes"]`` over the executor's records (each unit's state goes
+  to the worker and comes back; measured payload sizes, Dask's framing not counted).
+  ``ddp``: an ESTIMATE of the gradient all-reduce traffic: all-reduce calls x parameters x 4
+  bytes x 2 (a ring all-reduce over 2 ranks sends about 2x the gradient size per step in
+  total); the number of steps follows from the rows, the per-rank batch and the epochs done.
+* ``val_acc_mean``: mean over the 8 models of the final state's validation accuracy
+  (``units.evaluate_state`` on the returned state, the same function for every strategy).
+* ``idle`` (mop only): mean over MOP rounds of ``gantt.idle_fraction`` of that round's records.
+
+Targets (from the Cerebro paper; printed as PASS/FAIL)
+------------------------------------------------------
+MOP >= 0.9x the task-parallel throughput, <= 1/2 of its data footprint, >= 1.5x the DDP
+throughput, idle fraction <= 10%, mean accuracy within 1 point of sequential.
+
+Output: a plain-text table on stdout, the target lines, and every figure in
+``benchmarks/results/strategies.json`` (with the CPU count, load averages and the date).
+Timings are wall-clock on a shared machine: other processes running at the same time slow
+every strategy down.
+
+Run it from the repository root::
+
+    .venv/bin/python benchmarks/strategies.py            # full size (~10-20 minutes on 2 cores)
+    .venv/bin/python benchmarks/strategies.py --quick    # smoke test: 3000 samples, 2 configs, 1 epoch
+    .venv/bin/python benchmarks/strategies.py --strategies mop,task --epochs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "strategies.json"
+STRATEGY_ORDER = ("sequential", "task", "mop", "ddp")
+N_WORKERS = 2
+DDP_WORLD_SIZE = 2
+MB = 1024 * 1024
+N_FEATURES = 40
+BYTES_PER_ROW = N_FEATURES * 4 + 8  # float32 features + int64 label
+
+# The 8 configurations: (family, width, depth, lr). Seeds are 0..7 in this order.
+CONFIGS: tuple[tuple[str, int, int, float], ...] = (
+    ("cnn", 16, 2, 0.01),
+    ("cnn", 32, 2, 0.01),
+    ("cnn", 16, 3, 0.01),
+    ("cnn", 32, 3, 0.005),
+    ("mlp", 64, 2, 0.01),
+    ("mlp", 128, 2, 0.005),
+    ("mlp", 64, 3, 0.01),
+    ("mlp", 128, 3, 0.005),
+)
+
+TARGET_TASK_THROUGHPUT = 0.9
+TARGET_FOOTPRINT = 0.5
+TARGET_DDP_THROUGHPUT = 1.5
+TARGET_IDLE = 0.10
+TARGET_ACC_POINTS = 1.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes of one benchmark run."""
+
+    num_samples: int
+    n_shards: int
+    configs: int
+    epochs: int
+    batch_size: int
+    weight_decay: float
+    strategies: tuple[str, ...]
+    timeout_s: float
+    quick: bool
+
+
+def model_specs(settings: Settings) -> list[dict[str, Any]]:
+    """The configurations as ``ModelSpec`` fields (plain dicts: they travel as JSON)."""
+    specs = []
+    for seed, (family, width, depth, lr) in enumerate(CONFIGS[: settings.configs]):
+        params = {
+            "family": family,
+            "width": width,
+            "depth": depth,
+            "lr": lr,
+            "weight_decay": settings.weight_decay,
+            "batch_size": settings.batch_size,
+        }
+        specs.append({"model_id": f"m{seed}-{family}{width}x{depth}", "params": params, "seed": seed})
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# One strategy (runs in its own subprocess)
+
+
+def _warm_imports() -> int:
+    """Import torch and Lightning in a worker before the clock starts (every strategy pays it once)."""
+    import pytorch_lightning  # noqa: F401
+    import torch  # noqa: F401
+
+    import training.executors.units  # noqa: F401
+    import training.lit  # noqa: F401
+
+    return os.getpid()
+
+
+def _final_accuracy(outcomes: dict[str, Any], specs: Sequence[Any], data: Any) -> dict[str, Any]:
+    """Validation accuracy of each model's returned state, and its last reported accuracy."""
+    from training.executors.units import evaluate_state
+
+    acc: dict[str, float | None] = {}
+    reported: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    epochs_done: dict[str, int] = {}
+    for spec in specs:
+        outcome = outcomes.get(spec.model_id)
+        if outcome is None:
+            errors[spec.model_id] = "no outcome"
+            acc[spec.model_id] = reported[spec.model_id] = None
+            continue
+        if outcome.error:
+            errors[spec.model_id] = str(outcome.error)[-500:]
+        epochs_done[spec.model_id] = outcome.epochs_done
+        reported[spec.model_id] = outcome.history[-1].val_acc if outcome.history else None
+        acc[spec.model_id] = evaluate_state(spec, outcome.state, data) if outcome.state else None
+    return {"val_acc": acc, "reported_val_acc": reported, "errors": errors, "epochs_done": epochs_done}
+
+
+def _state_traffic(records: Sequence[dict[str, Any]]) -> int:
+    return 2 * sum(int(r.get("state_bytes", 0)) for r in records)
+
+
+def _records_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Busy time and partition-loading time of the training units."""
+    busy = sum(float(r["end"]) - float(r["start"]) for r in records)
+    loading = sum(float(r.get("load_end", r["start"])) - float(r["start"]) for r in records)
+    return {"units": len(records), "busy_s": busy, "setup_and_load_s": loading}
+
+
+def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
+    """Train the job's models with one strategy; return its figures (see the module docstring)."""
+    from training.executors.units import DataRef, ModelSpec, cached_bytes, clear_partitions
+
+    data = DataRef(manifest_uri=job["manifest_uri"])
+    specs = [ModelSpec(**m) for m in job["models"]]
+    shards: list[str] = job["shards"]
+    epochs = int(job["epochs"])
+    train_rows = int(job["train_rows"])
+    result: dict[str, Any] = {"strategy": name, "loadavg_before": list(os.getloadavg())}
+
+    if name == "sequential":
+        from training.executors.task import SequentialExecutor
+
+        _warm_imports()
+        clear_partitions()
+        executor: Any = SequentialExecutor(data, shards)
+        started = time.perf_counter()
+        outcomes = executor.run(specs, epochs)
+        result["wall_s"] = time.perf_counter() - started
+        result["footprint_bytes"] = cached_bytes()
+        result["footprint_method"] = "measured: units.cached_bytes() of the one training process"
+        result["moved_bytes"] = 0
+        result["moved_method"] = "none: every model trains in one process"
+        result["moved_is_estimate"] = False
+        result["records"] = _records_summary(executor.records)
+    elif name in ("task", "mop"):
+        from training.cluster import dask_client
+        from training.executors.gantt import idle_fraction
+        from training.executors.mop import MopExecutor
+        from training.executors.task import TaskExecutor
+
+        cluster_started = time.perf_counter()
+        with dask_client("", N_WORKERS) as client:
+            client.wait_for_workers(N_WORKERS, timeout=120)
+            client.run(_warm_imports)
+            client.run(clear_partitions)
+            result["cluster_start_s"] = time.perf_counter() - cluster_started
+            if name == "task":
+                executor = TaskExecutor(client, data, shards)
+            else:
+                executor = MopExecutor(client, data, shards, seed=0)
+                result["partitions"] = executor.partitions
+            started = time.perf_counter()
+            outcomes = executor.run(specs, epochs)
+            result["wall_s"] = time.perf_counter() - started
+            per_worker = client.run(cached_bytes)
+        result["footprint_bytes"] = int(sum(per_worker.values()))
+        result["footprint_per_worker_bytes"] = {str(k): int(v) for k, v in per_worker.items()}
+        result["footprint_method"] = (
+            "measured: sum over the Dask workers of client.run(units.cached_bytes) after the run"
+        )
+        result["moved_bytes"] = _state_traffic(executor.records)
+        result["moved_method"] = (
+            "measured payload: 2 x sum of record['state_bytes'] over the executor's records "
+            "(model state to the worker and back per unit; Dask framing not counted)"
+        )
+        result["moved_is_estimate"] = False
+        result["records"] = _records_summary(executor.records)
+        # Share of worker-time idle over the whole run (validation between rounds counts as idle).
+        busy = result["records"]["busy_s"]
+        result["run_idle_fraction"] = max(0.0, 1.0 - busy / (result["wall_s"] * N_WORKERS))
+        if name == "mop":
+            rounds = {int(k): idle_fraction(v) for k, v in executor.epoch_records.items() if v}
+            result["idle_per_round"] = rounds
+            result["idle_fraction"] = sum(rounds.values()) / len(rounds) if rounds else None
+            result["round_span_s"] = {
+                int(k): max(float(r["end"]) for r in v) - min(float(r["start"]) for r in v)
+                for k, v in executor.epoch_records.items()
+                if v
+            }
+        else:
+            result["idle_fraction_all_records"] = idle_fraction(executor.records)
+    elif name == "ddp":
+        from training.executors.ddp import DDPExecutor
+        from training.models import ArchSpec, count_params
+
+        executor = DDPExecutor(
+            data, world_size=DDP_WORLD_SIZE, epoch_timeout_s=float(job["ddp_epoch_timeout_s"])
+        )
+        started = time.perf_counter()
+        outcomes = executor.run(specs, epochs)
+        result["wall_s"] = time.perf_counter() - started
+        result["footprint_bytes"] = DDP_WORLD_SIZE * train_rows * BYTES_PER_ROW
+        result["footprint_method"] = (
+            f"computed: every rank loads the full training split ({DDP_WORLD_SIZE} x {train_rows} rows "
+            f"x {BYTES_PER_ROW} bytes)"
+        )
+        moved = 0
+        steps_total = 0
+        per_model: dict[str, Any] = {}
+        for spec in specs:
+            arch = ArchSpec.from_params(spec.params, N_FEATURES, 10)
+            n_params = count_params(arch)
+            per_rank_batch = max(1, int(spec.params["batch_size"]) // DDP_WORLD_SIZE)
+            rank_rows = math.ceil(train_rows / DDP_WORLD_SIZE)  # DistributedSampler pads to equal shares
+            steps_per_epoch = math.ceil(rank_rows / per_rank_batch)
+            outcome = outcomes.get(spec.model_id)
+            done = outcome.epochs_done if outcome is not None else 0
+            steps = steps_per_epoch * done
+            steps_total += steps
+            moved += steps * n_params * 4 * 2
+            per_model[spec.model_id] = {"params": n_params, "steps": steps, "per_rank_batch": per_rank_batch}
+        result["moved_bytes"] = moved
+        result["moved_method"] = (
+            "ESTIMATE: all-reduce steps x parameters x 4 bytes x 2 (ring all-reduce over 2 ranks sends "
+            "about 2x the gradient size per step in total); parameter broadcast and validation "
+            "metric syncs not counted"
+        )
+        result["moved_is_estimate"] = True
+        result["ddp_steps_total"] = steps_total
+        result["ddp_models"] = per_model
+        result["launches_s"] = [float(r["end"]) - float(r["start"]) for r in executor.records]
+    else:
+        raise ValueError(f"unknown strategy {name!r}")
+
+    result |= _final_accuracy(outcomes, specs, data)
+    accs = [a for a in result["val_acc"].values() if a is not None]
+    result["val_acc_mean"] = sum(accs) / len(accs) if len(accs) == len(specs) else None
+    result["per_epoch_s"] = result["wall_s"] / epochs
+    result["rows_per_s"] = len(specs) * epochs * train_rows / result["wall_s"]
+    result["loadavg_after"] = list(os.getloadavg())
+    return result
+
+
+def _child_main(name: str, job_path: Path, result_path: Path) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    import torch
+
+    torch.set_num_threads(1)
+    job = json.loads(job_path.read_text())
+    result = run_strategy(name, job)
+    result_path.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill a process and every descendant (DDP's torchrun runs in its own session), by pid."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=10)
+
+
+def launch(name: str, job_path: Path, work: Path, timeout_s: float) -> dict[str, Any]:
+    """Run one strategy in a subprocess under a wall-clock limit; return its figures or its failure."""
+    result_path = work / f"result-{name}.json"
+    log_path = work / f"log-{name}.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--run-strategy",
+        name,
+        "--job",
+        str(job_path),
+        "--result",
+        str(result_path),
+    ]
+    started = time.perf_counter()
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            proc.wait()
+            rc = None
+    elapsed = time.perf_counter() - started
+    tail = log_path.read_text(errors="replace")[-3000:]
+    if rc is None:
+        return {"strategy": name, "error": f"timed out after {timeout_s:.0f}s", "log_tail": tail}
+    if rc != 0 or not result_path.exists():
+        return {"strategy": name, "error": f"exit code {rc}", "log_tail": tail}
+    result: dict[str, Any] = json.loads(result_path.read_text())
+    result["subprocess_s"] = elapsed
+    return result
+
+
+def shard(settings: Settings, data_root: str) -> tuple[str, dict[str, Any], float]:
+    """Shard MNIST-1D once; return the manifest URI, the manifest and the time it took."""
+    from training.cluster import dask_client
+    from training.config import DataConfig
+    from training.data import load_manifest, shard_dataset
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)  # its INFO chatter hides the table
+    cfg = DataConfig(num_samples=settings.num_samples, partition_rows=50_000, n_shards=settings.n_shards)
+    started = time.perf_counter()
+    with dask_client("", N_WORKERS) as client:
+        shard_result = shard_dataset(cfg, data_root, client)
+    return shard_result.manifest_uri, load_manifest(shard_result.manifest_uri), time.perf_counter() - started
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    header = (
+        f"{'strategy':<11}{'wall_s':>9}{'per_epoch_s':>13}{'rows_per_s':>12}{'footprint_mb':>14}"
+        f"{'moved_mb':>11}{'val_acc_mean':>14}{'idle':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"{name:<11}FAILED: {r['error']}")
+            continue
+        moved = r["moved_bytes"] / MB
+        moved_s = f"~{moved:.1f}" if r.get("moved_is_estimate") else f"{moved:.1f}"
+        lines.append(
+            f"{name:<11}{r['wall_s']:>9.1f}{r['per_epoch_s']:>13.1f}{r['rows_per_s']:>12.0f}"
+            f"{r['footprint_bytes'] / MB:>14.1f}{moved_s:>11}{_fmt(r['val_acc_mean'], '.4f'):>14}"
+            f"{_fmt(r.get('idle_fraction'), '.1%'):>7}"
+        )
+    return "\n".join(lines)
+
+
+def evaluate_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Cerebro targets for MOP; a target whose inputs are missing is UNDEFINED."""
+
+    def ok(name: str) -> dict[str, Any] | None:
+        r = results.get(name)
+        return r if r is not None and "error" not in r else None
+
+    mop, task, ddp, seq = ok("mop"), ok("task"), ok("ddp"), ok("sequential")
+    targets: list[dict[str, Any]] = []
+
+    def add(label: str, value: float | None, passed: bool | None, unit: str, bound: str) -> None:
+        status = "UNDEFINED" if passed is None else ("PASS" if passed else "FAIL")
+        targets.append({"target": label, "value": value, "bound": bound, "unit": unit, "status": status})
+
+    if mop and task:
+        ratio = mop["rows_per_s"] / task["rows_per_s"]
+        add(
+            "MOP throughput vs task",
+            ratio,
+            ratio >= TARGET_TASK_THROUGHPUT,
+            "x",
+            f">= {TARGET_TASK_THROUGHPUT}x",
+        )
+        fp = mop["footprint_bytes"] / task["footprint_bytes"] if task["footprint_bytes"] else None
+        add("MOP data footprint vs task", fp, None if fp is None else fp <= TARGET_FOOTPRINT, "x", "<= 0.5x")
+    else:
+        add("MOP throughput vs task", None, None, "x", f">= {TARGET_TASK_THROUGHPUT}x")
+        add("MOP data footprint vs task", None, None, "x", "<= 0.5x")
+    if mop and ddp:
+        ratio = mop["rows_per_s"] / ddp["rows_per_s"]
+        add(
+            "MOP throughput vs DDP",
+            ratio,
+            ratio >= TARGET_DDP_THROUGHPUT,
+            "x",
+            f">= {TARGET_DDP_THROUGHPUT}x",
+        )
+    else:
+        add("MOP throughput vs DDP", None, None, "x", f">= {TARGET_DDP_THROUGHPUT}x")
+    idle = mop.get("idle_fraction") if mop else None
+    add("MOP idle fraction", idle, None if idle is None else idle <= TARGET_IDLE, "", f"<= {TARGET_IDLE:.0%}")
+    if mop and seq and mop["val_acc_mean"] is not None and seq["val_acc_mean"] is not None:
+        diff = 100 * (mop["val_acc_mean"] - seq["val_acc_mean"])
+        add("MOP accuracy vs sequential", diff, abs(diff) <= TARGET_ACC_POINTS, "points", "within 1 point")
+    else:
+        add("MOP accuracy vs sequential", None, None, "points", "within 1 point")
+    return targets
+
+
+def format_target(t: dict[str, Any]) -> str:
+    value = t["value"]
+    if value is None:
+        shown = "n/a"
+    elif t["unit"] == "x":
+        shown = f"{value:.2f}x"
+    elif t["unit"] == "points":
+        shown = f"{value:+.2f} points"
+    else:
+        shown = f"{value:.1%}"
+    return f"{t['status']:<9} {t['target']}: {shown} (target {t['bound']})"
+
+
+def run(settings: Settings, out: Path) -> int:
+    import torch
+
+    wall_start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="bench-strategies-"))
+    try:
+        manifest_uri, manifest, shard_s = shard(settings, str(work / "data"))
+        splits = manifest["splits"]
+        train_rows = sum(int(e["rows"]) for e in splits["train"])
+        val_rows = sum(int(e["rows"]) for e in splits["validation"])
+        shards = [str(e["name"]) for e in splits["train"]]
+        print(
+            f"sharded {settings.num_samples} MNIST-1D samples in {shard_s:.1f}s: {train_rows} train rows "
+            f"in {len(shards)} shards, {val_rows} validation rows"
+        )
+        if not settings.quick and train_rows < 100_000:
+            print(f"WARNING: only {train_rows} training rows (the benchmark asks for >= 100,000)")
+        models = model_specs(settings)
+        job = {
+            "manifest_uri": manifest_uri,
+            "models": models,
+            "shards": shards,
+            "epochs": settings.epochs,
+            "train_rows": train_rows,
+            "ddp_epoch_timeout_s": min(settings.timeout_s, 600.0),
+        }
+        job_path = work / "job.json"
+        job_path.write_text(json.dumps(job))
+        results: dict[str, dict[str, Any]] = {}
+        for name in settings.strategies:
+            print(f"running {name} ({len(models)} configs x {settings.epochs} epochs) ...", flush=True)
+            results[name] = launch(name, job_path, work, settings.timeout_s)
+            r = results[name]
+            if "error" in r:
+                print(f"  {name} FAILED: {r['error']}\n{r.get('log_tail', '')[-1500:]}", flush=True)
+            else:
+                print(
+                    f"  {name}: {r['wall_s']:.1f}s, val_acc_mean {_fmt(r['val_acc_mean'], '.4f')}", flush=True
+                )
+                if r.get("errors"):
+                    print(f"  {name}: model errors: {r['errors']}", flush=True)
+        table = format_table(results)
+        targets = evaluate_targets(results)
+        target_lines = [format_target(t) for t in targets]
+        header = (
+            f"strategies: {len(models)} configs x {settings.epochs} epochs, {train_rows} train rows, "
+            f"batch {settings.batch_size}, {N_WORKERS} workers / DDP world {DDP_WORLD_SIZE}, "
+            f"{os.cpu_count()} CPUs"
+        )
+        print()
+        print(header)
+        print(table)
+        print()
+        for line in target_lines:
+            print(line)
+        report = {
+            "benchmark": "strategies",
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "torch_threads_per_process": 1,
+            },
+            "settings": asdict(settings)
+            | {
+                "n_workers": N_WORKERS,
+                "ddp_world_size": DDP_WORLD_SIZE,
+                "models": models,
+                "data_config": manifest["config"],
+            },
+            "data": {
+                "train_rows": train_rows,
+                "validation_rows": val_rows,
+                "train_shards": shards,
+                "manifest_hash": manifest["manifest_hash"],
+                "train_bytes_in_memory": train_rows * BYTES_PER_ROW,
+                "shard_s": shard_s,
+            },
+            "definitions": {
+                "rows_per_s": "configs x epochs x train rows / wall_s (wall of executor.run only)",
+                "per_epoch_s": "wall_s / epochs",
+                "idle_fraction": "mop: mean over rounds of training.executors.gantt.idle_fraction(round records)",
+                "val_acc_mean": "mean over models of units.evaluate_state(final state) on the validation split",
+            },
+            "results": results,
+            "targets": targets,
+            "total_s": time.perf_counter() - wall_start,
+            "printed": [header, table, *target_lines],
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {out}")
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 3000 samples, 2 configs, 1 epoch")
+    parser.add_argument(
+        "--num-samples", type=int, default=None, help="MNIST-1D samples generated (default 142000)"
+    )
+    parser.add_argument("--n-shards", type=int, default=4, help="training shards")
+    parser.add_argument("--configs", type=int, default=None, help=f"configurations (1..{len(CONFIGS)})")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs per model (default 4)")
+    parser.add_argument("--batch-size", type=int, default=256, help="batch size of every configuration")
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGY_ORDER), help="comma-separated subset of the strategies"
+    )
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="wall-clock limit per strategy")
+    parser.add_argument("--out", type=Path, default=RESULTS_PATH, help="where the JSON is written")
+    parser.add_argument("--run-strategy", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--job", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.run_strategy:
+        return _child_main(args.run_strategy, args.job, args.result)
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    unknown = [s for s in strategies if s not in STRATEGY_ORDER]
+    if unknown:
+        raise SystemExit(f"unknown strategies {unknown}; expected some of {list(STRATEGY_ORDER)}")
+    configs = args.configs if args.configs is not None else (2 if args.quick else len(CONFIGS))
+    if not 1 <= configs <= len(CONFIGS):
+        raise SystemExit(f"--configs must be between 1 and {len(CONFIGS)}")
+    settings = Settings(
+        num_samples=args.num_samples or (3000 if args.quick else 142_000),
+        n_shards=args.n_shards,
+        configs=configs,
+        epochs=args.epochs or (1 if args.quick else 4),
+        batch_size=args.batch_size,
+        weight_decay=1e-5,
+        strategies=strategies,
+        timeout_s=args.timeout_s,
+        quick=args.quick,
+    )
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run(settings, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
