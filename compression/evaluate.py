@@ -94,3 +94,67 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
             f"{r['latency_ms_b1']:.3f} | {r['latency_ms_b256']:.3f} |"
         )
     return "\n".join(lines)
+
+
+class _StaticInt8(nn.Module):
+    """A classifier prepared for eager-mode static INT8: float standardisation, then quantized
+    convolutions/linears (ReLU fused) between a QuantStub and a DeQuantStub."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        from torch.ao.quantization import DeQuantStub, QuantStub
+
+        from training.models import CNN1D, MLP
+
+        standardize, backbone = model[0], model[1]  # type: ignore[index]
+        self.standardize = standardize
+        self.quant = QuantStub()
+        self.dequant = DeQuantStub()
+        self.is_cnn = isinstance(backbone, CNN1D)
+        self.body: nn.Module
+        self.head: nn.Module
+        if isinstance(backbone, CNN1D):
+            self.body = backbone.features
+            self.head = backbone.head
+        elif isinstance(backbone, MLP):
+            self.body = backbone.net[:-1]
+            self.head = backbone.net[-1]
+        else:
+            raise TypeError(
+                f"static quantization supports the CNN and MLP families, not {type(backbone).__name__}"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.standardize(x)
+        h = self.quant(h.unsqueeze(1) if self.is_cnn else h)
+        h = self.body(h)
+        return self.dequant(self.head(h.flatten(1) if self.is_cnn else h))
+
+
+def quantize_static_int8(model: nn.Module, calibration_x: np.ndarray) -> nn.Module:
+    """INT8 static quantization of every Conv1d and Linear (ReLU fused), calibrated on ``calibration_x``.
+
+    Dynamic quantization converts only Linear layers; a CNN spends its time in convolutions,
+    so this is the variant that makes a CNN student faster on CPU.
+    """
+    import copy
+    import warnings
+
+    from torch.ao.quantization import convert, fuse_modules, get_default_qconfig, prepare
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao eager quantization is deprecated in favour of torchao
+        wrapped = _StaticInt8(copy.deepcopy(model).eval()).eval()
+        pairs = [[str(i), str(i + 1)] for i in range(0, len(wrapped.body) - 1, 2)]  # type: ignore[arg-type]
+        if pairs:
+            wrapped.body = fuse_modules(wrapped.body, pairs)
+        wrapped.qconfig = get_default_qconfig(
+            "x86" if "x86" in torch.backends.quantized.supported_engines else "qnnpack"
+        )
+        wrapped.standardize.qconfig = None  # stays in float
+        prepared = prepare(wrapped)
+        with torch.no_grad():
+            xt = torch.as_tensor(calibration_x, dtype=torch.float32)
+            for start in range(0, len(xt), 512):
+                prepared(xt[start : start + 512])
+        return convert(prepared)

@@ -424,7 +424,13 @@ def distill_stage(
     import torch
 
     from compression.distill import plan_student, soft_targets, student_accuracy, train_student
-    from compression.evaluate import evaluate, format_table, quantize_int8, serialized_bytes
+    from compression.evaluate import (
+        evaluate,
+        format_table,
+        quantize_int8,
+        quantize_static_int8,
+        serialized_bytes,
+    )
     from compression.munge import munge
     from compression.registry import log_bundle_model
     from training.bundle import ProbabilityEnsemble, StackedEnsemble, load_bundle, save_bundle
@@ -484,6 +490,7 @@ def distill_stage(
             plan, dcfg, x_train, y_train, x_val, y_val, norm["mean"], norm["std"], None, cfg.search.seed
         )
         quantized = quantize_int8(student)
+        quantized_static = quantize_static_int8(student, x_train[:2048])
         metrics = {
             "val_acc": student_accuracy(student, x_val, y_val),
             "test_acc": student_accuracy(student, x_test, y_test),
@@ -491,6 +498,7 @@ def distill_stage(
             "param_ratio": plan.num_params / teacher_bundle.num_params(),
             "hard_label_test_acc": student_accuracy(baseline, x_test, y_test),
             "int8_test_acc": student_accuracy(quantized, x_test, y_test),
+            "int8_static_test_acc": student_accuracy(quantized_static, x_test, y_test),
         }
         bundle_uri = storage.join(_run_dir(settings, ctx), "student")
         save_bundle(
@@ -513,7 +521,8 @@ def distill_stage(
             ),
             "ensemble": (teacher, teacher_bundle.num_params(), serialized_bytes(teacher_bundle.module)),
             "student": (student_probs, plan.num_params, serialized_bytes(student)),
-            "student int8": (quantized, plan.num_params, serialized_bytes(quantized)),
+            "student int8 (dynamic)": (quantized, plan.num_params, serialized_bytes(quantized)),
+            "student int8 (static)": (quantized_static, plan.num_params, serialized_bytes(quantized_static)),
             "hard-label student": (baseline_probs, plan.num_params, serialized_bytes(baseline)),
         }
         report = evaluate(models, x_test, y_test)

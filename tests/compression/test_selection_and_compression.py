@@ -97,3 +97,27 @@ def test_gate_needs_champion_and_ensemble_conditions(
     decision = decide_promotion("accuracy", student, champion, ensemble, max_gap_points=2.0)
     assert decision.promote is promote
     assert "ensemble" in decision.reason
+
+
+def test_static_int8_quantizes_the_convolutions_and_keeps_accuracy() -> None:
+    from compression.evaluate import quantize_static_int8
+
+    rng = np.random.default_rng(1)
+    centers = rng.normal(0, 3, size=(3, 40))
+    y = rng.integers(0, 3, size=400)
+    x = (centers[y] + rng.normal(size=(400, 40))).astype(np.float32)
+    torch.manual_seed(0)
+    model = build_model(ArchSpec("cnn", 8, 3, 40, 3), x.mean(0).tolist(), x.std(0).tolist())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(100):
+        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    quantized = quantize_static_int8(model, x[:200])
+    kinds = {type(m).__name__ for m in quantized.modules()}
+    assert "ConvReLU1d" in kinds and "Linear" in kinds  # quantized (fused) convolutions and head
+    fp32 = (predict_proba(model, x).argmax(1).numpy() == y).mean()
+    int8 = (quantized(torch.from_numpy(x)).argmax(1).numpy() == y).mean()
+    assert fp32 > 0.9 and abs(fp32 - int8) < 0.03
