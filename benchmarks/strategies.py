@@ -475,7 +475,7 @@ def format_target(t: dict[str, Any]) -> str:
     if value is None:
         shown = "n/a"
     elif t["unit"] == "x":
-        shown = f"{value:.2f}x"
+        shown = f"{value:.3f}x"
     elif t["unit"] == "points":
         shown = f"{value:+.2f} points"
     else:

@@ -104,7 +104,7 @@ def train_student(
                 {
                     "epoch": epoch,
                     "val_acc": acc,
-                    "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
+                    "train_loss": pl_module.epoch_train_loss(),  # type: ignore[operator]
                 }
             )
             if (epoch + 1) % 10 == 0 or epoch + 1 == cfg.epochs:

@@ -37,6 +37,8 @@ class Classifier(pl.LightningModule):
         self.temperature = temperature
         self.alpha = alpha
         self.last_train_loss = math.nan
+        self._loss_sum = torch.zeros(())
+        self._loss_count = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.model(x)
@@ -56,9 +58,25 @@ class Classifier(pl.LightningModule):
             raise NonFiniteLossError(
                 f"training loss became {loss.item()} at epoch {self.current_epoch}, step {self.global_step}"
             )
-        self.last_train_loss = float(loss.detach())
-        self.log("train_loss", loss, on_step=False, on_epoch=True, prog_bar=False)
+        # Accumulate on the side and log once per epoch: self.log on every step doubled the
+        # per-step cost of these small models (benchmarks/overhead.py).
+        self._loss_sum = self._loss_sum + loss.detach()
+        self._loss_count += 1
         return loss
+
+    def epoch_train_loss(self) -> float:
+        """Mean training loss of the current (or just finished) epoch so far."""
+        return float(self._loss_sum / self._loss_count) if self._loss_count else self.last_train_loss
+
+    def on_train_epoch_start(self) -> None:
+        self._loss_sum = torch.zeros(())
+        self._loss_count = 0
+
+    def on_train_epoch_end(self) -> None:
+        if self._loss_count:
+            mean = self._loss_sum / self._loss_count
+            self.last_train_loss = float(mean)
+            self.log("train_loss", mean, prog_bar=False, sync_dist=True)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch[0], batch[1]

@@ -7,7 +7,6 @@ prune; asking for trials and telling results stays with the coordinator (``searc
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -187,7 +186,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                     return
                 epoch = trainer.current_epoch
                 val_acc = float(trainer.callback_metrics["val_acc"])
-                train_loss = float(trainer.callback_metrics.get("train_loss", math.nan))
+                train_loss = pl_module.epoch_train_loss()  # type: ignore[operator]
                 history.append({"epoch": epoch, "val_acc": val_acc, "train_loss": train_loss})
                 active.report(val_acc, epoch)
                 if epoch == 0 or (epoch + 1) % 10 == 0 or epoch + 1 == spec.epochs:
