@@ -199,29 +199,21 @@ def search_stage(
 
     try:
         with dask_client(settings.dask_address, settings.dask_workers) as client:
+            common = (
+                cfg.search,
+                str(shard["manifest_uri"]),
+                study,
+                settings.optuna_storage,
+                settings.artifact_root,
+                client,
+                settings.storage_options,
+            )
             if cfg.search.strategy == "task":
-                outcome = run_search(
-                    cfg.search,
-                    str(shard["manifest_uri"]),
-                    study,
-                    settings.optuna_storage,
-                    settings.artifact_root,
-                    client,
-                    settings.storage_options,
-                    on_trial_done=log_trial,
-                    min_complete=cfg.ensemble.top_k,
-                )
+                outcome = run_search(*common, on_trial_done=log_trial, min_complete=cfg.ensemble.top_k)
             else:
+                checkpoints = storage.join(settings.artifact_root, "checkpoints", study)
                 outcome = run_search_with_executor(
-                    cfg.search,
-                    str(shard["manifest_uri"]),
-                    study,
-                    settings.optuna_storage,
-                    settings.artifact_root,
-                    client,
-                    settings.storage_options,
-                    on_trial_done=log_trial,
-                    checkpoint_root=storage.join(settings.artifact_root, "checkpoints", study),
+                    *common, on_trial_done=log_trial, checkpoint_root=checkpoints
                 )
         for result in outcome.results:  # trials finished by an earlier attempt but never logged
             log_trial(result)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,6 +79,21 @@ class Executor(ABC):
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
     ) -> dict[str, ModelOutcome]:
         """Train ``models`` for up to ``epochs`` epochs; return their outcomes by model id."""
+
+    def _one_model_at_a_time(
+        self,
+        models: Sequence[ModelSpec],
+        controller: Controller,
+        train_one: Callable[[ModelSpec], ModelOutcome],
+    ) -> dict[str, ModelOutcome]:
+        """Train models one after another; each finished model frees the one slot for a new one."""
+        outcomes: dict[str, ModelOutcome] = {}
+        queue = list(models)
+        while queue:
+            spec = queue.pop(0)
+            outcomes[spec.model_id] = train_one(spec)
+            queue += controller.new_models(1)
+        return outcomes
 
     # -- checkpoints: the latest state of each model, written after every pass --------------
 

@@ -47,14 +47,8 @@ class DDPExecutor(Executor):
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
     ) -> dict[str, ModelOutcome]:
-        controller = controller or TrainAll()
-        outcomes: dict[str, ModelOutcome] = {}
-        queue = list(models)
-        while queue:
-            spec = queue.pop(0)
-            outcomes[spec.model_id] = self._train_one(spec, epochs, controller)
-            queue += controller.new_models(1)
-        return outcomes
+        ctl = controller or TrainAll()
+        return self._one_model_at_a_time(models, ctl, lambda spec: self._train_one(spec, epochs, ctl))
 
     def _train_one(self, spec: ModelSpec, epochs: int, controller: Controller) -> ModelOutcome:
         outcome = ModelOutcome(spec)

@@ -147,24 +147,22 @@ class SequentialExecutor(Executor):
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
     ) -> dict[str, ModelOutcome]:
-        controller = controller or TrainAll()
-        outcomes: dict[str, ModelOutcome] = {}
-        queue = list(models)
-        while queue:
-            spec = queue.pop(0)
-            outcome = outcomes[spec.model_id] = ModelOutcome(spec)
-            state = init_state(spec, self.data)
-            for epoch in range(epochs):
-                state, record = train_pass(spec, state, self.data, self.shards, epoch, epochs, 0)
-                self.records.append(record)
-                report = EpochReport(
-                    spec.model_id, epoch, evaluate_state(spec, state, self.data), record["train_loss"]
-                )
-                outcome.history.append(report)
-                if not controller.on_epoch_end(report):
-                    outcome.stopped_early = True
-                    break
-            outcome.state = state
-            self.save_checkpoint(spec.model_id, state)
-            queue += controller.new_models(1)
-        return outcomes
+        ctl = controller or TrainAll()
+        return self._one_model_at_a_time(models, ctl, lambda spec: self._train_one(spec, epochs, ctl))
+
+    def _train_one(self, spec: ModelSpec, epochs: int, controller: Controller) -> ModelOutcome:
+        outcome = ModelOutcome(spec)
+        state = init_state(spec, self.data)
+        for epoch in range(epochs):
+            state, record = train_pass(spec, state, self.data, self.shards, epoch, epochs, 0)
+            self.records.append(record)
+            report = EpochReport(
+                spec.model_id, epoch, evaluate_state(spec, state, self.data), record["train_loss"]
+            )
+            outcome.history.append(report)
+            if not controller.on_epoch_end(report):
+                outcome.stopped_early = True
+                break
+        outcome.state = state
+        self.save_checkpoint(spec.model_id, state)
+        return outcome

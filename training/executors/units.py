@@ -182,9 +182,8 @@ def train_pass(
             optimizer_holder["opt"] = optimizer
             return optimizer
 
+    # Weights and moments are loaded once, in configure_optimizers (Lightning calls it before the first step).
     module = PassModule(model, lr=lr, weight_decay=float(spec.params["weight_decay"]))
-    if state is not None:
-        unpack_state(state, model, None)
     x, y = load_partition(data, shard_names)
     loaded = time.time()
     # Same shuffling for the same (model, epoch, pass) wherever it runs.
