@@ -152,6 +152,27 @@ def shard_stage(
     }
 
 
+BEST_PARAMS_TAG = "mopflow.best_trial_params"
+
+
+def champion_warm_start(client: Any, cfg: PipelineConfig) -> Any:
+    """The current champion student's best-trial configuration as a warm start, or None when
+    there is no champion yet or its version does not record the configuration."""
+    from compression.registry import CHAMPION, alias_version
+    from training.search import WarmStart
+
+    name = f"{cfg.registry.model_name}-student"
+    champion = alias_version(client, name, CHAMPION)
+    if champion is None:
+        log.info("search: warm start requested but %s has no champion yet; starting cold", name)
+        return None
+    raw = champion.tags.get(BEST_PARAMS_TAG)
+    if not raw:
+        log.warning("search: %s v%s records no %s; starting cold", name, champion.version, BEST_PARAMS_TAG)
+        return None
+    return WarmStart(params=json.loads(raw), source=f"{name} v{champion.version} ({CHAMPION})")
+
+
 def search_stage(
     conf: Mapping[str, Any] | None,
     ctx_dict: Mapping[str, Any],
@@ -197,6 +218,7 @@ def search_stage(
         tracker.log_metrics(trial_run, {"duration_s": result.duration_s, "num_params": result.num_params})
         tracker.end_run(trial_run, "FAILED" if result.state == "FAIL" else "FINISHED")
 
+    warm = champion_warm_start(tracker.client, cfg) if cfg.search.warm_start else None
     try:
         with dask_client(settings.dask_address, settings.dask_workers) as client:
             common = (
@@ -209,11 +231,13 @@ def search_stage(
                 settings.storage_options,
             )
             if cfg.search.strategy == "task":
-                outcome = run_search(*common, on_trial_done=log_trial, min_complete=cfg.ensemble.top_k)
+                outcome = run_search(
+                    *common, on_trial_done=log_trial, min_complete=cfg.ensemble.top_k, warm_start=warm
+                )
             else:
                 checkpoints = storage.join(settings.artifact_root, "checkpoints", study)
                 outcome = run_search_with_executor(
-                    *common, on_trial_done=log_trial, checkpoint_root=checkpoints
+                    *common, on_trial_done=log_trial, checkpoint_root=checkpoints, warm_start=warm
                 )
         for result in outcome.results:  # trials finished by an earlier attempt but never logged
             log_trial(result)
@@ -425,7 +449,8 @@ def distill_stage(
     )
     from compression.munge import munge
     from compression.registry import log_bundle_model
-    from training.bundle import ProbabilityEnsemble, StackedEnsemble, load_bundle, save_bundle
+    from compression.ensemble import faster_form
+    from training.bundle import ProbabilityEnsemble, load_bundle, save_bundle
     from training.data import load_manifest, load_split
 
     settings = settings or Settings.from_env()
@@ -440,7 +465,8 @@ def distill_stage(
         manifest_uri = str(shard["manifest_uri"])
         manifest = load_manifest(manifest_uri, so)
         teacher_bundle = load_bundle(str(ensemble["bundle_uri"]), so)
-        teacher = StackedEnsemble(teacher_bundle.module)  # one graph: stacked members, one vmap call
+        # The loop or the stacked (vmap) form of the ensemble, whichever is faster on this machine.
+        teacher, form_ms = faster_form(teacher_bundle.module, len(manifest["feature_columns"]))
         x_train, y_train = load_split(manifest_uri, "train", so)
         x_val, y_val = load_split(manifest_uri, "validation", so)
         x_test, y_test = load_split(manifest_uri, "test", so)
@@ -599,7 +625,12 @@ def register_stage(
             student_name,
             str(distill["model_uri"]),
             ctx.run_key,
-            version_tags | {"mopflow.test_acc": f"{distill['test_acc']:.6f}"},
+            version_tags
+            | {
+                "mopflow.test_acc": f"{distill['test_acc']:.6f}",
+                # what a warm-started retraining sweep tries first
+                BEST_PARAMS_TAG: json.dumps(ensemble["best_trial"]["params"], sort_keys=True),
+            },
         )
         # The gate compares against the current champion evaluated on *this* run's test set.
         champion = alias_version(client, student_name, CHAMPION)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import optuna
-from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages.journal import JournalFileBackend
 
 
@@ -42,7 +42,35 @@ def make_storage(url: str, n_workers: int = 1) -> BaseStorage:
         path = Path(journal_path(url)).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(os.fspath(path)))
-    return RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+    heartbeat = heartbeat_seconds()
+    return RDBStorage(
+        url,
+        engine_kwargs={"pool_pre_ping": True},
+        heartbeat_interval=heartbeat,
+        grace_period=heartbeat * 3 if heartbeat else None,
+        # A trial whose worker stopped beating is failed and enqueued again with the same params;
+        # mopflow resumes it from the failed trial's last checkpoint (see training.search).
+        failed_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2) if heartbeat else None,
+    )
+
+
+HEARTBEAT_ENV = "MOPFLOW_OPTUNA_HEARTBEAT_S"
+
+
+def heartbeat_seconds() -> int | None:
+    """Heartbeat interval of RDB-stored trials (``MOPFLOW_OPTUNA_HEARTBEAT_S``, default 30; 0 = off).
+
+    Only RDB storages keep heartbeats; with a journal file the single coordinator recovers trials
+    left RUNNING when it restarts.
+    """
+    raw = os.environ.get(HEARTBEAT_ENV, "30").strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        raise StorageConfigError(f"{HEARTBEAT_ENV}={raw!r} is not a whole number of seconds") from None
+    if value < 0:
+        raise StorageConfigError(f"{HEARTBEAT_ENV}={value} must be >= 0")
+    return value or None
 
 
 def quiet_optuna() -> None:

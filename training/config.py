@@ -47,6 +47,13 @@ class DataConfig(StageConfig):
     nan_policy: Literal["fail", "drop"] = Field(
         "fail", description="Rows with NaN/inf features: fail or drop"
     )
+    stratify: bool = Field(
+        False,
+        description=(
+            "Stratify the hash split by label: per-class hash thresholds give every class the split "
+            "fractions to one row; rows near a threshold may change split when rows are appended"
+        ),
+    )
 
     @field_validator("dataset")
     @classmethod
@@ -81,9 +88,16 @@ class SearchConfig(StageConfig):
     epochs: int = Field(80, ge=1, le=1000, description="Training epochs per trial")
     n_workers: int = Field(2, ge=1, le=256, description="Trials trained at once (Dask workers)")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Sampler and training seed")
-    sampler: Literal["tpe", "random"] = Field("tpe", description="Optuna sampler (seeded)")
-    pruner: Literal["successive_halving", "none"] = Field(
-        "successive_halving", description="Pruner applied at epoch boundaries"
+    sampler: Literal["tpe", "random", "grid", "gp", "cmaes"] = Field(
+        "tpe", description="Optuna sampler, seeded: tpe, random, grid, gp (Gaussian process), cmaes"
+    )
+    pruner: Literal["asha", "successive_halving", "hyperband", "median", "none"] = Field(
+        "asha",
+        description="Pruner at epoch boundaries: asha (= successive_halving, asynchronous), hyperband, "
+        "median, none",
+    )
+    grid_points: int = Field(
+        3, ge=2, le=32, description="sampler=grid: values per int/float parameter (log-spaced if log)"
     )
     min_resource: int = Field(15, ge=1, le=1000, description="Epochs before the first pruning decision")
     timeout_minutes: float | None = Field(None, gt=0, le=7 * 24 * 60, description="Wall-clock budget")
@@ -94,6 +108,9 @@ class SearchConfig(StageConfig):
     ddp_world_size: int = Field(2, ge=1, le=64, description="DDP processes per trial (strategy=ddp)")
     bf16_compress: bool = Field(False, description="bf16 gradient compression hook under DDP")
     model_slots: int = Field(4, ge=1, le=256, description="Models training at once under strategy=mop")
+    warm_start: bool = Field(
+        False, description="Enqueue the current champion's trial parameters as the first trial"
+    )
 
     def search_space(self) -> SearchSpace:
         """The validated search space."""

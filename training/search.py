@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,13 +21,15 @@ from infra import storage
 from infra.optuna_storage import make_storage, quiet_optuna
 from training.config import SearchConfig
 from training.data import verify_manifest
-from training.space import params_from_optuna, sample_params
+from training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna, sample_params
 from training.trial import TrialResult, TrialSpec, make_pruner, train_trial
 
 log = logging.getLogger(__name__)
 
 STALE_ATTR = "mopflow_stale_retried"
+RESUME_ATTR = "mopflow_resume_from"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+STALE_CHECK_S = 15.0  # how often the coordinator looks for trials whose heartbeat stopped
 
 
 @dataclass(frozen=True)
@@ -44,11 +47,66 @@ class SearchOutcome:
         return sorted(done, key=lambda r: (-(r.value or 0.0), r.number))
 
 
-def make_sampler(cfg: SearchConfig) -> optuna.samplers.BaseSampler:
-    """Seeded sampler from the config."""
+def grid_values(spec: Any, points: int) -> list[Any]:
+    """The values a grid search tries for one parameter: every choice of a categorical; for an
+    int or float, ``points`` values evenly spaced over [low, high] (log-spaced when ``log``),
+    rounded and de-duplicated for ints."""
+    import numpy as np
+
+    from training.space import CategoricalParam, IntParam
+
+    if isinstance(spec, CategoricalParam):
+        return list(spec.choices)
+    spaced = (np.geomspace if spec.log else np.linspace)(spec.low, spec.high, points)
+    if isinstance(spec, IntParam):
+        return sorted({int(round(v)) for v in spaced})
+    return [float(v) for v in spaced]
+
+
+def grid_search_space(space: SearchSpace, points: int) -> dict[str, list[Any]]:
+    """Optuna's grid for a space, under the names ``sample_params`` suggests.
+
+    The space is conditional (each family has its own parameters), Optuna's grid is not: the grid
+    holds every family's parameters, and a trial of one family ignores the others' values, so
+    some grid points repeat a configuration. That is the price of a grid over a conditional space.
+    """
+    from training.space import DEFAULT_COMMON
+
+    grid: dict[str, list[Any]] = {}
+    families = sorted(space.families)
+    if len(families) > 1:
+        grid["family"] = families
+    for family in families:
+        for name, spec in sorted(space.families[family].items()):
+            grid[f"{family}_{name}"] = grid_values(spec, points)
+    for name in DEFAULT_COMMON:
+        if name in space.common:
+            grid[name] = grid_values(space.common[name], points)
+    return grid
+
+
+def make_sampler(cfg: SearchConfig, space: SearchSpace | None = None) -> optuna.samplers.BaseSampler:
+    """Seeded sampler from the config (the space is needed for ``grid``)."""
+    startup = max(2, min(10, cfg.n_trials // 3))
     if cfg.sampler == "random":
         return optuna.samplers.RandomSampler(seed=cfg.seed)
-    startup = max(2, min(10, cfg.n_trials // 3))
+    if cfg.sampler == "grid":
+        return optuna.samplers.GridSampler(
+            grid_search_space(space or cfg.search_space(), cfg.grid_points), seed=cfg.seed
+        )
+    if cfg.sampler == "gp":
+        # Categorical and family-specific params outside the shared space are sampled independently.
+        return optuna.samplers.GPSampler(
+            seed=cfg.seed, n_startup_trials=startup, warn_independent_sampling=False
+        )
+    if cfg.sampler == "cmaes":
+        # CMA-ES models the continuous params; categoricals (family, batch size) are sampled at random.
+        return optuna.samplers.CmaEsSampler(
+            seed=cfg.seed,
+            n_startup_trials=startup,
+            warn_independent_sampling=False,
+            independent_sampler=optuna.samplers.RandomSampler(seed=cfg.seed),
+        )
     # group=True: the space is conditional (each family has its own params).
     return optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=startup, multivariate=True, group=True)
 
@@ -71,6 +129,7 @@ def result_from_frozen(trial: optuna.trial.FrozenTrial) -> TrialResult:
         duration_s=float(attrs.get("duration_s", 0.0)),
         worker=str(attrs.get("worker", "")),
         num_params=int(attrs.get("num_params", 0)),
+        resumed_from_epoch=attrs.get("resumed_from_epoch"),
     )
 
 
@@ -88,9 +147,54 @@ def retry_stale_trials(study: optuna.Study) -> int:
     for t in stale:
         optuna.trial.Trial(study, t._trial_id).set_user_attr(STALE_ATTR, True)
         study.tell(t.number, state=TrialState.FAIL)
-        study.enqueue_trial(dict(t.params), skip_if_exists=False)
-        log.warning("search: trial %d was left RUNNING by an earlier attempt; retrying its params", t.number)
+        study.enqueue_trial(dict(t.params), user_attrs={RESUME_ATTR: t.number}, skip_if_exists=False)
+        log.warning(
+            "search: trial %d was left RUNNING by an earlier attempt; retrying its params from its "
+            "last checkpoint",
+            t.number,
+        )
     return len(stale)
+
+
+def retried_trial(trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> int | None:
+    """The number of the trial this one retries (after a dead coordinator or a stale heartbeat)."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    attrs = trial.user_attrs
+    if RESUME_ATTR in attrs:
+        return int(attrs[RESUME_ATTR])
+    frozen = (
+        trial
+        if isinstance(trial, optuna.trial.FrozenTrial)
+        else trial.study._storage.get_trial(trial._trial_id)
+    )
+    with warnings.catch_warnings():  # experimental in Optuna, stable in use since 2.8
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+
+
+def fail_stale_heartbeats(study: optuna.Study) -> set[int]:
+    """Fail RUNNING trials whose worker stopped beating (RDB storages with heartbeats); their params
+    are enqueued again by the storage's retry callback. Returns the numbers of the trials failed."""
+    from optuna.storages import fail_stale_trials
+
+    before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    if not before:
+        return set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        fail_stale_trials(study)
+    after = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    for number in before - after:
+        log.warning(
+            "search: trial %d stopped sending heartbeats; it is retried from its last checkpoint", number
+        )
+    return before - after
+
+
+def checkpoint_folder(artifact_root: str, study_name: str, number: int) -> str:
+    """Where a trial of the task strategy keeps its last epoch checkpoint."""
+    return storage.join(artifact_root, "checkpoints", study_name, f"trial-{number:04d}")
 
 
 def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -> None:
@@ -106,8 +210,14 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -
         attrs["pruned_epoch"] = result.pruned_epoch
     if result.error:
         attrs["fail_reason"] = result.error[:2000]
-    for key, value in attrs.items():
-        trial.set_user_attr(key, value)
+    if result.resumed_from_epoch is not None:
+        attrs["resumed_from_epoch"] = result.resumed_from_epoch
+    try:
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        log.warning("search: trial %d was already finished (stale heartbeat); result dropped", result.number)
+        return
     if result.state == "COMPLETE":
         study.tell(trial, result.value)
     elif result.state == "PRUNED":
@@ -116,12 +226,40 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -
         study.tell(trial, state=TrialState.FAIL)
 
 
+WARM_START_ATTR = "mopflow_warm_start"
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """A known-good configuration (the current champion's best trial) to try first."""
+
+    params: dict[str, Any]
+    source: str  # e.g. "mopflow-student v3 (champion)", recorded on the trial
+
+
+def warm_start_study(study: optuna.Study, space: SearchSpace, warm: WarmStart) -> bool:
+    """Enqueue ``warm.params`` as the study's first trial; only into a study with no trials yet, so
+    a resumed or rerun search does not enqueue it twice. A configuration outside the current
+    space is skipped with a warning (the space may have changed since the champion was trained)."""
+    if study.get_trials(deepcopy=False):
+        return False
+    try:
+        fixed = optuna_params_for(space, warm.params)
+    except SpaceError as exc:
+        log.warning("search: not warm-starting from %s: %s", warm.source, exc)
+        return False
+    study.enqueue_trial(fixed, user_attrs={WARM_START_ATTR: warm.source})
+    log.info("search: warm start: first trial is %s's configuration %s", warm.source, warm.params)
+    return True
+
+
 def _open_study(
     cfg: SearchConfig,
     manifest_uri: str,
     study_name: str,
     storage_url: str,
     storage_options: Mapping[str, Any] | None,
+    warm_start: WarmStart | None = None,
 ) -> tuple[optuna.Study, Any, list[optuna.trial.FrozenTrial], list[TrialResult]]:
     """Verify the shards, then create or resume the study (stale trials retried); return it, the
     space, the trials that already count towards the budget and their results."""
@@ -132,12 +270,16 @@ def _open_study(
         study_name=study_name,
         storage=make_storage(storage_url, cfg.n_workers),
         direction="maximize",
-        sampler=make_sampler(cfg),
-        pruner=make_pruner(cfg.pruner, cfg.min_resource),
+        sampler=make_sampler(cfg, space),
+        pruner=make_pruner(cfg.pruner, cfg.min_resource, cfg.epochs),
         load_if_exists=True,
     )
+    if warm_start is not None:
+        warm_start_study(study, space, warm_start)
     retry_stale_trials(study)
-    already = [t for t in study.get_trials(deepcopy=False) if _counted(t)]
+    trials = study.get_trials(deepcopy=False)
+    retried = {n for t in trials if (n := retried_trial(t)) is not None}  # superseded by their retry
+    already = [t for t in trials if _counted(t) and t.number not in retried]
     return study, space, already, [result_from_frozen(t) for t in already]
 
 
@@ -151,6 +293,7 @@ def run_search(
     storage_options: Mapping[str, Any] | None = None,
     on_trial_done: Callable[[TrialResult], None] | None = None,
     min_complete: int = 1,
+    warm_start: WarmStart | None = None,
 ) -> SearchOutcome:
     """Run (or resume) the study until ``cfg.n_trials`` trials have finished or time runs out.
 
@@ -158,7 +301,9 @@ def run_search(
     members), extra trials are run with pruning off until there are enough (at most
     ``2 * min_complete`` extra attempts).
     """
-    study, space, already, results = _open_study(cfg, manifest_uri, study_name, storage_url, storage_options)
+    study, space, already, results = _open_study(
+        cfg, manifest_uri, study_name, storage_url, storage_options, warm_start
+    )
     if already:
         log.info(
             "search: study %s already has %d finished trials; %d to go",
@@ -172,6 +317,10 @@ def run_search(
         client.forward_logging("training", level=logging.INFO)
     except Exception:  # an older scheduler without log forwarding still trains
         log.debug("worker log forwarding unavailable")
+
+    def resume_folder(trial: optuna.trial.Trial) -> str:
+        retried = retried_trial(trial)
+        return "" if retried is None else checkpoint_folder(artifact_root, study_name, retried)
 
     def run_batch(count: int, pruner: str, respect_deadline: bool) -> None:
         """Ask for ``count`` trials, keeping at most ``n_workers`` in flight, and tell their results."""
@@ -205,6 +354,8 @@ def run_search(
                     storage_options=dict(storage_options or {}),
                     pruner=pruner,
                     min_resource=cfg.min_resource,
+                    checkpoint_uri=checkpoint_folder(artifact_root, study_name, trial.number),
+                    resume_from=resume_folder(trial),
                 )
                 future = client.submit(
                     train_trial, spec, pure=False, key=f"trial-{study_name}-{trial.number}"
@@ -214,8 +365,20 @@ def run_search(
                 log.info("search: started trial %d %s", trial.number, params)
             if not in_flight:
                 break
-            done, _ = wait(list(in_flight), return_when="FIRST_COMPLETED")
+            try:
+                done, _ = wait(list(in_flight), timeout=STALE_CHECK_S, return_when="FIRST_COMPLETED")
+            except TimeoutError:
+                done = set()
+            stale = fail_stale_heartbeats(study)
+            for future, trial in list(in_flight.items()):
+                if trial.number in stale and future not in done:
+                    # its retry (same params, resumed from its checkpoint) is asked for next
+                    future.cancel()
+                    del in_flight[future]
+                    asked -= 1
             for future in done:
+                if future not in in_flight:
+                    continue
                 trial = in_flight.pop(future)
                 try:
                     result: TrialResult = future.result()
@@ -278,11 +441,21 @@ class _SearchController:
         self.study, self.space, self.cfg, self.budget = study, space, cfg, budget
         self.trials: dict[str, optuna.trial.Trial] = {}
         self.pruned: dict[str, int] = {}
+        self.deadline = time.monotonic() + cfg.timeout_minutes * 60 if cfg.timeout_minutes else None
+
+    def out_of_time(self) -> bool:
+        """Whether the wall-clock budget is spent (running models finish; no new trial starts)."""
+        return self.deadline is not None and time.monotonic() > self.deadline
 
     def ask(self, count: int) -> list[Any]:
         from training.executors import ModelSpec
 
-        specs = []
+        specs: list[Any] = []
+        if count > 0 and self.trials and self.out_of_time():
+            log.info(
+                "search: time budget of %.1f min reached; not starting more trials", self.cfg.timeout_minutes
+            )
+            return specs
         while count > 0 and len(self.trials) < self.budget:
             trial = self.study.ask()
             params = sample_params(self.space, trial)
@@ -315,6 +488,7 @@ def run_search_with_executor(
     storage_options: Mapping[str, Any] | None = None,
     on_trial_done: Callable[[TrialResult], None] | None = None,
     checkpoint_root: str = "",
+    warm_start: WarmStart | None = None,
 ) -> SearchOutcome:
     """The search over the ``ddp`` or ``mop`` executor: ask-and-tell in this process; the executor
     reports every model's validation accuracy after each epoch and pruned models free their slot
@@ -323,7 +497,9 @@ def run_search_with_executor(
     from training.executors import DataRef
     from training.executors.units import state_to_bundle
 
-    study, space, already, results = _open_study(cfg, manifest_uri, study_name, storage_url, storage_options)
+    study, space, already, results = _open_study(
+        cfg, manifest_uri, study_name, storage_url, storage_options, warm_start
+    )
     budget = max(cfg.n_trials - len(already), 0)
     if budget == 0:
         return SearchOutcome(study_name, storage_url, sorted(results, key=lambda r: r.number))

@@ -240,3 +240,34 @@ def params_from_optuna(optuna_params: Mapping[str, Any]) -> dict[str, Any]:
     for name, default in DEFAULT_COMMON.items():
         params[name] = optuna_params.get(name, default)
     return params
+
+
+def _fits(spec: IntParam | FloatParam | CategoricalParam, value: Any) -> bool:
+    if isinstance(spec, CategoricalParam):
+        return value in spec.choices
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if isinstance(spec, IntParam) and int(value) != value:
+        return False
+    return spec.low <= value <= spec.high
+
+
+def optuna_params_for(space: SearchSpace, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The Optuna parameters (names as ``sample_params`` suggests them) of a model configuration,
+    e.g. to enqueue a known configuration as a trial. Raises ``SpaceError`` naming the first
+    parameter that is missing or outside the space."""
+    family = str(params.get("family", ""))
+    if family not in space.families:
+        raise SpaceError(f"family {family!r} is not in the search space {sorted(space.families)}")
+    out: dict[str, Any] = {}
+    if len(space.families) > 1:
+        out["family"] = family
+    for name, spec in sorted(space.families[family].items()):
+        if name not in params or not _fits(spec, params[name]):
+            raise SpaceError(f"{family}.{name}={params.get(name)!r} is outside the search space")
+        out[f"{family}_{name}"] = params[name]
+    for name, spec in sorted(space.common.items()):
+        if name not in params or not _fits(spec, params[name]):
+            raise SpaceError(f"{name}={params.get(name)!r} is outside the search space")
+        out[name] = params[name]
+    return out

@@ -6,9 +6,13 @@ prune; asking for trials and telling results stays with the coordinator (``searc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -25,15 +29,31 @@ class Reporter(Protocol):
     def should_prune(self) -> bool: ...
 
 
-def make_pruner(name: str, min_resource: int) -> Any:
-    """The study's pruner. Workers must build the same one: pruners are not stored in the storage."""
+PRUNERS = ("asha", "successive_halving", "hyperband", "median", "none")
+
+
+def make_pruner(name: str, min_resource: int, max_resource: int | None = None) -> Any:
+    """The study's pruner. Workers must build the same one: pruners are not stored in the storage.
+
+    ``asha`` and ``successive_halving`` are the same: Optuna's successive halving is asynchronous
+    (ASHA, Li et al. 2020): a trial is compared with those that reached the same rung, without
+    waiting for a full bracket. ``max_resource`` (the epoch budget) is needed by ``hyperband``.
+    """
     import optuna
 
     if name == "none":
         return optuna.pruners.NopPruner()
-    if name == "successive_halving":
+    if name in ("asha", "successive_halving"):
         return optuna.pruners.SuccessiveHalvingPruner(min_resource=min_resource, reduction_factor=3)
-    raise ValueError(f"unknown pruner {name!r}; expected 'successive_halving' or 'none'")
+    if name == "hyperband":
+        top = max_resource if max_resource is not None else "auto"
+        if isinstance(top, int) and top <= min_resource:
+            # A single rung: Hyperband degenerates to successive halving at min_resource.
+            return optuna.pruners.SuccessiveHalvingPruner(min_resource=min_resource, reduction_factor=3)
+        return optuna.pruners.HyperbandPruner(min_resource=min_resource, max_resource=top, reduction_factor=3)
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=max(min_resource - 1, 0))
+    raise ValueError(f"unknown pruner {name!r}; expected one of {list(PRUNERS)}")
 
 
 class OptunaReporter:
@@ -53,6 +73,12 @@ class OptunaReporter:
 
     def should_prune(self) -> bool:
         return bool(self._trial.should_prune())
+
+    def heartbeat_thread(self) -> Any:
+        """Optuna's heartbeat thread for this trial (a no-op one when the storage keeps none)."""
+        from optuna.storages._heartbeat import get_heartbeat_thread
+
+        return get_heartbeat_thread(self._trial._trial_id, self._trial.study._storage)
 
 
 class NullReporter:
@@ -93,8 +119,10 @@ class TrialSpec:
     optuna_storage: str = ""
     storage_options: dict[str, Any] = field(default_factory=dict)
     torch_threads: int = 1
-    pruner: str = "successive_halving"
+    pruner: str = "asha"
     min_resource: int = 1
+    checkpoint_uri: str = ""  # folder of this trial's last epoch checkpoint ("" = no checkpoints)
+    resume_from: str = ""  # checkpoint folder of an earlier attempt at the same params (a retry)
 
 
 @dataclass
@@ -113,9 +141,52 @@ class TrialResult:
     duration_s: float = 0.0
     worker: str = ""
     num_params: int = 0
+    resumed_from_epoch: int | None = None  # the epoch a retried trial resumed after
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+CHECKPOINT_FILE = "last.ckpt"
+
+
+def fetch_checkpoint(spec: TrialSpec, workdir: str) -> str | None:
+    """Copy the newest checkpoint of this trial (or of the attempt it retries) to local disk."""
+    from infra import storage
+
+    for folder in (spec.checkpoint_uri, spec.resume_from):
+        if folder and storage.exists(storage.join(folder, CHECKPOINT_FILE), spec.storage_options):
+            local = os.path.join(workdir, "resume.ckpt")
+            with open(local, "wb") as fh:
+                fh.write(storage.read_bytes(storage.join(folder, CHECKPOINT_FILE), spec.storage_options))
+            return local
+    return None
+
+
+def save_checkpoint(trainer: Any, spec: TrialSpec, workdir: str) -> None:
+    """Write the trainer's state (weights, optimizer, schedule, loop, history) for this epoch,
+    atomically, so a killed worker leaves the previous epoch's checkpoint intact."""
+    from infra import storage
+
+    local = os.path.join(workdir, CHECKPOINT_FILE)
+    trainer.save_checkpoint(local)
+    with open(local, "rb") as fh:
+        data = fh.read()
+    storage.write_bytes_atomic(storage.join(spec.checkpoint_uri, CHECKPOINT_FILE), data, spec.storage_options)
+
+
+@contextlib.contextmanager
+def heartbeat(reporter: Reporter) -> Iterator[None]:
+    """Beat for the trial while it trains, when its storage keeps heartbeats (RDB storages)."""
+    beat = getattr(reporter, "heartbeat_thread", None)
+    thread = beat() if beat is not None else None
+    if thread is not None:
+        thread.start()
+    try:
+        yield
+    finally:
+        if thread is not None:
+            thread.join()
 
 
 def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResult:
@@ -127,7 +198,8 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
     started = time.monotonic()
     worker = f"{os.uname().nodename}:{os.getpid()}"
     history: list[dict[str, float]] = []
-    state: dict[str, int | None] = {"pruned_epoch": None}
+    state: dict[str, int | None] = {"pruned_epoch": None, "resumed_from_epoch": None}
+    workdir = tempfile.mkdtemp(prefix="mopflow-trial-")
     try:
         import pytorch_lightning as pl
         import torch
@@ -152,12 +224,13 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                     spec.optuna_storage,
                     spec.study_name,
                     spec.trial_id,
-                    make_pruner(spec.pruner, spec.min_resource),
+                    make_pruner(spec.pruner, spec.min_resource, spec.epochs),
                 )
                 if spec.optuna_storage
                 else NullReporter()
             )
         manifest = load_manifest(spec.manifest_uri, spec.storage_options)
+        resume_path = fetch_checkpoint(spec, workdir)
         cache = shard_cache_dir()
         x_train, y_train = load_split(spec.manifest_uri, "train", spec.storage_options, cache_dir=cache)
         x_val, y_val = load_split(spec.manifest_uri, "validation", spec.storage_options, cache_dir=cache)
@@ -179,7 +252,23 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
         )
 
         class EpochReport(pl.Callback):
-            """Reports validation accuracy each epoch and stops the trainer when Optuna prunes."""
+            """Reports validation accuracy each epoch, stops the trainer when Optuna prunes, and
+            checkpoints each finished epoch (the history travels in the checkpoint)."""
+
+            def state_dict(self) -> dict[str, Any]:
+                return {"history": [dict(h) for h in history]}
+
+            def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+                history[:] = [dict(h) for h in state_dict.get("history", [])]
+                if history:
+                    state["resumed_from_epoch"] = int(history[-1]["epoch"])
+                for h in history:  # a retry is a new Optuna trial: give it the epochs already done
+                    active.report(float(h["val_acc"]), int(h["epoch"]))
+
+            def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+                if trainer.sanity_checking or not spec.checkpoint_uri or state["pruned_epoch"] is not None:
+                    return
+                save_checkpoint(trainer, spec, workdir)
 
             def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
                 if trainer.sanity_checking:
@@ -198,7 +287,11 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                     trainer.should_stop = True
 
         trainer = pl.Trainer(max_epochs=spec.epochs, callbacks=[EpochReport()], **quiet_trainer_kwargs())
-        trainer.fit(module, train_loader, val_loader)
+        if resume_path:
+            log.info("trial %d: resuming from checkpoint %s", spec.number, resume_path)
+        with heartbeat(active):
+            # weights_only: a checkpoint is data, never code (a tampered file is refused)
+            trainer.fit(module, train_loader, val_loader, ckpt_path=resume_path, weights_only=True)
         save_bundle(
             spec.bundle_uri,
             [model],
@@ -222,6 +315,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
             duration_s=time.monotonic() - started,
             worker=worker,
             num_params=count_params(arch),
+            resumed_from_epoch=state["resumed_from_epoch"],
         )
     except Exception as exc:  # a failed trial is a result, not a crash of the sweep
         log.warning("trial %d failed: %s", spec.number, exc)
@@ -236,4 +330,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
             error=f"{type(exc).__name__}: {exc}",
             duration_s=time.monotonic() - started,
             worker=worker,
+            resumed_from_epoch=state["resumed_from_epoch"],
         )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
