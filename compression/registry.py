@@ -193,3 +193,14 @@ def rollback(client: Any, name: str) -> str:
     client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history))
     before = current.version if current is not None else "none"
     return f"{name}: champion {before} -> {target} (rolled back)"
+
+
+def registry_client(settings: Any | None = None) -> Any:
+    """An ``MlflowClient`` on the configured tracking and registry URI (``Settings.from_env()`` by default)."""
+    from infra.settings import Settings
+    from infra.tracking import MlflowTracker
+
+    settings = settings or Settings.from_env()
+    return MlflowTracker(
+        settings.tracking_uri, settings.experiment_name, settings.mlflow_artifact_location
+    ).client

@@ -1,111 +1,52 @@
-"""mopflow_retrain: shard → search → ensemble → distill → register, then finalize.
+"""mopflow_retrain: scheduled retraining, warm-started from the champion, ending with the promotion gate.
 
-Wiring only: each task makes one call into ``compression.pipeline`` and passes small
-references (URIs, ids) through XCom. Params are validated by JSON schema in the trigger
-form and the REST API, and again by the first task.
+Runs ``start → shard → search → ensemble → distill → register → finalize`` (wiring in
+``_mopflow_common``; each task makes one call into ``compression.pipeline``). It runs on its
+timetable (``MOPFLOW_RETRAIN_SCHEDULE``, default ``@weekly``; ``none`` = only on data events)
+*and* whenever the ``mopflow_sharded_dataset`` Asset gets an event, i.e. when a sweep sharded
+new data. Its own shard task publishes no event, so a retrain never triggers another one.
+The search enqueues the current champion's params as its first trial (``warm_start``); the
+register task is the promotion gate (challenger, and champion when it passes).
 """
 
 from __future__ import annotations
 
 import os
-from datetime import datetime, timedelta
+import sys
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
-from airflow.sdk import Asset, Param, dag, task
+from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag
 
-from compression.config import conf_json_schema
+# DagBag and `mopflow run` load DAG files by path without the dags folder on sys.path.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _mopflow_common import SHARDED_DATASET, conf_params, pipeline_tasks, retry_args  # noqa: E402
 
-# Published by the shard task: other DAGs can be scheduled on new sharded data.
-SHARDED_DATASET = Asset("mopflow_sharded_dataset")
-SCHEDULE = os.environ.get("MOPFLOW_RETRAIN_SCHEDULE", "@weekly")
-RETRY_DELAY = timedelta(seconds=float(os.environ.get("MOPFLOW_RETRY_DELAY_S", "30")))
-RETRIES = {"retries": int(os.environ.get("MOPFLOW_TASK_RETRIES", "2")), "retry_delay": RETRY_DELAY}
+SCHEDULE_ENV = os.environ.get("MOPFLOW_RETRAIN_SCHEDULE", "@weekly").strip()
 
 
-def _call(stage: str, *args: Any) -> Any:
-    """Run one pipeline stage; errors a retry cannot fix fail the task at once."""
-    from airflow.sdk import get_current_context
-    from airflow.sdk.exceptions import AirflowFailException
-
-    from compression import pipeline
-
-    params = dict(get_current_context()["params"])
-    try:
-        return getattr(pipeline, stage)(params, *args)
-    except pipeline.permanent_errors() as exc:
-        raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+def _schedule(cron: str) -> Any:
+    """Cron (or preset) OR a new sharded dataset; only the Asset when the cron is ``none``/empty."""
+    if cron.lower() in {"", "none"}:
+        return SHARDED_DATASET
+    return AssetOrTimeSchedule(timetable=CronTriggerTimetable(cron, timezone="UTC"), assets=SHARDED_DATASET)
 
 
 @dag(
     dag_id="mopflow_retrain",
-    schedule=SCHEDULE,
+    schedule=_schedule(SCHEDULE_ENV),
     start_date=datetime(2026, 1, 1),
     catchup=False,
     max_active_runs=1,
     tags=["mopflow"],
-    params={key: Param(**schema) for key, schema in conf_json_schema().items()},
-    default_args={"execution_timeout": timedelta(hours=2), **RETRIES},
+    params=conf_params({"warm_start": True}),
+    default_args={**retry_args()},
     doc_md=__doc__,
 )
 def mopflow_retrain() -> None:
-    @task(execution_timeout=timedelta(minutes=5), **RETRIES)
-    def start() -> dict[str, Any]:
-        from airflow.sdk import get_current_context
-        from airflow.sdk.exceptions import AirflowFailException
-
-        from compression.pipeline import permanent_errors, start_pipeline
-
-        context = get_current_context()
-        try:
-            return start_pipeline(dict(context["params"]), context["dag"].dag_id, context["run_id"])
-        except permanent_errors() as exc:
-            raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
-
-    @task(execution_timeout=timedelta(minutes=30), outlets=[SHARDED_DATASET], **RETRIES)
-    def shard(ctx: dict[str, Any]) -> dict[str, Any]:
-        from airflow.sdk import get_current_context
-
-        result: dict[str, Any] = _call("shard_stage", ctx)
-        get_current_context()["outlet_events"][SHARDED_DATASET].extra = {
-            k: result[k] for k in ("manifest_uri", "manifest_hash")
-        }
-        return result
-
-    @task(execution_timeout=timedelta(hours=6), **RETRIES)
-    def search(ctx: dict[str, Any], shards: dict[str, Any]) -> dict[str, Any]:
-        return _call("search_stage", ctx, shards)
-
-    @task(execution_timeout=timedelta(minutes=30), **RETRIES)
-    def ensemble(ctx: dict[str, Any], shards: dict[str, Any], study: dict[str, Any]) -> dict[str, Any]:
-        return _call("ensemble_stage", ctx, shards, study)
-
-    @task(execution_timeout=timedelta(hours=2), **RETRIES)
-    def distill(ctx: dict[str, Any], shards: dict[str, Any], ens: dict[str, Any]) -> dict[str, Any]:
-        return _call("distill_stage", ctx, shards, ens)
-
-    @task(execution_timeout=timedelta(minutes=30), **RETRIES)
-    def register(
-        ctx: dict[str, Any],
-        shards: dict[str, Any],
-        study: dict[str, Any],
-        ens: dict[str, Any],
-        student: dict[str, Any],
-    ) -> dict[str, Any]:
-        return _call("register_stage", ctx, shards, study, ens, student)
-
-    @task(trigger_rule="all_done", retries=1, execution_timeout=timedelta(minutes=10))
-    def finalize(ctx: dict[str, Any]) -> dict[str, Any]:
-        from compression.pipeline import finalize_pipeline
-
-        return finalize_pipeline(ctx)
-
-    ctx = start()
-    shards = shard(ctx)
-    study = search(ctx, shards)
-    ens = ensemble(ctx, shards, study)
-    student = distill(ctx, shards, ens)
-    registered = register(ctx, shards, study, ens, student)
-    registered >> finalize(ctx)
+    pipeline_tasks(publish_new_shards=False)
 
 
 retrain_dag = mopflow_retrain()

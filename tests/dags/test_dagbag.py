@@ -1,17 +1,21 @@
-"""DAG integrity: every DAG imports, every task has retries and a timeout, every Param a schema."""
+"""DAG integrity: every DAG imports, every task has retries and a timeout, every Param a schema;
+the sweep form refuses bad values; the retrain schedule; the promote DAG's wiring; the training pool."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+DAG_IDS = {"mopflow_retrain", "mopflow_sweep", "mopflow_promote"}
+PIPELINE_ORDER = ["start", "shard", "search", "ensemble", "distill", "register", "finalize"]
 
 
 @pytest.fixture(scope="module")
-def dagbag(tmp_path_factory: pytest.TempPathFactory) -> object:
+def dagbag(tmp_path_factory: pytest.TempPathFactory) -> Any:
     home = tmp_path_factory.mktemp("airflow_home")
     os.environ.setdefault("AIRFLOW_HOME", str(home))
     os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
@@ -20,58 +24,173 @@ def dagbag(tmp_path_factory: pytest.TempPathFactory) -> object:
     return DagBag(dag_folder=str(REPO / "dags"))
 
 
-def test_every_dag_imports(dagbag: object) -> None:
-    assert dagbag.import_errors == {}  # type: ignore[attr-defined]
-    assert "mopflow_retrain" in dagbag.dags  # type: ignore[attr-defined]
+def _validated(dag: Any, **changes: Any) -> dict[str, Any]:
+    """Validate the DAG's Params with ``changes`` applied, as the trigger form and REST API do."""
+    from airflow.sdk.definitions.param import ParamsDict
+
+    params = ParamsDict(dict(dag.params.items()))
+    for key, value in changes.items():
+        params[key] = value
+    return params.validate()
 
 
-def test_retrain_dag_shape_and_task_settings(dagbag: object) -> None:
-    dag = dagbag.dags["mopflow_retrain"]  # type: ignore[attr-defined]
-    assert set(dag.task_ids) == {"start", "shard", "search", "ensemble", "distill", "register", "finalize"}
-    assert dag.schedule == os.environ.get("MOPFLOW_RETRAIN_SCHEDULE", "@weekly")
-    order = ["start", "shard", "search", "ensemble", "distill", "register", "finalize"]
-    for upstream, downstream in zip(order, order[1:], strict=False):
+def test_every_dag_imports(dagbag: Any) -> None:
+    assert dagbag.import_errors == {}
+    assert set(dagbag.dags) == DAG_IDS
+
+
+def test_every_task_has_retries_and_a_timeout(dagbag: Any) -> None:
+    for dag in dagbag.dags.values():
+        for task in dag.tasks:
+            assert task.retries is not None and task.retries >= 1, (dag.dag_id, task.task_id)
+            assert task.execution_timeout is not None, (dag.dag_id, task.task_id)
+
+
+@pytest.mark.parametrize("dag_id", ["mopflow_retrain", "mopflow_sweep"])
+def test_pipeline_dag_shape(dagbag: Any, dag_id: str) -> None:
+    dag = dagbag.dags[dag_id]
+    assert set(dag.task_ids) == set(PIPELINE_ORDER)
+    for upstream, downstream in zip(PIPELINE_ORDER, PIPELINE_ORDER[1:], strict=False):
         assert downstream in dag.get_task(upstream).downstream_task_ids
-    for task in dag.tasks:
-        assert task.retries is not None and task.retries >= 1, task.task_id
-        assert task.execution_timeout is not None, task.task_id
     assert dag.get_task("finalize").trigger_rule == "all_done"
-    assert [o.name for o in dag.get_task("shard").outlets] == ["mopflow_sharded_dataset"]
+    # Transient failures are retried with exponential backoff, capped.
+    search = dag.get_task("search")
+    assert search.retry_exponential_backoff >= 2 and search.max_retry_delay is not None
 
 
-def test_every_param_has_a_schema_and_a_description(dagbag: object) -> None:
-    from compression.config import CONF_FIELDS
+@pytest.mark.parametrize("dag_id", ["mopflow_retrain", "mopflow_sweep"])
+def test_training_tasks_use_the_pool_and_nothing_else_does(dagbag: Any, dag_id: str) -> None:
+    dag = dagbag.dags[dag_id]
+    pools = {t.task_id: t.pool for t in dag.tasks}
+    assert pools.pop("search") == "mopflow_training"
+    assert pools.pop("distill") == "mopflow_training"
+    assert "mopflow_training" not in pools.values()
 
-    dag = dagbag.dags["mopflow_retrain"]  # type: ignore[attr-defined]
+
+def test_retrain_runs_on_its_timetable_or_new_sharded_data(dagbag: Any) -> None:
+    from airflow.sdk import Asset, AssetOrTimeSchedule
+
+    dag = dagbag.dags["mopflow_retrain"]
+    if os.environ.get("MOPFLOW_RETRAIN_SCHEDULE", "@weekly").lower() in {"", "none"}:
+        pytest.skip("schedule disabled by MOPFLOW_RETRAIN_SCHEDULE")
+    assert isinstance(dag.timetable, AssetOrTimeSchedule)
+    assert dag.timetable.asset_condition == Asset("mopflow_sharded_dataset")
+    # No loop: retrain publishes nothing; only a sweep's shard task does (through the alias).
+    assert all(not t.outlets for t in dag.tasks)
+    assert [o.name for o in dagbag.dags["mopflow_sweep"].get_task("shard").outlets] == ["mopflow_new_shards"]
+
+
+def test_retrain_warm_starts_and_sweep_does_not_by_default(dagbag: Any) -> None:
+    assert dagbag.dags["mopflow_retrain"].params["warm_start"] is True
+    assert dagbag.dags["mopflow_sweep"].params["warm_start"] is False
+
+
+@pytest.mark.parametrize("dag_id", ["mopflow_retrain", "mopflow_sweep"])
+def test_every_param_has_a_schema_and_a_description(dagbag: Any, dag_id: str) -> None:
+    from compression.config import CONF_FIELDS, PipelineConfig
+
+    dag = dagbag.dags[dag_id]
     assert set(dag.params.keys()) == set(CONF_FIELDS)
     for key in dag.params:
         param = dag.params.get_param(key)
         assert param.schema.get("type") or param.schema.get("anyOf"), key
         assert param.description, key
+    # The defaults form a valid pipeline config (what a trigger with no conf runs).
+    PipelineConfig.from_conf(_validated(dag))
 
 
-def test_params_refuse_bad_values_like_the_trigger_form(dagbag: object) -> None:
-    from airflow.sdk.definitions.param import ParamsDict
+def test_sweep_form_shows_the_sweep_keys_first() -> None:
+    import _mopflow_common as common  # importable: the DAG files put dags/ on sys.path
 
-    dag = dagbag.dags["mopflow_retrain"]  # type: ignore[attr-defined]
-    good = ParamsDict(dict(dag.params.items()))
-    good.validate()
-    for key, value in [("n_trials", 0), ("sampler", "nope"), ("temperature", -1), ("top_k", "three")]:
-        params = ParamsDict(dict(dag.params.items()))
-        with pytest.raises(Exception) as info:  # noqa: B017 - Airflow raises its own ParamValidationError
-            params[key] = value
-            params.validate()
-        assert key in str(info.value) or "valid" in str(info.value).lower()
+    expected = [
+        "dataset",
+        "search_space",
+        "strategy",
+        "n_workers",
+        "epochs",
+        "n_trials",
+        "timeout_minutes",
+        "sampler",
+        "pruner",
+        "seed",
+        "top_k",
+        "student_max_param_ratio",
+        "promotion",
+    ]
+    params = common.conf_params()
+    assert list(params)[: len(expected)] == expected
+    assert all("section" not in params[k].schema for k in expected)
+    assert params["n_shards"].schema["section"] == "Advanced"
+    with pytest.raises(ValueError, match="no_such_key"):
+        common.conf_params({"no_such_key": 1})
 
 
-def test_dag_file_only_wires(dagbag: object) -> None:
-    text = (REPO / "dags" / "retrain.py").read_text()
-    for heavy in (
-        "import torch",
-        "import optuna",
-        "import mlflow",
-        "import dask",
-        "from training",
-        "from infra",
-    ):
-        assert heavy not in text.split('"""', 2)[-1].split("def mopflow_retrain")[0], heavy
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("strategy", "threads"),
+        ("n_workers", 0),
+        ("epochs", -3),
+        ("n_trials", "many"),
+        ("timeout_minutes", 0),
+        ("sampler", "nope"),
+        ("pruner", "sometimes"),
+        ("seed", 1.5),
+        ("top_k", 0),
+        ("student_max_param_ratio", 2.0),
+        ("promotion", "maybe"),
+        ("search_space", 12),
+        ("dataset", 7),
+    ],
+)
+def test_sweep_params_refuse_bad_values(dagbag: Any, key: str, value: Any) -> None:
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError) as info:
+        _validated(dagbag.dags["mopflow_sweep"], **{key: value})
+    assert key in str(info.value)
+
+
+def test_sweep_params_accept_good_values(dagbag: Any) -> None:
+    good = {
+        "dataset": "s3://bucket/table.parquet",
+        "search_space": '{"families": {"mlp": {"width": {"type": "int", "low": 8, "high": 32}}}}',
+        "strategy": "mop",
+        "n_workers": 3,
+        "epochs": 5,
+        "n_trials": 6,
+        "timeout_minutes": 30,
+        "sampler": "random",
+        "pruner": "none",
+        "seed": 7,
+        "top_k": 2,
+        "student_max_param_ratio": 0.2,
+        "promotion": "never",
+    }
+    validated = _validated(dagbag.dags["mopflow_sweep"], **good)
+    assert {k: validated[k] for k in good} == good
+
+
+def test_promote_dag_wiring_and_params(dagbag: Any) -> None:
+    from airflow.sdk.exceptions import ParamValidationError
+
+    dag = dagbag.dags["mopflow_promote"]
+    assert set(dag.task_ids) == {"choose", "promote", "rollback"}
+    assert dag.get_task("choose").downstream_task_ids == {"promote", "rollback"}
+    assert dag.schedule is None
+    assert _validated(dag, action="rollback", name="mopflow-student")["action"] == "rollback"
+    assert _validated(dag, action="promote", name="m.v-2", version=3)["version"] == 3
+    for key, value in [("action", "delete"), ("name", "1bad name"), ("version", 0), ("version", "3")]:
+        with pytest.raises(ParamValidationError) as info:
+            _validated(dag, **{key: value})
+        assert key in str(info.value)
+
+
+def test_dag_files_only_wire() -> None:
+    for name in ("retrain.py", "sweep.py", "promote.py", "_mopflow_common.py"):
+        text = (REPO / "dags" / name).read_text()
+        module_level = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
+        assert module_level, name
+        for line in module_level:
+            top = line.split()[1].split(".")[0]
+            assert top not in {"torch", "optuna", "mlflow", "dask", "training", "infra"}, (name, line)

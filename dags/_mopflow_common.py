@@ -1,0 +1,177 @@
+"""Wiring shared by the pipeline DAGs (``mopflow_retrain``, ``mopflow_sweep``): Params and tasks.
+
+Not a DAG file itself. Every task body makes one call into ``compression.pipeline`` (imported
+inside the task) and passes small references (URIs, ids) through XCom; the Params are generated
+from ``compression.config.conf_json_schema``, so the trigger form, the REST API and the tasks
+validate the same way.
+
+Asset design (no trigger loop): ``mopflow_retrain`` is scheduled on the ``mopflow_sharded_dataset``
+Asset (besides its timetable) and its own shard task publishes nothing. Only ``mopflow_sweep``'s
+shard task publishes, through an AssetAlias, and only when it wrote new shards (a rerun or a
+second sweep on the same data reuses the content-addressed shards and publishes no event).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import Asset, AssetAlias, Param, task
+
+from compression.config import conf_json_schema
+
+# The sharded dataset: an event means "a sweep sharded data nobody had sharded before".
+SHARDED_DATASET = Asset("mopflow_sharded_dataset")
+# Sweeps publish through this alias so that an event is emitted only when shards are new.
+NEW_SHARDS = AssetAlias("mopflow_new_shards")
+# Limits how many training tasks (search, distill) run at once; created by `mopflow up` / `mopflow run`.
+TRAINING_POOL = "mopflow_training"
+
+# Trigger-form order: the keys a sweep is usually tuned by come first, the rest are grouped.
+FORM_KEYS = (
+    "dataset",
+    "search_space",
+    "strategy",
+    "n_workers",
+    "epochs",
+    "n_trials",
+    "timeout_minutes",
+    "sampler",
+    "pruner",
+    "seed",
+    "top_k",
+    "student_max_param_ratio",
+    "promotion",
+)
+ADVANCED_SECTION = "Advanced"
+# A task argument: an XCom reference while wiring, the upstream task's dict at run time.
+Ref = Any
+
+
+def retry_args() -> dict[str, Any]:
+    """Retries with exponential backoff for failures a retry can fix (a lost worker, a busy DB)."""
+    return {
+        "retries": int(os.environ.get("MOPFLOW_TASK_RETRIES", "2")),
+        "retry_delay": timedelta(seconds=float(os.environ.get("MOPFLOW_RETRY_DELAY_S", "30"))),
+        "retry_exponential_backoff": 2.0,
+        "max_retry_delay": timedelta(minutes=10),
+    }
+
+
+def conf_params(defaults: Mapping[str, Any] | None = None) -> dict[str, Param]:
+    """One Param per config key, from the config's JSON schema; ``defaults`` override some defaults.
+
+    The keys in :data:`FORM_KEYS` come first in the form; the others go to an "Advanced" section.
+    """
+    schemas = conf_json_schema()
+    unknown = sorted(set(defaults or {}) - set(schemas))
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {unknown} in DAG defaults; expected some of {sorted(schemas)}"
+        )
+    order = [k for k in FORM_KEYS if k in schemas] + [k for k in schemas if k not in FORM_KEYS]
+    params: dict[str, Param] = {}
+    for key in order:
+        schema = dict(schemas[key])
+        if key in (defaults or {}):
+            schema["default"] = (defaults or {})[key]
+        if key not in FORM_KEYS:
+            schema["section"] = ADVANCED_SECTION
+        default = schema.pop("default")
+        description = schema.pop("description")
+        params[key] = Param(default, description=description, **schema)
+    return params
+
+
+def _call(stage: str, *args: Any) -> Any:
+    """Run one pipeline stage with the run's Params; errors a retry cannot fix fail at once."""
+    from airflow.sdk import get_current_context
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from compression import pipeline
+
+    context = get_current_context()
+    params = dict(context["params"])
+    try:
+        if stage == "start_pipeline":
+            return pipeline.start_pipeline(params, context["dag"].dag_id, context["run_id"])
+        return getattr(pipeline, stage)(params, *args)
+    except pipeline.permanent_errors() as exc:
+        raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+
+
+def pipeline_tasks(publish_new_shards: bool = False) -> None:
+    """Define ``start → shard → search → ensemble → distill → register → finalize`` in the current DAG.
+
+    With ``publish_new_shards`` the shard task emits a ``mopflow_sharded_dataset`` event (extra:
+    manifest URI and hash, dataset) when it wrote new shards, and none when it reused them.
+    """
+    retry = retry_args()
+
+    @task(execution_timeout=timedelta(minutes=5), **retry)
+    def start() -> dict[str, Any]:
+        result: dict[str, Any] = _call("start_pipeline")
+        return result
+
+    @task(
+        execution_timeout=timedelta(minutes=30),
+        outlets=[NEW_SHARDS] if publish_new_shards else [],
+        **retry,
+    )
+    def shard(ctx: Ref) -> dict[str, Any]:
+        from airflow.sdk import get_current_context
+
+        result: dict[str, Any] = _call("shard_stage", ctx)
+        if publish_new_shards and not result.get("reused"):
+            context = get_current_context()
+            extra = {
+                "manifest_uri": result["manifest_uri"],
+                "manifest_hash": result["manifest_hash"],
+                "dataset": str(context["params"].get("dataset")),
+            }
+            context["outlet_events"][NEW_SHARDS].add(SHARDED_DATASET, extra=extra)
+        return result
+
+    # Training tasks share the pool: at most its slots train at once across all DAG runs.
+    @task(execution_timeout=timedelta(hours=6), pool=TRAINING_POOL, **retry)
+    def search(ctx: Ref, shards: Ref) -> dict[str, Any]:
+        result: dict[str, Any] = _call("search_stage", ctx, shards)
+        return result
+
+    @task(execution_timeout=timedelta(minutes=30), **retry)
+    def ensemble(ctx: Ref, shards: Ref, study: Ref) -> dict[str, Any]:
+        result: dict[str, Any] = _call("ensemble_stage", ctx, shards, study)
+        return result
+
+    @task(execution_timeout=timedelta(hours=2), pool=TRAINING_POOL, **retry)
+    def distill(ctx: Ref, shards: Ref, ens: Ref) -> dict[str, Any]:
+        result: dict[str, Any] = _call("distill_stage", ctx, shards, ens)
+        return result
+
+    @task(execution_timeout=timedelta(minutes=30), **retry)
+    def register(
+        ctx: Ref,
+        shards: Ref,
+        study: Ref,
+        ens: Ref,
+        student: Ref,
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = _call("register_stage", ctx, shards, study, ens, student)
+        return result
+
+    # Runs whatever happened upstream: closes MLflow runs, fails the DAG run without a summary.
+    @task(trigger_rule="all_done", retries=1, execution_timeout=timedelta(minutes=10))
+    def finalize(ctx: Ref) -> dict[str, Any]:
+        from compression.pipeline import finalize_pipeline
+
+        return finalize_pipeline(ctx)
+
+    ctx = start()
+    shards = shard(ctx)
+    study = search(ctx, shards)
+    ens = ensemble(ctx, shards, study)
+    student = distill(ctx, shards, ens)
+    registered = register(ctx, shards, study, ens, student)
+    registered >> finalize(ctx)

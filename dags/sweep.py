@@ -1,0 +1,40 @@
+"""mopflow_sweep: a model-selection sweep triggered by hand from the Airflow UI or the REST API.
+
+The trigger form exposes every pipeline config key, each with its description and JSON-schema
+validation (bad values are refused in the form and by ``POST /api/v2/dags/mopflow_sweep/dagRuns``);
+the keys a sweep is usually tuned by come first (dataset, search space, strategy, workers,
+epochs, trials, time budget, sampler, pruner, seed, top_k, student size budget, promotion
+policy), the rest under "Advanced". Same tasks as ``mopflow_retrain``; when the shard task
+writes new shards it publishes the ``mopflow_sharded_dataset`` Asset, which triggers a retrain.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from airflow.sdk import dag
+
+# DagBag and `mopflow run` load DAG files by path without the dags folder on sys.path.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _mopflow_common import conf_params, pipeline_tasks, retry_args  # noqa: E402
+
+
+@dag(
+    dag_id="mopflow_sweep",
+    schedule=None,
+    start_date=datetime(2026, 1, 1),
+    catchup=False,
+    max_active_runs=4,
+    tags=["mopflow"],
+    params=conf_params(),
+    default_args={**retry_args()},
+    doc_md=__doc__,
+)
+def mopflow_sweep() -> None:
+    pipeline_tasks(publish_new_shards=True)
+
+
+sweep_dag = mopflow_sweep()
