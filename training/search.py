@@ -64,12 +64,7 @@ def grid_values(spec: Any, points: int) -> list[Any]:
 
 
 def grid_search_space(space: SearchSpace, points: int) -> dict[str, list[Any]]:
-    """Optuna's grid for a space, under the names ``sample_params`` suggests.
-
-    The space is conditional (each family has its own parameters), Optuna's grid is not: the grid
-    holds every family's parameters, and a trial of one family ignores the others' values, so
-    some grid points repeat a configuration. That is the price of a grid over a conditional space.
-    """
+    """Every parameter's grid values under the names ``sample_params`` suggests (all families)."""
     from training.space import DEFAULT_COMMON
 
     grid: dict[str, list[Any]] = {}
@@ -85,15 +80,57 @@ def grid_search_space(space: SearchSpace, points: int) -> dict[str, list[Any]]:
     return grid
 
 
+def grid_configurations(space: SearchSpace, points: int, seed: int) -> list[dict[str, Any]]:
+    """The grid of a conditional space as Optuna parameter sets, in a seeded random order.
+
+    Optuna's ``GridSampler`` takes one product over every parameter, so in a space with model
+    families most of its points would repeat a configuration (a CNN trial ignores the MLP's
+    values). Here the grid is the union over families of each family's own product.
+    """
+    import itertools
+    import random
+
+    from training.space import DEFAULT_COMMON
+
+    grid = grid_search_space(space, points)
+    common = [name for name in DEFAULT_COMMON if name in space.common]
+    configs: list[dict[str, Any]] = []
+    for family in sorted(space.families):
+        names = [f"{family}_{n}" for n in sorted(space.families[family])] + common
+        for values in itertools.product(*(grid[n] for n in names)):
+            config = dict(zip(names, values, strict=True))
+            if "family" in grid:
+                config["family"] = family
+            configs.append(config)
+    random.Random(seed).shuffle(configs)
+    return configs
+
+
+def enqueue_grid(study: optuna.Study, cfg: SearchConfig, space: SearchSpace) -> int:
+    """Enqueue the grid (at most ``n_trials`` points) into a new study; returns how many."""
+    if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) or len(study.trials) > 1:
+        return 0  # a resumed study already holds its grid
+    configs = grid_configurations(space, cfg.grid_points, cfg.seed)
+    if len(configs) > cfg.n_trials:
+        log.warning(
+            "search: the grid has %d points and n_trials=%d: a seeded random %d of them are tried",
+            len(configs),
+            cfg.n_trials,
+            cfg.n_trials,
+        )
+    for config in configs[: cfg.n_trials]:
+        study.enqueue_trial(config)
+    return min(len(configs), cfg.n_trials)
+
+
 def make_sampler(cfg: SearchConfig, space: SearchSpace | None = None) -> optuna.samplers.BaseSampler:
-    """Seeded sampler from the config (the space is needed for ``grid``)."""
+    """Seeded sampler from the config."""
     startup = max(2, min(10, cfg.n_trials // 3))
     if cfg.sampler == "random":
         return optuna.samplers.RandomSampler(seed=cfg.seed)
     if cfg.sampler == "grid":
-        return optuna.samplers.GridSampler(
-            grid_search_space(space or cfg.search_space(), cfg.grid_points), seed=cfg.seed
-        )
+        # The grid points are enqueued (``enqueue_grid``); past them, seeded random sampling.
+        return optuna.samplers.RandomSampler(seed=cfg.seed)
     if cfg.sampler == "gp":
         # Categorical and family-specific params outside the shared space are sampled independently.
         return optuna.samplers.GPSampler(
@@ -276,6 +313,8 @@ def _open_study(
     )
     if warm_start is not None:
         warm_start_study(study, space, warm_start)
+    if cfg.sampler == "grid":
+        enqueue_grid(study, cfg, space)
     retry_stale_trials(study)
     trials = study.get_trials(deepcopy=False)
     retried = {n for t in trials if (n := retried_trial(t)) is not None}  # superseded by their retry
