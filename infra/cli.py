@@ -245,6 +245,66 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stack_call(fn: Any, *args: Any) -> Any:
+    """Run a stack function, turning its errors into CLI errors (printed, exit code 2)."""
+    from infra.settings import SettingsError
+    from infra.stack import StackError
+
+    try:
+        return fn(*args)
+    except (StackError, SettingsError) as exc:
+        raise CliError(str(exc)) from exc
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from infra import stack
+    from infra.settings import Settings
+
+    def start() -> object:
+        settings = Settings.from_env()
+        requested = {name: getattr(args, f"{name}_port") for name in stack.PORT_ENV}
+        workers = args.dask_workers or settings.dask_workers
+        config = stack.config_from_env(os.environ, requested, args.free_ports, workers, stack.free_port)
+        if args.timeout is not None:
+            config = config.model_copy(update={"timeout_s": args.timeout})
+        return stack.up(settings, config, os.environ)
+
+    _stack_call(start)
+    return 0
+
+
+def _stack_home() -> str:
+    from infra.settings import Settings
+
+    return Settings.from_env().home
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from infra import stack
+
+    def stop() -> object:
+        grace = args.grace
+        if grace is None:
+            grace = stack.config_from_env(os.environ, {}, True, 1, stack.free_port).grace_s
+        return stack.down(_stack_home(), grace)
+
+    _stack_call(stop)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from infra import stack
+
+    healthy = _stack_call(stack.status, _stack_home())
+    return 0 if healthy else 1
+
+
+def _port_flags() -> dict[str, tuple[str, int]]:
+    from infra.stack import PORT_ENV
+
+    return PORT_ENV
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mopflow", description="Model selection, ensembling and distillation on Airflow"
@@ -269,6 +329,30 @@ def build_parser() -> argparse.ArgumentParser:
     back = sub.add_parser("rollback", help="bring the previous champion back")
     back.add_argument("name", help="registered model name, e.g. mopflow-student")
     back.set_defaults(func=cmd_rollback)
+    up = sub.add_parser(
+        "up", help="start the local stack: Airflow, MLflow, optuna-dashboard, Dask (127.0.0.1)"
+    )
+    for name, (var, default) in _port_flags().items():
+        up.add_argument(
+            f"--{name.replace('_', '-')}-port",
+            dest=f"{name}_port",
+            type=int,
+            help=f"port of {name.replace('_', ' ')} (env {var}, default {default})",
+        )
+    up.add_argument(
+        "--free-ports",
+        action="store_true",
+        default=None,
+        help="pick free ports for those not given (env MOPFLOW_STACK_FREE_PORTS=1)",
+    )
+    up.add_argument("--dask-workers", type=int, help="Dask worker processes (default MOPFLOW_DASK_WORKERS)")
+    up.add_argument("--timeout", type=float, help="seconds to wait for the health checks (default 300)")
+    up.set_defaults(func=cmd_up)
+    down = sub.add_parser("down", help="stop the local stack started by `mopflow up`")
+    down.add_argument("--grace", type=float, help="seconds between SIGTERM and SIGKILL (default 20)")
+    down.set_defaults(func=cmd_down)
+    stat = sub.add_parser("status", help="show which services of the local stack run and answer")
+    stat.set_defaults(func=cmd_status)
     return parser
 
 

@@ -1,0 +1,500 @@
+"""The local stack: pure parts (ports, wiring, state file, printing), process handling on tiny
+real processes, and — marked slow — `mopflow up` on free ports with a sweep triggered through
+Airflow's REST API and its model found through MLflow's REST API, then `mopflow down`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra import stack
+from infra.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = str(Path(sys.executable).parent)
+
+
+def _counter(start: int = 20000) -> Any:
+    numbers = itertools.count(start)
+    return lambda: next(numbers)
+
+
+def _settings(home: Path, **env: str) -> Settings:
+    return Settings.from_env({"MOPFLOW_HOME": str(home), **env})
+
+
+def _config(**ports: int) -> stack.StackConfig:
+    return stack.config_from_env({}, dict(ports), True, 2, _counter())
+
+
+# ---------------------------------------------------------------------------- ports
+
+
+def test_ports_take_flags_then_env_then_defaults() -> None:
+    env = {"MOPFLOW_MLFLOW_PORT": "6000", "MOPFLOW_AIRFLOW_PORT": "9090"}
+    ports = stack.choose_ports({"airflow": 9191}, env, free=False, pick_free=_counter())
+    assert ports.airflow == 9191  # the flag beats the environment
+    assert ports.mlflow == 6000
+    assert ports.optuna == 8081 and ports.dask_scheduler == 8786 and ports.dask_dashboard == 8787
+
+
+def test_free_ports_are_picked_distinct_for_unset_ones_only() -> None:
+    repeats = iter([30000, 30000, 30001, 30001, 30002, 30003, 30004, 30005, 30006, 30007])
+    ports = stack.choose_ports({"optuna": 9999}, {}, free=True, pick_free=lambda: next(repeats))
+    values = list(ports.model_dump().values())
+    assert ports.optuna == 9999
+    assert len(set(values)) == len(values) == len(stack.PORT_ENV)
+    assert all(v >= 30000 for k, v in ports.model_dump().items() if k != "optuna")
+
+
+def test_free_ports_env_switch() -> None:
+    config = stack.config_from_env({"MOPFLOW_STACK_FREE_PORTS": "1"}, {}, None, 2, _counter(41000))
+    assert config.ports.airflow >= 41000
+    config = stack.config_from_env({}, {}, None, 2, _counter(41000))
+    assert config.ports.airflow == 8080
+
+
+@pytest.mark.parametrize(
+    ("requested", "env", "needle"),
+    [
+        ({}, {"MOPFLOW_MLFLOW_PORT": "abc"}, "MOPFLOW_MLFLOW_PORT='abc'"),
+        ({"mlflow": 8080}, {}, "mlflow=8080 is also the port of airflow"),
+        ({"optuna": 80}, {}, "optuna=80"),
+        ({"dask_scheduler": 70000}, {}, "dask_scheduler=70000"),
+    ],
+)
+def test_bad_ports_are_refused_by_name(requested: dict[str, int], env: dict[str, str], needle: str) -> None:
+    with pytest.raises(stack.StackError, match=needle):
+        stack.choose_ports(requested, env, free=False, pick_free=_counter())
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"MOPFLOW_TRAINING_POOL_SLOTS": "0"}, "pool_slots=0"),
+        ({"MOPFLOW_TRAINING_POOL_SLOTS": "many"}, "MOPFLOW_TRAINING_POOL_SLOTS='many'"),
+        ({"MOPFLOW_STACK_TIMEOUT_S": "-1"}, "timeout_s=-1"),
+    ],
+)
+def test_bad_stack_settings_are_refused_by_name(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(stack.StackError, match=needle):
+        stack.config_from_env(env, {}, True, 2, _counter())
+
+
+def test_pool_slots_come_from_the_environment() -> None:
+    assert (
+        stack.config_from_env({"MOPFLOW_TRAINING_POOL_SLOTS": "3"}, {}, True, 2, _counter()).pool_slots == 3
+    )
+    assert stack.config_from_env({}, {}, True, 2, _counter()).pool_slots == 1
+
+
+# ---------------------------------------------------------------------------- wiring
+
+
+def test_services_are_wired_to_one_another(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    config = _config()
+    p = config.ports
+    environ = {"PATH": "/usr/bin", "MLFLOW_TRACKING_URI": "sqlite:///elsewhere.db", "HOME": "/root"}
+    specs = {s.name: s for s in stack.build_specs(_settings(home), config, BIN, environ, repo=REPO)}
+    assert list(specs) == list(stack.SERVICE_ORDER)
+    airflow = specs["airflow"].env
+    assert airflow["MOPFLOW_TRACKING_URI"] == f"http://127.0.0.1:{p.mlflow}"
+    assert airflow["MOPFLOW_DASK_ADDRESS"] == f"tcp://127.0.0.1:{p.dask_scheduler}"
+    assert airflow["MOPFLOW_HOME"] == str(home.resolve())
+    assert airflow["MOPFLOW_OPTUNA_STORAGE"] == str(home.resolve() / "optuna" / "journal.log")
+    assert airflow["AIRFLOW_HOME"] == str(home.resolve() / "airflow")
+    assert airflow["AIRFLOW__CORE__DAGS_FOLDER"] == str(REPO / "dags")
+    assert airflow["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(REPO / "plugins")
+    assert airflow["AIRFLOW__CORE__LOAD_EXAMPLES"] == "False"
+    assert airflow["AIRFLOW__API__PORT"] == str(p.airflow)
+    assert airflow["AIRFLOW__API__BASE_URL"] == f"http://127.0.0.1:{p.airflow}"
+    assert airflow["PATH"].split(os.pathsep)[0] == BIN
+    for spec in specs.values():
+        assert not any(k.startswith("MLFLOW_") for k in spec.env if k != "MLFLOW_SERVER_ENABLE_JOB_EXECUTION")
+        assert spec.env["MOPFLOW_HOME"] == str(home.resolve())  # workers and servers share the home
+    mlflow = specs["mlflow"].argv
+    assert (
+        mlflow[mlflow.index("--backend-store-uri") + 1]
+        == f"sqlite:///{home.resolve() / 'mlflow' / 'mlflow.db'}"
+    )
+    assert mlflow[mlflow.index("--port") + 1] == str(p.mlflow)
+    assert "127.0.0.1" in mlflow and "0.0.0.0" not in " ".join(mlflow)
+    optuna = specs["optuna-dashboard"].argv
+    assert optuna[1] == str(home.resolve() / "optuna" / "journal.log")
+    assert f"tcp://127.0.0.1:{p.dask_scheduler}" in specs["dask-workers"].argv
+    assert specs["dask-workers"].checks[0].min_workers == 2
+
+
+def test_user_airflow_tunables_win_but_wiring_does_not(tmp_path: Path) -> None:
+    environ = {"AIRFLOW__API__WORKERS": "3", "AIRFLOW__API__PORT": "1"}
+    env = stack.airflow_env(_settings(tmp_path), _config().ports, REPO, environ)
+    assert "AIRFLOW__API__WORKERS" not in env  # the user's value is inherited unchanged
+    assert env["AIRFLOW__API__PORT"] != "1"
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"MOPFLOW_TRACKING_URI": "http://127.0.0.1:5000"}, "MOPFLOW_TRACKING_URI='http://127.0.0.1:5000'"),
+        ({"MOPFLOW_DASK_ADDRESS": "tcp://10.0.0.1:8786"}, "MOPFLOW_DASK_ADDRESS='tcp://10.0.0.1:8786'"),
+    ],
+)
+def test_settings_pointing_at_other_servers_are_refused(
+    tmp_path: Path, env: dict[str, str], needle: str
+) -> None:
+    with pytest.raises(stack.StackError, match=needle):
+        stack.build_specs(_settings(tmp_path, **env), _config(), BIN, {})
+
+
+def test_airflow_password_file_follows_airflow_config(tmp_path: Path) -> None:
+    default = stack.airflow_password_file(str(tmp_path), {})
+    assert default == str(tmp_path / "simple_auth_manager_passwords.json.generated")
+    custom = {"AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": "/x/pw.json"}
+    assert stack.airflow_password_file(str(tmp_path), custom) == "/x/pw.json"
+
+
+# ---------------------------------------------------------------------------- state file and printing
+
+
+def _state(home: Path) -> stack.StackState:
+    config = _config()
+    specs = stack.build_specs(_settings(home), config, BIN, {})
+    records = tuple(
+        stack.ServiceRecord(
+            name=s.name,
+            pid=1000 + i,
+            create_time=1.5,
+            argv=s.argv,
+            log=f"/logs/{s.name}.log",
+            url=s.url,
+            checks=s.checks,
+            ports=s.ports,
+        )
+        for i, s in enumerate(specs)
+    )
+    return stack.StackState(
+        home=str(home), started_at="2026-11-22T10:00:00+00:00", ports=config.ports, services=records,
+        airflow_password_file="/pw/file", logs="/logs",
+    )  # fmt: skip
+
+
+def test_state_file_round_trips_atomically(tmp_path: Path) -> None:
+    path = stack.state_path(tmp_path)
+    assert stack.read_state(path) is None
+    state = _state(tmp_path)
+    stack.write_state(path, state)
+    assert stack.read_state(path) == state
+    assert [p.name for p in path.parent.iterdir()] == ["state.json"]
+
+
+def test_a_foreign_state_file_is_refused(tmp_path: Path) -> None:
+    path = stack.state_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"services": "nope"}))
+    with pytest.raises(stack.StackError, match="is not a mopflow stack state"):
+        stack.read_state(path)
+
+
+def test_up_summary_names_every_url_and_the_password_file(tmp_path: Path) -> None:
+    state = _state(tmp_path)
+    text = stack.format_up_summary(state)
+    for rec in state.services:
+        if rec.name != "dask-workers":
+            assert rec.url in text
+    assert "/pw/file" in text and "/auth/token" in text
+    assert f"http://127.0.0.1:{state.ports.dask_dashboard}/status" in text
+
+
+def test_status_table_says_healthy_unhealthy_or_stopped(tmp_path: Path) -> None:
+    state = _state(tmp_path)
+    health = {"mlflow": (True, True, ""), "airflow": (True, False, "scheduler unhealthy")}
+    lines = stack.format_status(state, health).splitlines()
+    row = {line.split()[0]: line for line in lines[2:]}
+    assert "healthy" in row["mlflow"].split()
+    assert "unhealthy" in row["airflow"] and "scheduler unhealthy" in row["airflow"]
+    assert "stopped" in row["optuna-dashboard"]
+
+
+def test_status_without_a_stack_says_so(tmp_path: Path) -> None:
+    said: list[str] = []
+    assert stack.status(tmp_path, said.append) is False
+    assert "no mopflow stack" in said[0]
+    said.clear()
+    assert stack.down(tmp_path, 1.0, said.append) == []
+    assert "nothing to stop" in said[0]
+
+
+# ---------------------------------------------------------------------------- processes (tiny real ones)
+
+# A web server whose child ignores SIGTERM: `stop_services` must still leave nothing behind.
+STUBBORN_SERVER = """
+import http.server, signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+print("child", child.pid, flush=True)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()
+"""
+
+
+def _spec(name: str, code: str, port: int, env: dict[str, str]) -> stack.ServiceSpec:
+    url = f"http://127.0.0.1:{port}"
+    return stack.ServiceSpec(
+        name=name,
+        argv=(sys.executable, "-c", code, str(port)),
+        env=env,
+        url=url,
+        checks=(stack.HealthCheck(kind="http", url=url + "/"), stack.HealthCheck(kind="tcp", url=f"tcp://127.0.0.1:{port}")),
+        ports=(port,),
+    )  # fmt: skip
+
+
+def test_spawn_probe_and_stop_a_process_group(tmp_path: Path) -> None:
+    import psutil
+
+    port = stack.free_port()
+    rec = stack.spawn(_spec("web", STUBBORN_SERVER, port, dict(os.environ)), tmp_path / "logs", cwd=tmp_path)
+    try:
+        stack.wait_healthy([rec], 60, lambda _: None)
+        assert stack.is_running(rec)
+        assert stack.probe_all(rec.checks) == (True, "")
+        children = psutil.Process(rec.pid).children(recursive=True)
+        assert children, "the server's child has started"
+        # A record whose start time differs is another process that got the same pid: not ours.
+        assert not stack.is_running(rec.model_copy(update={"create_time": rec.create_time - 100}))
+    finally:
+        stopped = stack.stop_services([rec], grace_s=2.0)
+    assert stopped == ["web"]
+    assert not stack.is_running(rec)
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+    assert not stack.port_answers(port)
+    ok, detail = stack.probe_all(rec.checks)
+    assert not ok and str(port) in detail
+
+
+def test_a_service_that_dies_at_start_fails_with_its_log(tmp_path: Path) -> None:
+    code = "import sys; print('cannot open the backend store', flush=True); sys.exit(3)"
+    rec = stack.spawn(
+        _spec("broken", code, stack.free_port(), dict(os.environ)), tmp_path / "logs", cwd=tmp_path
+    )
+    with pytest.raises(
+        stack.StackError, match="broken exited during start-up(.|\n)*cannot open the backend store"
+    ):
+        stack.wait_healthy([rec], 60, lambda _: None)
+
+
+def test_health_timeout_names_the_waiting_service(tmp_path: Path) -> None:
+    code = "import time; time.sleep(60)"
+    rec = stack.spawn(
+        _spec("sleepy", code, stack.free_port(), dict(os.environ)), tmp_path / "logs", cwd=tmp_path
+    )
+    ticks = iter(range(0, 1000, 5))
+    try:
+        with pytest.raises(stack.StackError, match="not healthy after 10 s: sleepy"):
+            stack.wait_healthy(
+                [rec], 10, lambda _: None, clock=lambda: float(next(ticks)), sleep=lambda _: None
+            )
+    finally:
+        stack.stop_services([rec], grace_s=2.0)
+
+
+# ---------------------------------------------------------------------------- the whole stack (slow)
+
+DAG_ID = "mopflow_sweep"
+# The tiny config of tests/dags/test_end_to_end.py, smaller still: 2 trials of 2 epochs.
+TINY = {
+    "num_samples": 1000,
+    "n_shards": 2,
+    "n_trials": 2,
+    "epochs": 2,
+    "min_resource": 1,
+    "top_k": 2,
+    "distill_epochs": 2,
+    "munge_multiplier": 0,
+    "model_name": "stack",
+    "max_gap_to_ensemble": 100,  # tiny models are far from their ensemble; the gate is tested elsewhere
+}
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    env.update(
+        MOPFLOW_HOME=str(home),
+        MOPFLOW_RETRY_DELAY_S="1",
+        MOPFLOW_STACK_FREE_PORTS="1",
+        MOPFLOW_STACK_GRACE_S="15",
+        PATH=BIN + os.pathsep + env.get("PATH", ""),
+    )
+    return env
+
+
+def _mopflow(home: Path, *args: str, timeout: int = 420) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", *args],
+        cwd=REPO,
+        env=_env(home),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _request(method: str, url: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, raw.decode(errors="replace")
+
+
+class Stack:
+    """The running stack as the tests see it: its state file, an Airflow token, REST helpers."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        state = stack.read_state(stack.state_path(home))
+        assert state is not None
+        self.state = state
+        urls = {s.name: s.url for s in state.services}
+        self.airflow = urls["airflow"]
+        self.mlflow = urls["mlflow"]
+        password = json.loads(Path(state.airflow_password_file).read_text())["admin"]
+        status, answer = _request(
+            "POST", f"{self.airflow}/auth/token", {"username": "admin", "password": password}
+        )
+        assert status == 201, answer
+        self.token = answer["access_token"]
+
+    def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        return _request(method, f"{self.airflow}/api/v2{path}", body, self.token)
+
+    def dag_runs(self) -> list[dict[str, Any]]:
+        status, answer = self.api("GET", f"/dags/{DAG_ID}/dagRuns")
+        assert status == 200, answer
+        return list(answer["dag_runs"])
+
+
+@pytest.fixture(scope="module")
+def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = tmp_path_factory.mktemp("stack") / "home"
+    proc = _mopflow(home, "up")
+    try:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        assert "mopflow stack is up" in proc.stdout
+        yield Stack(home)
+    finally:
+        down = _mopflow(home, "down", timeout=120)
+        assert down.returncode == 0, down.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_up_prints_urls_and_a_second_up_starts_nothing(running_stack: Stack) -> None:
+    before = {s.name: s.pid for s in running_stack.state.services}
+    assert set(before) == set(stack.SERVICE_ORDER)
+    again = _mopflow(running_stack.home, "up")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already runs" in again.stdout and "nothing started" in again.stdout
+    state = stack.read_state(stack.state_path(running_stack.home))
+    assert state is not None and {s.name: s.pid for s in state.services} == before
+    status = _mopflow(running_stack.home, "status", timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    for name in stack.SERVICE_ORDER:
+        assert any(line.startswith(name) and " healthy " in line for line in status.stdout.splitlines()), name
+    # Everything answers on loopback, and the Airflow API wants a token.
+    code, _ = _request("GET", f"{running_stack.airflow}/api/v2/dags")
+    assert code == 401
+    status_code, pools = running_stack.api("GET", f"/pools/{stack.TRAINING_POOL}")
+    assert status_code == 200 and pools["slots"] == 1
+
+
+@pytest.mark.slow
+def test_sweep_triggered_over_rest_registers_a_champion(running_stack: Stack) -> None:
+    s = running_stack
+    deadline = time.monotonic() + 120
+    while (found := s.api("GET", f"/dags/{DAG_ID}"))[0] != 200:  # the dag-processor parses at start
+        assert time.monotonic() < deadline, f"{DAG_ID} never appeared: {found}"
+        time.sleep(2)
+    assert s.api("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})[0] == 200
+    status, run = s.api("POST", f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": TINY})
+    assert status == 200, run
+    run_id = urllib.parse.quote(run["dag_run_id"], safe="")
+    deadline = time.monotonic() + 420
+    while True:
+        status, run = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")
+        assert status == 200, run
+        if run["state"] in ("success", "failed"):
+            break
+        assert time.monotonic() < deadline, f"run still {run['state']} after 420 s"
+        time.sleep(3)
+    _, tis = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")
+    states = {t["task_id"]: t["state"] for t in tis["task_instances"]}
+    assert run["state"] == "success", states
+    assert set(states.values()) == {"success"}, states
+
+    name = f"{TINY['model_name']}-student"
+    query = urllib.parse.urlencode({"name": name, "alias": "champion"})
+    status, alias = _request("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/alias?{query}")
+    assert status == 200, alias
+    version = alias["model_version"]
+    assert version["name"] == name and "champion" in version["aliases"]
+    status, model = _request("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/get?name={name}")
+    assert status == 200, model
+    aliases = {a["alias"]: a["version"] for a in model["registered_model"]["aliases"]}
+    assert aliases["champion"] == aliases["challenger"] == version["version"]
+    # The tasks logged to the stack's server: the run that produced the version is there too.
+    status, mlrun = _request("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={version['run_id']}")
+    assert status == 200 and mlrun["run"]["data"], mlrun
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("key", "value"), [("epochs", -3), ("strategy", "bogus")])
+def test_invalid_param_is_refused_and_creates_no_run(running_stack: Stack, key: str, value: Any) -> None:
+    s = running_stack
+    deadline = time.monotonic() + 120
+    while s.api("GET", f"/dags/{DAG_ID}")[0] != 200:
+        assert time.monotonic() < deadline
+        time.sleep(2)
+    before = {r["dag_run_id"] for r in s.dag_runs()}
+    status, answer = s.api(
+        "POST", f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": {**TINY, key: value}}
+    )
+    assert 400 <= status < 500, (status, answer)
+    assert key in json.dumps(answer) and str(value) in json.dumps(answer), answer
+    assert {r["dag_run_id"] for r in s.dag_runs()} == before
+
+
+@pytest.mark.slow
+def test_down_stops_every_service_and_frees_the_ports(running_stack: Stack) -> None:
+    state = running_stack.state
+    ports = [p for rec in state.services for p in rec.ports]
+    assert ports and all(stack.port_answers(p) for p in (state.ports.airflow, state.ports.mlflow))
+    proc = _mopflow(running_stack.home, "down", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stopped:" in proc.stdout and "still answer" not in proc.stdout
+    assert not any(stack.port_answers(p) for p in ports)
+    assert not any(stack.is_running(rec) for rec in state.services)
+    assert not stack.state_path(running_stack.home).exists()
+    status = _mopflow(running_stack.home, "status", timeout=120)
+    assert status.returncode == 1 and "no mopflow stack" in status.stdout
