@@ -245,6 +245,86 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def _spot_prices(args: argparse.Namespace) -> Any:
+    """The price distribution named by the plan-spot flags (a trace gives its empirical distribution)."""
+    from infra.cost import GaussianPrices, UniformPrices, empirical_prices, load_price_trace
+
+    if args.trace:
+        return empirical_prices(load_price_trace(args.trace))
+    if args.distribution == "uniform":
+        if args.low is None or args.high is None:
+            raise CliError("--distribution uniform needs --low and --high (prices per worker-hour)")
+        return UniformPrices(low=args.low, high=args.high)
+    if args.mean is None or args.std is None:
+        raise CliError("--distribution gaussian needs --mean and --std (prices per worker-hour)")
+    return GaussianPrices(mean=args.mean, std=args.std)
+
+
+def cmd_plan_spot(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from infra.cost import PriceError
+    from infra.spot_plan import PlanError, SpotPlanConfig, format_report, plan_spot, report_as_dict
+
+    constants: dict[str, Any] = {}
+    for item in args.convergence or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(f"--convergence expects KEY=VALUE, got {item!r}")
+        constants[key.strip()] = yaml.safe_load(value)
+    try:
+        config = SpotPlanConfig(
+            prices=_spot_prices(args),
+            deadline_hours=args.deadline_hours,
+            error_target=args.error_target,
+            n_max=args.n_max,
+            on_demand_price=args.on_demand_price,
+            iteration_seconds=args.iteration_seconds,
+            max_bid=args.max_bid,
+            convergence=constants,
+        )
+        report = plan_spot(config)
+    except ValidationError as exc:
+        raise CliError(f"invalid plan-spot input: {exc}") from exc
+    except (PriceError, PlanError) as exc:
+        raise CliError(str(exc)) from exc
+    print(format_report(config, report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report_as_dict(config, report), indent=2, sort_keys=True))
+    return 0
+
+
+def _add_plan_spot_parser(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan-spot",
+        help="plan a run on spot workers: on-demand, one bid or two bids, and how many workers",
+        description="Expected cost and completion time of on-demand, one-bid and two-bid plans"
+        " (Zhang et al., INFOCOM 2020); prints the cheapest that meets the deadline and error target.",
+    )
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--distribution", choices=("uniform", "gaussian"), default="uniform")
+    source.add_argument("--trace", help="CSV of timestamp,price: plan on its time-weighted price distribution")
+    plan.add_argument("--low", type=float, help="uniform: lowest price per worker-hour")
+    plan.add_argument("--high", type=float, help="uniform: highest price per worker-hour")
+    plan.add_argument("--mean", type=float, help="gaussian: mean price per worker-hour (truncated at 0)")
+    plan.add_argument("--std", type=float, help="gaussian: standard deviation")
+    plan.add_argument("--deadline-hours", type=float, required=True, help="expected completion time allowed")
+    plan.add_argument("--error-target", type=float, required=True, help="error bound to reach (epsilon)")
+    plan.add_argument("--n-max", type=int, default=16, help="most workers (default 16)")
+    plan.add_argument("--on-demand-price", type=float, required=True, help="on-demand price per worker-hour")
+    plan.add_argument("--iteration-seconds", type=float, default=1.0, help="seconds per iteration (default 1)")
+    plan.add_argument("--max-bid", type=float, help="highest bid allowed (default: the on-demand price)")
+    plan.add_argument(
+        "--convergence",
+        action="append",
+        metavar="KEY=VALUE",
+        help="error-bound constant: step_size, c, mu, lipschitz, noise, initial_gap (repeatable)",
+    )
+    plan.add_argument("--json", help="also write the plan as JSON to this file")
+    plan.set_defaults(func=cmd_plan_spot)
+
+
 def _stack_call(fn: Any, *args: Any) -> Any:
     """Run a stack function, turning its errors into CLI errors (printed, exit code 2)."""
     from infra.settings import SettingsError
@@ -329,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     back = sub.add_parser("rollback", help="bring the previous champion back")
     back.add_argument("name", help="registered model name, e.g. mopflow-student")
     back.set_defaults(func=cmd_rollback)
+    _add_plan_spot_parser(sub)
     up = sub.add_parser(
         "up", help="start the local stack: Airflow, MLflow, optuna-dashboard, Dask (127.0.0.1)"
     )
