@@ -1,0 +1,350 @@
+"""The Sweeps page's data and HTML: recent pipeline runs with their leaderboard and MOP Gantt charts.
+
+No Airflow here (the plugin in ``mopflow_plugin.py`` mounts it): :func:`load_sweeps` reads the
+runs the pipeline tagged in MLflow through an injected ``MlflowClient``, :func:`render_page`
+turns that data into escaped server-side HTML (a pure function), :func:`ui_links` reads the UI
+addresses from the environment.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
+DEFAULT_OPTUNA_DASHBOARD = "http://127.0.0.1:8081"
+GANTT_RE = re.compile(r"^gantt-epoch-\d{1,6}\.png$")
+RUN_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    """One leaderboard line."""
+
+    trial: int
+    state: str
+    val_acc: float | None
+    pruned_epoch: int | None
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One pipeline run (a search) as the page shows it."""
+
+    run_id: str
+    experiment_id: str
+    dag_id: str
+    airflow_run_id: str
+    status: str
+    start_time_ms: int | None
+    strategy: str
+    study: str | None
+    study_id: int | None
+    search_run_id: str | None
+    leaderboard: Sequence[TrialRow] = ()
+    leaderboard_source: str = "none"  # "leaderboard.json", "trial runs" (still running) or "none"
+    gantt: Sequence[str] = ()  # artifact file names under the search run's mop/ folder
+    promoted: str | None = None
+
+
+@dataclass(frozen=True)
+class Links:
+    """Where the MLflow UI and optuna-dashboard are (http(s) URLs without a trailing slash)."""
+
+    mlflow_ui: str = DEFAULT_MLFLOW_UI
+    optuna_dashboard: str = DEFAULT_OPTUNA_DASHBOARD
+
+    def mlflow_run(self, experiment_id: str, run_id: str) -> str:
+        return f"{self.mlflow_ui}/#/experiments/{experiment_id}/runs/{run_id}"
+
+    def optuna_study(self, study_id: int | None) -> str:
+        base = f"{self.optuna_dashboard}/dashboard"
+        return f"{base}/studies/{study_id}" if study_id is not None else base
+
+
+@dataclass(frozen=True)
+class PageData:
+    """Everything the page shows."""
+
+    sweeps: Sequence[Sweep]
+    links: Links
+    experiment: str
+    errors: Sequence[str] = field(default_factory=tuple)
+
+
+def _http_url(value: str, what: str) -> str:
+    value = value.strip().rstrip("/")
+    if not re.match(r"^https?://[^\s\"'<>]+$", value):
+        raise ValueError(f"{what}={value!r} must be an http(s) URL, e.g. http://127.0.0.1:5000")
+    return value
+
+
+def ui_links(environ: Mapping[str, str] | None = None) -> Links:
+    """UI addresses: ``MOPFLOW_MLFLOW_UI_URL`` / ``MOPFLOW_OPTUNA_DASHBOARD_URL``, else derived from the
+    stack (an http tracking URI is the MLflow server, which serves the UI; ``MOPFLOW_MLFLOW_PORT`` /
+    ``MOPFLOW_OPTUNA_PORT``), else 127.0.0.1:5000 and :8081."""
+    env = os.environ if environ is None else environ
+    mlflow = env.get("MOPFLOW_MLFLOW_UI_URL", "")
+    if not mlflow:
+        tracking = env.get("MOPFLOW_TRACKING_URI", "")
+        if tracking.startswith(("http://", "https://")):
+            mlflow = tracking
+        elif env.get("MOPFLOW_MLFLOW_PORT"):
+            mlflow = f"http://127.0.0.1:{int(env['MOPFLOW_MLFLOW_PORT'])}"
+    optuna = env.get("MOPFLOW_OPTUNA_DASHBOARD_URL", "")
+    if not optuna and env.get("MOPFLOW_OPTUNA_PORT"):
+        optuna = f"http://127.0.0.1:{int(env['MOPFLOW_OPTUNA_PORT'])}"
+    return Links(
+        _http_url(mlflow or DEFAULT_MLFLOW_UI, "MOPFLOW_MLFLOW_UI_URL"),
+        _http_url(optuna or DEFAULT_OPTUNA_DASHBOARD, "MOPFLOW_OPTUNA_DASHBOARD_URL"),
+    )
+
+
+# --- reading MLflow (the edge) ------------------------------------------------------------------
+
+
+def _leaderboard_from_json(rows: Sequence[Mapping[str, Any]]) -> list[TrialRow]:
+    out = []
+    for row in rows:
+        pruned = row.get("pruned_epoch")
+        value = row.get("val_acc")
+        out.append(
+            TrialRow(
+                trial=int(row["trial"]),
+                state=str(row.get("state", "")),
+                val_acc=float(value) if value is not None else None,
+                pruned_epoch=int(pruned) if pruned is not None else None,
+                params=dict(row.get("params") or {}),
+            )
+        )
+    return out
+
+
+def _leaderboard_from_trial_runs(runs: Sequence[Any]) -> list[TrialRow]:
+    """While the search runs there is no leaderboard.json yet: build it from the trial runs."""
+    rows = []
+    for run in runs:
+        metrics, tags = run.data.metrics, run.data.tags
+        pruned = metrics.get("pruned_epoch")
+        rows.append(
+            TrialRow(
+                trial=int(tags.get("mopflow.trial", -1)),
+                state=str(tags.get("mopflow.trial_state", run.info.status)),
+                val_acc=metrics.get("val_acc"),
+                pruned_epoch=int(pruned) if pruned is not None else None,
+                params=dict(run.data.params),
+            )
+        )
+    return sorted(rows, key=lambda r: (-(r.val_acc if r.val_acc is not None else -1.0), r.trial))
+
+
+def _quote(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("'", "\\'")
+
+
+def _find(client: Any, experiment_id: str, tags: Mapping[str, str], max_results: int = 1000) -> list[Any]:
+    clauses = " and ".join(f"tags.`{k}` = '{_quote(v)}'" for k, v in tags.items())
+    return list(client.search_runs([experiment_id], filter_string=clauses, max_results=max_results))
+
+
+def load_sweeps(
+    client: Any,
+    experiment_name: str,
+    limit: int = 10,
+    dag_id: str | None = None,
+    study_ids: Mapping[str, int] | None = None,
+) -> list[Sweep]:
+    """The ``limit`` most recent pipeline runs (of ``dag_id``, or of every DAG), newest first."""
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        return []
+    exp_id = str(experiment.experiment_id)
+    # Every pipeline run is a search; MLflow filters have no OR, so one DAG or all of them.
+    where = "tags.`mopflow.stage` = 'pipeline'"
+    if dag_id:
+        where += f" and tags.`mopflow.dag_id` = '{_quote(dag_id)}'"
+    parents = client.search_runs(
+        [exp_id],
+        filter_string=where,
+        order_by=["attributes.start_time DESC"],
+        max_results=limit,
+    )
+    sweeps = []
+    for parent in parents:
+        tags = parent.data.tags
+        key = tags.get("mopflow.run_key", "")
+        search_runs = _find(client, exp_id, {"mopflow.run_key": key, "mopflow.stage": "search"}, 1)
+        search = search_runs[0] if search_runs else None
+        study = search.data.tags.get("mopflow.study") if search else None
+        leaderboard: list[TrialRow] = []
+        source = "none"
+        gantt: list[str] = []
+        if search is not None:
+            artifacts = {a.path for a in client.list_artifacts(search.info.run_id)}
+            if "leaderboard.json" in artifacts:
+                with tempfile.TemporaryDirectory() as tmp:
+                    local = client.download_artifacts(search.info.run_id, "leaderboard.json", tmp)
+                    leaderboard = _leaderboard_from_json(json.loads(Path(local).read_text()))
+                source = "leaderboard.json"
+            else:
+                trials = _find(client, exp_id, {"mopflow.run_key": key, "mopflow.stage": "trial"})
+                leaderboard = _leaderboard_from_trial_runs(trials)
+                source = "trial runs" if trials else "none"
+            if "mop" in artifacts:
+                gantt = sorted(
+                    Path(a.path).name
+                    for a in client.list_artifacts(search.info.run_id, "mop")
+                    if GANTT_RE.match(Path(a.path).name)
+                )
+        register = _find(client, exp_id, {"mopflow.run_key": key, "mopflow.stage": "register"}, 1)
+        sweeps.append(
+            Sweep(
+                run_id=parent.info.run_id,
+                experiment_id=exp_id,
+                dag_id=tags.get("mopflow.dag_id", ""),
+                airflow_run_id=tags.get("mopflow.airflow_run_id", ""),
+                status=str(parent.info.status),
+                start_time_ms=parent.info.start_time,
+                strategy=parent.data.params.get("strategy", ""),
+                study=study,
+                study_id=(study_ids or {}).get(study) if study else None,
+                search_run_id=search.info.run_id if search else None,
+                leaderboard=leaderboard,
+                leaderboard_source=source,
+                gantt=gantt,
+                promoted=register[0].data.tags.get("mopflow.promoted") if register else None,
+            )
+        )
+    return sweeps
+
+
+def optuna_study_ids(storage_url: str) -> dict[str, int]:
+    """Study name -> id in the Optuna storage (the ids optuna-dashboard puts in its URLs)."""
+    from infra.optuna_storage import make_storage
+
+    storage = make_storage(storage_url)
+    return {s.study_name: s._study_id for s in storage.get_all_studies()}
+
+
+def download_gantt(client: Any, run_id: str, name: str) -> bytes:
+    """One Gantt PNG of a search run; refuses anything but a run id and a ``gantt-epoch-N.png`` name."""
+    if not RUN_ID_RE.match(run_id):
+        raise ValueError(f"run id {run_id!r} is not an MLflow run id (32 hex digits)")
+    if not GANTT_RE.match(name):
+        raise ValueError(f"artifact {name!r} is not a Gantt chart (gantt-epoch-N.png)")
+    with tempfile.TemporaryDirectory() as tmp:
+        local = client.download_artifacts(run_id, f"mop/{name}", tmp)
+        return Path(local).read_bytes()
+
+
+# --- rendering (pure) ---------------------------------------------------------------------------
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:1rem;color:#1a202c}
+table{border-collapse:collapse;margin:.5rem 0 1rem}
+th,td{border:1px solid #cbd5e0;padding:.25rem .5rem;text-align:left;vertical-align:top}
+th{background:#edf2f7}
+td.params{font-family:monospace;font-size:.85em;max-width:48rem;word-break:break-all}
+section{border-top:2px solid #cbd5e0;padding-top:.5rem;margin-top:1rem}
+.meta{color:#4a5568}
+img.gantt{max-width:100%;border:1px solid #cbd5e0}
+.error{color:#c53030}
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt_time(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _fmt_acc(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None else "-"
+
+
+def render_leaderboard(rows: Sequence[TrialRow]) -> str:
+    """The leaderboard table (escaped)."""
+    head = "<tr><th>trial</th><th>state</th><th>validation accuracy</th><th>pruned at epoch</th><th>params</th></tr>"
+    body = "".join(
+        "<tr>"
+        f"<td>{_e(r.trial)}</td><td>{_e(r.state)}</td><td>{_e(_fmt_acc(r.val_acc))}</td>"
+        f"<td>{_e(r.pruned_epoch if r.pruned_epoch is not None else '-')}</td>"
+        f'<td class="params">{_e(json.dumps(dict(r.params), sort_keys=True, default=str))}</td>'
+        "</tr>"
+        for r in rows
+    )
+    return f'<table class="leaderboard">{head}{body}</table>'
+
+
+def render_sweep(sweep: Sweep, links: Links, base: str) -> str:
+    """One sweep's section: identity, links, leaderboard and the last MOP epoch's Gantt chart."""
+    parts = [
+        f'<section class="sweep" id="run-{_e(sweep.run_id)}">',
+        f"<h2>{_e(sweep.dag_id)} · {_e(sweep.airflow_run_id)}</h2>",
+        '<p class="meta">'
+        f"status {_e(sweep.status)} · started {_e(_fmt_time(sweep.start_time_ms))}"
+        f" · strategy {_e(sweep.strategy or '-')} · study {_e(sweep.study or '-')}"
+        + (f" · promoted {_e(sweep.promoted)}" if sweep.promoted is not None else "")
+        + "</p>",
+        "<p>"
+        f'<a href="{_e(links.mlflow_run(sweep.experiment_id, sweep.run_id))}" target="_blank" rel="noopener">MLflow run</a>'
+        f' · <a href="{_e(links.optuna_study(sweep.study_id))}" target="_blank" rel="noopener">optuna-dashboard</a>'
+        "</p>",
+    ]
+    if sweep.leaderboard:
+        note = (
+            " (from the trial runs; the search is still running)"
+            if sweep.leaderboard_source == "trial runs"
+            else ""
+        )
+        parts.append(f"<h3>Leaderboard{_e(note)}</h3>")
+        parts.append(render_leaderboard(sweep.leaderboard))
+    else:
+        parts.append("<p>No trials yet.</p>")
+    if sweep.gantt and sweep.search_run_id:
+        last = sweep.gantt[-1]
+        src = f"{base}/sweeps/gantt/{sweep.search_run_id}/{last}"
+        parts.append(f"<h3>MOP Gantt chart ({_e(last.removesuffix('.png'))})</h3>")
+        parts.append(f'<img class="gantt" src="{_e(src)}" alt="Gantt chart {_e(last)}">')
+        if len(sweep.gantt) > 1:
+            others = " ".join(
+                f'<a href="{_e(f"{base}/sweeps/gantt/{sweep.search_run_id}/{name}")}">{_e(name.removesuffix(".png"))}</a>'
+                for name in sweep.gantt[:-1]
+            )
+            parts.append(f"<p>Other epochs: {others}</p>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def render_page(data: PageData, base: str = "") -> str:
+    """The whole page (every value escaped). ``base`` is the path the plugin app is mounted at."""
+    links = data.links
+    header = (
+        "<h1>Sweeps</h1>"
+        f'<p class="meta">MLflow experiment {_e(data.experiment)} · '
+        f'<a href="{_e(links.mlflow_ui)}" target="_blank" rel="noopener">MLflow UI</a> · '
+        f'<a href="{_e(links.optuna_study(None))}" target="_blank" rel="noopener">optuna-dashboard</a></p>'
+    )
+    errors = "".join(f'<p class="error">{_e(err)}</p>' for err in data.errors)
+    if data.sweeps:
+        body = "".join(render_sweep(s, links, base) for s in data.sweeps)
+    else:
+        body = "<p>No sweeps yet. Trigger the <code>mopflow_sweep</code> DAG to start one.</p>"
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>mopflow sweeps</title><style>{STYLE}</style></head>"
+        f"<body>{header}{errors}{body}</body></html>"
+    )
