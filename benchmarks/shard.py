@@ -205,6 +205,7 @@ def run_baseline(rows: int) -> RunResult:
     import pandas as pd
 
     from training.data import (
+        HASH_COLUMN,
         LABEL_COLUMN,
         PARTITION_SEED_STRIDE,
         SPLIT_COLUMN,
@@ -230,7 +231,7 @@ def run_baseline(rows: int) -> RunResult:
             written, hashes = 0, {}
             for split in SPLITS:
                 table = pd.concat([f[f[SPLIT_COLUMN] == split] for f in frames], ignore_index=True)
-                table = table.drop(columns=[SPLIT_COLUMN])
+                table = table.drop(columns=[SPLIT_COLUMN, HASH_COLUMN])
                 table[LABEL_COLUMN] = table[LABEL_COLUMN].astype("int64")
                 for i, (lo, hi) in enumerate(even_chunks(len(table), per_split_shards[split])):
                     path = out_dir / f"{split}-{i:05d}.parquet"

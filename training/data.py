@@ -47,6 +47,7 @@ class ShardResult:
 # Pure helpers
 
 SPLIT_COLUMN = "_split"
+HASH_COLUMN = "_u"  # the row's hash in [0, 1): kept until the shards are written (stratified splits)
 DROPPED = "_dropped"  # rows with NaN/inf features under nan_policy="drop"
 INVALID = "_invalid"  # the same rows under nan_policy="fail" (reported, never written)
 PARTITION_SEED_STRIDE = 1_000_003
@@ -70,7 +71,9 @@ def feature_columns(n_features: int) -> list[str]:
 
 def shard_key(source: Mapping[str, Any], cfg: DataConfig) -> str:
     """Content address of a sharded dataset: the source fingerprint plus the shard config."""
-    shard_cfg = cfg.model_dump(include={"n_shards", "val_fraction", "test_fraction", "nan_policy"})
+    fields = {"n_shards", "val_fraction", "test_fraction", "nan_policy"}
+    # stratify joins the key only when set, so unstratified datasets keep their addresses
+    shard_cfg = cfg.model_dump(include=fields | ({"stratify"} if cfg.stratify else set()))
     return storage.canonical_hash({"source": dict(source), "shards": shard_cfg, "v": MANIFEST_VERSION})[:16]
 
 
@@ -117,6 +120,108 @@ def manifest_hash(manifest: Mapping[str, Any]) -> str:
     return storage.canonical_hash(
         {k: v for k, v in manifest.items() if k not in {"created_at", "manifest_hash"}}
     )
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """How the rows of a pool are cut by their hash ``u``: the first ``len(cuts)`` splits take the
+    rows with ``u`` below the cumulative fractions in ``cuts``, the rest goes to ``rest``.
+
+    MNIST-1D: the pool is the package's train rows, cut into validation | train (its test rows are
+    the published test split). A user table: every finite row, cut into test | validation | train.
+    """
+
+    pool: tuple[str, ...]
+    names: tuple[str, ...]
+    cuts: tuple[float, ...]
+    rest: str = "train"
+
+
+def split_rule(cfg: DataConfig) -> SplitRule:
+    """The split rule of a config's source."""
+    if cfg.dataset == "mnist1d":
+        return SplitRule(("train", "validation"), ("validation",), (cfg.val_fraction,))
+    return SplitRule(
+        SPLITS, ("test", "validation"), (cfg.test_fraction, cfg.test_fraction + cfg.val_fraction)
+    )
+
+
+def assign_splits(
+    u: np.ndarray, labels: np.ndarray, rule: SplitRule, thresholds: Mapping[int, Sequence[float]] | None
+) -> np.ndarray:
+    """Split names for pool rows from their hashes: global cuts, or per-class thresholds (stratified)."""
+    out = np.full(len(u), rule.rest, dtype=object)
+    if thresholds is None:
+        limits = np.broadcast_to(np.asarray(rule.cuts, dtype=np.float64), (len(u), len(rule.cuts)))
+    else:
+        limits = np.ones((len(u), len(rule.cuts)), dtype=np.float64)
+        for label, cuts in thresholds.items():
+            limits[labels == label] = cuts
+    # walk the cuts from the last: a row ends with the first cut its hash falls under
+    for j in range(len(rule.cuts) - 1, -1, -1):
+        out[u < limits[:, j]] = rule.names[j]
+    return out
+
+
+HASH_BINS = 1024
+
+
+def class_hash_histogram(frame: pd.DataFrame, rule: SplitRule) -> dict[int, np.ndarray]:
+    """Per class, how many pool rows have their hash in each of ``HASH_BINS`` equal bins of [0, 1)."""
+    pool = frame[frame[SPLIT_COLUMN].isin(rule.pool)]
+    bins = np.minimum((pool[HASH_COLUMN].to_numpy() * HASH_BINS).astype(np.int64), HASH_BINS - 1)
+    labels = pool[LABEL_COLUMN].to_numpy(dtype=np.int64)
+    return {int(c): np.bincount(bins[labels == c], minlength=HASH_BINS) for c in np.unique(labels)}
+
+
+def class_hash_values(
+    frame: pd.DataFrame, rule: SplitRule, wanted: Mapping[int, Sequence[int]]
+) -> dict[tuple[int, int], np.ndarray]:
+    """The hashes of the pool rows of class ``c`` in bin ``b``, for each wanted (c, b)."""
+    pool = frame[frame[SPLIT_COLUMN].isin(rule.pool)]
+    u = pool[HASH_COLUMN].to_numpy()
+    bins = np.minimum((u * HASH_BINS).astype(np.int64), HASH_BINS - 1)
+    labels = pool[LABEL_COLUMN].to_numpy(dtype=np.int64)
+    return {
+        (int(c), int(b)): np.sort(u[(labels == c) & (bins == b)])
+        for c, wanted_bins in wanted.items()
+        for b in wanted_bins
+    }
+
+
+def threshold_positions(
+    histograms: Mapping[int, np.ndarray], rule: SplitRule
+) -> dict[int, list[tuple[int, int]]]:
+    """Per class and cut, the bin holding the threshold row and the row's rank inside that bin.
+
+    A cut at cumulative fraction F of a class of n pool rows puts exactly k = round(F * n) of
+    them below the threshold: the threshold is the (k+1)-th smallest hash of the class
+    (rank -1 means k = n: every row is below, the threshold is 1).
+    """
+    positions: dict[int, list[tuple[int, int]]] = {}
+    for label, counts in histograms.items():
+        cum = np.cumsum(counts)
+        n = int(cum[-1])
+        found = []
+        for fraction in rule.cuts:
+            k = int(round(fraction * n))
+            if k >= n:
+                found.append((-1, -1))
+                continue
+            b = int(np.searchsorted(cum, k, side="right"))  # first bin with cum > k
+            found.append((b, k - (int(cum[b - 1]) if b else 0)))
+        positions[label] = found
+    return positions
+
+
+def stratified_thresholds(
+    positions: Mapping[int, Sequence[tuple[int, int]]], values: Mapping[tuple[int, int], np.ndarray]
+) -> dict[int, list[float]]:
+    """Per class, the hash threshold of each cut, from the sorted hashes of the wanted bins."""
+    return {
+        label: [1.0 if b < 0 else float(values[(label, b)][rank]) for b, rank in found]
+        for label, found in positions.items()
+    }
 
 
 def check_columns(dtypes: Mapping[str, Any], label: str, features: Sequence[str] | None) -> list[str]:
@@ -218,14 +323,17 @@ def generate_mnist1d_partition(num_samples: int, seed: int, val_fraction: float)
     args.seed = seed
     data = make_dataset(args)
     cols = feature_columns(data["x"].shape[1])
-    train = pd.DataFrame(np.asarray(data["x"], dtype=np.float32), columns=cols)
-    train[LABEL_COLUMN] = np.asarray(data["y"], dtype=np.int64)
-    u = row_unit_interval(train, salt=f"val-{seed}")
-    train[SPLIT_COLUMN] = np.where(u < val_fraction, "validation", "train")
-    test = pd.DataFrame(np.asarray(data["x_test"], dtype=np.float32), columns=cols)
-    test[LABEL_COLUMN] = np.asarray(data["y_test"], dtype=np.int64)
-    test[SPLIT_COLUMN] = "test"
-    return pd.concat([train, test], ignore_index=True)
+    x = np.concatenate([data["x"], data["x_test"]]).astype(np.float32, copy=False)
+    frame = pd.DataFrame(x, columns=cols)
+    frame[LABEL_COLUMN] = np.concatenate([data["y"], data["y_test"]]).astype(np.int64)
+    # a row's hash depends on its content only: the same as hashing the train rows alone
+    u = row_unit_interval(frame, salt=f"val-{seed}")
+    n_train = len(data["y"])
+    frame[HASH_COLUMN] = u
+    frame[SPLIT_COLUMN] = "test"
+    rule = SplitRule(("train", "validation"), ("validation",), (val_fraction,))
+    frame.loc[: n_train - 1, SPLIT_COLUMN] = assign_splits(u[:n_train], np.empty(0), rule, None)
+    return frame
 
 
 def prepare_table_partition(
@@ -242,10 +350,25 @@ def prepare_table_partition(
     out.columns = list(features)
     out[LABEL_COLUMN] = frame[label].to_numpy()
     u = row_unit_interval(out, salt=f"split-{seed}")
-    out[SPLIT_COLUMN] = np.where(
-        u < test_fraction, "test", np.where(u < test_fraction + val_fraction, "validation", "train")
-    )
+    rule = SplitRule(SPLITS, ("test", "validation"), (test_fraction, test_fraction + val_fraction))
+    out[HASH_COLUMN] = u
+    out[SPLIT_COLUMN] = assign_splits(u, np.empty(0), rule, None)
     return mark_nonfinite(out.reset_index(drop=True), features, nan_policy)
+
+
+def restratify_partition(
+    frame: pd.DataFrame, rule: SplitRule, thresholds: Mapping[int, Sequence[float]]
+) -> pd.DataFrame:
+    """Reassign the pool rows' splits with per-class thresholds (rows outside the pool keep theirs)."""
+    out = frame.copy()
+    in_pool = out[SPLIT_COLUMN].isin(rule.pool).to_numpy()
+    out.loc[in_pool, SPLIT_COLUMN] = assign_splits(
+        out.loc[in_pool, HASH_COLUMN].to_numpy(),
+        out.loc[in_pool, LABEL_COLUMN].to_numpy(dtype=np.int64),
+        rule,
+        thresholds,
+    )
+    return out
 
 
 def partition_stats(frame: pd.DataFrame, features: Sequence[str]) -> dict[str, Any]:
@@ -272,20 +395,20 @@ def partition_stats(frame: pd.DataFrame, features: Sequence[str]) -> dict[str, A
     }
 
 
+def take_rows(frame: pd.DataFrame, split: str, start: int, stop: int) -> pd.DataFrame:
+    """Rows ``start:stop`` of one split of a partition, without the helper columns.
+
+    Runs where the partition lives, so only the rows a shard needs travel to its writer.
+    """
+    rows = frame[frame[SPLIT_COLUMN] == split].iloc[start:stop]
+    return rows.drop(columns=[SPLIT_COLUMN, HASH_COLUMN])
+
+
 def write_shard(
-    split: str,
-    slices: Sequence[tuple[int, int, int]],
-    url: str,
-    storage_options: Mapping[str, Any] | None,
-    partitions: Sequence[pd.DataFrame],
+    url: str, storage_options: Mapping[str, Any] | None, pieces: Sequence[pd.DataFrame]
 ) -> dict[str, Any]:
-    """Write one parquet shard from slices of the split's rows in several partitions; return its stats."""
-    pieces = []
-    for index, start, stop in slices:
-        frame = partitions[index]
-        rows = frame[frame[SPLIT_COLUMN] == split]
-        pieces.append(rows.iloc[start:stop])
-    part = pd.concat(pieces, ignore_index=True).drop(columns=[SPLIT_COLUMN])
+    """Write one parquet shard from its pieces (in order); return its stats."""
+    part = pieces[0].reset_index(drop=True) if len(pieces) == 1 else pd.concat(pieces, ignore_index=True)
     part[LABEL_COLUMN] = pd.to_numeric(part[LABEL_COLUMN]).astype(np.int64)
     buffer = io.BytesIO()
     part.to_parquet(buffer, index=False)
@@ -448,48 +571,44 @@ def shard_dataset(
         return ShardResult(manifest_uri, existing["manifest_hash"], reused=True)
 
     partitions = source_partitions(cfg, info, client)
+    # every future stays referenced until the end: cancelling a task whose dependents the
+    # client no longer wants trips the scheduler (and on success, releasing them is enough)
+    held: list[Any] = list(partitions)
     try:
-        stats = client.gather([client.submit(partition_stats, p, features, pure=False) for p in partitions])
+        stats_futures = [client.submit(partition_stats, p, features, pure=False) for p in partitions]
+        held += stats_futures
+        stats = client.gather(stats_futures)
+        totals = validate_stats(stats, cfg, features, cfg.n_shards)
+        if cfg.stratify:
+            partitions, stats = _stratify(partitions, split_rule(cfg), features, client, held)
+            totals = validate_stats(stats, cfg, features, cfg.n_shards)
     except Exception:
-        client.cancel(partitions)
+        client.cancel(held)
         raise
     per_split_shards = {"train": cfg.n_shards, "validation": 1, "test": 1}
-    try:
-        totals = validate_stats(stats, cfg, features, cfg.n_shards)
-    except DataValidationError:
-        client.cancel(partitions)
-        raise
     if totals["dropped"]:
         log.warning("shard: dropped %d row(s) with NaN/inf features (nan_policy='drop')", totals["dropped"])
     log.info("shard: %s rows per split in %d partition(s)", totals["split_rows"], len(partitions))
     try:
         futures: dict[str, list[Any]] = {}
         names: dict[str, list[str]] = {}
+        holders = _holders(partitions, client)
         for split, n_chunks in per_split_shards.items():
             rows_per_partition = [int(s["split_rows"].get(split, 0)) for s in stats]
             futures[split], names[split] = [], []
             for i, slices in enumerate(plan_shards(rows_per_partition, n_chunks)):
                 shard_name = f"{split}-{i:05d}.parquet"
                 names[split].append(shard_name)
-                needed = [partitions[p] for p, _, _ in slices]
-                local = [(j, start, stop) for j, (_, start, stop) in enumerate(slices)]
+                url = storage.join(out_dir, shard_name)
                 futures[split].append(
-                    client.submit(
-                        write_shard,
-                        split,
-                        local,
-                        storage.join(out_dir, shard_name),
-                        storage_options,
-                        needed,
-                        pure=False,
-                    )
+                    _submit_shard(client, partitions, holders, split, slices, url, storage_options, held)
                 )
         results = {split: client.gather(fs) for split, fs in futures.items()}
     except Exception:
+        client.cancel(held)
         _remove_partial(out_dir, storage_options)
         raise
-    finally:
-        client.cancel(partitions)
+    del held, partitions, futures  # released: the workers drop the rows
     mean, std = combine_stats(results["train"])
     num_classes = max(n_classes_hint, max(totals["classes"]) + 1)
     manifest: dict[str, Any] = {
@@ -527,6 +646,91 @@ def shard_dataset(
         time.monotonic() - started,
     )
     return ShardResult(manifest_uri, manifest["manifest_hash"], reused=False)
+
+
+def _stratify(
+    partitions: list[Any], rule: SplitRule, features: Sequence[str], client: Any, held: list[Any]
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Reassign the pool rows' splits with exact per-class thresholds, without gathering rows.
+
+    Two small rounds: per-class histograms of the row hashes locate the bin that holds each
+    threshold, then only the hashes in those bins come to the driver (about n / HASH_BINS).
+    The old partitions are not cancelled (that would cancel their dependents): they are
+    released when the caller drops them.
+    """
+    histogram_futures = [client.submit(class_hash_histogram, p, rule, pure=False) for p in partitions]
+    held += histogram_futures
+    totals: dict[int, np.ndarray] = {}
+    for part in client.gather(histogram_futures):
+        for label, counts in part.items():
+            totals[label] = totals.get(label, 0) + counts
+    positions = threshold_positions(totals, rule)
+    wanted = {label: sorted({b for b, _ in found if b >= 0}) for label, found in positions.items()}
+    value_futures = [client.submit(class_hash_values, p, rule, wanted, pure=False) for p in partitions]
+    held += value_futures
+    values: dict[tuple[int, int], np.ndarray] = {}
+    for part_values in client.gather(value_futures):
+        for key, v in part_values.items():
+            values[key] = np.concatenate([values[key], v]) if key in values else v
+    thresholds = stratified_thresholds(positions, {k: np.sort(v) for k, v in values.items()})
+    log.info("shard: stratified split, per-class hash thresholds %s", thresholds)
+    restratified = [client.submit(restratify_partition, p, rule, thresholds, pure=False) for p in partitions]
+    stats_futures = [client.submit(partition_stats, p, features, pure=False) for p in restratified]
+    held += restratified + stats_futures
+    return restratified, client.gather(stats_futures)
+
+
+def _holders(partitions: Sequence[Any], client: Any) -> list[str | None]:
+    """The worker holding each (computed) partition, to place the shard writers with their rows."""
+    who_has = client.who_has(list(partitions))
+    return [next(iter(who_has.get(p.key, ())), None) for p in partitions]
+
+
+def _submit_shard(
+    client: Any,
+    partitions: Sequence[Any],
+    holders: Sequence[str | None],
+    split: str,
+    slices: Sequence[tuple[int, int, int]],
+    url: str,
+    storage_options: Mapping[str, Any] | None,
+    held: list[Any],
+) -> Any:
+    """Submit one shard: slice each partition where it lives, write on the worker holding most rows.
+
+    Only the rows the shard needs move between workers (never whole partitions).
+    """
+    rows_on: dict[str, int] = {}
+    pieces = []
+    for p, start, stop in slices:
+        holder = holders[p]
+        if holder is not None:
+            rows_on[holder] = rows_on.get(holder, 0) + stop - start
+        pieces.append(
+            client.submit(
+                take_rows,
+                partitions[p],
+                split,
+                start,
+                stop,
+                pure=False,
+                workers=None if holder is None else [holder],
+                allow_other_workers=True,
+            )
+        )
+    held += pieces
+    writer = max(rows_on, key=lambda w: rows_on[w]) if rows_on else None
+    future = client.submit(
+        write_shard,
+        url,
+        storage_options,
+        pieces,
+        pure=False,
+        workers=None if writer is None else [writer],
+        allow_other_workers=True,
+    )
+    held.append(future)
+    return future
 
 
 def _remove_partial(out_dir: str, storage_options: Mapping[str, Any] | None) -> None:

@@ -11,12 +11,16 @@ from training.config import DataConfig
 from training.data import (
     DataValidationError,
     ShardIntegrityError,
+    SplitRule,
+    assign_splits,
     combine_stats,
     even_chunks,
     load_manifest,
     load_split,
     row_unit_interval,
     shard_dataset,
+    stratified_thresholds,
+    threshold_positions,
     verify_manifest,
 )
 
@@ -95,3 +99,97 @@ def test_edited_manifest_is_refused(tmp_path: Path, dask_client: object) -> None
     storage.write_json_atomic(result.manifest_uri, manifest)
     with pytest.raises(ShardIntegrityError, match="modified"):
         load_manifest(result.manifest_uri)
+
+
+TABLE_RULE = SplitRule(("train", "validation", "test"), ("test", "validation"), (0.2, 0.3))
+
+
+def _imbalanced(n: int, seed: int) -> pd.DataFrame:
+    """Rows of 3 classes in proportions 70/20/10 (small classes are where a plain hash split drifts)."""
+    rng = np.random.default_rng(seed)
+    frame = pd.DataFrame(rng.normal(size=(n, 4)).astype(np.float32), columns=list("abcd"))
+    frame["label"] = rng.choice(3, size=n, p=[0.7, 0.2, 0.1])
+    return frame
+
+
+def _split_in_memory(frame: pd.DataFrame, stratify: bool) -> np.ndarray:
+    """The split names the stage assigns, computed in one process with the same pure helpers."""
+    u = row_unit_interval(frame, salt="split-0")
+    labels = frame["label"].to_numpy()
+    if not stratify:
+        return assign_splits(u, labels, TABLE_RULE, None)
+    histograms = {
+        int(c): np.bincount(np.minimum((u[labels == c] * 1024).astype(int), 1023), minlength=1024)
+        for c in np.unique(labels)
+    }
+    positions = threshold_positions(histograms, TABLE_RULE)
+    bins = np.minimum((u * 1024).astype(int), 1023)
+    values = {
+        (c, b): np.sort(u[(labels == c) & (bins == b)])
+        for c, found in positions.items()
+        for b, _ in found
+        if b >= 0
+    }
+    return assign_splits(u, labels, TABLE_RULE, stratified_thresholds(positions, values))
+
+
+def test_stratified_split_gives_every_class_the_fractions_to_one_row() -> None:
+    frame = _imbalanced(3000, seed=3)
+    labels = frame["label"].to_numpy()
+    plain, strat = _split_in_memory(frame, False), _split_in_memory(frame, True)
+    worst_plain = 0.0
+    for c in range(3):
+        n_c = int((labels == c).sum())
+        for split, fraction in (("test", 0.2), ("validation", 0.1)):
+            expected = fraction * n_c
+            assert abs(int((strat[labels == c] == split).sum()) - expected) <= 1.0
+            worst_plain = max(worst_plain, abs(int((plain[labels == c] == split).sum()) - expected))
+    assert worst_plain > 1.0  # the plain hash split does drift: stratifying changes something
+
+
+def test_stratified_split_moves_few_rows_when_rows_are_appended() -> None:
+    frame = _imbalanced(3000, seed=4)
+    bigger = pd.concat([frame, _imbalanced(300, seed=5)], ignore_index=True)
+    plain_moved = _split_in_memory(frame, False) != _split_in_memory(bigger, False)[:3000]
+    strat_moved = _split_in_memory(frame, True) != _split_in_memory(bigger, True)[:3000]
+    assert not plain_moved.any()  # unstratified: no row ever changes split
+    # stratified: only rows whose hash lies between a class's old and new threshold move
+    assert strat_moved.mean() < 0.03
+
+
+def test_stratified_table_shards_have_exact_class_fractions(tmp_path: Path, dask_client: object) -> None:
+    frame = _imbalanced(2000, seed=6)
+    src = tmp_path / "table.parquet"
+    frame.to_parquet(src)
+    cfg = DataConfig(dataset=str(src), n_shards=2, stratify=True)
+    result = shard_dataset(cfg, str(tmp_path / "out"), dask_client)
+    manifest = load_manifest(result.manifest_uri)
+    totals = frame["label"].value_counts().to_dict()
+    for split, fraction in (("test", 0.2), ("validation", 0.1)):
+        (entry,) = manifest["splits"][split]
+        for c, n_c in totals.items():
+            assert abs(entry["class_counts"][str(c)] - fraction * n_c) <= 1.0, (split, c)
+    # same assignment as the in-memory helpers (the Dask path gathers only per-class histograms)
+    expected = _split_in_memory(frame, True)
+    _, y_test = load_split(result.manifest_uri, "test")
+    assert np.array_equal(np.sort(y_test), np.sort(frame["label"].to_numpy()[expected == "test"]))
+    plain = shard_dataset(cfg.model_copy(update={"stratify": False}), str(tmp_path / "out"), dask_client)
+    assert plain.manifest_uri != result.manifest_uri  # stratify is part of the content address
+
+
+def test_stratified_mnist1d_holds_out_validation_per_class(tmp_path: Path, dask_client: object) -> None:
+    cfg = DataConfig(num_samples=1000, partition_rows=500, n_shards=2, stratify=True)
+    manifest = load_manifest(shard_dataset(cfg, str(tmp_path), dask_client).manifest_uri)
+    train = {
+        c: sum(e["class_counts"].get(c, 0) for e in manifest["splits"]["train"]) for c in map(str, range(10))
+    }
+    (val,) = manifest["splits"]["validation"]
+    for c in map(str, range(10)):
+        assert abs(val["class_counts"][c] - 0.1 * (train[c] + val["class_counts"][c])) <= 1.0
+    rows = {s: sum(e["rows"] for e in manifest["splits"][s]) for s in manifest["splits"]}
+    assert sum(rows.values()) == 1000
+    plain = load_manifest(
+        shard_dataset(cfg.model_copy(update={"stratify": False}), str(tmp_path), dask_client).manifest_uri
+    )
+    # the package's own test rows are untouched: only validation is held out per class
+    assert plain["splits"]["test"][0]["sha256"] == manifest["splits"]["test"][0]["sha256"]
