@@ -284,6 +284,9 @@ def mopflow_env(settings: Settings, ports: StackPorts) -> dict[str, str]:
         "MOPFLOW_TRACKING_URI": f"http://{HOST}:{ports.mlflow}",
         "MOPFLOW_DASK_ADDRESS": f"tcp://{HOST}:{ports.dask_scheduler}",
         "MOPFLOW_DASK_WORKERS": str(settings.dask_workers),
+        # Where the Airflow "Sweeps" page (plugins/) links to.
+        "MOPFLOW_MLFLOW_UI_URL": f"http://{HOST}:{ports.mlflow}",
+        "MOPFLOW_OPTUNA_DASHBOARD_URL": f"http://{HOST}:{ports.optuna}",
     }
 
 
