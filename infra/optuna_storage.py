@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import optuna
@@ -43,6 +44,12 @@ def make_storage(url: str, n_workers: int = 1) -> BaseStorage:
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(os.fspath(path)))
     heartbeat = heartbeat_seconds()
+    with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.9, stable in use
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return _rdb(url, heartbeat)
+
+
+def _rdb(url: str, heartbeat: int | None) -> RDBStorage:
     return RDBStorage(
         url,
         engine_kwargs={"pool_pre_ping": True},
@@ -50,7 +57,7 @@ def make_storage(url: str, n_workers: int = 1) -> BaseStorage:
         grace_period=heartbeat * 3 if heartbeat else None,
         # A trial whose worker stopped beating is failed and enqueued again with the same params;
         # mopflow resumes it from the failed trial's last checkpoint (see training.search).
-        failed_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2) if heartbeat else None,
+        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2) if heartbeat else None,
     )
 
 
