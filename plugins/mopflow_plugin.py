@@ -103,6 +103,7 @@ def _external_views() -> list[dict[str, Any]]:
             "href": f"{URL_PREFIX.lstrip('/')}/sweeps",
             "url_route": "mopflow-sweeps",
             "destination": "nav",
+            "nav_top_level": True,
         },
         {"name": "MLflow UI", "href": links.mlflow_ui, "destination": "nav", "category": "browse"},
         {
