@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -423,7 +424,8 @@ def ensemble_stage(
             "val_acc": best.value,
             "test_acc": best_test,
         },
-        **{k: float(v) for k, v in metrics.items()},
+        # XCom travels as JSON through the API server: NaN/inf are not JSON, so they become null.
+        **{k: (float(v) if math.isfinite(v) else None) for k, v in metrics.items()},
     }
 
 
@@ -576,7 +578,8 @@ def distill_stage(
         "run_id": run_id,
         "arch": plan.arch.to_dict(),
         "evaluation": report,
-        **{k: float(v) for k, v in metrics.items()},
+        # XCom travels as JSON through the API server: NaN/inf are not JSON, so they become null.
+        **{k: (float(v) if math.isfinite(v) else None) for k, v in metrics.items()},
     }
 
 
