@@ -43,6 +43,7 @@ from infra.cost import SECONDS_PER_HOUR, PriceDistribution
 Strategy = Literal["on-demand", "one-bid", "two-bids"]
 STRATEGIES: tuple[Strategy, ...] = ("on-demand", "one-bid", "two-bids")
 _TOL = 1e-9  # relative slack for float round-off in the deadline and error checks
+_REFINED_PAIRS = 6  # (n, n_h) pairs whose J is refined after the coarse grid
 
 
 class PlanError(ValueError):
@@ -120,7 +121,7 @@ class SpotPlanConfig(BaseModel):
     prices: PriceDistribution
     deadline_hours: float = Field(gt=0.0, allow_inf_nan=False)
     error_target: float = Field(gt=0.0, allow_inf_nan=False)
-    n_max: int = Field(16, ge=1, le=1024)
+    n_max: int = Field(16, ge=1, le=256, description="most workers (the two-bid search grows with it)")
     on_demand_price: float = Field(gt=0.0, allow_inf_nan=False)
     iteration_seconds: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="R: one iteration's time")
     max_bid: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="default: on-demand price")
@@ -254,6 +255,47 @@ def best_on_demand(config: SpotPlanConfig) -> Plan | None:
     return _cheapest(plans)
 
 
+def theorem7_workers_iterations(
+    conv: ConvergenceModel, target: float, max_iterations: int | None = None
+) -> tuple[int, int]:
+    """The paper's closed form (Theorem 7) for the (n, J) minimising n J, i.e. cost at a fixed price.
+
+    J~ solves ``A x (J ln(1/beta) + 1 - x) / (1 + x (J ln(1/beta) - 1)) = target`` with x = beta^J
+    (the stationary point of ``J (1 - x) / (target - A x)``); J* is the better of floor/ceil of J~,
+    capped at ``max_iterations`` (the deadline); ``n* = ceil(B (1 - x) / ((1 - beta)(target - A x)))``,
+    here with x = beta^(J*) rather than beta^(J~) so that (n*, J*) itself meets the target.
+    A cross-check of the enumeration in :func:`best_on_demand`, which is exact over integers.
+    """
+    beta, a, b = conv.beta, conv.initial_gap, conv.noise_term
+    if target >= a:
+        return 1, 1
+    l = math.log(1.0 / beta)  # noqa: E741  (the paper's ln(1/beta))
+
+    def lhs(j: float) -> float:
+        x = beta**j
+        return a * x * (j * l + 1.0 - x) / (1.0 + x * (j * l - 1.0))
+
+    lo, hi = 1e-9, 1.0
+    while lhs(hi) > target:  # lhs falls from A towards 0 as J grows
+        hi *= 2.0
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if lhs(mid) > target else (lo, mid)
+    j_tilde = hi
+
+    def workers(j: float) -> float:
+        x = beta**j
+        return b * (1.0 - x) / ((1.0 - beta) * (target - a * x))
+
+    candidates = [j for j in (math.floor(j_tilde), math.ceil(j_tilde)) if j >= 1 and a * beta**j < target]
+    j_star = min(candidates, key=lambda j: j * workers(j))
+    if max_iterations is not None:
+        j_star = min(j_star, max_iterations)
+    if a * beta**j_star >= target:
+        raise PlanError(f"{j_star} iterations cannot reach error {target} with any number of workers")
+    return math.ceil(workers(j_star) - 1e-12), j_star
+
+
 def _deadline_bid(config: SpotPlanConfig, iterations: int) -> float | None:
     """The smallest bid whose active fraction meets the deadline for J iterations (None: above the cap)."""
     need = iterations * config.iteration_seconds / config.deadline_seconds
@@ -329,7 +371,7 @@ def best_two_bids(config: SpotPlanConfig) -> Plan | None:
     """The cheapest plan with two bids (n_h workers at b_h, n - n_h >= 1 at b_l < b_h), over n, n_h and J."""
     conv, r = config.convergence, config.iteration_seconds
     top_iterations = math.floor(config.deadline_seconds * config.prices.cdf(config.bid_cap) / r * (1 + _TOL))
-    best: tuple[float, int, int, int] | None = None  # (cost, n, n_high, J)
+    coarse: list[tuple[float, int, int, int, list[int]]] = []  # (cost, n, n_high, J, grid)
     cache: dict[int, _HighSide | None] = {}
 
     def side_of(j: int) -> _HighSide | None:
@@ -337,29 +379,38 @@ def best_two_bids(config: SpotPlanConfig) -> Plan | None:
             cache[j] = _high_side(config, j)
         return cache[j]
 
+    def cost_at(j: int, n: int, n_high: int) -> float:
+        s = side_of(j)
+        c = _two_bid_cost(config, s, n, n_high) if s else None
+        return math.inf if c is None else c[0]
+
     for n in range(2, config.n_max + 1):
         lo = conv.min_iterations(1.0 / n, config.error_target)
         if lo is None or lo > top_iterations:
             continue
         grid = _iteration_grid(config, lo, top_iterations)
+        first = side_of(lo)
+        if first is None:
+            continue
+        # The high-bid workers alone cost at least this much each (J >= lo, and both the work and
+        # E[p | p <= b_h] grow with J): splits with more of them cannot beat the best found so far.
+        floor_per_high = lo * r / SECONDS_PER_HOUR * first.spend / first.active
         for n_high in range(1, n):
-            costs = [
-                (c[0], j) for j in grid if (s := side_of(j)) and (c := _two_bid_cost(config, s, n, n_high))
-            ]
-            if not costs:
-                continue
-            cost, j = min(costs)
-            # Refine between the grid neighbours of the best grid point with a dense scan.
-            k = grid.index(j)
-            left, right = grid[max(0, k - 1)], grid[min(len(grid) - 1, k + 1)]
-            step = max(1, (right - left) // 256)
-            for jj in range(left, right + 1, step):
-                s = side_of(jj)
-                c = _two_bid_cost(config, s, n, n_high) if s else None
-                if c and c[0] < cost:
-                    cost, j = c[0], jj
-            if best is None or (cost, n, n_high, j) < best:
-                best = (cost, n, n_high, j)
+            if coarse and n_high * floor_per_high >= min(coarse)[0]:
+                break
+            cost, j = min((cost_at(j, n, n_high), j) for j in grid)
+            if math.isfinite(cost):
+                coarse.append((cost, n, n_high, j, grid))
+    best: tuple[float, int, int, int] | None = None  # (cost, n, n_high, J)
+    # Refine the few best (n, n_h) with a dense scan between the grid neighbours of their best J:
+    # the cost is smooth in J, so a near-best pair on the grid is near-best after refinement too.
+    for cost, n, n_high, j, grid in sorted(coarse, key=lambda t: t[:4])[:_REFINED_PAIRS]:
+        k = grid.index(j)
+        left, right = grid[max(0, k - 1)], grid[min(len(grid) - 1, k + 1)]
+        step = max(1, (right - left) // 512)
+        cost, j = min([(cost, j)] + [(cost_at(jj, n, n_high), jj) for jj in range(left, right + 1, step)])
+        if best is None or (cost, n, n_high, j) < best:
+            best = (cost, n, n_high, j)
     if best is None:
         return None
     _, n, n_high, j = best

@@ -24,9 +24,11 @@ from infra.spot_plan import (
     Plan,
     PlanError,
     SpotPlanConfig,
+    best_on_demand,
     evaluate,
     feasible,
     plan_spot,
+    theorem7_workers_iterations,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +59,24 @@ def test_min_iterations_is_the_fewest_that_reach_the_target() -> None:
         assert conv.max_inv_workers(j, 0.05) >= 1 / n > conv.max_inv_workers(j - 1, 0.05)
     assert conv.min_iterations(1.0, 0.05) is None  # one worker's error floor is 0.1
     assert conv.min_iterations(1 / 4, 2.0) == 1  # A = 1 is already below the target
+
+
+@pytest.mark.parametrize("target", [0.05, 0.03, 0.02, 0.01, 0.005])
+def test_on_demand_enumeration_agrees_with_theorem_7(target: float) -> None:
+    # At a fixed price cost is n J: the paper's closed form and the exact integer enumeration must pick
+    # the same number of workers, the enumeration never needing more worker-iterations.
+    conv = ConvergenceModel()
+    n, j = theorem7_workers_iterations(conv, target)
+    assert conv.error(j, 1 / n) <= target
+    plan = best_on_demand_plan(target)
+    assert plan.workers == n
+    assert plan.workers * plan.iterations <= n * j <= 1.2 * plan.workers * plan.iterations
+
+
+def best_on_demand_plan(target: float) -> Plan:
+    plan = best_on_demand(config(error_target=target, deadline_hours=1000.0, n_max=256))
+    assert plan is not None
+    return plan
 
 
 def test_config_refuses_bad_inputs() -> None:
