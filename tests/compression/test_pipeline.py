@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import optuna
@@ -11,6 +12,8 @@ from mlflow import MlflowClient
 from compression import pipeline
 from infra.optuna_storage import make_storage
 from infra.settings import Settings
+from training.search import WARM_START_ATTR
+from training.space import params_from_optuna
 
 CONF = {
     "num_samples": 600,
@@ -32,6 +35,12 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 @pytest.mark.slow
 def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
     ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__test", settings)
+    assert (
+        pipeline.champion_warm_start(
+            pipeline._tracker(settings).client, pipeline.PipelineConfig.from_conf(CONF)
+        )
+        is None
+    )
     assert pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__test", settings) == ctx
     shard = pipeline.shard_stage(CONF, ctx, settings)
     search = pipeline.search_stage(CONF, ctx, shard, settings)
@@ -64,6 +73,24 @@ def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
     pipeline.finalize_pipeline(ctx, settings)
     assert client.get_run(dangling).info.status == "FAILED"
     assert client.get_run(ctx["parent_run_id"]).info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_retraining_warm_starts_from_the_champion(settings: Settings) -> None:
+    """Runs after the test above, which registered a champion in this module's MLflow."""
+    client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
+    champion = client.get_model_version_by_alias("idem-student", "champion")
+    best = json.loads(champion.tags[pipeline.BEST_PARAMS_TAG])
+    conf = CONF | {"warm_start": True, "sampler": "random", "seed": 5}
+    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "scheduled__warm", settings)
+    shard = pipeline.shard_stage(conf, ctx, settings)
+    search = pipeline.search_stage(conf, ctx, shard, settings)
+    study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
+    first = study.trials[0]
+    assert params_from_optuna(first.params) == best  # the champion's configuration is tried first
+    assert first.user_attrs[WARM_START_ATTR] == f"idem-student v{champion.version} (champion)"
+    assert len(study.trials) == CONF["n_trials"]  # it counts towards the budget, nothing extra
+    assert params_from_optuna(study.trials[1].params) != best
 
 
 def test_finalize_fails_the_run_when_the_pipeline_did_not_finish(settings: Settings, tmp_path: Path) -> None:
