@@ -78,7 +78,7 @@ def test_bad_requests_fail_without_retry(promote_dag: Any, registry: Any) -> Non
     from airflow.sdk.exceptions import AirflowFailException
 
     registry[1]("u-student")
-    cases = [
+    cases: list[tuple[str, dict[str, Any], str]] = [
         ("promote", {"name": "u-student", "version": None}, "needs a version"),
         ("promote", {"name": "u-student", "version": 9}, "no version '9'"),
         ("promote", {"name": "nobody", "version": 1}, "nobody"),
