@@ -197,10 +197,11 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from infra.optuna_storage import journal_path, storage_kind
+    from infra.optuna_storage import journal_path, make_storage, storage_kind
     from infra.settings import Settings
 
     url = Settings.from_env().optuna_storage
+    make_storage(url)  # creates an empty journal on a fresh machine (optuna-dashboard needs the file)
     target = journal_path(url) if storage_kind(url) == "journal" else url
     dash = Path(sys.executable).with_name("optuna-dashboard")
     cmd = [
@@ -304,7 +305,9 @@ def _add_plan_spot_parser(sub: Any) -> None:
     )
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--distribution", choices=("uniform", "gaussian"), default="uniform")
-    source.add_argument("--trace", help="CSV of timestamp,price: plan on its time-weighted price distribution")
+    source.add_argument(
+        "--trace", help="CSV of timestamp,price: plan on its time-weighted price distribution"
+    )
     plan.add_argument("--low", type=float, help="uniform: lowest price per worker-hour")
     plan.add_argument("--high", type=float, help="uniform: highest price per worker-hour")
     plan.add_argument("--mean", type=float, help="gaussian: mean price per worker-hour (truncated at 0)")
@@ -313,7 +316,9 @@ def _add_plan_spot_parser(sub: Any) -> None:
     plan.add_argument("--error-target", type=float, required=True, help="error bound to reach (epsilon)")
     plan.add_argument("--n-max", type=int, default=16, help="most workers (default 16)")
     plan.add_argument("--on-demand-price", type=float, required=True, help="on-demand price per worker-hour")
-    plan.add_argument("--iteration-seconds", type=float, default=1.0, help="seconds per iteration (default 1)")
+    plan.add_argument(
+        "--iteration-seconds", type=float, default=1.0, help="seconds per iteration (default 1)"
+    )
     plan.add_argument("--max-bid", type=float, help="highest bid allowed (default: the on-demand price)")
     plan.add_argument(
         "--convergence",
