@@ -524,6 +524,77 @@ def account_run(
     )
 
 
+def unit_durations(records: Sequence[Mapping[str, object]]) -> dict[str, list[float]]:
+    """Per worker, the durations of its units in start order, from executor unit records.
+
+    A record has ``worker``, ``start`` and ``end`` (seconds), as the MOP/task executors log them
+    (``mop/units-epoch-*.json`` in MLflow).
+    """
+    by_worker: dict[str, list[tuple[float, float]]] = {}
+    for i, r in enumerate(records):
+        try:
+            worker, start, end = str(r["worker"]), float(r["start"]), float(r["end"])  # type: ignore[arg-type]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PriceError(f"records[{i}]={dict(r)!r}: expected worker, start and end (seconds)") from exc
+        if not end > start:
+            raise PriceError(f"records[{i}]: end {end} must come after start {start}")
+        by_worker.setdefault(worker, []).append((start, end - start))
+    return {w: [d for _, d in sorted(units)] for w, units in sorted(by_worker.items())}
+
+
+def _idle_while_running(trace: PriceTrace, workers: Sequence[tuple[float, float]], t0: float) -> float:
+    """Time in [t0, last end) when no worker still running (bid, end) is active."""
+    stops = sorted({end for _, end in workers})
+    idle, t = 0.0, t0
+    while stops and t < stops[-1]:
+        i = trace.index_at(t)
+        piece_end = min([trace.segment_end(i)] + [e for e in stops if e > t])
+        price = trace.prices[i]
+        if not any(price <= bid and t < end for bid, end in workers):
+            idle += piece_end - t
+        t = piece_end
+    return idle
+
+
+def account_parallel_units(
+    trace: PriceTrace,
+    bids: Mapping[str, float],
+    work: Mapping[str, Sequence[float]],
+    start: float | None = None,
+) -> RunAccount:
+    """Account task-parallel work (MOP units, trials): each worker runs its own units on its own bid.
+
+    ``work[w]`` is worker w's unit durations (see :func:`unit_durations`); a preempted worker loses
+    its current unit's progress and redoes the unit when the price is back under its bid. The run ends
+    when the last worker is done; idle time is time when no worker still running is active.
+    """
+    missing = sorted(set(work) - set(bids))
+    if missing:
+        raise PriceError(f"no bid for worker(s) {missing}; bids are given for {sorted(bids)}")
+    if not work:
+        raise PriceError("work: need at least one worker's units")
+    t0 = trace.start if start is None else float(start)
+    names = sorted(work)
+    accounts = [account_run(trace, [bids[w]], work[w], start=t0) for w in names]
+    wall = max(a.wall_seconds for a in accounts)
+    idle = _idle_while_running(
+        trace, [(bids[w], t0 + a.wall_seconds) for w, a in zip(names, accounts, strict=True)], t0
+    )
+    return RunAccount(
+        cost=sum(a.cost for a in accounts),
+        worker_costs=tuple(a.cost for a in accounts),
+        wall_seconds=wall,
+        active_seconds=wall - idle,
+        idle_seconds=idle,
+        billed_worker_seconds=sum(a.billed_worker_seconds for a in accounts),
+        useful_worker_seconds=sum(a.useful_worker_seconds for a in accounts),
+        wasted_worker_seconds=sum(a.wasted_worker_seconds for a in accounts),
+        units=sum(a.units for a in accounts),
+        failed_attempts=sum(a.failed_attempts for a in accounts),
+        workers_per_unit=tuple(y for a in accounts for y in a.workers_per_unit),
+    )
+
+
 def on_demand_account(price: float, workers: int, work_seconds: Sequence[float]) -> RunAccount:
     """The same work on ``workers`` on-demand workers at a fixed ``price``: never preempted, never idle."""
     if not price >= 0 or not math.isfinite(price):

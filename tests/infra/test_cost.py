@@ -16,6 +16,7 @@ from infra.cost import (
     PriceTrace,
     TraceExhaustedError,
     UniformPrices,
+    account_parallel_units,
     account_run,
     conditional_mean,
     empirical_prices,
@@ -24,6 +25,7 @@ from infra.cost import (
     on_demand_account,
     parse_price_csv,
     sample_price_trace,
+    unit_durations,
 )
 
 H = 3600.0
@@ -169,6 +171,31 @@ def test_provisioned_workers_follow_a_schedule() -> None:
     assert acc.workers_per_unit == (1, 2, 4)
     assert acc.billed_worker_seconds == pytest.approx(7 * H)
     assert acc.cost == pytest.approx(7.0)
+
+
+def test_task_parallel_units_each_on_its_own_bid() -> None:
+    # unit records as the executors log them (worker, start, end), e.g. MOP sub-epochs
+    records = [
+        {"worker": "a", "model": 0, "start": 600.0, "end": 1200.0},
+        {"worker": "b", "model": 1, "start": 0.0, "end": 1800.0},
+        {"worker": "a", "model": 1, "start": 0.0, "end": 600.0},
+    ]
+    work = unit_durations(records)
+    assert work == {"a": [600.0, 600.0], "b": [1800.0]}
+    trace = PriceTrace((0.0, 900.0, 1500.0), (1.0, 2.0, 1.0), end=10_000.0)
+    acc = account_parallel_units(trace, {"a": 1.5, "b": 1.8}, work)
+    # a: unit 2 preempted at 900 (300 s lost), redone 1500-2100; b: preempted at 900 (900 s lost),
+    # redone 1500-3300; nobody runs while the price is 2.0, 900-1500.
+    assert acc.wall_seconds == pytest.approx(3300.0)
+    assert acc.idle_seconds == pytest.approx(600.0)
+    assert acc.wasted_worker_seconds == pytest.approx(1200.0)
+    assert acc.useful_worker_seconds == pytest.approx(3000.0)
+    assert acc.failed_attempts == 2 and acc.units == 3
+    assert acc.worker_costs == pytest.approx((1500 / H, 2700 / H))
+    with pytest.raises(PriceError, match=r"no bid for worker\(s\) \['b'\]"):
+        account_parallel_units(trace, {"a": 1.0}, work)
+    with pytest.raises(PriceError, match=r"records\[0\].*expected worker, start and end"):
+        unit_durations([{"worker": "a", "start": 0.0}])
 
 
 def test_on_demand_account_is_workers_times_hours_times_price() -> None:
