@@ -225,3 +225,41 @@ def test_search_on_postgresql_storage(
     assert [r.state for r in outcome.results] == ["COMPLETE"] * 3
     trials = optuna.load_study(study_name="pg", storage=make_storage(pg_url)).trials
     assert len(trials) == 3 and all(len(t.intermediate_values) == 2 for t in trials)
+
+
+@pytest.mark.slow
+def test_trial_whose_dask_worker_is_killed_resumes_on_the_restarted_worker(
+    small_manifest: str, tmp_path: Path
+) -> None:
+    """Fault: the Dask worker process training a trial is SIGKILLed (a spot VM gone, no notice).
+    Expected: Dask runs the trial again on the restarted worker, which resumes after the last
+    checkpointed epoch; the sweep completes with the same trial and the full epoch history."""
+    import threading
+
+    from training.cluster import dask_client
+
+    storage_url, art, epochs = str(tmp_path / "journal.log"), str(tmp_path / "art"), 30
+    cfg = SearchConfig(n_trials=1, epochs=epochs, n_workers=1, space=SPACE, pruner="none")
+    ckpt = Path(checkpoint_folder(art, "dk", 0)) / CHECKPOINT_FILE
+    with dask_client("", 1) as client:
+        outcome: dict[str, object] = {}
+
+        def search() -> None:
+            outcome["result"] = run_search(cfg, small_manifest, "dk", storage_url, art, client)
+
+        runner = threading.Thread(target=search)
+        runner.start()
+        deadline = time.monotonic() + 180
+        while not ckpt.exists() and time.monotonic() < deadline and runner.is_alive():
+            time.sleep(0.05)
+        assert ckpt.exists(), "the trial should have checkpointed an epoch"
+        time.sleep(0.3)
+        (pid,) = client.run(os.getpid).values()
+        os.kill(pid, signal.SIGKILL)  # the nanny restarts the worker; the scheduler reschedules
+        runner.join(timeout=300)
+        assert not runner.is_alive()
+    search_outcome = outcome["result"]
+    (result,) = search_outcome.results  # type: ignore[attr-defined]
+    assert result.state == "COMPLETE" and result.number == 0
+    assert result.resumed_from_epoch is not None and 0 <= result.resumed_from_epoch < epochs - 1
+    assert [h["epoch"] for h in result.history] == list(range(epochs))
