@@ -167,6 +167,7 @@ class StackState(BaseModel):
     services: tuple[ServiceRecord, ...] = ()
     airflow_password_file: str = ""
     logs: str = ""
+    dask_dashboard: str = ""
 
 
 # ---------------------------------------------------------------------------- pure parts
@@ -451,6 +452,15 @@ def build_specs(
     ]
 
 
+def dask_dashboard_url(port: int, has_bokeh: bool) -> str:
+    """The Dask page to open: the Bokeh dashboard, or, without bokeh (it is optional), the scheduler's
+    plain HTML pages on workers and tasks."""
+    base = f"http://{HOST}:{port}"
+    if has_bokeh:
+        return f"{base}/status"
+    return f"{base}/info/main/workers.html (install bokeh>=3.1 for the graphical dashboard at /status)"
+
+
 def format_up_summary(state: StackState) -> str:
     """What ``mopflow up`` prints once everything answers: URLs, the admin password's file, logs."""
     urls = {s.name: s.url for s in state.services}
@@ -465,7 +475,7 @@ def format_up_summary(state: StackState) -> str:
         '{"username": "admin", "password": "<from the file>"} -> access_token (Bearer)',
         f"MLflow UI / tracking  : {urls.get('mlflow', '')}",
         f"Optuna dashboard      : {urls.get('optuna-dashboard', '')}",
-        f"Dask scheduler        : tcp://{HOST}:{p.dask_scheduler}   dashboard http://{HOST}:{p.dask_dashboard}/status",
+        f"Dask scheduler        : tcp://{HOST}:{p.dask_scheduler}   dashboard {state.dask_dashboard}",
         f"logs                  : {state.logs}",
         "stop with             : mopflow down    (status: mopflow status)",
     ]
@@ -529,6 +539,16 @@ def stack_lock(home: str | Path) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------- edges: ports, probes
+
+
+def _has_module(name: str, bin_dir: str) -> bool:
+    """Whether the services' Python (the venv of ``bin_dir``) can import ``name``."""
+    python = Path(bin_dir) / "python"
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is None)"
+    try:
+        return subprocess.run([str(python), "-c", code], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def free_port() -> int:
@@ -807,6 +827,7 @@ def up(
             started_at=datetime.now(UTC).isoformat(timespec="seconds"),
             ports=config.ports,
             airflow_password_file=airflow_password_file(settings.airflow_home, airflow_spec.env),
+            dask_dashboard=dask_dashboard_url(config.ports.dask_dashboard, _has_module("bokeh", bin_dir)),
             logs=str(log_dir),
         )
         records: list[ServiceRecord] = []

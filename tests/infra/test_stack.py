@@ -188,6 +188,7 @@ def _state(home: Path) -> stack.StackState:
     return stack.StackState(
         home=str(home), started_at="2026-11-22T10:00:00+00:00", ports=config.ports, services=records,
         airflow_password_file="/pw/file", logs="/logs",
+        dask_dashboard=stack.dask_dashboard_url(config.ports.dask_dashboard, has_bokeh=True),
     )  # fmt: skip
 
 
@@ -216,6 +217,12 @@ def test_up_summary_names_every_url_and_the_password_file(tmp_path: Path) -> Non
             assert rec.url in text
     assert "/pw/file" in text and "/auth/token" in text
     assert f"http://127.0.0.1:{state.ports.dask_dashboard}/status" in text
+
+
+def test_dask_dashboard_url_depends_on_bokeh() -> None:
+    assert stack.dask_dashboard_url(8787, has_bokeh=True) == "http://127.0.0.1:8787/status"
+    plain = stack.dask_dashboard_url(8787, has_bokeh=False)
+    assert plain.startswith("http://127.0.0.1:8787/info/main/workers.html") and "bokeh" in plain
 
 
 def test_status_table_says_healthy_unhealthy_or_stopped(tmp_path: Path) -> None:
@@ -396,6 +403,18 @@ class Stack:
         return list(answer["dag_runs"])
 
 
+def _failed_task_logs(home: Path, states: dict[str, str]) -> str:
+    """The last lines of the failed tasks' logs, for the assertion message."""
+    failed = [task for task, state in states.items() if state not in ("success", "skipped")]
+    logs = sorted((home / "airflow" / "logs").rglob("*.log"))
+    tails = [
+        f"--- {p}\n{p.read_text(errors='replace')[-2500:]}"
+        for p in logs
+        if any(f"task_id={t}/" in str(p) for t in failed)
+    ]
+    return "\n".join(tails[-3:])
+
+
 @pytest.fixture(scope="module")
 def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("stack") / "home"
@@ -450,7 +469,7 @@ def test_sweep_triggered_over_rest_registers_a_champion(running_stack: Stack) ->
         time.sleep(3)
     _, tis = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")
     states = {t["task_id"]: t["state"] for t in tis["task_instances"]}
-    assert run["state"] == "success", states
+    assert run["state"] == "success", f"{states}\n{_failed_task_logs(s.home, states)}"
     assert set(states.values()) == {"success"}, states
 
     name = f"{TINY['model_name']}-student"
