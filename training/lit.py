@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.core.optimizer import LightningOptimizer
 from torch import nn
 
 
@@ -20,6 +21,10 @@ class Classifier(pl.LightningModule):
 
     Batches are ``(x, y)`` or ``(x, y, soft_targets)``; with soft targets the loss is
     ``alpha * T^2 * KL(soft || softmax(z/T)) + (1 - alpha) * CE(z, y)`` (Hinton et al. 2015).
+
+    Optimization is manual: the same zero_grad / backward / step / per-step scheduler step as
+    Lightning's automatic loop, without its closure and per-step hook machinery, which cost
+    these small models about a third of each step (benchmarks/overhead.py).
     """
 
     def __init__(
@@ -37,14 +42,31 @@ class Classifier(pl.LightningModule):
         self.temperature = temperature
         self.alpha = alpha
         self.last_train_loss = math.nan
-        self._loss_sum = torch.zeros(())
+        self._loss_sum = 0.0
         self._loss_count = 0
+        self.automatic_optimization = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning sets _current_fx_name (a str or None) around every hook call, several times
+        # per step; nn.Module.__setattr__ checks each value against parameters, buffers and
+        # submodules first. A plain attribute store is what that check ends in for a str.
+        if name == "_current_fx_name":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        # On the CPU the batch already is where it must be: skip the per-step walk over it.
+        if device.type == "cpu":
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.model(x)
         return out
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def loss(self, batch: Any) -> torch.Tensor:
+        """The training loss of one batch."""
         x, y = batch[0], batch[1]
         logits = self(x)
         loss = F.cross_entropy(logits, y)
@@ -53,30 +75,41 @@ class Classifier(pl.LightningModule):
             t = self.temperature
             kd = F.kl_div(F.log_softmax(logits / t, dim=1), soft, reduction="batchmean") * (t * t)
             loss = self.alpha * kd + (1 - self.alpha) * loss
-        if not torch.isfinite(loss):
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = cast(LightningOptimizer, self.optimizers())  # one optimizer: never a list
+        loss = self.loss(batch)
+        value = loss.item()  # one read serves the NaN check and the epoch mean
+        if not math.isfinite(value):
             # Stop at the first non-finite step: later steps would only spread NaN into the weights.
             raise NonFiniteLossError(
-                f"training loss became {loss.item()} at epoch {self.current_epoch}, step {self.global_step}"
+                f"training loss became {value} at epoch {self.current_epoch}, step {self.global_step}"
             )
-        # Accumulate on the side and log once per epoch: self.log on every step doubled the
-        # per-step cost of these small models (benchmarks/overhead.py).
-        self._loss_sum = self._loss_sum + loss.detach()
+        optimizer.zero_grad(set_to_none=True)
+        # manual_backward, not loss.backward(): under DDP it prepares the gradient reducer
+        self.manual_backward(loss)
+        optimizer.step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()  # type: ignore[union-attr]
+        # Accumulated on the side and logged once per epoch: self.log on every step doubled
+        # the per-step cost of these small models.
+        self._loss_sum += value
         self._loss_count += 1
-        return loss
 
     def epoch_train_loss(self) -> float:
         """Mean training loss of the current (or just finished) epoch so far."""
-        return float(self._loss_sum / self._loss_count) if self._loss_count else self.last_train_loss
+        return self._loss_sum / self._loss_count if self._loss_count else self.last_train_loss
 
     def on_train_epoch_start(self) -> None:
-        self._loss_sum = torch.zeros(())
+        self._loss_sum = 0.0
         self._loss_count = 0
 
     def on_train_epoch_end(self) -> None:
         if self._loss_count:
-            mean = self._loss_sum / self._loss_count
-            self.last_train_loss = float(mean)
-            self.log("train_loss", mean, prog_bar=False, sync_dist=True)
+            self.last_train_loss = self._loss_sum / self._loss_count
+            self.log("train_loss", self.last_train_loss, prog_bar=False, sync_dist=True)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch[0], batch[1]
