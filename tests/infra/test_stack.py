@@ -317,6 +317,43 @@ def test_health_timeout_names_the_waiting_service(tmp_path: Path) -> None:
         stack.stop_services([rec], grace_s=2.0)
 
 
+def _live_record(name: str, tmp_path: Path) -> stack.ServiceRecord:
+    spec = _spec(name, "import time; time.sleep(120)", stack.free_port(), dict(os.environ))
+    return stack.spawn(spec, tmp_path / "logs", cwd=tmp_path).model_copy(update={"checks": ()})
+
+
+def test_up_on_a_running_stack_starts_nothing(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    records = tuple(_live_record(name, tmp_path) for name in ("mlflow", "airflow"))
+    try:
+        state = _state(home).model_copy(update={"services": records})
+        stack.write_state(stack.state_path(home), state)
+        said: list[str] = []
+        assert stack.up(_settings(home), _config(), {}, said.append, bin_dir=BIN) == state
+        assert "already runs" in said[0]
+        # One service gone: `up` refuses rather than start a second copy of the others.
+        stack.stop_services(records[1:], grace_s=2.0)
+        with pytest.raises(stack.StackError, match=r"partly running \(mlflow up; airflow gone\)"):
+            stack.up(_settings(home), _config(), {}, said.append, bin_dir=BIN)
+        assert stack.read_state(stack.state_path(home)) == state
+    finally:
+        stack.stop_services(records, grace_s=2.0)
+
+
+def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path: Path) -> None:
+    import socket
+
+    home = tmp_path / "home"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(stack.StackError, match=f"port\\(s\\) already in use: mlflow port {port}"):
+            stack.up(_settings(home), _config(mlflow=port), {}, lambda _: None, bin_dir=BIN)
+    assert not stack.state_path(home).exists()
+    assert not (stack.stack_dir(home) / "logs").exists()
+
+
 # ---------------------------------------------------------------------------- the whole stack (slow)
 
 DAG_ID = "mopflow_sweep"
