@@ -349,7 +349,16 @@ def build_specs(
             "`mopflow up` starts its own: unset it"
         )
     p = config.ports
-    common = {**base_env(environ, bin_dir), **mopflow_env(settings, p)}
+    # The UIs' addresses for the Airflow plugin's links (plugins/sweeps_page.py); a user's value wins.
+    ui_urls = {
+        "MOPFLOW_MLFLOW_UI_URL": f"http://{HOST}:{p.mlflow}",
+        "MOPFLOW_OPTUNA_DASHBOARD_URL": f"http://{HOST}:{p.optuna}",
+    }
+    common = {
+        **base_env(environ, bin_dir),
+        **mopflow_env(settings, p),
+        **{k: v for k, v in ui_urls.items() if not environ.get(k)},
+    }
     home = Path(settings.home)
     exe = lambda name: str(Path(bin_dir) / name)  # noqa: E731 - the venv's console scripts
     mlflow_url = f"http://{HOST}:{p.mlflow}"

@@ -121,6 +121,8 @@ def test_services_are_wired_to_one_another(tmp_path: Path) -> None:
     assert airflow["AIRFLOW__CORE__LOAD_EXAMPLES"] == "False"
     assert airflow["AIRFLOW__API__PORT"] == str(p.airflow)
     assert airflow["AIRFLOW__API__BASE_URL"] == f"http://127.0.0.1:{p.airflow}"
+    assert airflow["MOPFLOW_MLFLOW_UI_URL"] == f"http://127.0.0.1:{p.mlflow}"  # the plugin's links
+    assert airflow["MOPFLOW_OPTUNA_DASHBOARD_URL"] == f"http://127.0.0.1:{p.optuna}"
     assert airflow["PATH"].split(os.pathsep)[0] == BIN
     for spec in specs.values():
         assert not any(k.startswith("MLFLOW_") for k in spec.env if k != "MLFLOW_SERVER_ENABLE_JOB_EXECUTION")
