@@ -9,7 +9,14 @@ from typing import Any
 
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
 from training.executors.scheduler import MopScheduler, Unit, round_robin
-from training.executors.units import DataRef, ModelSpec, evaluate_state, init_state, read_meta, train_pass
+from training.executors.units import (
+    DataRef,
+    ModelSpec,
+    evaluate_state,
+    init_state,
+    read_meta,
+    train_pass_and_validate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,9 @@ class MopExecutor(Executor):
         self.client = client
         self.seed = seed
         workers = sorted(client.scheduler_info()["workers"])
+        if not workers:  # a cluster still starting (or a worker restarting under load)
+            client.wait_for_workers(1, timeout=120)
+            workers = sorted(client.scheduler_info()["workers"])
         self.partitions = partition_shards(shard_names, len(workers))
         self.scheduler = MopScheduler(round_robin(self.partitions, workers), seed=seed)
         # Model slots: models training at once (at least one per partition keeps every worker busy).
@@ -77,6 +87,7 @@ class MopExecutor(Executor):
                     u for u in self.scheduler.queue if not (u.model == mid and u.partition in done)
                 ]
             records: list[dict[str, Any]] = []
+            val_accs: dict[str, float] = {}  # measured by the unit that ended a model's epoch
             in_flight: dict[Any, tuple[str, Unit]] = {}
             round_started = time.monotonic()
             total_units = len(self.scheduler.queue)
@@ -85,8 +96,9 @@ class MopExecutor(Executor):
                 for worker, unit in self.scheduler.assign(idle):
                     spec = active[unit.model]
                     epoch = next_epoch.get(unit.model, 0)
+                    seen = [*visited.get(unit.model, []), unit.partition]
                     future = self.client.submit(
-                        train_pass,
+                        train_pass_and_validate,
                         spec,
                         states.get(unit.model) or init_state(spec, self.data),
                         self.data,
@@ -94,7 +106,8 @@ class MopExecutor(Executor):
                         epoch,
                         epochs,
                         int(unit.partition[1:]),
-                        {"visited": [*visited.get(unit.model, []), unit.partition]},
+                        {"visited": seen},
+                        len(set(seen)) >= len(self.partitions),  # the epoch's last unit validates
                         workers=[worker],
                         allow_other_workers=False,
                         pure=False,
@@ -116,7 +129,7 @@ class MopExecutor(Executor):
                 for future in done_futures:
                     worker, unit = in_flight.pop(future)
                     try:
-                        state, record = future.result()
+                        state, record, val_acc = future.result()
                     except (
                         FloatingPointError
                     ) as exc:  # NonFiniteLossError: the model fails, the sweep goes on
@@ -138,6 +151,8 @@ class MopExecutor(Executor):
                     self.scheduler.complete(worker)
                     states[unit.model] = state
                     visited[unit.model] = list(read_meta(state).get("visited", []))
+                    if val_acc is not None:
+                        val_accs[unit.model] = val_acc
                     record |= {"worker": worker, "partition": unit.partition, "round": round_index}
                     records.append(record)
                     self.save_checkpoint(unit.model, state)
@@ -154,7 +169,9 @@ class MopExecutor(Executor):
             self.records += records
             self.epoch_records[round_index] = records
             log.info("mop: round %d done in %.1fs", round_index + 1, time.monotonic() - round_started)
-            self._end_round(epochs, active, states, visited, next_epoch, outcomes, controller, records)
+            self._end_round(
+                epochs, active, states, visited, next_epoch, outcomes, controller, records, val_accs
+            )
             round_index += 1
         for mid, state in states.items():
             outcomes[mid].state = state
@@ -193,21 +210,23 @@ class MopExecutor(Executor):
         outcomes: dict[str, ModelOutcome],
         controller: Controller,
         records: list[dict[str, Any]],
+        val_accs: dict[str, float],
     ) -> None:
-        """Validate every model that finished an epoch; the controller may stop or add models."""
+        """Report every model that finished an epoch; the controller may stop or add models."""
         finished = [
             mid for mid in active if mid in states and len(visited.get(mid, [])) >= len(self.partitions)
         ]
-        futures = {
+        # normally validated by the epoch's last unit; a model without a figure is validated here
+        missing = {
             mid: self.client.submit(evaluate_state, active[mid], states[mid], self.data, pure=False)
             for mid in finished
+            if mid not in val_accs
         }
-        for mid, future in futures.items():
+        for mid in finished:
             epoch = next_epoch.get(mid, 0)
             losses = [r["train_loss"] for r in records if r["model"] == mid]
-            report = EpochReport(
-                mid, epoch, float(future.result()), float(losses[-1]) if losses else float("nan")
-            )
+            val_acc = val_accs[mid] if mid in val_accs else float(missing[mid].result())
+            report = EpochReport(mid, epoch, val_acc, float(losses[-1]) if losses else float("nan"))
             outcomes[mid].history.append(report)
             next_epoch[mid], visited[mid] = epoch + 1, []
             keep = controller.on_epoch_end(report)

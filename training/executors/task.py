@@ -9,7 +9,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
-from training.executors.units import DataRef, ModelSpec, evaluate_state, init_state, train_pass
+from training.executors.units import (
+    DataRef,
+    ModelSpec,
+    evaluate_state,
+    init_state,
+    train_pass,
+    train_pass_and_validate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +138,11 @@ def _train_and_validate(
     spec: ModelSpec, state: bytes, data: DataRef, shards: Sequence[str], epoch: int, epochs: int
 ) -> tuple[bytes, dict[str, Any], float]:
     """One epoch over all shards, then validation, on the same worker (one round trip per epoch)."""
-    new_state, record = train_pass(spec, state, data, shards, epoch, epochs, 0)
-    return new_state, record, evaluate_state(spec, new_state, data)
+    new_state, record, val_acc = train_pass_and_validate(
+        spec, state, data, shards, epoch, epochs, 0, validate=True
+    )
+    assert val_acc is not None
+    return new_state, record, val_acc
 
 
 class SequentialExecutor(Executor):

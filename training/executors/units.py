@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 # Worker-process cache of loaded partitions: each worker loads its shards once and keeps them.
 _PARTITIONS: dict[tuple[str, tuple[str, ...]], tuple[Any, Any]] = {}
+# The same for the evaluation splits (validated after every epoch: read and verified once).
+_EVAL_SPLITS: dict[tuple[str, str], tuple[Any, Any]] = {}
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,20 @@ def cached_bytes() -> int:
 def clear_partitions() -> None:
     """Forget the cached partitions (between benchmark runs)."""
     _PARTITIONS.clear()
+    _EVAL_SPLITS.clear()
+
+
+def load_eval_split(data: DataRef, split: str) -> tuple[Any, Any]:
+    """Features (as a tensor) and labels of an evaluation split, loaded once per worker process."""
+    import torch
+
+    from training.data import load_split
+
+    key = (data.manifest_uri, split)
+    if key not in _EVAL_SPLITS:
+        x, y = load_split(data.manifest_uri, split, data.storage_options, cache_dir=data.cache_dir or None)
+        _EVAL_SPLITS[key] = (torch.from_numpy(x), y)
+    return _EVAL_SPLITS[key]
 
 
 def _build(spec: ModelSpec, manifest: Mapping[str, Any]) -> Any:
@@ -231,17 +247,37 @@ def evaluate_state(spec: ModelSpec, state: bytes, data: DataRef, split: str = "v
     """Accuracy of a packed state on a split."""
     import torch
 
-    from training.data import load_manifest, load_split
+    from training.data import load_manifest
 
     torch.set_num_threads(1)
     manifest = load_manifest(data.manifest_uri, data.storage_options)
     _, model = _build(spec, manifest)
     unpack_state(state, model, None)
-    x, y = load_split(data.manifest_uri, split, data.storage_options, cache_dir=data.cache_dir or None)
+    x, y = load_eval_split(data, split)
     model.eval()
     with torch.no_grad():
-        pred = model(torch.from_numpy(x)).argmax(dim=1).numpy()
+        pred = model(x).argmax(dim=1).numpy()
     return float(np.mean(pred == y))
+
+
+def train_pass_and_validate(
+    spec: ModelSpec,
+    state: bytes | None,
+    data: DataRef,
+    shard_names: Sequence[str],
+    epoch: int,
+    total_epochs: int,
+    pass_index: int = 0,
+    meta: Mapping[str, Any] | None = None,
+    validate: bool = False,
+) -> tuple[bytes, dict[str, Any], float | None]:
+    """A pass, then (when it ends the model's epoch) validation on the same worker.
+
+    Validating where the state already is saves a task and a round trip per model-epoch, and
+    the wait for a separate validation phase at the end of a MOP round.
+    """
+    new_state, record = train_pass(spec, state, data, shard_names, epoch, total_epochs, pass_index, meta)
+    return new_state, record, evaluate_state(spec, new_state, data) if validate else None
 
 
 def state_to_bundle(spec: ModelSpec, state: bytes, data: DataRef, url: str) -> str:
