@@ -349,7 +349,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         settings = Settings.from_env()
         requested = {name: getattr(args, f"{name}_port") for name in stack.PORT_ENV}
         workers = args.dask_workers or settings.dask_workers
-        config = stack.config_from_env(os.environ, requested, args.free_ports, workers, stack.free_port)
+        config = stack.config_from_env(
+            os.environ, requested, args.free_ports, workers, stack.free_port, mlflow_auth=args.auth
+        )
         if args.timeout is not None:
             config = config.model_copy(update={"timeout_s": args.timeout})
         return stack.up(settings, config, os.environ)
@@ -433,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--dask-workers", type=int, help="Dask worker processes (default MOPFLOW_DASK_WORKERS)")
     up.add_argument("--timeout", type=float, help="seconds to wait for the health checks (default 300)")
+    up.add_argument(
+        "--auth",
+        action="store_true",
+        default=None,
+        help="run MLflow's basic-auth app; tasks and workers get the generated admin credentials (env MOPFLOW_STACK_AUTH=1)",
+    )
     up.set_defaults(func=cmd_up)
     down = sub.add_parser("down", help="stop the local stack started by `mopflow up`")
     down.add_argument("--grace", type=float, help="seconds between SIGTERM and SIGKILL (default 20)")

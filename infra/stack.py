@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from infra.optuna_storage import journal_path, storage_kind
 from infra.settings import Settings
@@ -69,6 +69,10 @@ STACK_ENV: dict[str, tuple[str, str]] = {
     "grace_s": (
         "MOPFLOW_STACK_GRACE_S",
         "seconds `mopflow down` waits after SIGTERM before SIGKILL (default 20)",
+    ),
+    "mlflow_auth": (
+        "MOPFLOW_STACK_AUTH",
+        "1 = MLflow's basic-auth app (admin password generated under <home>/stack)",
     ),
 }
 SERVICE_ORDER = ("mlflow", "dask-scheduler", "dask-workers", "optuna-dashboard", "airflow")
@@ -113,6 +117,20 @@ class StackConfig(BaseModel):
     pool_slots: int = Field(1, ge=1, le=1024)
     timeout_s: float = Field(300.0, gt=0, le=3600)
     grace_s: float = Field(20.0, ge=0, le=600)
+    mlflow_auth: bool = False
+
+
+class MlflowAuth(BaseModel):
+    """MLflow's basic-auth app: its config file and the admin's credentials (the password is kept in
+    a 0600 file under the stack folder and handed to the tasks and workers as MLflow's client variables)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config_file: str
+    password_file: str
+    username: str = "admin"
+    password: SecretStr
+    secret_key: SecretStr  # the server's Flask key for CSRF tokens
 
 
 class HealthCheck(BaseModel):
@@ -168,6 +186,7 @@ class StackState(BaseModel):
     airflow_password_file: str = ""
     logs: str = ""
     dask_dashboard: str = ""
+    mlflow_password_file: str = ""  # set when MLflow's basic-auth app is on
 
 
 # ---------------------------------------------------------------------------- pure parts
@@ -241,8 +260,10 @@ def config_from_env(
     free_ports: bool | None,
     dask_workers: int,
     pick_free: Callable[[], int],
+    mlflow_auth: bool | None = None,
 ) -> StackConfig:
-    """The stack config from flags (ports, ``--free-ports``) and the ``MOPFLOW_*`` environment."""
+    """The stack config from flags (ports, ``--free-ports``, ``--auth``) and the ``MOPFLOW_*`` environment."""
+    auth = mlflow_auth if mlflow_auth is not None else environ.get("MOPFLOW_STACK_AUTH", "") in {"1", "true"}
     free = (
         free_ports if free_ports is not None else environ.get("MOPFLOW_STACK_FREE_PORTS", "") in {"1", "true"}
     )
@@ -254,6 +275,7 @@ def config_from_env(
             pool_slots=int(_env_number(environ, "MOPFLOW_TRAINING_POOL_SLOTS", int, 1)),
             timeout_s=_env_number(environ, "MOPFLOW_STACK_TIMEOUT_S", float, 300.0),
             grace_s=_env_number(environ, "MOPFLOW_STACK_GRACE_S", float, 20.0),
+            mlflow_auth=auth,
         )
     except ValidationError as exc:
         raise StackError(_validation_message(exc)) from exc
@@ -336,8 +358,14 @@ def build_specs(
     bin_dir: str,
     environ: Mapping[str, str],
     repo: Path = REPO,
+    auth: MlflowAuth | None = None,
 ) -> list[ServiceSpec]:
-    """The five services' command lines, environments and health checks (nothing is started)."""
+    """The five services' command lines, environments and health checks (nothing is started).
+
+    With ``auth`` the MLflow server runs its basic-auth app and every client (tasks, workers, the
+    Airflow plugin) gets the admin's credentials through ``MLFLOW_TRACKING_USERNAME/PASSWORD``."""
+    if config.mlflow_auth and auth is None:
+        raise StackError("the stack config asks for MLflow auth but no credentials were prepared")
     if settings.tracking_uri.startswith(("http://", "https://")):
         raise StackError(
             f"MOPFLOW_TRACKING_URI={settings.tracking_uri!r} already points at a tracking server; "
@@ -359,6 +387,14 @@ def build_specs(
         **mopflow_env(settings, p),
         **{k: v for k, v in ui_urls.items() if not environ.get(k)},
     }
+    mlflow_app: tuple[str, ...] = ()
+    mlflow_server_env: dict[str, str] = {}
+    if auth is not None:
+        common["MLFLOW_TRACKING_USERNAME"] = auth.username
+        common["MLFLOW_TRACKING_PASSWORD"] = auth.password.get_secret_value()
+        mlflow_app = ("--app-name", "basic-auth")
+        mlflow_server_env["MLFLOW_AUTH_CONFIG_PATH"] = auth.config_file
+        mlflow_server_env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = auth.secret_key.get_secret_value()
     home = Path(settings.home)
     exe = lambda name: str(Path(bin_dir) / name)  # noqa: E731 - the venv's console scripts
     mlflow_url = f"http://{HOST}:{p.mlflow}"
@@ -386,10 +422,12 @@ def build_specs(
                 str(p.mlflow),
                 "--workers",
                 "1",
+                *mlflow_app,
             ),
             # The server's job runner (GenAI scorers) starts seven huey processes (~1.4 GB): off by default.
             env={
                 **common,
+                **mlflow_server_env,
                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": environ.get(
                     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"
                 ),
@@ -483,6 +521,11 @@ def format_up_summary(state: StackState) -> str:
         f"  REST token          : POST {urls.get('airflow', '')}/auth/token "
         '{"username": "admin", "password": "<from the file>"} -> access_token (Bearer)',
         f"MLflow UI / tracking  : {urls.get('mlflow', '')}",
+        *(
+            [f"  MLflow login        : user admin, password in {state.mlflow_password_file} (basic auth)"]
+            if state.mlflow_password_file
+            else []
+        ),
         f"Optuna dashboard      : {urls.get('optuna-dashboard', '')}",
         f"Dask scheduler        : tcp://{HOST}:{p.dask_scheduler}   dashboard {state.dask_dashboard}",
         f"logs                  : {state.logs}",
@@ -548,6 +591,53 @@ def stack_lock(home: str | Path) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------- edges: ports, probes
+
+
+def _private_file(path: Path, text: str) -> None:
+    """Write a file only its owner can read (created 0600, never world-readable in between)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.chmod(path, 0o600)
+
+
+def prepare_mlflow_auth(home: str | Path) -> MlflowAuth:
+    """The basic-auth app's config and admin password under ``<home>/stack`` (0600 files). The password
+    is generated once and reused: MLflow only sets it when it creates the admin in an empty user store."""
+    import secrets
+
+    folder = stack_dir(home)
+
+    def secret(name: str) -> str:
+        file = folder / name
+        if file.exists():
+            return file.read_text().strip()
+        value = secrets.token_urlsafe(24)
+        _private_file(file, value + "\n")
+        return value
+
+    password_file = folder / "mlflow_admin_password"
+    password = secret(password_file.name)
+    secret_key = secret("mlflow_flask_secret_key")
+    config_file = folder / "mlflow_basic_auth.ini"
+    database = Path(home) / "mlflow" / "basic_auth.db"
+    database.parent.mkdir(parents=True, exist_ok=True)
+    _private_file(
+        config_file,
+        "[mlflow]\n"
+        "default_permission = READ\n"
+        f"database_uri = sqlite:///{database}\n"
+        "admin_username = admin\n"
+        f"admin_password = {password}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n",
+    )
+    return MlflowAuth(
+        config_file=str(config_file),
+        password_file=str(password_file),
+        password=SecretStr(password),
+        secret_key=SecretStr(secret_key),
+    )
 
 
 def _has_module(name: str, bin_dir: str) -> bool:
@@ -792,10 +882,12 @@ def up(
     environ: Mapping[str, str],
     say: Callable[[str], None] = print,
     bin_dir: str | None = None,
+    has_module: Callable[[str, str], bool] | None = None,
 ) -> StackState:
     """Start the stack, wait until every service answers its health check, create the training
     pool, and return the recorded state. A stack already running is reported, not duplicated."""
     bin_dir = bin_dir or str(Path(sys.executable).parent)
+    has_module = has_module or _has_module
     home = Path(settings.home)
     path = state_path(home)
     with stack_lock(home):
@@ -812,7 +904,13 @@ def up(
                     f"{', '.join(r.name for r in gone)} gone): run `mopflow down` first"
                 )
             path.unlink()  # a stale state file: nothing of it runs any more
-        specs = build_specs(settings, config, bin_dir, environ)
+        if config.mlflow_auth and not has_module("flask_wtf", bin_dir):
+            raise StackError(
+                "--auth runs MLflow's basic-auth app, which needs the mlflow[auth] extra (Flask-WTF): "
+                f"install it into the environment of {bin_dir} (pip install 'mlflow[auth]')"
+            )
+        auth = prepare_mlflow_auth(home) if config.mlflow_auth else None
+        specs = build_specs(settings, config, bin_dir, environ, auth=auth)
         taken = [
             f"{spec.name} port {port}"
             for spec in specs
@@ -836,7 +934,8 @@ def up(
             started_at=datetime.now(UTC).isoformat(timespec="seconds"),
             ports=config.ports,
             airflow_password_file=airflow_password_file(settings.airflow_home, airflow_spec.env),
-            dask_dashboard=dask_dashboard_url(config.ports.dask_dashboard, _has_module("bokeh", bin_dir)),
+            dask_dashboard=dask_dashboard_url(config.ports.dask_dashboard, has_module("bokeh", bin_dir)),
+            mlflow_password_file=auth.password_file if auth else "",
             logs=str(log_dir),
         )
         records: list[ServiceRecord] = []

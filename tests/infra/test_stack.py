@@ -168,6 +168,77 @@ def test_airflow_password_file_follows_airflow_config(tmp_path: Path) -> None:
     assert stack.airflow_password_file(str(tmp_path), custom) == "/x/pw.json"
 
 
+def test_mlflow_auth_secrets_are_private_and_reused(tmp_path: Path) -> None:
+    auth = stack.prepare_mlflow_auth(tmp_path)
+    password = auth.password.get_secret_value()
+    assert len(password) >= 20 and password not in repr(auth)
+    for file in (auth.password_file, auth.config_file):
+        assert os.stat(file).st_mode & 0o777 == 0o600
+    config = Path(auth.config_file).read_text()
+    assert f"admin_password = {password}" in config
+    assert f"database_uri = sqlite:///{tmp_path / 'mlflow' / 'basic_auth.db'}" in config
+    assert stack.prepare_mlflow_auth(tmp_path).password.get_secret_value() == password
+
+
+def test_mlflow_auth_wires_the_server_and_its_clients(tmp_path: Path) -> None:
+    config = stack.config_from_env({"MOPFLOW_STACK_AUTH": "1"}, {}, True, 2, _counter())
+    assert config.mlflow_auth
+    with pytest.raises(stack.StackError, match="no credentials"):
+        stack.build_specs(_settings(tmp_path), config, BIN, {})
+    auth = stack.prepare_mlflow_auth(tmp_path)
+    specs = {s.name: s for s in stack.build_specs(_settings(tmp_path), config, BIN, {}, auth=auth)}
+    assert specs["mlflow"].argv[-2:] == ("--app-name", "basic-auth")
+    assert specs["mlflow"].env["MLFLOW_AUTH_CONFIG_PATH"] == auth.config_file
+    for name in ("airflow", "dask-workers"):
+        assert specs[name].env["MLFLOW_TRACKING_USERNAME"] == "admin"
+        assert specs[name].env["MLFLOW_TRACKING_PASSWORD"] == auth.password.get_secret_value()
+    plain = {s.name: s for s in stack.build_specs(_settings(tmp_path), _config(), BIN, {})}
+    assert "--app-name" not in plain["mlflow"].argv and "MLFLOW_TRACKING_PASSWORD" not in plain["airflow"].env
+
+
+def test_auth_without_the_mlflow_auth_extra_is_refused_before_starting(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    config = stack.config_from_env({}, {}, True, 2, _counter(), mlflow_auth=True)
+    with pytest.raises(stack.StackError, match=r"mlflow\[auth\] extra \(Flask-WTF\)"):
+        stack.up(
+            _settings(home),
+            config,
+            {},
+            lambda _: None,
+            bin_dir=BIN,
+            has_module=lambda name, _: name != "flask_wtf",
+        )
+    assert not stack.state_path(home).exists() and not (stack.stack_dir(home) / "logs").exists()
+
+
+@pytest.mark.slow
+def test_mlflow_with_auth_refuses_anonymous_clients(tmp_path: Path) -> None:
+    import base64
+    import importlib.util
+
+    if importlib.util.find_spec("flask_wtf") is None:
+        pytest.skip("MLflow's basic-auth app needs the mlflow[auth] extra (Flask-WTF), not installed")
+    config = stack.config_from_env({}, {}, True, 1, stack.free_port, mlflow_auth=True)
+    auth = stack.prepare_mlflow_auth(tmp_path)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MOPFLOW_")}
+    spec = next(
+        s
+        for s in stack.build_specs(_settings(tmp_path), config, BIN, environ, auth=auth)
+        if s.name == "mlflow"
+    )
+    rec = stack.spawn(spec, tmp_path / "logs", cwd=tmp_path)
+    try:
+        stack.wait_healthy([rec], 180, lambda _: None)  # /health needs no credentials
+        url = f"{rec.url}/api/2.0/mlflow/experiments/search?max_results=1"
+        assert _request("GET", url)[0] == 401
+        token = base64.b64encode(f"admin:{auth.password.get_secret_value()}".encode()).decode()
+        req = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
+        with urllib.request.urlopen(req, timeout=30) as response:
+            assert response.status == 200
+    finally:
+        stack.stop_services([rec], grace_s=10)
+
+
 # ---------------------------------------------------------------------------- state file and printing
 
 
