@@ -12,17 +12,25 @@ What is measured
    ``compression.ensemble.build_ensemble`` into a ``ProbabilityEnsemble`` (equal weights); the
    cluster is closed before the students are trained.
 3. Students. ``plan_student(DistillConfig(epochs=...), ensemble_params, 40, 10)`` sizes a CNN
-   student to at most 10% of the ensemble's parameters. For each of ``--seeds`` seeds (default 1)
-   the same student architecture is trained twice on the training split, in this process (one
-   torch thread), with ``compression.distill.train_student``: (a) distilled, with
-   ``StackedEnsemble(ensemble)`` as the teacher (soft targets at T=4, alpha=0.7), and (b) on hard
-   labels alone (``teacher=None``). Both use the manifest's normalisation. Each distilled student is quantized with
-   ``compression.evaluate.quantize_static_int8`` (static INT8 of the convolutions and the head,
-   calibrated on training rows; dynamic INT8 converts only Linear layers). The ensemble is
-   trained once and kept fixed across student seeds.
+   student to at most 10% of the ensemble's parameters (the pipeline's ``DistillConfig``
+   defaults otherwise: T, alpha, MUNGE multiplier, lr, batch size). The teacher is the ensemble
+   in the form ``compression.ensemble.faster_form`` picks (member loop or ``StackedEnsemble``,
+   whichever is faster here, as in the pipeline). The transfer set is built as in the pipeline
+   (``compression.distill.transfer_set``: the training split plus ``munge_multiplier`` MUNGE
+   points per example labelled by the teacher). For each of ``--seeds`` seeds (default 1) the
+   same student architecture is trained twice, in this process (one torch thread), with
+   ``compression.distill.train_student``: (a) distilled on the transfer set (soft targets at T
+   with weight alpha plus hard labels), and (b) on the real training rows with hard labels
+   alone (``teacher=None``) for ``matching_epochs`` epochs: as many optimizer steps, hence the
+   same one-cycle schedule, as (a). Both use the manifest's normalisation. Each distilled
+   student is quantized with ``compression.evaluate.quantize_static_int8`` (static INT8 of every
+   convolution and the head, ReLU fused, fbgemm-packed, calibrated on 2048 training rows;
+   dynamic INT8 converts only Linear layers). The ensemble is trained once and kept fixed
+   across student seeds.
 4. Figures. Test accuracy (1000 test rows), parameter count, serialised size
-   (``serialized_bytes``) and single-thread CPU latency (``latency_ms``: median of ``--repeats``
-   forward passes on random inputs, batch 1 and batch 256) of: the ensemble as the loop
+   (``serialized_bytes``) and single-thread CPU latency (``latency_ms`` on random inputs, batch 1
+   and batch 256; ``--repeats`` forward passes per figure, taken in 5 round-robin passes over all
+   models and reported as the median over the passes, so load drift hits every row alike) of: the ensemble as the loop
    ``ProbabilityEnsemble`` and as the vmapped ``StackedEnsemble``, the best single member (by
    validation accuracy), the distilled student, the hard-label student and the INT8 student.
    Every model is timed as a probability-returning module: the students are wrapped in
@@ -49,7 +57,7 @@ are wall-clock on a shared machine: other processes running at the same time inf
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/distill.py                # full: 4 members x 80 epochs, 120-epoch students
+    .venv/bin/python benchmarks/distill.py                # full: 4 members x 80 epochs, students on the DistillConfig defaults
     .venv/bin/python benchmarks/distill.py --seeds 2      # students repeated over 2 seeds
     .venv/bin/python benchmarks/distill.py --quick        # smoke test: 2 members, 5 epochs, 5 student epochs
 """
@@ -81,10 +89,16 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from compression.config import DistillConfig  # noqa: E402
-from compression.distill import StudentPlan, plan_student, student_accuracy, train_student  # noqa: E402
-from compression.ensemble import Candidate, build_ensemble  # noqa: E402
+from compression.distill import (  # noqa: E402
+    StudentPlan,
+    matching_epochs,
+    plan_student,
+    student_accuracy,
+    train_student,
+    transfer_set,
+)
+from compression.ensemble import Candidate, build_ensemble, faster_form  # noqa: E402
 from compression.evaluate import format_table, latency_ms, quantize_static_int8, serialized_bytes  # noqa: E402
-from compression.munge import munge  # noqa: E402
 from training.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
 from training.cluster import dask_client  # noqa: E402
 from training.config import DataConfig  # noqa: E402
@@ -152,6 +166,7 @@ class StudentRun:
     hard_val_acc: float
     distilled_train_s: float
     hard_train_s: float
+    hard_epochs: int
 
 
 def n_params(module: nn.Module) -> int:
@@ -207,12 +222,9 @@ def train_students(
     (x_train, y_train), (x_val, y_val), (x_test, y_test) = data["train"], data["validation"], data["test"]
     runs = []
     # The transfer set, as in the pipeline: training data plus MUNGE points labelled by the teacher.
-    synthetic = munge(x_train, dcfg.munge_multiplier, dcfg.munge_swap_prob, dcfg.munge_spread, 0)
-    x_transfer, y_transfer = x_train, y_train
-    if len(synthetic):
-        with torch.no_grad():
-            labels = teacher(torch.from_numpy(synthetic)).argmax(dim=1).numpy()
-        x_transfer, y_transfer = np.concatenate([x_train, synthetic]), np.concatenate([y_train, labels])
+    x_transfer, y_transfer = transfer_set(x_train, y_train, teacher, dcfg, 0)
+    # The baseline gets as many optimizer steps (the same schedule) on the real data alone.
+    hard_epochs = matching_epochs(dcfg.epochs, len(x_transfer), len(x_train))
     for seed in range(settings.seeds):
         started = time.monotonic()
         distilled, _ = train_student(
@@ -221,7 +233,7 @@ def train_students(
         distilled_s = time.monotonic() - started
         started = time.monotonic()
         hard, _ = train_student(
-            plan, dcfg, x_train, y_train, x_val, y_val, norm["mean"], norm["std"], None, seed
+            plan, dcfg, x_train, y_train, x_val, y_val, norm["mean"], norm["std"], None, seed, hard_epochs
         )
         hard_s = time.monotonic() - started
         int8 = quantize_static_int8(distilled, x_train[:2048])
@@ -237,6 +249,7 @@ def train_students(
             hard_val_acc=student_accuracy(hard, x_val, y_val),
             distilled_train_s=distilled_s,
             hard_train_s=hard_s,
+            hard_epochs=hard_epochs,
         )
         log.info(
             "seed %d: distilled %.4f (%.0fs), hard-label %.4f (%.0fs), int8 %.4f",
@@ -251,18 +264,32 @@ def train_students(
     return runs
 
 
-def measure(
-    name: str, forward: Forward, acc: float, params: int, size: int, n_features: int, repeats: int
-) -> dict[str, Any]:
-    """One table row: the given accuracy and size, and the latency measured now."""
-    return {
-        "model": name,
-        "test_acc": acc,
-        "params": int(params),
-        "size_kb": round(size / 1024, 1),
-        "latency_ms_b1": latency_ms(forward, n_features, 1, repeats),
-        "latency_ms_b256": latency_ms(forward, n_features, 256, repeats),
-    }
+def measure_rows(
+    models: Sequence[tuple[str, Forward, float, int, int]], n_features: int, repeats: int, rounds: int = 5
+) -> list[dict[str, Any]]:
+    """One table row per (name, forward, accuracy, params, size): the given figures plus latency.
+
+    Latency is measured in ``rounds`` round-robin passes over all models (``repeats / rounds``
+    timed calls each), and the median over the passes is reported: on a shared machine the load
+    drifts, and interleaving exposes every model to the same drift (ratios stay comparable).
+    """
+    per_round = max(1, repeats // rounds)
+    samples: dict[str, dict[int, list[float]]] = {name: {1: [], 256: []} for name, *_ in models}
+    for _ in range(rounds):
+        for name, forward, *_ in models:
+            for batch in (1, 256):
+                samples[name][batch].append(latency_ms(forward, n_features, batch, per_round))
+    return [
+        {
+            "model": name,
+            "test_acc": acc,
+            "params": int(params),
+            "size_kb": round(size / 1024, 1),
+            "latency_ms_b1": float(np.median(samples[name][1])),
+            "latency_ms_b256": float(np.median(samples[name][256])),
+        }
+        for name, _, acc, params, size in models
+    ]
 
 
 def verdict(ok: bool) -> str:
@@ -327,7 +354,11 @@ def run(settings: Settings, results_path: Path) -> int:
             plan.budget,
         )
         students_start = time.monotonic()
-        runs = train_students(settings, plan, dcfg, stacked, data, norm)
+        # The teacher in the form the pipeline would pick: loop or stacked, whichever is faster here.
+        teacher, form_ms = faster_form(ensemble, n_features)
+        teacher_form = "stacked" if isinstance(teacher, StackedEnsemble) else "loop"
+        log.info("teacher form: %s (%s)", teacher_form, {k: round(v, 3) for k, v in form_ms.items()})
+        runs = train_students(settings, plan, dcfg, teacher, data, norm)
         students_s = time.monotonic() - students_start
 
         distilled_acc = mean([r.distilled_acc for r in runs])
@@ -335,62 +366,51 @@ def run(settings: Settings, results_path: Path) -> int:
         int8_acc = mean([r.int8_acc for r in runs])
         first = runs[0]
         load_before = os.getloadavg()
-        rows = [
-            measure(
+        timed: list[tuple[str, Forward, float, int, int]] = [
+            (
                 f"ensemble x{len(complete)} (loop)",
                 ensemble,
                 ensemble_acc,
                 ensemble_params,
                 serialized_bytes(ensemble),
-                n_features,
-                settings.repeats,
             ),
-            measure(
+            (
                 f"ensemble x{len(complete)} (stacked)",
                 stacked,
                 stacked_acc,
                 ensemble_params,
                 serialized_bytes(ensemble),  # same weights; the stacked copy is not a state dict
-                n_features,
-                settings.repeats,
             ),
-            measure(
+            (
                 f"best member #{complete[best_index].number}",
                 best_member,
                 member_accs[best_index],
                 n_params(best_member),
                 serialized_bytes(ensemble.members[best_index]),
-                n_features,
-                settings.repeats,
             ),
-            measure(
+            (
                 "student (distilled)",
                 ProbabilityEnsemble([first.distilled]).eval(),
                 distilled_acc,
                 plan.num_params,
                 serialized_bytes(first.distilled),
-                n_features,
-                settings.repeats,
             ),
-            measure(
+            (
                 "student (hard labels)",
                 ProbabilityEnsemble([first.hard]).eval(),
                 hard_acc,
                 plan.num_params,
                 serialized_bytes(first.hard),
-                n_features,
-                settings.repeats,
             ),
-            measure(
+            (
                 "student int8",
                 ProbabilityEnsemble([first.int8]).eval(),
                 int8_acc,
                 plan.num_params,
                 serialized_bytes(first.int8),
-                n_features,
-                settings.repeats,
             ),
         ]
+        rows = measure_rows(timed, n_features, settings.repeats)
         load_after = os.getloadavg()
         by_name = {r["model"]: r for r in rows}
         loop_row = rows[0]
@@ -465,7 +485,9 @@ def run(settings: Settings, results_path: Path) -> int:
             f"{INT8_SPEEDUP_TARGET:.0f}x), accuracy lost {int8_loss_points:+.2f} points (target < "
             f"{INT8_MAX_LOSS_POINTS}) {targets['int8']['status']}",
             f"info: stacked vs loop ensemble latency: loop/stacked = {stacked_ratio_b1:.2f}x at b1, "
-            f"{stacked_ratio_b256:.2f}x at b256 (stacked groups {stacked.group_sizes})",
+            f"{stacked_ratio_b256:.2f}x at b256 (stacked groups {stacked.group_sizes}); faster_form "
+            f"picked the {teacher_form} form (loop {form_ms['loop_ms']:.2f} ms, stacked "
+            f"{form_ms['stacked_ms']:.2f} ms, b1 + b256)",
         ]
         if settings.seeds > 1:
             lines.append(
@@ -508,6 +530,7 @@ def run(settings: Settings, results_path: Path) -> int:
                 "members": settings.members,
                 "member_epochs": settings.epochs,
                 "student_epochs": settings.student_epochs,
+                "hard_label_epochs": runs[0].hard_epochs,
                 "seeds": settings.seeds,
                 "latency_repeats": settings.repeats,
                 "dask_workers": N_DASK_WORKERS,
@@ -565,6 +588,8 @@ def run(settings: Settings, results_path: Path) -> int:
             "info": {
                 "loop_over_stacked_latency_b1": stacked_ratio_b1,
                 "loop_over_stacked_latency_b256": stacked_ratio_b256,
+                "teacher_form": teacher_form,
+                "faster_form_ms": form_ms,
             },
             "timings_s": {
                 "shard": shard_s,
@@ -598,7 +623,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
     args = parser.parse_args(argv)
     members = args.members if args.members is not None else (2 if args.quick else 4)
     epochs = args.epochs if args.epochs is not None else (5 if args.quick else 80)
-    student_epochs = args.student_epochs if args.student_epochs is not None else (5 if args.quick else 120)
+    full_epochs = DistillConfig().epochs  # the pipeline's default schedule
+    student_epochs = (
+        args.student_epochs if args.student_epochs is not None else (5 if args.quick else full_epochs)
+    )
     if not 1 <= members <= len(MEMBER_CONFIGS):
         parser.error(f"--members must be between 1 and {len(MEMBER_CONFIGS)}")
     if args.seeds < 1 or epochs < 1 or student_epochs < 1 or args.repeats < 1:

@@ -46,11 +46,13 @@ class DistillConfig(StageConfig):
     alpha: float = Field(
         0.9, ge=0, le=1, description="Weight of the soft-target loss (1 - alpha on hard labels)"
     )
-    epochs: int = Field(120, ge=1, le=1000, description="Student training epochs")
+    epochs: int = Field(
+        48, ge=1, le=1000, description="Student training epochs over the transfer set (real + MUNGE rows)"
+    )
     lr: float = Field(0.01, gt=0, le=1.0, description="Student peak learning rate")
     batch_size: int = Field(64, ge=1, le=65536, description="Student batch size")
     munge_multiplier: int = Field(
-        1, ge=0, le=20, description="MUNGE synthetic points per training example (0 = off)"
+        4, ge=0, le=20, description="MUNGE synthetic points per training example (0 = off)"
     )
     munge_swap_prob: float = Field(0.5, gt=0, le=1, description="MUNGE: probability of swapping an attribute")
     munge_spread: float = Field(1.0, gt=0, le=100, description="MUNGE: perturbation width divisor s")

@@ -63,6 +63,20 @@ def soft_targets(teacher: nn.Module, x: np.ndarray, temperature: float) -> torch
         )
 
 
+def matching_epochs(epochs: int, transfer_rows: int, train_rows: int) -> int:
+    """Epochs over ``train_rows`` giving as many optimizer steps as ``epochs`` over ``transfer_rows``.
+
+    The hard-label baseline cannot use the synthetic transfer points (they have no true labels),
+    so it runs more passes over the real data instead: the same number of steps and the same
+    learning-rate schedule as the distilled student. (Fewer steps would flatter distillation.)
+    """
+    if epochs < 1 or transfer_rows < 1 or train_rows < 1:
+        raise ValueError(
+            f"epochs={epochs}, transfer_rows={transfer_rows} and train_rows={train_rows} must be >= 1"
+        )
+    return max(1, round(epochs * transfer_rows / train_rows))
+
+
 def train_student(
     plan: StudentPlan,
     cfg: DistillConfig,
@@ -74,8 +88,12 @@ def train_student(
     std: list[float],
     teacher: nn.Module | None,
     seed: int,
+    epochs: int | None = None,
 ) -> tuple[nn.Module, list[dict[str, float]]]:
-    """Train the student; with ``teacher=None`` it learns from hard labels alone (the baseline)."""
+    """Train the student; with ``teacher=None`` it learns from hard labels alone (the baseline).
+
+    ``epochs`` overrides ``cfg.epochs`` (the baseline uses :func:`matching_epochs`).
+    """
     from training.trial import quiet_lightning
 
     quiet_lightning()
@@ -95,6 +113,7 @@ def train_student(
     val_loader = DataLoader(TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)), batch_size=4096)
     history: list[dict[str, float]] = []
     started = time.monotonic()
+    max_epochs = epochs if epochs is not None else cfg.epochs
 
     class Progress(pl.Callback):
         def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -107,20 +126,35 @@ def train_student(
                     "train_loss": pl_module.epoch_train_loss(),  # type: ignore[operator]
                 }
             )
-            if (epoch + 1) % 10 == 0 or epoch + 1 == cfg.epochs:
+            if (epoch + 1) % 10 == 0 or epoch + 1 == max_epochs:
                 log.info(
                     "distill: %s student epoch %d/%d val_acc=%.4f (%.0fs)",
                     "soft-target" if teacher is not None else "hard-label",
                     epoch + 1,
-                    cfg.epochs,
+                    max_epochs,
                     acc,
                     time.monotonic() - started,
                 )
 
-    trainer = pl.Trainer(max_epochs=cfg.epochs, callbacks=[Progress()], **quiet_trainer_kwargs())
+    trainer = pl.Trainer(max_epochs=max_epochs, callbacks=[Progress()], **quiet_trainer_kwargs())
     trainer.fit(module, loader, val_loader)
     model.eval()
     return model, history
+
+
+def transfer_set(
+    x_train: np.ndarray, y_train: np.ndarray, teacher: nn.Module, cfg: DistillConfig, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The training data plus ``cfg.munge_multiplier`` MUNGE points per example (Bucilua et al.
+    2006), the synthetic points labelled with the teacher's class; the soft targets of every
+    point come from the teacher later (:func:`soft_targets`)."""
+    from compression.munge import munge
+
+    synthetic = munge(x_train, cfg.munge_multiplier, cfg.munge_swap_prob, cfg.munge_spread, seed)
+    if not len(synthetic):
+        return x_train, y_train
+    labels = soft_targets(teacher, synthetic, 1.0).argmax(dim=1).numpy().astype(y_train.dtype)
+    return np.concatenate([x_train, synthetic]), np.concatenate([y_train, labels])
 
 
 def student_accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:

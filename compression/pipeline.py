@@ -441,7 +441,14 @@ def distill_stage(
     import numpy as np
     import torch
 
-    from compression.distill import plan_student, soft_targets, student_accuracy, train_student
+    from compression.distill import (
+        matching_epochs,
+        plan_student,
+        student_accuracy,
+        train_student,
+        transfer_set,
+    )
+    from compression.ensemble import faster_form
     from compression.evaluate import (
         evaluate,
         format_table,
@@ -449,9 +456,7 @@ def distill_stage(
         quantize_static_int8,
         serialized_bytes,
     )
-    from compression.munge import munge
     from compression.registry import log_bundle_model
-    from compression.ensemble import faster_form
     from training.bundle import ProbabilityEnsemble, load_bundle, save_bundle
     from training.data import load_manifest, load_split
 
@@ -483,15 +488,12 @@ def distill_stage(
             teacher_bundle.num_params(),
         )
         # Transfer set: the training data, plus MUNGE points near it labelled by the ensemble.
-        synthetic = munge(
-            x_train, dcfg.munge_multiplier, dcfg.munge_swap_prob, dcfg.munge_spread, cfg.search.seed
+        x_transfer, y_transfer = transfer_set(x_train, y_train, teacher, dcfg, cfg.search.seed)
+        log.info(
+            "distill: transfer set has %d real + %d MUNGE points",
+            len(x_train),
+            len(x_transfer) - len(x_train),
         )
-        x_transfer = np.concatenate([x_train, synthetic]) if len(synthetic) else x_train
-        y_transfer = y_train
-        if len(synthetic):
-            teacher_labels = soft_targets(teacher, synthetic, 1.0).argmax(dim=1).numpy()
-            y_transfer = np.concatenate([y_train, teacher_labels])
-            log.info("distill: transfer set has %d real + %d MUNGE points", len(x_train), len(synthetic))
         norm = manifest["normalization"]
         student, history = train_student(
             plan,
@@ -505,9 +507,24 @@ def distill_stage(
             teacher,
             cfg.search.seed,
         )
-        log.info("distill: training the hard-label baseline (same student, no soft targets)")
+        # The baseline: same student, real data only, as many steps (same LR schedule).
+        baseline_epochs = matching_epochs(dcfg.epochs, len(x_transfer), len(x_train))
+        log.info(
+            "distill: training the hard-label baseline (same student, no soft targets, %d epochs)",
+            baseline_epochs,
+        )
         baseline, _ = train_student(
-            plan, dcfg, x_train, y_train, x_val, y_val, norm["mean"], norm["std"], None, cfg.search.seed
+            plan,
+            dcfg,
+            x_train,
+            y_train,
+            x_val,
+            y_val,
+            norm["mean"],
+            norm["std"],
+            None,
+            cfg.search.seed,
+            epochs=baseline_epochs,
         )
         quantized = quantize_int8(student)
         quantized_static = quantize_static_int8(student, x_train[:2048])
@@ -554,7 +571,16 @@ def distill_stage(
         tracker.log_dict(run_id, report, "evaluation.json")
         tracker.log_text(run_id, table + "\n", "evaluation.md")
         tracker.log_dict(ctx.parent_run_id, report, "evaluation.json")
-        tracker.log_params(run_id, dcfg.model_dump() | {"student_width_used": plan.arch.width})
+        tracker.log_params(
+            run_id,
+            dcfg.model_dump()
+            | {
+                "student_width_used": plan.arch.width,
+                "hard_label_epochs": baseline_epochs,
+                "teacher_form": type(teacher).__name__,
+                "teacher_form_ms": {k: round(v, 3) for k, v in form_ms.items()},
+            },
+        )
         tracker.log_metric_history(
             run_id, "epoch_val_acc", [(int(h["epoch"]), h["val_acc"]) for h in history]
         )

@@ -7,10 +7,12 @@ import torch
 from compression.config import DistillConfig
 from compression.distill import (
     StudentBudgetError,
+    matching_epochs,
     plan_student,
     soft_targets,
     student_accuracy,
     train_student,
+    transfer_set,
 )
 from compression.registry import decide_promotion
 from training.bundle import ProbabilityEnsemble
@@ -59,6 +61,28 @@ def test_student_learns_from_soft_targets_on_a_separable_problem() -> None:
     )
     assert len(history) == 5
     assert student_accuracy(student, x[500:], y[500:]) > 0.9
+    # The transfer set: the real rows first, then MUNGE rows carrying the teacher's class.
+    munged = cfg.model_copy(update={"munge_multiplier": 2})
+    x_t, y_t = transfer_set(x[:500], y[:500], teacher, munged, seed=0)
+    assert x_t.shape == (1500, 40) and y_t.shape == (1500,) and y_t.dtype == y.dtype
+    assert np.array_equal(x_t[:500], x[:500]) and np.array_equal(y_t[:500], y[:500])
+    assert np.array_equal(y_t[500:], soft_targets(teacher, x_t[500:], 1.0).argmax(1).numpy())
+    x_real = x[:500]
+    off = cfg.model_copy(update={"munge_multiplier": 0})
+    assert transfer_set(x_real, y[:500], teacher, off, 0)[0] is x_real
+    # The hard-label baseline's override: as many epochs as asked, not cfg.epochs.
+    _, short = train_student(
+        plan, cfg, x[:500], y[:500], x[500:], y[500:], [0.0] * 40, [1.0] * 40, None, 0, epochs=2
+    )
+    assert len(short) == 2
+
+
+def test_baseline_gets_as_many_steps_as_the_distilled_student() -> None:
+    assert matching_epochs(48, transfer_rows=5 * 3569, train_rows=3569) == 240
+    assert matching_epochs(120, transfer_rows=1000, train_rows=1000) == 120
+    assert matching_epochs(1, transfer_rows=10, train_rows=1000) == 1
+    with pytest.raises(ValueError, match="transfer_rows=0"):
+        matching_epochs(10, 0, 100)
 
 
 @pytest.mark.parametrize(

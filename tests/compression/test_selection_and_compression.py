@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from compression.ensemble import greedy_selection
+from compression.ensemble import faster_form, greedy_selection
 from compression.evaluate import evaluate, format_table, quantize_int8
 from compression.munge import munge, nearest_neighbours
 from compression.registry import decide_promotion
@@ -42,6 +42,22 @@ def test_stacked_ensemble_is_the_same_function_as_the_loop() -> None:
     assert torch.allclose(predict_proba(stacked, x).sum(1), torch.ones(64), atol=1e-5)
     with pytest.raises(ValueError, match="non-negative"):
         ProbabilityEnsemble(members, [1.0, -1.0, 1.0, 1.0])
+
+
+def test_faster_form_picks_by_measured_time_and_keeps_the_function() -> None:
+    torch.manual_seed(1)
+    shared = [build_model(ArchSpec("cnn", 8, 3, 40, 10)) for _ in range(2)]
+    loop = ProbabilityEnsemble([*shared, build_model(ArchSpec("mlp", 12, 2, 40, 10))]).eval()
+    chosen, ms = faster_form(loop, 40, batches=(1, 32), repeats=2)
+    assert ms["loop_ms"] > 0 and ms["stacked_ms"] > 0
+    assert isinstance(chosen, StackedEnsemble) == (ms["stacked_ms"] < ms["loop_ms"])
+    x = torch.randn(16, 40)
+    assert torch.allclose(predict_proba(chosen, x), predict_proba(loop, x), atol=1e-6)
+    # No architecture shared by two members: nothing to vectorise, the loop is kept unmeasured.
+    distinct = ProbabilityEnsemble([shared[0], build_model(ArchSpec("mlp", 12, 2, 40, 10))])
+    assert faster_form(distinct, 40) == (distinct, {"loop_ms": 0.0, "stacked_ms": 0.0})
+    with pytest.raises(ValueError, match="batches"):
+        faster_form(loop, 40, batches=(0,))
 
 
 def test_munge_points_are_near_the_data_and_reproducible() -> None:
@@ -115,9 +131,15 @@ def test_static_int8_quantizes_the_convolutions_and_keeps_accuracy() -> None:
         loss.backward()
         opt.step()
     model.eval()
+    engine_before = torch.backends.quantized.engine
     quantized = quantize_static_int8(model, x[:200])
+    assert torch.backends.quantized.engine == engine_before  # packing engine is not left behind
     kinds = {type(m).__name__ for m in quantized.modules()}
     assert "ConvReLU1d" in kinds and "Linear" in kinds  # quantized (fused) convolutions and head
     fp32 = (predict_proba(model, x).argmax(1).numpy() == y).mean()
     int8 = (quantized(torch.from_numpy(x)).argmax(1).numpy() == y).mean()
     assert fp32 > 0.9 and abs(fp32 - int8) < 0.03
+    with pytest.raises(ValueError, match="'no-such-engine' is not supported"):
+        quantize_static_int8(model, x[:200], engine="no-such-engine")
+    with pytest.raises(ValueError, match="calibration rows"):
+        quantize_static_int8(model, x[:0])
