@@ -602,6 +602,12 @@ def _private_file(path: Path, text: str) -> None:
     os.chmod(path, 0o600)
 
 
+def owner_only(path: Path) -> None:
+    """Make a secret file readable by its owner only (Airflow writes its password file 0644)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.chmod(path, 0o600)
+
+
 def prepare_mlflow_auth(home: str | Path) -> MlflowAuth:
     """The basic-auth app's config and admin password under ``<home>/stack`` (0600 files). The password
     is generated once and reused: MLflow only sets it when it creates the admin in an empty user store."""
@@ -948,6 +954,7 @@ def up(
                 write_state(path, state)
             say(f"waiting for the health checks (up to {config.timeout_s:.0f} s)...")
             wait_healthy(records, config.timeout_s, say)
+            owner_only(Path(state.airflow_password_file))
             set_training_pool(airflow_spec.env, bin_dir, config.pool_slots)
             say(f"  airflow pool {TRAINING_POOL!r} set to {config.pool_slots} slot(s)")
         except BaseException:

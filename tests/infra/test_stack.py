@@ -180,6 +180,15 @@ def test_mlflow_auth_secrets_are_private_and_reused(tmp_path: Path) -> None:
     assert stack.prepare_mlflow_auth(tmp_path).password.get_secret_value() == password
 
 
+def test_owner_only_hides_a_secret_file(tmp_path: Path) -> None:
+    secret = tmp_path / "pw.json"
+    secret.write_text("{}")
+    secret.chmod(0o644)
+    stack.owner_only(secret)
+    assert secret.stat().st_mode & 0o777 == 0o600
+    stack.owner_only(tmp_path / "missing")  # Airflow writes it only when it generates a password
+
+
 def test_mlflow_auth_wires_the_server_and_its_clients(tmp_path: Path) -> None:
     config = stack.config_from_env({"MOPFLOW_STACK_AUTH": "1"}, {}, True, 2, _counter())
     assert config.mlflow_auth
@@ -554,6 +563,7 @@ def test_up_prints_urls_and_a_second_up_starts_nothing(running_stack: Stack) -> 
     # Everything answers on loopback, and the Airflow API wants a token.
     code, _ = _request("GET", f"{running_stack.airflow}/api/v2/dags")
     assert code == 401
+    assert os.stat(running_stack.state.airflow_password_file).st_mode & 0o777 == 0o600
     status_code, pools = running_stack.api("GET", f"/pools/{stack.TRAINING_POOL}")
     assert status_code == 200 and pools["slots"] == 1
 
