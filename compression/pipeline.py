@@ -131,6 +131,10 @@ def shard_stage(
     tracker = _tracker(settings)
     run_id = _stage_run(tracker, ctx, "shard")
     try:
+        storage.check_output_location(settings.data_root, settings.storage_options, "MOPFLOW_DATA_ROOT")
+        storage.check_output_location(
+            settings.artifact_root, settings.storage_options, "MOPFLOW_ARTIFACT_ROOT"
+        )
         with dask_client(settings.dask_address, settings.dask_workers) as client:
             result = shard_dataset(cfg.data, settings.data_root, client, settings.storage_options)
         manifest = storage.read_json(result.manifest_uri, settings.storage_options)

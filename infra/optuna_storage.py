@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import optuna
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages.journal import JournalFileBackend
+
+log = logging.getLogger(__name__)
 
 
 class StorageConfigError(ValueError):
@@ -50,7 +56,11 @@ def make_storage(url: str, n_workers: int = 1) -> BaseStorage:
 
 
 def _rdb(url: str, heartbeat: int | None) -> RDBStorage:
-    return RDBStorage(
+    return _retrying("connect", lambda: _new_rdb(url, heartbeat))
+
+
+def _new_rdb(url: str, heartbeat: int | None) -> RDBStorage:
+    return ResilientRDBStorage(
         url,
         engine_kwargs={"pool_pre_ping": True},
         heartbeat_interval=heartbeat,
@@ -83,3 +93,96 @@ def heartbeat_seconds() -> int | None:
 def quiet_optuna() -> None:
     """Keep Optuna's per-trial INFO lines out of task logs (mopflow logs its own progress)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+# RDB calls retried when the database is briefly unreachable (a restart, a fail-over, a dropped
+# connection). pool_pre_ping replaces dead pooled connections; these retries bridge the seconds
+# in which no new connection can be made.
+DB_RETRIES = 7
+_RETRIED_METHODS = (  # the entry points Optuna's cache layer calls on its RDB backend
+    "create_new_study",
+    "get_all_studies",
+    "get_study_id_from_name",
+    "get_study_name_from_id",
+    "get_study_directions",
+    "get_study_user_attrs",
+    "get_study_system_attrs",
+    "set_study_user_attr",
+    "set_study_system_attr",
+    "_create_new_trial",
+    "_set_trial_param",
+    "set_trial_state_values",
+    "set_trial_intermediate_value",
+    "set_trial_user_attr",
+    "set_trial_system_attr",
+    "get_trial",
+    "_get_trials",
+    "_get_best_trial_id",
+    "get_trial_id_from_study_id_trial_number",
+    "record_heartbeat",
+    "_get_stale_trial_ids",
+)
+
+
+def _transient(exc: BaseException) -> bool:
+    """A lost or refused connection (retry), not a bad statement or bad data (raise)."""
+    import sqlalchemy.exc
+
+    permanent = (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.DataError, sqlalchemy.exc.ProgrammingError)
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, permanent):
+            return False
+        if isinstance(seen, sqlalchemy.exc.DBAPIError) and seen.connection_invalidated:
+            return True
+        if isinstance(
+            seen,
+            sqlalchemy.exc.OperationalError
+            | sqlalchemy.exc.InterfaceError
+            | sqlalchemy.exc.DisconnectionError
+            | sqlalchemy.exc.PendingRollbackError
+            | sqlalchemy.exc.InvalidatePoolError,
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _retrying(what: str, call: Any) -> Any:
+    """Run ``call()``; retry with backoff (about 30 s in all) while the database is unreachable."""
+    delay = 0.5
+    for attempt in range(DB_RETRIES):
+        try:
+            return call()
+        except Exception as exc:
+            if not _transient(exc) or attempt == DB_RETRIES - 1:
+                raise
+            log.warning(
+                "optuna storage: %s failed (%s); retrying in %.1fs (%d/%d)",
+                what,
+                type(exc.__cause__ or exc).__name__,
+                delay,
+                attempt + 1,
+                DB_RETRIES - 1,
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
+    raise AssertionError("unreachable")
+
+
+def _with_retries(name: str) -> Any:
+    base = getattr(RDBStorage, name)
+
+    @functools.wraps(base)
+    def method(self: RDBStorage, *args: Any, **kwargs: Any) -> Any:
+        return _retrying(name, lambda: base(self, *args, **kwargs))
+
+    return method
+
+
+class ResilientRDBStorage(RDBStorage):
+    """Optuna's RDB storage whose calls survive a database restart of up to about half a minute."""
+
+
+for _name in _RETRIED_METHODS:
+    setattr(ResilientRDBStorage, _name, _with_retries(_name))

@@ -77,6 +77,38 @@ def exists(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     return bool(fs.exists(path))
 
 
+class StorageLocationError(OSError):
+    """An output location cannot be used (missing bucket, a file in the way); names the location."""
+
+
+OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "abfs", "az")
+
+
+def check_output_location(url: str, storage_options: Mapping[str, Any] | None = None, what: str = "") -> None:
+    """Fail early, with the location named, when ``url`` cannot be written: an object store's
+    bucket must already exist (mopflow never creates buckets), a local path must not run into a
+    file. Called before a stage writes anything, so a failure leaves nothing half-written."""
+    label = f"{what} {url!r}" if what else repr(url)
+    fs, path = filesystem(url, storage_options)
+    if set(_protocols(fs)) & set(OBJECT_STORES):
+        bucket = path.split("/", 1)[0]
+        try:
+            found = fs.exists(bucket)
+        except Exception as exc:  # credentials, endpoint, permissions
+            raise StorageLocationError(f"cannot reach bucket {bucket!r} of {label}: {exc}") from exc
+        if not found:
+            raise StorageLocationError(
+                f"bucket {bucket!r} of {label} does not exist or is not accessible with the configured "
+                "credentials; create it (mopflow does not create buckets) or choose another location"
+            )
+        return
+    parent = path
+    while parent and not fs.exists(parent):
+        parent = posixpath.dirname(parent.rstrip("/"))
+    if parent and not fs.isdir(parent):
+        raise StorageLocationError(f"{label} cannot be created: {parent!r} is a file, not a folder")
+
+
 def write_json_atomic(url: str, obj: Any, storage_options: Mapping[str, Any] | None = None) -> None:
     """Write ``obj`` as indented JSON, atomically."""
     write_bytes_atomic(url, json.dumps(obj, indent=2, sort_keys=True).encode(), storage_options)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,3 +61,29 @@ def small_manifest(tmp_path_factory: pytest.TempPathFactory, dask_client: object
     root = tmp_path_factory.mktemp("data")
     result = shard_dataset(DataConfig(num_samples=1000, n_shards=2), str(root), dask_client)
     return result.manifest_uri
+
+
+PG = ("127.0.0.1", 5432)
+
+
+@pytest.fixture()
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for one test, dropped afterwards."""
+    require_service("PostgreSQL", *PG)
+    import psycopg2
+
+    name = f"mopflow_test_{uuid.uuid4().hex[:10]}"
+
+    def admin_sql(sql: str) -> None:  # a fresh connection each time: a test may restart the server
+        conn = psycopg2.connect(host=PG[0], port=PG[1], user="postgres", dbname="postgres")
+        conn.autocommit = True
+        try:
+            conn.cursor().execute(sql)
+        finally:
+            conn.close()
+
+    admin_sql(f"CREATE DATABASE {name}")
+    try:
+        yield f"postgresql+psycopg2://postgres@{PG[0]}:{PG[1]}/{name}"
+    finally:
+        admin_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

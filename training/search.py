@@ -193,6 +193,20 @@ def retry_stale_trials(study: optuna.Study) -> int:
     return len(stale)
 
 
+def fail_orphans(study: optuna.Study) -> int:
+    """When no trial is in flight, a RUNNING trial is an orphan: a trial created twice because the
+    database dropped the connection after creating it and the call was retried. It never ran;
+    it is failed and marked so that it does not count."""
+    orphans = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+    for t in orphans:
+        optuna.trial.Trial(study, t._trial_id).set_user_attr(STALE_ATTR, True)
+        study.tell(t.number, state=TrialState.FAIL)
+        log.warning(
+            "search: trial %d was created but never started (a retried database call); failed", t.number
+        )
+    return len(orphans)
+
+
 def retried_trial(trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> int | None:
     """The number of the trial this one retries (after a dead coordinator or a stale heartbeat)."""
     from optuna.storages import RetryHeartbeatStaleTrialCallback
@@ -255,12 +269,16 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -
     except optuna.exceptions.UpdateFinishedTrialError:
         log.warning("search: trial %d was already finished (stale heartbeat); result dropped", result.number)
         return
-    if result.state == "COMPLETE":
-        study.tell(trial, result.value)
-    elif result.state == "PRUNED":
-        study.tell(trial, state=TrialState.PRUNED)
-    else:
-        study.tell(trial, state=TrialState.FAIL)
+    try:
+        if result.state == "COMPLETE":
+            study.tell(trial, result.value, skip_if_finished=True)
+        elif result.state == "PRUNED":
+            study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
+        else:
+            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        # a retried database call whose first attempt was committed: the trial is already told
+        log.warning("search: trial %d was already finished when told; kept as stored", result.number)
 
 
 WARM_START_ATTR = "mopflow_warm_start"
@@ -454,6 +472,7 @@ def run_search(
                     on_trial_done(result)
 
     run_batch(max(cfg.n_trials - len(already), 0), cfg.pruner, respect_deadline=True)
+    fail_orphans(study)
     extra_attempts = 0
     while True:
         complete = sum(1 for r in results if r.state == "COMPLETE")
@@ -468,6 +487,7 @@ def run_search(
         )
         run_batch(missing, "none", respect_deadline=False)
         extra_attempts += missing
+    fail_orphans(study)
     return SearchOutcome(
         study_name=study_name, storage_url=storage_url, results=sorted(results, key=lambda r: r.number)
     )

@@ -10,8 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -19,7 +17,6 @@ import pytest
 from optuna.trial import TrialState
 
 from infra.optuna_storage import make_storage
-from tests.conftest import require_service
 from training.config import SearchConfig
 from training.search import RESUME_ATTR, checkpoint_folder, fail_stale_heartbeats, retried_trial, run_search
 from training.space import parse_space, sample_params
@@ -33,7 +30,6 @@ SPACE = {
     },
     "common": {"lr": {"type": "float", "low": 0.005, "high": 0.02, "log": True}},
 }
-PG = ("127.0.0.1", 5432)
 
 
 def _child_env() -> dict[str, str]:
@@ -115,23 +111,6 @@ def test_tampered_trial_checkpoint_is_refused(small_manifest: str, tmp_path: Pat
         "Weights only", "weights_only"
     )
     assert not marker.exists()
-
-
-@pytest.fixture()
-def pg_url() -> Iterator[str]:
-    """A fresh PostgreSQL database for one test, dropped afterwards."""
-    require_service("PostgreSQL", *PG)
-    import psycopg2
-
-    name = f"mopflow_test_{uuid.uuid4().hex[:10]}"
-    admin = psycopg2.connect(host=PG[0], port=PG[1], user="postgres", dbname="postgres")
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE DATABASE {name}")
-    try:
-        yield f"postgresql+psycopg2://postgres@{PG[0]}:{PG[1]}/{name}"
-    finally:
-        admin.cursor().execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        admin.close()
 
 
 WORKER = textwrap.dedent(

@@ -1,0 +1,302 @@
+"""Fault battery across the pipeline's stages. Each test states the fault, the expected
+behaviour, and checks that nothing already done is lost."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+from optuna.trial import TrialState
+
+from compression import pipeline
+from infra import storage
+from infra.optuna_storage import make_storage
+from infra.settings import Settings
+from training.config import SearchConfig
+from training.data import ShardIntegrityError, load_manifest
+from training.search import STALE_ATTR, run_search
+
+CONF = {
+    "num_samples": 600,
+    "n_shards": 2,
+    "n_trials": 2,
+    "epochs": 2,
+    "pruner": "none",
+    "top_k": 2,
+    "distill_epochs": 1,
+    "model_name": "faults",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class MlflowServer:
+    """A real ``mlflow server`` (SQLite backend, local artifacts) that a test can stop and restart."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.port = root, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        mlflow = Path(sys.executable).with_name("mlflow")
+        self.proc = subprocess.Popen(
+            [
+                str(mlflow),
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{self.root}/mlflow.db",
+                "--artifacts-destination",
+                str(self.root / "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise AssertionError("mlflow server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
+@pytest.fixture()
+def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
+    server = MlflowServer(tmp_path / "mlflow-server")
+    server.root.mkdir()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_mlflow_server_down_mid_run_fails_clearly_and_leaves_no_run_running(
+    mlflow_server: MlflowServer, tmp_path: Path
+) -> None:
+    """Fault: the MLflow server stops between the shard and search stages.
+    Expected: the search task fails after bounded retries with an error naming the server, before
+    any training; once MLflow is back, finalize closes the pipeline run as FAILED and no run is
+    left RUNNING; the shards written before the fault are still there (a retry reuses them)."""
+    settings = Settings.from_env(
+        {"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_TRACKING_URI": mlflow_server.url}
+    )
+    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__mlflow_down", settings)
+    shard = pipeline.shard_stage(CONF, ctx, settings)
+    mlflow_server.stop()
+    with pytest.raises(Exception) as failure:
+        pipeline.search_stage(CONF, ctx, shard, settings)
+    assert f"127.0.0.1:{mlflow_server.port}" in str(failure.value)
+    study_name = pipeline.study_name_for(
+        pipeline.PipelineConfig.from_conf(CONF), pipeline.RunContext.from_dict(ctx)
+    )
+    with pytest.raises(KeyError):  # nothing was trained without tracking
+        optuna.load_study(study_name=study_name, storage=make_storage(settings.optuna_storage))
+
+    mlflow_server.start()
+    with pytest.raises(RuntimeError, match="did not complete"):
+        pipeline.finalize_pipeline(ctx, settings)
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    experiment = client.get_experiment_by_name(settings.experiment_name)
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
+    assert runs and not [r for r in runs if r.info.status == "RUNNING"]
+    assert client.get_run(ctx["parent_run_id"]).info.status == "FAILED"
+    assert storage.exists(shard["manifest_uri"])
+    assert pipeline.shard_stage(CONF, ctx, settings)["reused"]  # the retry redoes nothing
+
+
+@pytest.fixture()
+def sharded(tmp_path: Path) -> tuple[Settings, dict, dict]:
+    settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path / "home")})
+    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__shards", settings)
+    return settings, ctx, pipeline.shard_stage(CONF, ctx, settings)
+
+
+def _shard_path(shard: dict, split: str) -> Path:
+    manifest = load_manifest(shard["manifest_uri"])
+    base = Path(shard["manifest_uri"]).parent
+    return base / manifest["splits"][split][0]["name"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["corrupt", "delete"])
+def test_damaged_shard_between_stages_is_named_before_any_training(
+    sharded: tuple[Settings, dict, dict], damage: str
+) -> None:
+    """Fault: a training shard is corrupted (bytes changed) or deleted after the shard stage.
+    Expected: the search stage names the shard and fails before any trial starts; the search
+    run is FAILED, not RUNNING."""
+    settings, ctx, shard = sharded
+    victim = _shard_path(shard, "train")
+    if damage == "corrupt":
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    else:
+        victim.unlink()
+    with pytest.raises((ShardIntegrityError, FileNotFoundError)) as failure:
+        pipeline.search_stage(CONF, ctx, shard, settings)
+    assert victim.name in str(failure.value)
+    study_name = pipeline.study_name_for(
+        pipeline.PipelineConfig.from_conf(CONF), pipeline.RunContext.from_dict(ctx)
+    )
+    storage_ = make_storage(settings.optuna_storage)
+    assert not [
+        s for s in optuna.get_all_study_summaries(storage_) if s.study_name == study_name and s.n_trials
+    ]
+    client = MlflowClient(tracking_uri=settings.tracking_uri)
+    experiment = client.get_experiment_by_name(settings.experiment_name)
+    runs = client.search_runs([experiment.experiment_id], "tags.`mopflow.stage` = 'search'")
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_unwritable_data_root_fails_clearly_and_leaves_no_manifest(tmp_path: Path) -> None:
+    """Fault: the shard output location cannot be written (its parent is a file, not a folder).
+    Expected: a clear error naming the location; no manifest and no half-written folder."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    settings = Settings.from_env(
+        {"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_DATA_ROOT": str(blocker / "data")}
+    )
+    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__unwritable", settings)
+    with pytest.raises(OSError) as failure:
+        pipeline.shard_stage(CONF, ctx, settings)
+    assert "not-a-folder" in str(failure.value)
+    assert blocker.read_text() == "x"
+
+
+@pytest.fixture()
+def s3_endpoint() -> Iterator[dict]:
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    try:
+        yield {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+        }
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_missing_bucket_fails_clearly_and_leaves_no_manifest(s3_endpoint: dict, tmp_path: Path) -> None:
+    """Fault: the S3 bucket for the shards does not exist. Expected: the shard stage fails with an
+    error naming the bucket; nothing is written; the shard run is FAILED."""
+    import json
+
+    import s3fs
+
+    settings = Settings.from_env(
+        {
+            "MOPFLOW_HOME": str(tmp_path / "home"),
+            "MOPFLOW_DATA_ROOT": "s3://no-such-bucket/mopflow/data",
+            "MOPFLOW_STORAGE_OPTIONS": json.dumps(s3_endpoint),
+        }
+    )
+    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__nobucket", settings)
+    with pytest.raises(Exception) as failure:
+        pipeline.shard_stage(CONF, ctx, settings)
+    assert "no-such-bucket" in str(failure.value)
+    fs = s3fs.S3FileSystem(**s3_endpoint)
+    assert fs.ls("") == []  # no bucket and no object was created
+    client = MlflowClient(tracking_uri=settings.tracking_uri)
+    experiment = client.get_experiment_by_name(settings.experiment_name)
+    runs = client.search_runs([experiment.experiment_id], "tags.`mopflow.stage` = 'shard'")
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def _restart_postgresql() -> None:
+    version = sorted(os.listdir("/etc/postgresql"))[-1]
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.services
+def test_postgresql_restart_mid_sweep_loses_and_duplicates_no_trial(
+    small_manifest: str, tmp_path: Path, dask_client: object, pg_url: str
+) -> None:
+    """Fault: PostgreSQL (the Optuna storage) restarts while trials train and report.
+    Expected: storage calls are retried across the restart; the sweep completes with exactly
+    n_trials counted trials, each once, none left RUNNING."""
+    if shutil.which("pg_ctlcluster") is None or not os.path.isdir("/etc/postgresql"):
+        pytest.skip("this machine's PostgreSQL cannot be restarted from here")
+    space = {
+        "families": {
+            "cnn": {
+                "width": {"type": "int", "low": 4, "high": 8},
+                "depth": {"type": "int", "low": 2, "high": 3},
+            }
+        },
+        "common": {"lr": {"type": "float", "low": 0.005, "high": 0.02, "log": True}},
+    }
+    cfg = SearchConfig(n_trials=4, epochs=12, n_workers=2, space=space, pruner="none", sampler="random")
+    first_report = threading.Event()
+
+    def restart_when_training() -> None:
+        first_report.wait(timeout=180)
+        _restart_postgresql()
+
+    restarter = threading.Thread(target=restart_when_training)
+    restarter.start()
+    try:
+        outcome = run_search(
+            cfg,
+            small_manifest,
+            "pgr",
+            pg_url,
+            str(tmp_path / "art"),
+            dask_client,
+            on_trial_done=lambda r: first_report.set(),
+        )
+    finally:
+        first_report.set()
+        restarter.join(timeout=180)
+    trials = optuna.load_study(study_name="pgr", storage=make_storage(pg_url)).trials
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    counted = [t for t in trials if not t.user_attrs.get(STALE_ATTR)]
+    assert len(outcome.results) == cfg.n_trials == len(counted)
+    assert len({r.number for r in outcome.results}) == cfg.n_trials
+    assert all(r.state == "COMPLETE" for r in outcome.results), [r.error for r in outcome.results]
