@@ -51,6 +51,41 @@ SETTING_ENV: dict[str, tuple[str, str]] = {
     "airflow_home": ("MOPFLOW_AIRFLOW_HOME", "AIRFLOW_HOME used by `mopflow run` (default <home>/airflow)"),
 }
 
+# Environment variables read outside Settings: DAG-file defaults (read when a DAG file is parsed),
+# worker-side knobs and the Sweeps page. Like SETTING_ENV, the deployment files (infra/deploy) pass
+# every one to the Airflow and Dask containers. tests/infra/test_deploy.py fails when code reads a
+# MOPFLOW_ variable listed in none of SETTING_ENV, RUNTIME_ENV, LOCAL_ENV (and the local stack's
+# PORT_ENV / STACK_ENV), or when a deployment file does not pass one of the first two through.
+RUNTIME_ENV: dict[str, str] = {
+    "MOPFLOW_RETRAIN_SCHEDULE": "Timetable of mopflow_retrain (default @weekly; none = only on new shards)",
+    "MOPFLOW_TASK_RETRIES": "Retries of every pipeline task (default 2)",
+    "MOPFLOW_RETRY_DELAY_S": "First retry delay in seconds, doubling per retry up to 10 min (default 30)",
+    "MOPFLOW_TRAINING_POOL_SLOTS": "Slots of the Airflow pool mopflow_training (default 1)",
+    "MOPFLOW_OPTUNA_HEARTBEAT_S": "Heartbeat interval of RDB-stored Optuna trials in seconds (default 30; 0 = off)",
+    "MOPFLOW_SHARD_CACHE": "Local folder where workers cache remote shards (default a temp folder)",
+    "MOPFLOW_MLFLOW_UI_URL": "MLflow UI address the Sweeps page links to",
+    "MOPFLOW_OPTUNA_DASHBOARD_URL": "optuna-dashboard address the Sweeps page links to",
+}
+
+# Read only by local tooling (`mopflow run`, `mopflow up`), never inside a deployed container.
+LOCAL_ENV: frozenset[str] = frozenset(
+    {
+        "MOPFLOW_DAGS_FOLDER",
+        "MOPFLOW_PROFILE",  # infra/profile.py fills the environment before anything else runs
+        "MOPFLOW_MLFLOW_BACKEND_STORE",  # the backend store `mopflow up` gives its MLflow server
+        "MOPFLOW_MLFLOW_ARTIFACTS_DESTINATION",  # and its artifact destination
+    }
+)
+
+
+def _default_mlflow_artifacts(tracking_uri: str, home: Path) -> str:
+    """A local folder for a local tracking store; none for a tracking server, whose own artifact
+    destination (proxied ``mlflow-artifacts:``) is then used: a client's local path would not be
+    reachable from the other machines."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return ""
+    return str(home / "mlflow" / "artifacts")
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -93,7 +128,7 @@ class Settings:
             artifact_root=env.get("MOPFLOW_ARTIFACT_ROOT") or str(home / "artifacts"),
             tracking_uri=env.get("MOPFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
             mlflow_artifact_location=env.get("MOPFLOW_MLFLOW_ARTIFACTS")
-            or str(home / "mlflow" / "artifacts"),
+            or _default_mlflow_artifacts(env.get("MOPFLOW_TRACKING_URI", ""), home),
             experiment_name=env.get("MOPFLOW_EXPERIMENT") or "mopflow",
             optuna_storage=env.get("MOPFLOW_OPTUNA_STORAGE") or str(home / "optuna" / "journal.log"),
             dask_address=env.get("MOPFLOW_DASK_ADDRESS", ""),
