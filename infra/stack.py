@@ -40,7 +40,7 @@ from infra.optuna_storage import journal_path, storage_kind
 from infra.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"  # every server binds loopback only
+HOST = "127.0.0.1"  # every server binds loopback (but Airflow's log servers: hard-coded to all)
 TRAINING_POOL = "mopflow_training"
 STATE_VERSION = 1
 
@@ -307,9 +307,6 @@ def mopflow_env(settings: Settings, ports: StackPorts) -> dict[str, str]:
         "MOPFLOW_TRACKING_URI": f"http://{HOST}:{ports.mlflow}",
         "MOPFLOW_DASK_ADDRESS": f"tcp://{HOST}:{ports.dask_scheduler}",
         "MOPFLOW_DASK_WORKERS": str(settings.dask_workers),
-        # Where the Airflow "Sweeps" page (plugins/) links to.
-        "MOPFLOW_MLFLOW_UI_URL": f"http://{HOST}:{ports.mlflow}",
-        "MOPFLOW_OPTUNA_DASHBOARD_URL": f"http://{HOST}:{ports.optuna}",
     }
 
 
@@ -377,7 +374,7 @@ def build_specs(
             "`mopflow up` starts its own: unset it"
         )
     p = config.ports
-    # The UIs' addresses for the Airflow plugin's links (plugins/sweeps_page.py); a user's value wins.
+    # Where the Airflow "Sweeps" page (plugins/sweeps_page.py) links to; a user's value (a proxy) wins.
     ui_urls = {
         "MOPFLOW_MLFLOW_UI_URL": f"http://{HOST}:{p.mlflow}",
         "MOPFLOW_OPTUNA_DASHBOARD_URL": f"http://{HOST}:{p.optuna}",

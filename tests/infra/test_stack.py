@@ -140,6 +140,12 @@ def test_services_are_wired_to_one_another(tmp_path: Path) -> None:
     assert specs["dask-workers"].checks[0].min_workers == 2
 
 
+def test_a_users_ui_url_for_the_plugin_wins(tmp_path: Path) -> None:
+    environ = {"MOPFLOW_MLFLOW_UI_URL": "https://mlflow.example"}
+    specs = {s.name: s for s in stack.build_specs(_settings(tmp_path), _config(), BIN, environ)}
+    assert specs["airflow"].env["MOPFLOW_MLFLOW_UI_URL"] == "https://mlflow.example"
+
+
 def test_user_airflow_tunables_win_but_wiring_does_not(tmp_path: Path) -> None:
     environ = {"AIRFLOW__API__WORKERS": "3", "AIRFLOW__API__PORT": "1"}
     env = stack.airflow_env(_settings(tmp_path), _config().ports, REPO, environ)
