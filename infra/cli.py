@@ -193,6 +193,13 @@ def cmd_settings(args: argparse.Namespace) -> int:
     settings = Settings.from_env().describe()
     for name, (env, help_text) in SETTING_ENV.items():
         print(f"{name:26} {env:28} {settings[name]}\n{'':26} {help_text}")
+    from infra.stack import PORT_ENV, STACK_ENV
+
+    print("\nlocal stack (mopflow up):")
+    for name, (env, default) in PORT_ENV.items():
+        print(f"{name + ' port':26} {env:28} {os.environ.get(env) or default}")
+    for name, (env, help_text) in STACK_ENV.items():
+        print(f"{name:26} {env:28} {os.environ.get(env, '')}\n{'':26} {help_text}")
     return 0
 
 
