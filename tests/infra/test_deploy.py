@@ -234,6 +234,130 @@ def test_compose_defines_the_services() -> None:
     assert services["airflow-init"]["restart"] == "no"
 
 
+# Keys of the Compose specification used to catch a misspelt key, which compose would refuse.
+COMPOSE_SERVICE_KEYS = set(
+    [
+        "annotations",
+        "attach",
+        "blkio_config",
+        "build",
+        "cap_add",
+        "cap_drop",
+        "cgroup",
+        "cgroup_parent",
+        "command",
+        "configs",
+        "container_name",
+        "cpu_count",
+        "cpu_percent",
+        "cpu_period",
+        "cpu_quota",
+        "cpu_rt_period",
+        "cpu_rt_runtime",
+        "cpu_shares",
+        "cpus",
+        "cpuset",
+        "credential_spec",
+        "depends_on",
+        "deploy",
+        "develop",
+        "device_cgroup_rules",
+        "devices",
+        "dns",
+        "dns_opt",
+        "dns_search",
+        "domainname",
+        "entrypoint",
+        "env_file",
+        "environment",
+        "expose",
+        "extends",
+        "external_links",
+        "extra_hosts",
+        "gpus",
+        "group_add",
+        "healthcheck",
+        "hostname",
+        "image",
+        "init",
+        "ipc",
+        "isolation",
+        "labels",
+        "label_file",
+        "links",
+        "logging",
+        "mac_address",
+        "mem_limit",
+        "mem_reservation",
+        "mem_swappiness",
+        "memswap_limit",
+        "network_mode",
+        "networks",
+        "oom_kill_disable",
+        "oom_score_adj",
+        "pid",
+        "pids_limit",
+        "platform",
+        "ports",
+        "post_start",
+        "pre_stop",
+        "privileged",
+        "profiles",
+        "pull_policy",
+        "read_only",
+        "restart",
+        "runtime",
+        "scale",
+        "secrets",
+        "security_opt",
+        "shm_size",
+        "stdin_open",
+        "stop_grace_period",
+        "stop_signal",
+        "storage_opt",
+        "sysctls",
+        "tmpfs",
+        "tty",
+        "ulimits",
+        "user",
+        "userns_mode",
+        "uts",
+        "volumes",
+        "volumes_from",
+        "working_dir",
+    ]
+)
+COMPOSE_HEALTHCHECK_KEYS = {
+    "test",
+    "interval",
+    "timeout",
+    "retries",
+    "start_period",
+    "start_interval",
+    "disable",
+}
+COMPOSE_DEVICE_KEYS = {"driver", "count", "device_ids", "capabilities", "options"}
+
+
+def test_compose_uses_only_compose_keys() -> None:
+    doc = compose()
+    assert set(doc) <= {"name", "services", "volumes", "networks", "configs", "secrets"} | {
+        k for k in doc if k.startswith("x-")
+    }
+    for name, service in doc["services"].items():
+        assert set(service) <= COMPOSE_SERVICE_KEYS, (
+            f"{name}: unknown keys {set(service) - COMPOSE_SERVICE_KEYS}"
+        )
+        assert set(service.get("healthcheck", {})) <= COMPOSE_HEALTHCHECK_KEYS, name
+        for device in (
+            service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        ):
+            assert set(device) <= COMPOSE_DEVICE_KEYS, name
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source.startswith(".") or source in doc["volumes"], f"{name}: undeclared volume {source}"
+
+
 def test_compose_depends_on_is_consistent() -> None:
     services = compose()["services"]
     graph: dict[str, set[str]] = {}
@@ -478,6 +602,77 @@ def main_container(name: str) -> dict[str, Any]:
     return containers[0]
 
 
+# Keys of the Kubernetes core/v1 PodSpec and Container used here and around, to catch misspellings.
+POD_KEYS = set(
+    [
+        "activeDeadlineSeconds",
+        "affinity",
+        "automountServiceAccountToken",
+        "containers",
+        "dnsConfig",
+        "dnsPolicy",
+        "enableServiceLinks",
+        "hostAliases",
+        "hostIPC",
+        "hostNetwork",
+        "hostPID",
+        "hostUsers",
+        "hostname",
+        "imagePullSecrets",
+        "initContainers",
+        "nodeName",
+        "nodeSelector",
+        "os",
+        "overhead",
+        "preemptionPolicy",
+        "priority",
+        "priorityClassName",
+        "readinessGates",
+        "resourceClaims",
+        "restartPolicy",
+        "runtimeClassName",
+        "schedulerName",
+        "securityContext",
+        "serviceAccountName",
+        "setHostnameAsFQDN",
+        "shareProcessNamespace",
+        "subdomain",
+        "terminationGracePeriodSeconds",
+        "tolerations",
+        "topologySpreadConstraints",
+        "volumes",
+    ]
+)
+CONTAINER_KEYS = set(
+    [
+        "args",
+        "command",
+        "env",
+        "envFrom",
+        "image",
+        "imagePullPolicy",
+        "lifecycle",
+        "livenessProbe",
+        "name",
+        "ports",
+        "readinessProbe",
+        "resizePolicy",
+        "resources",
+        "restartPolicy",
+        "securityContext",
+        "startupProbe",
+        "stdin",
+        "stdinOnce",
+        "terminationMessagePath",
+        "terminationMessagePolicy",
+        "tty",
+        "volumeDevices",
+        "volumeMounts",
+        "workingDir",
+    ]
+)
+
+
 def test_kustomization_lists_every_manifest() -> None:
     listed = set(kustomization()["resources"])
     on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
@@ -502,9 +697,22 @@ def test_k8s_objects_are_well_formed() -> None:
             assert selector and selector.items() <= labels.items(), (
                 f"{name}: selector does not match its pods"
             )
+        pod = workload["spec"]["template"]["spec"]
+        assert set(pod) <= POD_KEYS, f"{name}: unknown pod keys {set(pod) - POD_KEYS}"
+        mounts = {v["name"] for v in pod.get("volumes", [])}
         for container in all_containers(workload["spec"]["template"]):
+            assert set(container) <= CONTAINER_KEYS, f"{name}: unknown keys {set(container) - CONTAINER_KEYS}"
             image = container["image"]
             assert image.startswith("mopflow:") or image.startswith("postgres:"), f"{name}: image {image}"
+            if image.startswith("mopflow:"):
+                # args, not command: the image's entrypoint (tini, reaping the workers' children) stays PID 1.
+                assert "command" not in container and container["args"], f"{name}: set args, not command"
+            claims = {c["metadata"]["name"] for c in workload["spec"].get("volumeClaimTemplates", [])}
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in mounts | claims, (
+                    f"{name}: mount of an undeclared volume {mount['name']}"
+                )
+    assert 'ENTRYPOINT ["/usr/bin/tini", "--"]' in DOCKERFILE.read_text()
 
 
 def test_k8s_services_select_pods_and_their_ports() -> None:
