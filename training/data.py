@@ -575,7 +575,7 @@ def shard_dataset(
     # client no longer wants trips the scheduler (and on success, releasing them is enough)
     held: list[Any] = list(partitions)
     try:
-        stats_futures = [client.submit(partition_stats, p, features, pure=False) for p in partitions]
+        stats_futures = _on_holders(client, partition_stats, partitions, features)
         held += stats_futures
         stats = client.gather(stats_futures)
         totals = validate_stats(stats, cfg, features, cfg.n_shards)
@@ -658,7 +658,7 @@ def _stratify(
     The old partitions are not cancelled (that would cancel their dependents): they are
     released when the caller drops them.
     """
-    histogram_futures = [client.submit(class_hash_histogram, p, rule, pure=False) for p in partitions]
+    histogram_futures = _on_holders(client, class_hash_histogram, partitions, rule)
     held += histogram_futures
     totals: dict[int, np.ndarray] = {}
     for part in client.gather(histogram_futures):
@@ -666,7 +666,7 @@ def _stratify(
             totals[label] = totals.get(label, 0) + counts
     positions = threshold_positions(totals, rule)
     wanted = {label: sorted({b for b, _ in found if b >= 0}) for label, found in positions.items()}
-    value_futures = [client.submit(class_hash_values, p, rule, wanted, pure=False) for p in partitions]
+    value_futures = _on_holders(client, class_hash_values, partitions, rule, wanted)
     held += value_futures
     values: dict[tuple[int, int], np.ndarray] = {}
     for part_values in client.gather(value_futures):
@@ -674,16 +674,39 @@ def _stratify(
             values[key] = np.concatenate([values[key], v]) if key in values else v
     thresholds = stratified_thresholds(positions, {k: np.sort(v) for k, v in values.items()})
     log.info("shard: stratified split, per-class hash thresholds %s", thresholds)
-    restratified = [client.submit(restratify_partition, p, rule, thresholds, pure=False) for p in partitions]
-    stats_futures = [client.submit(partition_stats, p, features, pure=False) for p in restratified]
+    restratified = _on_holders(client, restratify_partition, partitions, rule, thresholds)
+    stats_futures = _on_holders(client, partition_stats, restratified, features)
     held += restratified + stats_futures
     return restratified, client.gather(stats_futures)
 
 
 def _holders(partitions: Sequence[Any], client: Any) -> list[str | None]:
-    """The worker holding each (computed) partition, to place the shard writers with their rows."""
+    """The worker holding each partition (waiting until they are computed)."""
+    from distributed import wait
+
+    wait(list(partitions))
     who_has = client.who_has(list(partitions))
     return [next(iter(who_has.get(p.key, ())), None) for p in partitions]
+
+
+def _on_holders(client: Any, fn: Any, partitions: Sequence[Any], *args: Any) -> list[Any]:
+    """Submit ``fn(partition, *args)`` per partition on the worker that holds the partition.
+
+    Left to itself the scheduler sends such a task to an idle worker while the holder is still
+    generating, copying the whole partition there (worker memory then grows with the data).
+    The restriction is loose, so a lost holder does not leave the task unrunnable.
+    """
+    return [
+        client.submit(
+            fn,
+            p,
+            *args,
+            pure=False,
+            workers=None if holder is None else [holder],
+            allow_other_workers=True,
+        )
+        for p, holder in zip(partitions, _holders(partitions, client), strict=True)
+    ]
 
 
 def _submit_shard(

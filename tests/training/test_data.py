@@ -193,3 +193,21 @@ def test_stratified_mnist1d_holds_out_validation_per_class(tmp_path: Path, dask_
     )
     # the package's own test rows are untouched: only validation is held out per class
     assert plain["splits"]["test"][0]["sha256"] == manifest["splits"]["test"][0]["sha256"]
+
+
+def _transfers(dask_worker: object) -> list[dict]:
+    """Every incoming transfer a worker logged: {key: nbytes} per transfer."""
+    return [dict(entry["keys"]) for entry in dask_worker.transfer_incoming_log]  # type: ignore[attr-defined]
+
+
+def test_shard_writers_never_pull_whole_partitions(tmp_path: Path, dask_client: object) -> None:
+    before = {w: len(log) for w, log in dask_client.run(_transfers).items()}  # type: ignore[attr-defined]
+    cfg = DataConfig(num_samples=4000, partition_rows=1000, n_shards=3)
+    manifest = load_manifest(shard_dataset(cfg, str(tmp_path), dask_client).manifest_uri)
+    after = dask_client.run(_transfers)  # type: ignore[attr-defined]
+    moved = {k: n for w, log in after.items() for entry in log[before.get(w, 0) :] for k, n in entry.items()}
+    # each partition stays on the worker that generated it; only slices travel to the writers
+    assert not [k for k in moved if str(k).startswith("generate_mnist1d_partition")]
+    assert all(str(k).startswith("take_rows") for k in moved), sorted(moved)
+    total = sum(e["rows"] for split in manifest["splits"].values() for e in split)
+    assert total == 4000
