@@ -946,7 +946,14 @@ def _flags(argv: list[str]) -> set[str]:
 def test_cli_flags_exist(prefix: tuple[str, ...]) -> None:
     commands = [argv for argv in every_command() if tuple(argv[: len(prefix)]) == prefix]
     assert commands, f"no {' '.join(prefix)} command in the deployment files"
-    known = set(re.findall(r"--[a-z0-9][a-z0-9-]*", help_text(*prefix)))
+    if prefix == ("mlflow", "server"):
+        # The click command `mlflow server --help` prints (in-process: MLflow is imported anyway).
+        from mlflow.cli import server
+
+        known = {o for p in server.params for o in (*p.opts, *p.secondary_opts)}
+        assert "--serve-artifacts" in known
+    else:
+        known = set(re.findall(r"--[a-z0-9][a-z0-9-]*", help_text(*prefix)))
     for argv in commands:
         unknown = _flags(argv) - known
         assert not unknown, f"`{' '.join(prefix)}` has no flags {sorted(unknown)}"
