@@ -1098,3 +1098,20 @@ def test_dockerfile_installs_like_the_makefile() -> None:
     }
     extras = re.findall(r"-e \. ([a-z0-9_-]+(?: [a-z0-9_-]+)*)", runs[project_step])
     assert extras and set(extras[0].split()) <= constraints
+
+
+def test_image_holds_the_database_drivers() -> None:
+    """Every PostgreSQL URL's driver is a dependency of the project the image installs, and so is
+    asyncpg, which Airflow 3 derives from a postgresql sync URL for its async engine."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    deps = pyproject.split("dependencies = [", 1)[1].split("]", 1)[0]
+    urls = [
+        value
+        for service in compose()["services"].values()
+        for value in [*service_env(service).values(), *as_argv(service.get("command") or [])]
+        if value.startswith("postgresql")
+    ]
+    drivers = {urlsplit(url).scheme.partition("+")[2] for url in urls}
+    assert drivers == {"psycopg2"}, f"one driver for every URL, got {drivers}"
+    for distribution in ("psycopg2-binary", "asyncpg"):
+        assert f'"{distribution}' in deps, f"{distribution} is not a dependency in pyproject.toml"
