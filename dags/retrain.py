@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,8 @@ def _schedule(cron: str) -> Any:
 @dag(
     dag_id="mopflow_retrain",
     schedule=_schedule(SCHEDULE_ENV),
-    start_date=datetime(2026, 1, 1),
+    # No start_date: the first timed run is the next cron time. With a start_date in the past,
+    # unpausing the DAG would start a full retrain at once for the latest missed week.
     catchup=False,
     max_active_runs=1,
     tags=["mopflow"],

@@ -75,6 +75,17 @@ def test_retrain_runs_on_its_timetable_or_new_sharded_data(dagbag: Any) -> None:
         pytest.skip("schedule disabled by MOPFLOW_RETRAIN_SCHEDULE")
     assert isinstance(dag.timetable, AssetOrTimeSchedule)
     assert dag.timetable.asset_condition == Asset("mopflow_sharded_dataset")
+    # Unpausing does not start a retrain at once: the first timed run is the next cron time.
+    from airflow.serialization.serialized_objects import DagSerialization
+    from airflow.timetables.base import TimeRestriction
+    from airflow.utils import timezone
+
+    timetable = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag)).timetable
+    first = timetable.next_dagrun_info(
+        last_automated_data_interval=None,
+        restriction=TimeRestriction(earliest=dag.start_date, latest=None, catchup=dag.catchup),
+    )
+    assert first is not None and first.run_after > timezone.utcnow()
     # No loop: retrain publishes nothing; only a sweep's shard task does (through the alias).
     assert all(not t.outlets for t in dag.tasks)
     assert [o.name for o in dagbag.dags["mopflow_sweep"].get_task("shard").outlets] == ["mopflow_new_shards"]
