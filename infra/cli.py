@@ -403,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mopflow", description="Model selection, ensembling and distillation on Airflow"
     )
+    parser.add_argument(
+        "--profile",
+        help="backends profile: embedded (default) or scale-out (infra/profiles/); or set MOPFLOW_PROFILE",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the retraining DAG once on this machine (dag.test)")
     run.add_argument("--config", help="flat YAML/JSON config (default: the packaged demo config)")
@@ -462,6 +466,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     try:
+        from infra.profile import ProfileError, apply_profile
+
+        try:  # before anything reads settings or imports Airflow
+            applied = apply_profile(os.environ, args.profile)
+        except ProfileError as exc:
+            raise CliError(str(exc)) from exc
+        if applied:
+            log.info("profile %s: %s", os.environ.get("MOPFLOW_PROFILE"), ", ".join(sorted(applied)))
         return int(args.func(args))
     except CliError as exc:
         print(f"mopflow: {exc}", file=sys.stderr)

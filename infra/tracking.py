@@ -68,7 +68,7 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         experiment = self.client.get_experiment_by_name(experiment_name)
         if experiment is None:
-            location = artifact_location
+            location = artifact_location or None  # None: the tracking server decides
             if location and "://" not in location:
                 Path(location).mkdir(parents=True, exist_ok=True)
                 location = Path(location).resolve().as_uri()

@@ -55,3 +55,16 @@ def test_json_schema_has_every_key_and_refuses_what_the_model_refuses() -> None:
         jsonschema.validate("cmaes-or-whatever", schema["sampler"])
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(-1.0, schema["timeout_minutes"])
+
+
+def test_oversized_conf_is_refused_before_parsing_the_space() -> None:
+    big_space = '{"families": {}, "pad": "' + "x" * (200 * 1024) + '"}'
+    with pytest.raises(ConfigError, match="limit is"):
+        PipelineConfig.from_conf({"search_space": big_space})
+
+
+def test_wrong_types_are_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="epochs"):
+        PipelineConfig.from_conf({"epochs": "eighty"})
+    with pytest.raises(ConfigError, match="feature_columns"):
+        PipelineConfig.from_conf({"feature_columns": "a,b"})
