@@ -243,6 +243,27 @@ def fail_stale_heartbeats(study: optuna.Study) -> set[int]:
     return before - after
 
 
+GRACE_ENV = "MOPFLOW_PREEMPT_GRACE_S"
+
+
+def register_preemption(client: Any, environ: Mapping[str, str] | None = None) -> float:
+    """Install the SIGTERM (spot notice) handling on every worker, present and future; returns
+    the grace period (``MOPFLOW_PREEMPT_GRACE_S``, default 30 s)."""
+    import os
+
+    from training.preempt import DEFAULT_GRACE_S, PreemptionPlugin
+
+    raw = (os.environ if environ is None else environ).get(GRACE_ENV, "") or str(DEFAULT_GRACE_S)
+    try:
+        grace = float(raw)
+    except ValueError:
+        raise ValueError(f"{GRACE_ENV}={raw!r} is not a number of seconds") from None
+    if not 0 < grace <= 3600:
+        raise ValueError(f"{GRACE_ENV}={grace} must be in (0, 3600] seconds")
+    client.register_plugin(PreemptionPlugin(grace))
+    return grace
+
+
 def checkpoint_folder(artifact_root: str, study_name: str, number: int) -> str:
     """Where a trial of the task strategy keeps its last epoch checkpoint."""
     return storage.join(artifact_root, "checkpoints", study_name, f"trial-{number:04d}")
@@ -263,6 +284,8 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -
         attrs["fail_reason"] = result.error[:2000]
     if result.resumed_from_epoch is not None:
         attrs["resumed_from_epoch"] = result.resumed_from_epoch
+    if result.resumed_from_step is not None:
+        attrs["resumed_from_step"] = result.resumed_from_step
     try:
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
@@ -370,6 +393,7 @@ def run_search(
         )
     deadline = time.monotonic() + cfg.timeout_minutes * 60 if cfg.timeout_minutes else None
     started = time.monotonic()
+    register_preemption(client)
     try:  # show the workers' per-epoch progress in this (task) log
         client.forward_logging("training", level=logging.INFO)
     except Exception:  # an older scheduler without log forwarding still trains

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from training.preempt import Preempted, notice_received
+
 log = logging.getLogger(__name__)
 
 
@@ -142,6 +144,7 @@ class TrialResult:
     worker: str = ""
     num_params: int = 0
     resumed_from_epoch: int | None = None  # the epoch a retried trial resumed after
+    resumed_from_step: int | None = None  # the optimizer step it resumed at (mid-epoch after a notice)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -198,7 +201,15 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
     started = time.monotonic()
     worker = f"{os.uname().nodename}:{os.getpid()}"
     history: list[dict[str, float]] = []
-    state: dict[str, int | None] = {"pruned_epoch": None, "resumed_from_epoch": None}
+    state: dict[str, int | None] = {
+        "pruned_epoch": None,
+        "resumed_from_epoch": None,
+        "resumed_from_step": None,
+    }
+    if notice_received():  # this worker is going away: do not start here
+        from distributed import Reschedule
+
+        raise Reschedule()
     workdir = tempfile.mkdtemp(prefix="mopflow-trial-")
     try:
         import pytorch_lightning as pl
@@ -265,6 +276,24 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                 for h in history:  # a retry is a new Optuna trial: give it the epochs already done
                     active.report(float(h["val_acc"]), int(h["epoch"]))
 
+            def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+                if resume_path:
+                    state["resumed_from_step"] = int(trainer.global_step)
+
+            def on_train_batch_end(
+                self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+            ) -> None:
+                if notice_received():  # a spot notice: keep this epoch's progress, hand the trial back
+                    if spec.checkpoint_uri:
+                        save_checkpoint(trainer, spec, workdir)
+                    log.warning(
+                        "trial %d: preempted at epoch %d step %d; checkpointed, rescheduling",
+                        spec.number,
+                        trainer.current_epoch,
+                        trainer.global_step,
+                    )
+                    raise Preempted(spec.number)
+
             def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
                 if trainer.sanity_checking or not spec.checkpoint_uri or state["pruned_epoch"] is not None:
                     return
@@ -316,7 +345,12 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
             worker=worker,
             num_params=count_params(arch),
             resumed_from_epoch=state["resumed_from_epoch"],
+            resumed_from_step=state["resumed_from_step"],
         )
+    except Preempted as exc:
+        from distributed import Reschedule
+
+        raise Reschedule() from exc  # Dask runs it again elsewhere; it resumes from the checkpoint
     except Exception as exc:  # a failed trial is a result, not a crash of the sweep
         log.warning("trial %d failed: %s", spec.number, exc)
         return TrialResult(
