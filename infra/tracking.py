@@ -46,6 +46,8 @@ def bound_mlflow_retries() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    # No usage telemetry from pipeline tasks (machines may have no internet; nothing to report).
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
 def _ensure_local_parent(tracking_uri: str) -> None:
