@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mopflow-installed
 
-.PHONY: demo test lint venv lock clean
+.PHONY: demo test chromium lint venv lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "mopflow needs $(PYTHON) on PATH" >&2; exit 1; }
@@ -24,8 +24,22 @@ venv: $(STAMP)
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mopflow run --summary-json .mopflow/demo-summary.json
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The browser test drives Debian's chromium through Playwright (never `playwright install`).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; \
+	  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO=sudo; \
+	  else echo "chromium is missing and this user cannot apt-get it: the browser test will be skipped" \
+	    "(install it with: apt-get install chromium)" >&2; exit 0; fi; \
+	  command -v apt-get >/dev/null 2>&1 || { echo "chromium is missing and there is no apt-get:" \
+	    "the browser test will be skipped (install chromium at /usr/bin/chromium)" >&2; exit 0; }; \
+	  echo "installing Debian's chromium for the browser test"; \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium \
+	  || { echo "could not install chromium with apt-get: the browser test will be skipped" >&2; exit 0; }; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -512,12 +512,14 @@ class Stack:
         urls = {s.name: s.url for s in state.services}
         self.airflow = urls["airflow"]
         self.mlflow = urls["mlflow"]
-        password = json.loads(Path(state.airflow_password_file).read_text())["admin"]
+        self.password = json.loads(Path(state.airflow_password_file).read_text())["admin"]
         status, answer = _request(
-            "POST", f"{self.airflow}/auth/token", {"username": "admin", "password": password}
+            "POST", f"{self.airflow}/auth/token", {"username": "admin", "password": self.password}
         )
         assert status == 201, answer
         self.token = answer["access_token"]
+        # Set by the sweep test once its run succeeded: what the browser tests look for.
+        self.sweep: dict[str, str] = {}
 
     def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         return _request(method, f"{self.airflow}/api/v2{path}", body, self.token)
@@ -611,6 +613,173 @@ def test_sweep_triggered_over_rest_registers_a_champion(running_stack: Stack) ->
     # The tasks logged to the stack's server: the run that produced the version is there too.
     status, mlrun = _request("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={version['run_id']}")
     assert status == 200 and mlrun["run"]["data"], mlrun
+    s.sweep = {"airflow_run_id": run["dag_run_id"], "model": name, "version": str(version["version"])}
+
+
+# ---------------------------------------------------------------------------- the UIs in a browser (slow)
+
+CHROMIUM = os.environ.get("MOPFLOW_CHROMIUM", "/usr/bin/chromium")  # Debian's; never a downloaded one
+UI_TIMEOUT_MS = 90_000  # a busy 2-core machine renders the React UIs slowly; locators wait, no sleeps
+
+
+def _artifacts_dir() -> Path:
+    """Where the screenshots go: $MOPFLOW_TEST_ARTIFACTS, else tests/artifacts (git-ignored)."""
+    folder = Path(os.environ.get("MOPFLOW_TEST_ARTIFACTS") or REPO / "tests" / "artifacts")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _require_browser() -> None:
+    """Skip without Chromium or Playwright, or fail under MOPFLOW_REQUIRE_SERVICES=1 (CI)."""
+    import importlib.util
+
+    missing = []
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        missing.append(f"chromium at {CHROMIUM} (apt-get install chromium; `make test` does it)")
+    if importlib.util.find_spec("playwright") is None:
+        missing.append("the playwright package (the dev extra)")
+    if not missing:
+        return
+    message = "browser test needs " + " and ".join(missing)
+    if os.environ.get("MOPFLOW_REQUIRE_SERVICES") == "1":
+        pytest.fail(message + " and MOPFLOW_REQUIRE_SERVICES=1")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def airflow_page(running_stack: Stack) -> Iterator[Any]:
+    """A headless Chromium page logged in to the stack's Airflow UI (the simple auth manager's form)."""
+    _require_browser()
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=UI_TIMEOUT_MS)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            context = browser.new_context(viewport={"width": 1400, "height": 1000})
+            context.set_default_timeout(UI_TIMEOUT_MS)
+            page = context.new_page()
+            page.goto(f"{running_stack.airflow}/dags")
+            try:
+                page.get_by_label("Username").fill("admin")
+                page.get_by_label("Password").fill(running_stack.password)
+                page.get_by_role("button", name="Sign in").click()
+                page.wait_for_url("**/dags")
+            except Exception:
+                _screenshot(page, "airflow-login")
+                raise
+            yield page
+        finally:
+            browser.close()
+
+
+def _screenshot(page: Any, name: str) -> Path:
+    path = _artifacts_dir() / f"stack-{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    print(f"screenshot: {path}")  # shown with -rA or on failure
+    return path
+
+
+def _finished_sweep(s: Stack) -> dict[str, str]:
+    if not s.sweep:
+        pytest.skip(
+            "needs the sweep of test_sweep_triggered_over_rest_registers_a_champion (it failed or was deselected)"
+        )
+    return s.sweep
+
+
+@pytest.mark.slow
+def test_browser_trigger_form_shows_the_sweep_params(running_stack: Stack, airflow_page: Any) -> None:
+    import re
+
+    from playwright.sync_api import expect
+
+    page = airflow_page
+    page.set_viewport_size({"width": 1400, "height": 2400})  # the modal's params on one screenshot
+    try:
+        page.goto(f"{running_stack.airflow}/dags/{DAG_ID}")
+        page.get_by_role("button", name="Trigger").first.click()
+        dialog = page.get_by_role("dialog")
+        expect(dialog.get_by_text(f"Trigger Dag - {DAG_ID}")).to_be_visible()
+        expect(dialog.get_by_text("Run Parameters")).to_be_visible()
+        # Each Param shows its key as the label and the config field's description under it.
+        for key, description in (
+            ("strategy", "task: a trial per worker; ddp: each trial on W DDP processes"),
+            ("n_trials", "Number of trials to finish"),
+            ("sampler", "Optuna sampler, seeded: tpe, random, grid"),
+            ("promotion", "champion if test accuracy"),
+        ):
+            label = page.locator("label").filter(has_text=re.compile(rf"^{key}\s*\*?$"))  # * = required
+            expect(dialog.locator(label)).to_be_visible()
+            expect(dialog.get_by_role("group").filter(has=label)).to_contain_text(description)
+        expect(dialog.get_by_role("combobox", name="strategy", exact=True)).to_be_visible()
+        expect(dialog.get_by_role("spinbutton", name="n_trials", exact=True)).to_have_value("20")  # default
+        expect(dialog.get_by_text("Advanced", exact=True)).to_be_visible()  # the other keys' section
+    finally:
+        _screenshot(page, "trigger-form")
+        page.set_viewport_size({"width": 1400, "height": 1000})
+    page.keyboard.press("Escape")  # nothing triggered: the modal is closed, not submitted
+
+
+@pytest.mark.slow
+def test_browser_sweeps_page_shows_the_leaderboard(running_stack: Stack, airflow_page: Any) -> None:
+    import re
+
+    from playwright.sync_api import expect
+
+    s, page = running_stack, airflow_page
+    sweep = _finished_sweep(s)
+    try:
+        page.goto(f"{s.airflow}/plugin/mopflow-sweeps")  # the nav item: the plugin page in an iframe
+        frame = page.frame_locator("iframe")
+        expect(frame.get_by_role("heading", name="Sweeps", exact=True)).to_be_visible()
+        section = frame.locator("section.sweep").filter(has_text=f"{DAG_ID} · {sweep['airflow_run_id']}")
+        expect(section).to_have_count(1)
+        expect(section.locator("p.meta")).to_contain_text("status FINISHED")
+        expect(section.locator("p.meta")).to_contain_text("strategy task")
+        rows = section.locator("table.leaderboard tr:has(td)")
+        expect(rows.first).to_be_visible()
+        assert rows.count() >= int(TINY["n_trials"])
+        accuracies = [float(a) for a in rows.locator("td:nth-child(3)").all_inner_texts() if a != "-"]
+        assert accuracies and all(0.0 <= a <= 1.0 for a in accuracies), accuracies
+        assert accuracies[0] == max(accuracies)  # best first
+        assert "COMPLETE" in rows.locator("td:nth-child(2)").all_inner_texts()
+        mlflow_href = section.get_by_role("link", name="MLflow run").get_attribute("href") or ""
+        optuna_href = section.get_by_role("link", name="optuna-dashboard").get_attribute("href") or ""
+    finally:
+        _screenshot(page, "sweeps-page")
+    link = re.fullmatch(re.escape(s.mlflow) + r"/#/experiments/(\d+)/runs/([0-9a-f]{32})", mlflow_href)
+    assert link, mlflow_href
+    # The link leads to this sweep's pipeline run in the stack's MLflow.
+    status, mlrun = _request("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={link.group(2)}")
+    assert status == 200, mlrun
+    tags = {t["key"]: t["value"] for t in mlrun["run"]["data"]["tags"]}
+    assert tags["mopflow.airflow_run_id"] == sweep["airflow_run_id"], tags
+    optuna = next(r.url for r in s.state.services if r.name == "optuna-dashboard")
+    assert re.fullmatch(re.escape(optuna) + r"/dashboard/studies/\d+", optuna_href), optuna_href
+
+
+@pytest.mark.slow
+def test_browser_mlflow_shows_the_champion_version(running_stack: Stack, airflow_page: Any) -> None:
+    from playwright.sync_api import expect
+
+    s = running_stack
+    sweep = _finished_sweep(s)
+    page = airflow_page.context.new_page()  # MLflow has no login here (mopflow up without --auth)
+    page.set_viewport_size(
+        {"width": 1800, "height": 1000}
+    )  # room for the versions table beside the assistant
+    try:
+        page.goto(f"{s.mlflow}/#/models/{sweep['model']}")
+        expect(page.get_by_role("heading", name=sweep["model"])).to_be_visible()
+        version = page.get_by_role("link", name=f"Version {sweep['version']}")
+        expect(version).to_be_visible()
+        row = page.get_by_role("row").filter(has=version)
+        expect(row).to_contain_text("champion")
+        expect(row).to_contain_text("challenger")
+    finally:
+        _screenshot(page, "mlflow-model")
+        page.close()
 
 
 @pytest.mark.slow
