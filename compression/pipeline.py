@@ -19,6 +19,7 @@ from typing import Any
 
 from compression.config import PipelineConfig
 from infra import storage
+from infra.optuna_storage import redact_url
 from infra.settings import Settings
 from infra.tracking import MlflowTracker
 from infra.version import code_version
@@ -274,7 +275,7 @@ def search_stage(
     )
     return {
         "study_name": study,
-        "storage_url": settings.optuna_storage,
+        "storage_url": redact_url(settings.optuna_storage),  # shown in XCom: no password
         "counts": counts,
         "best_trial": best[0].number,
         "best_val_acc": best[0].value,
@@ -308,7 +309,7 @@ def _log_mop_epochs(
             tracker.log_artifacts(run_id, tmp, "mop")
 
 
-def _load_candidates(search: Mapping[str, Any]) -> list[Any]:
+def _load_candidates(search: Mapping[str, Any], storage_url: str) -> list[Any]:
     import optuna
 
     from compression.ensemble import Candidate
@@ -317,9 +318,7 @@ def _load_candidates(search: Mapping[str, Any]) -> list[Any]:
     from training.space import params_from_optuna
 
     quiet_optuna()
-    study = optuna.load_study(
-        study_name=str(search["study_name"]), storage=make_storage(str(search["storage_url"]))
-    )
+    study = optuna.load_study(study_name=str(search["study_name"]), storage=make_storage(storage_url))
     return [
         Candidate(
             t.number, t.state.name, t.value, t.user_attrs.get("bundle_uri"), params_from_optuna(t.params)
@@ -366,7 +365,7 @@ def ensemble_stage(
         manifest_uri = str(shard["manifest_uri"])
         x_val, y_val = load_split(manifest_uri, "validation", so)
         x_test, y_test = load_split(manifest_uri, "test", so)
-        candidates = _load_candidates(search)
+        candidates = _load_candidates(search, settings.optuna_storage)
         members, weights = choose_members(
             candidates, cfg.ensemble.selection, cfg.ensemble.top_k, x_val, y_val, so
         )

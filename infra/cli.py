@@ -129,10 +129,10 @@ def run_pipeline(conf: Mapping[str, Any]) -> dict[str, Any]:
 
 def ui_hints(settings: Any, summary: Mapping[str, Any]) -> dict[str, str]:
     """Commands that open the MLflow and Optuna UIs on this run's data."""
-    from infra.optuna_storage import journal_path, storage_kind
+    from infra.optuna_storage import journal_path, redact_url, storage_kind
 
     optuna_url = settings.optuna_storage
-    optuna_arg = journal_path(optuna_url) if storage_kind(optuna_url) == "journal" else optuna_url
+    optuna_arg = journal_path(optuna_url) if storage_kind(optuna_url) == "journal" else redact_url(optuna_url)
     return {
         "mlflow": f"mlflow ui --backend-store-uri {settings.tracking_uri} --host 127.0.0.1 --port 5000",
         "optuna": f"optuna-dashboard {optuna_arg} --host 127.0.0.1 --port 8081",

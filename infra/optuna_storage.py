@@ -90,6 +90,18 @@ def heartbeat_seconds() -> int | None:
     return value or None
 
 
+def redact_url(url: str) -> str:
+    """The storage URL with any password replaced by ``***`` (for logs, XCom, summaries, UIs)."""
+    if storage_kind(url) != "rdb":
+        return url
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a database URL after all: show only its scheme
+        return url.split("://", 1)[0] + "://***"
+
+
 def quiet_optuna() -> None:
     """Keep Optuna's per-trial INFO lines out of task logs (mopflow logs its own progress)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)

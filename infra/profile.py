@@ -46,7 +46,7 @@ def read_profile(name: str) -> dict[str, str]:
     if name == EMBEDDED:
         return {}
     path = PROFILE_DIR / f"{name}.env"
-    if not path.is_file():
+    if name not in available_profiles() or not path.is_file():  # a name, never a path
         raise ProfileError(f"unknown profile {name!r}; expected one of {available_profiles()}")
     return parse_profile(path.read_text(), str(path))
 

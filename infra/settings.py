@@ -139,7 +139,7 @@ class Settings:
         )
 
     def describe(self) -> dict[str, str]:
-        """Settings as printable strings, secrets in storage options masked."""
+        """Settings as printable strings; secrets (storage options, database passwords) masked."""
         out: dict[str, str] = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -147,5 +147,9 @@ class Settings:
                 value = {
                     k: ("***" if "secret" in k or "key" in k or "token" in k else v) for k, v in value.items()
                 }
+            if f.name in ("optuna_storage", "tracking_uri"):  # database URLs may hold a password
+                from infra.optuna_storage import redact_url
+
+                value = redact_url(str(value))
             out[f.name] = str(value)
         return out

@@ -5,8 +5,9 @@ mopflow training, :class:`PreemptionPlugin` turns that signal into a notice
 (:data:`NOTICE`) that the training loop checks at every batch boundary: the trial writes a
 checkpoint of where it is (mid-epoch) and asks Dask to run it again elsewhere
 (``distributed.Reschedule``); the worker then leaves the cluster within the grace period. The
-trial resumes from that checkpoint on another (or a restarted) worker, not from the start of the
-epoch. Without a notice (SIGKILL) a trial loses at most the epoch it was in (it checkpoints
+trial resumes from that checkpoint (weights, optimizer, schedule, step count) on another (or a
+restarted) worker, not from the start of the epoch; the rest of that epoch draws from a fresh
+shuffle, as the DataLoader keeps no position. Without a notice (SIGKILL) a trial loses at most the epoch it was in (it checkpoints
 every finished epoch).
 """
 

@@ -108,8 +108,8 @@ def grid_configurations(space: SearchSpace, points: int, seed: int) -> list[dict
 
 def enqueue_grid(study: optuna.Study, cfg: SearchConfig, space: SearchSpace) -> int:
     """Enqueue the grid (at most ``n_trials`` points) into a new study; returns how many."""
-    if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) or len(study.trials) > 1:
-        return 0  # a resumed study already holds its grid
+    if [t for t in study.get_trials(deepcopy=False) if WARM_START_ATTR not in t.user_attrs]:
+        return 0  # a resumed study already holds its grid (a warm-start trial alone does not count)
     configs = grid_configurations(space, cfg.grid_points, cfg.seed)
     if len(configs) > cfg.n_trials:
         log.warning(
@@ -269,7 +269,9 @@ def checkpoint_folder(artifact_root: str, study_name: str, number: int) -> str:
     return storage.join(artifact_root, "checkpoints", study_name, f"trial-{number:04d}")
 
 
-def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -> None:
+def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -> bool:
+    """Record a result on its trial; False when the trial had already been finished (failed for a
+    stale heartbeat, its retry queued): the result is then dropped."""
     attrs: dict[str, Any] = {
         "bundle_uri": result.bundle_uri,
         "history": result.history,
@@ -291,7 +293,7 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -
             trial.set_user_attr(key, value)
     except optuna.exceptions.UpdateFinishedTrialError:
         log.warning("search: trial %d was already finished (stale heartbeat); result dropped", result.number)
-        return
+        return False
     try:
         if result.state == "COMPLETE":
             study.tell(trial, result.value, skip_if_finished=True)
@@ -302,6 +304,7 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -
     except optuna.exceptions.UpdateFinishedTrialError:
         # a retried database call whose first attempt was committed: the trial is already told
         log.warning("search: trial %d was already finished when told; kept as stored", result.number)
+    return True
 
 
 WARM_START_ATTR = "mopflow_warm_start"
@@ -474,7 +477,9 @@ def run_search(
                         bundle_uri=None,
                         error=f"{type(exc).__name__}: {exc}",
                     )
-                _tell(study, trial, result)
+                if not _tell(study, trial, result):
+                    asked -= 1  # it was failed for a stale heartbeat: its queued retry runs instead
+                    continue
                 results.append(result)
                 detail = (
                     f"val_acc={result.value:.4f}" if result.value is not None else f"error={result.error}"

@@ -145,6 +145,7 @@ class TrialResult:
     num_params: int = 0
     resumed_from_epoch: int | None = None  # the epoch a retried trial resumed after
     resumed_from_step: int | None = None  # the optimizer step it resumed at (mid-epoch after a notice)
+    resumed_after_notice_at_step: int | None = None  # set when the checkpoint was written on a spot notice
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -159,11 +160,38 @@ def fetch_checkpoint(spec: TrialSpec, workdir: str) -> str | None:
 
     for folder in (spec.checkpoint_uri, spec.resume_from):
         if folder and storage.exists(storage.join(folder, CHECKPOINT_FILE), spec.storage_options):
+            if not _checkpoint_matches(spec, folder):
+                log.warning(
+                    "trial %d: checkpoint in %s is of other params; not resuming from it", spec.number, folder
+                )
+                continue
             local = os.path.join(workdir, "resume.ckpt")
             with open(local, "wb") as fh:
                 fh.write(storage.read_bytes(storage.join(folder, CHECKPOINT_FILE), spec.storage_options))
             return local
     return None
+
+
+CHECKPOINT_META = "checkpoint.json"
+
+
+def _params_key(spec: TrialSpec) -> str:
+    from infra import storage
+
+    return storage.canonical_hash(
+        {"params": spec.params, "study": spec.study_name, "manifest": spec.manifest_uri}
+    )
+
+
+def _checkpoint_matches(spec: TrialSpec, folder: str) -> bool:
+    """Whether a checkpoint folder holds a run of these params on this data (a study recreated
+    under the same name would otherwise resume another configuration's weights)."""
+    from infra import storage
+
+    meta_uri = storage.join(folder, CHECKPOINT_META)
+    if not storage.exists(meta_uri, spec.storage_options):
+        return False
+    return bool(storage.read_json(meta_uri, spec.storage_options).get("params_key") == _params_key(spec))
 
 
 def save_checkpoint(trainer: Any, spec: TrialSpec, workdir: str) -> None:
@@ -175,6 +203,9 @@ def save_checkpoint(trainer: Any, spec: TrialSpec, workdir: str) -> None:
     trainer.save_checkpoint(local)
     with open(local, "rb") as fh:
         data = fh.read()
+    meta_uri = storage.join(spec.checkpoint_uri, CHECKPOINT_META)
+    if not storage.exists(meta_uri, spec.storage_options):
+        storage.write_json_atomic(meta_uri, {"params_key": _params_key(spec)}, spec.storage_options)
     storage.write_bytes_atomic(storage.join(spec.checkpoint_uri, CHECKPOINT_FILE), data, spec.storage_options)
 
 
@@ -205,6 +236,8 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
         "pruned_epoch": None,
         "resumed_from_epoch": None,
         "resumed_from_step": None,
+        "preempted_at_step": None,
+        "resumed_after_notice_at_step": None,
     }
     if notice_received():  # this worker is going away: do not start here
         from distributed import Reschedule
@@ -267,10 +300,14 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
             checkpoints each finished epoch (the history travels in the checkpoint)."""
 
             def state_dict(self) -> dict[str, Any]:
-                return {"history": [dict(h) for h in history]}
+                return {
+                    "history": [dict(h) for h in history],
+                    "preempted_at_step": state["preempted_at_step"],
+                }
 
             def load_state_dict(self, state_dict: dict[str, Any]) -> None:
                 history[:] = [dict(h) for h in state_dict.get("history", [])]
+                state["resumed_after_notice_at_step"] = state_dict.get("preempted_at_step")
                 if history:
                     state["resumed_from_epoch"] = int(history[-1]["epoch"])
                 for h in history:  # a retry is a new Optuna trial: give it the epochs already done
@@ -284,6 +321,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                 self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
             ) -> None:
                 if notice_received():  # a spot notice: keep this epoch's progress, hand the trial back
+                    state["preempted_at_step"] = int(trainer.global_step)
                     if spec.checkpoint_uri:
                         save_checkpoint(trainer, spec, workdir)
                     log.warning(
@@ -346,6 +384,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
             num_params=count_params(arch),
             resumed_from_epoch=state["resumed_from_epoch"],
             resumed_from_step=state["resumed_from_step"],
+            resumed_after_notice_at_step=state["resumed_after_notice_at_step"],
         )
     except Preempted as exc:
         from distributed import Reschedule

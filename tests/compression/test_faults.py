@@ -274,10 +274,15 @@ def test_postgresql_restart_mid_sweep_loses_and_duplicates_no_trial(
     }
     cfg = SearchConfig(n_trials=4, epochs=12, n_workers=2, space=space, pruner="none", sampler="random")
     first_report = threading.Event()
+    restarted: list[object] = []
 
     def restart_when_training() -> None:
-        first_report.wait(timeout=180)
-        _restart_postgresql()
+        if first_report.wait(timeout=180):
+            try:
+                _restart_postgresql()
+                restarted.append(True)
+            except Exception as exc:  # reported below: the test must not pass without a restart
+                restarted.append(exc)
 
     restarter = threading.Thread(target=restart_when_training)
     restarter.start()
@@ -292,8 +297,8 @@ def test_postgresql_restart_mid_sweep_loses_and_duplicates_no_trial(
             on_trial_done=lambda r: first_report.set(),
         )
     finally:
-        first_report.set()
         restarter.join(timeout=180)
+    assert restarted == [True], f"PostgreSQL was not restarted during the sweep: {restarted}"
     trials = optuna.load_study(study_name="pgr", storage=make_storage(pg_url)).trials
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     counted = [t for t in trials if not t.user_attrs.get(STALE_ATTR)]

@@ -712,7 +712,9 @@ def test_k8s_objects_are_well_formed() -> None:
                 assert mount["name"] in mounts | claims, (
                     f"{name}: mount of an undeclared volume {mount['name']}"
                 )
-    assert 'ENTRYPOINT ["/usr/bin/tini", "--"]' in DOCKERFILE.read_text()
+    assert (
+        'ENTRYPOINT ["/usr/bin/tini", "-g", "--"]' in DOCKERFILE.read_text()
+    )  # -g: the notice reaches the worker
 
 
 def test_k8s_services_select_pods_and_their_ports() -> None:

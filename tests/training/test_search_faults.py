@@ -20,7 +20,7 @@ from infra.optuna_storage import make_storage
 from training.config import SearchConfig
 from training.search import RESUME_ATTR, checkpoint_folder, fail_stale_heartbeats, retried_trial, run_search
 from training.space import parse_space, sample_params
-from training.trial import CHECKPOINT_FILE
+from training.trial import CHECKPOINT_FILE, CHECKPOINT_META, _params_key
 
 REPO = Path(__file__).resolve().parents[2]
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 128}
@@ -106,6 +106,8 @@ def test_tampered_trial_checkpoint_is_refused(small_manifest: str, tmp_path: Pat
 
     torch.save({"state_dict": {}, "evil": Payload()}, folder / CHECKPOINT_FILE)
     spec = TrialSpec(0, 0, CNN, 2, 0, small_manifest, str(tmp_path / "b"), checkpoint_uri=str(folder))
+    # the checkpoint's metadata is intact (only the weights file was swapped)
+    (folder / CHECKPOINT_META).write_text(json.dumps({"params_key": _params_key(spec)}))
     result = train_trial(spec)
     assert result.state == "FAIL" and "weights_only" in (result.error or "").replace(
         "Weights only", "weights_only"
