@@ -8,6 +8,7 @@ addresses from the environment.
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import os
@@ -227,12 +228,17 @@ def load_sweeps(
     return sweeps
 
 
-def optuna_study_ids(storage_url: str) -> dict[str, int]:
-    """Study name -> id in the Optuna storage (the ids optuna-dashboard puts in its URLs)."""
+@functools.lru_cache(maxsize=4)
+def _storage(storage_url: str) -> Any:
+    """One storage (one database engine) per URL for the life of the web server process."""
     from infra.optuna_storage import make_storage
 
-    storage = make_storage(storage_url)
-    return {s.study_name: s._study_id for s in storage.get_all_studies()}
+    return make_storage(storage_url)
+
+
+def optuna_study_ids(storage_url: str) -> dict[str, int]:
+    """Study name -> id in the Optuna storage (the ids optuna-dashboard puts in its URLs)."""
+    return {s.study_name: s._study_id for s in _storage(storage_url).get_all_studies()}
 
 
 def download_gantt(client: Any, run_id: str, name: str) -> bytes:
