@@ -213,3 +213,19 @@ def test_ddp_job_stops_between_epochs_when_the_caller_says_so(small_manifest: st
     )["d"]
     assert outcome.error is None and outcome.stopped_early
     assert 1 <= outcome.epochs_done < 8  # every rank stopped together, long before the end
+
+
+def test_packed_state_that_is_a_pickle_is_refused() -> None:
+    """A checkpoint replaced by a pickle payload: refused with a clear error, never unpickled."""
+    import pickle
+
+    from training.executors.units import StateFormatError, read_meta
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (print, ("executed!",))
+
+    with pytest.raises(StateFormatError, match="not a safetensors blob"):
+        read_meta(pickle.dumps(Payload()))
+    with pytest.raises(StateFormatError):
+        read_meta(b"\x00" * 4)

@@ -122,10 +122,22 @@ def pack_state(model: Any, optimizer: Any | None, meta: Mapping[str, Any]) -> by
     return save(tensors, metadata={"meta": json.dumps(dict(meta)), "steps": json.dumps(steps)})
 
 
+class StateFormatError(ValueError):
+    """Packed model state that is not a safetensors blob (truncated, or another format such as a
+    pickle): refused, never deserialized as code."""
+
+
 def _metadata(data: bytes) -> dict[str, str]:
     """The safetensors header's ``__metadata__`` (the header is JSON after an 8-byte length)."""
     size = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + size])
+    try:
+        if len(data) < 8 or not 0 < size <= len(data) - 8:
+            raise ValueError(f"header length {size} does not fit in {len(data)} bytes")
+        header = json.loads(data[8 : 8 + size])
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise StateFormatError(f"model state is not a safetensors blob ({exc}); refusing to load it") from exc
     return dict(header.get("__metadata__", {}))
 
 
