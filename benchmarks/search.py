@@ -58,18 +58,18 @@ RESULTS = REPO_ROOT / "benchmarks" / "results" / "search.json"
 SPACE: dict[str, Any] = {
     "families": {
         "cnn": {
-            "width": {"type": "int", "low": 4, "high": 64, "log": True},
-            "depth": {"type": "int", "low": 1, "high": 4},
+            "width": {"type": "int", "low": 8, "high": 64, "log": True},
+            "depth": {"type": "int", "low": 2, "high": 4},
         },
         "mlp": {
-            "width": {"type": "int", "low": 16, "high": 512, "log": True},
+            "width": {"type": "int", "low": 32, "high": 256, "log": True},
             "depth": {"type": "int", "low": 1, "high": 3},
         },
     },
     "common": {
-        "lr": {"type": "float", "low": 1e-4, "high": 0.3, "log": True},
-        "weight_decay": {"type": "float", "low": 1e-6, "high": 1e-2, "log": True},
-        "batch_size": {"type": "categorical", "choices": [64, 128, 256]},
+        "lr": {"type": "float", "low": 1e-3, "high": 0.1, "log": True},
+        "weight_decay": {"type": "float", "low": 1e-6, "high": 1e-3, "log": True},
+        "batch_size": {"type": "categorical", "choices": [64, 128]},
     },
 }
 
@@ -186,7 +186,7 @@ def write_results(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--trials", type=int, default=14)
+    parser.add_argument("--trials", type=int, default=24)
     parser.add_argument("--epochs", type=int, default=80)
     parser.add_argument("--min-resource", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
