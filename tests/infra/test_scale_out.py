@@ -270,7 +270,8 @@ def test_pipeline_in_the_scale_out_profile_has_the_embedded_outcomes(scale_out: 
 
     summary, env = scale_out["summary"], scale_out["env"]
     # Registry: the student is registered and is the champion, as in the embedded run.
-    client = MlflowClient(tracking_uri=env["MOPFLOW_TRACKING_URI"])
+    # registry_uri explicitly: an earlier test in this process may have set a global registry URI
+    client = MlflowClient(tracking_uri=env["MOPFLOW_TRACKING_URI"], registry_uri=env["MOPFLOW_TRACKING_URI"])
     champion = client.get_model_version_by_alias("scaleout-student", "champion")
     assert champion.version == summary["registered"]["version"]
     assert "champion" in summary["registered"]["aliases"]

@@ -125,7 +125,14 @@ def test_bad_sampler_or_pruner_is_refused_by_the_config() -> None:
 def _pruned_at(pruner: Any, good: int, curve: list[float]) -> int | None:
     """After ``good`` finished trials that reported 0.9 at every epoch, a trial reports ``curve``
     and asks at each epoch, as training does; the epoch at which it is pruned, or None."""
-    study = optuna.create_study(direction="maximize", pruner=pruner, sampler=optuna.samplers.RandomSampler(0))
+    # A fixed study name: Hyperband assigns trials to brackets by a hash of the study name and the
+    # trial number, and an in-memory study's default name is random.
+    study = optuna.create_study(
+        study_name="pruning-check",
+        direction="maximize",
+        pruner=pruner,
+        sampler=optuna.samplers.RandomSampler(0),
+    )
     for _ in range(good):
         trial = study.ask()
         for step in range(9):
