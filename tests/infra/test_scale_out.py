@@ -5,6 +5,7 @@ pipeline runs with ``MOPFLOW_PROFILE=scale-out`` and the outcomes match the embe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -125,46 +126,60 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("scaleout")
     suffix = uuid.uuid4().hex[:8]
     dbs = {part: f"mopflow_so_{part}_{suffix}" for part in ("airflow", "mlflow", "optuna")}
-    admin = psycopg2.connect(host=PG[0], port=PG[1], user="postgres", dbname="postgres")
-    admin.autocommit = True
-    for db in dbs.values():
-        admin.cursor().execute(f"CREATE DATABASE {db}")
-    pg = f"postgresql+psycopg2://postgres@{PG[0]}:{PG[1]}"
 
-    s3_port = _free_port()
-    s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port)
-    s3.start()
-    endpoint = f"http://127.0.0.1:{s3_port}"
-    creds = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    ).create_bucket(Bucket="mopflow")
+    def admin_sql(sql: str) -> None:  # a fresh connection each time: the server may have restarted
+        conn = psycopg2.connect(host=PG[0], port=PG[1], user="postgres", dbname="postgres")
+        conn.autocommit = True
+        try:
+            conn.cursor().execute(sql)
+        finally:
+            conn.close()
 
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
-    base |= creds | {"PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": str(REPO)}
-    mlflow_port, sched_port = _free_port(), _free_port()
-    # What differs from the profile's defaults: this test's ports and database names.
-    overrides = {
-        "MOPFLOW_PROFILE": "scale-out",
-        "MOPFLOW_HOME": str(root / "home"),
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"{pg}/{dbs['airflow']}",
-        "MOPFLOW_OPTUNA_STORAGE": f"{pg}/{dbs['optuna']}",
-        "MOPFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
-        "MOPFLOW_STORAGE_OPTIONS": json.dumps({"client_kwargs": {"endpoint_url": endpoint}}),
-        "MLFLOW_S3_ENDPOINT_URL": endpoint,
-        "MOPFLOW_DASK_ADDRESS": f"tcp://127.0.0.1:{sched_port}",
-        "MOPFLOW_RETRY_DELAY_S": "1",
-    }
-    env = base | overrides
-    apply_profile(env)  # everything else from infra/profiles/scale-out.env
+    cleanup = contextlib.ExitStack()  # undoes whatever was set up, even when setup fails half-way
+    try:  # setup: on failure, undo what was made before re-raising
+        for db in dbs.values():
+            admin_sql(f"CREATE DATABASE {db}")
+            cleanup.callback(admin_sql, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+        pg = f"postgresql+psycopg2://postgres@{PG[0]}:{PG[1]}"
+
+        s3_port = _free_port()
+        s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port)
+        s3.start()
+        cleanup.callback(s3.stop)
+        endpoint = f"http://127.0.0.1:{s3_port}"
+        creds = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        ).create_bucket(Bucket="mopflow")
+
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+        base |= creds | {"PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": str(REPO)}
+        mlflow_port, sched_port = _free_port(), _free_port()
+        # What differs from the profile's defaults: this test's ports and database names.
+        overrides = {
+            "MOPFLOW_PROFILE": "scale-out",
+            "MOPFLOW_HOME": str(root / "home"),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"{pg}/{dbs['airflow']}",
+            "MOPFLOW_OPTUNA_STORAGE": f"{pg}/{dbs['optuna']}",
+            "MOPFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
+            "MOPFLOW_STORAGE_OPTIONS": json.dumps({"client_kwargs": {"endpoint_url": endpoint}}),
+            "MLFLOW_S3_ENDPOINT_URL": endpoint,
+            "MOPFLOW_DASK_ADDRESS": f"tcp://127.0.0.1:{sched_port}",
+            "MOPFLOW_RETRY_DELAY_S": "1",
+        }
+        env = base | overrides
+        apply_profile(env)  # everything else from infra/profiles/scale-out.env
+    except BaseException:
+        cleanup.close()
+        raise
     services = Services(root / "logs")
     try:
         mlflow = services.start(
@@ -251,10 +266,7 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         }
     finally:
         services.stop()
-        s3.stop()
-        for db in dbs.values():
-            admin.cursor().execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-        admin.close()
+        cleanup.close()
 
 
 @pytest.mark.slow
