@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,9 @@ from pathlib import Path
 import optuna
 
 from infra.optuna_storage import make_storage
+from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_dashboard_on_a_storage_with_no_study_yet_starts(tmp_path: Path) -> None:
@@ -44,7 +38,7 @@ def test_dashboard_serves_the_studies_of_the_configured_storage(tmp_path: Path) 
 
 def _dashboard_studies(tmp_path: Path, journal: Path) -> dict:
     """Start `mopflow dashboard` on a free port with this journal as the storage; GET /api/studies."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "MOPFLOW_"))}
     env |= {"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_OPTUNA_STORAGE": str(journal)}
     mopflow = Path(sys.executable).with_name("mopflow")

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from infra.profile import apply_profile, parse_profile, read_profile
+from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from tests.conftest import PG, require_service
 from tests.dags.test_end_to_end import TINY
 
@@ -55,12 +56,6 @@ def test_bad_profiles_are_refused_with_the_name_or_line() -> None:
         parse_profile("A=1\nnot a line\n", "p.env")
     with pytest.raises(ProfileError, match="A is set twice"):
         parse_profile("A=1\nA=2\n", "p.env")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 120) -> None:
@@ -142,7 +137,7 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             cleanup.callback(admin_sql, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
         pg = f"postgresql+psycopg2://postgres@{PG[0]}:{PG[1]}"
 
-        s3_port = _free_port()
+        s3_port = free_port()
         s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port)
         s3.start()
         cleanup.callback(s3.stop)
@@ -162,7 +157,7 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 
         base = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
         base |= creds | {"PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": str(REPO)}
-        mlflow_port, sched_port = _free_port(), _free_port()
+        mlflow_port, sched_port = free_port(), free_port()
         # What differs from the profile's defaults: this test's ports and database names.
         overrides = {
             "MOPFLOW_PROFILE": "scale-out",

@@ -3,7 +3,6 @@ driver and by the Dask worker processes through s3fs — nothing is patched."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,21 +10,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from training.config import DataConfig
 from training.data import ShardIntegrityError, load_manifest, load_split, shard_dataset, verify_manifest
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def s3_options() -> Iterator[dict]:
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     options = {
