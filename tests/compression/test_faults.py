@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from compression import pipeline
 from infra import storage
 from infra.optuna_storage import make_storage
 from infra.settings import Settings
+from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from training.config import SearchConfig
 from training.data import ShardIntegrityError, load_manifest
 from training.search import STALE_ATTR, run_search
@@ -40,17 +40,11 @@ CONF = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class MlflowServer:
     """A real ``mlflow server`` (SQLite backend, local artifacts) that a test can stop and restart."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.port = root, _free_port()
+        self.root, self.port = root, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -203,7 +197,7 @@ def test_unwritable_data_root_fails_clearly_and_leaves_no_manifest(tmp_path: Pat
 def s3_endpoint() -> Iterator[dict]:
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     try:
@@ -222,8 +216,6 @@ def test_missing_bucket_fails_clearly_and_leaves_no_manifest(s3_endpoint: dict, 
     error naming the bucket; nothing is written; the shard run is FAILED."""
     import json
 
-    import s3fs
-
     settings = Settings.from_env(
         {
             "MOPFLOW_HOME": str(tmp_path / "home"),
@@ -231,12 +223,22 @@ def test_missing_bucket_fails_clearly_and_leaves_no_manifest(s3_endpoint: dict, 
             "MOPFLOW_STORAGE_OPTIONS": json.dumps(s3_endpoint),
         }
     )
+    import boto3
+
+    # moto's in-process backend is shared by every moto server in this process: compare, don't assume empty
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint["client_kwargs"]["endpoint_url"],
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    buckets_before = {b["Name"] for b in s3.list_buckets()["Buckets"]}
     ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__nobucket", settings)
     with pytest.raises(Exception) as failure:
         pipeline.shard_stage(CONF, ctx, settings)
     assert "no-such-bucket" in str(failure.value)
-    fs = s3fs.S3FileSystem(**s3_endpoint)
-    assert fs.ls("") == []  # no bucket and no object was created
+    assert {b["Name"] for b in s3.list_buckets()["Buckets"]} == buckets_before  # no bucket was created
     client = MlflowClient(tracking_uri=settings.tracking_uri)
     experiment = client.get_experiment_by_name(settings.experiment_name)
     runs = client.search_runs([experiment.experiment_id], "tags.`mopflow.stage` = 'shard'")
