@@ -9,6 +9,15 @@ trial resumes from that checkpoint (weights, optimizer, schedule, step count) on
 restarted) worker, not from the start of the epoch; the rest of that epoch draws from a fresh
 shuffle, as the DataLoader keeps no position. Without a notice (SIGKILL) a trial loses at most the epoch it was in (it checkpoints
 every finished epoch).
+
+A MOP (or task-executor) unit does the same at its next batch boundary: it raises
+:class:`UnitPreempted` carrying its state packed mid-pass (weights, optimizer, batches done, RNG),
+which reaches the coordinator through the scheduler even after the worker is gone; the unit is
+queued again and continues on another worker from that batch, in the same data order.
+
+Redone work: the work a lost attempt did after its last checkpoint must be done again.
+:func:`lost_spans` reads when a task was processing on a worker that never finished it (from the
+scheduler's transition log) and :func:`redone_seconds` subtracts what checkpoints saved.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -30,6 +40,22 @@ DEFAULT_GRACE_S = 30.0
 
 class Preempted(Exception):
     """Raised inside the training loop after the checkpoint is written; the task is rescheduled."""
+
+
+class UnitPreempted(Exception):
+    """A training unit stopped on a spot notice. ``state`` is its packed state at the last batch
+    boundary (it resumes from there); ``record`` has ``start``, ``saved_at`` and ``end`` (wall
+    clock) and ``batches`` done. Travels from the worker to the coordinator as the task's error;
+    the message stays short (Dask truncates long ones and would drop the state)."""
+
+    def __init__(self, model_id: str, state: bytes | None, record: Mapping[str, Any]) -> None:
+        super().__init__(f"unit of {model_id} preempted after {record.get('batches', 0)} batches")
+        self.model_id = model_id
+        self.state = state
+        self.record = dict(record)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (type(self), (self.model_id, self.state, self.record))
 
 
 def notice_received() -> bool:
@@ -73,3 +99,51 @@ class PreemptionPlugin(WorkerPlugin):
             log.warning("preemption: grace period over with a task still running; leaving anyway")
         # nanny=False: under a nanny (local clusters) a fresh worker process takes this one's place
         await worker.close(nanny=False, executor_wait=False, reason="preempted (SIGTERM)")
+
+
+FINISHED_STATES = ("memory", "erred", "forgotten")
+
+
+def lost_spans(story: Iterable[Sequence[Any]]) -> list[tuple[float, float]]:
+    """When a task ran on a worker that did not finish it: ``(start, end)`` wall-clock spans from
+    its scheduler story (transitions ``(key, start, finish, recommendations, stimulus, time)``).
+
+    A span opens when the task goes to ``processing`` and is lost when it leaves ``processing``
+    for anything but a result (the worker died, the task was rescheduled or cancelled).
+    """
+    spans: list[tuple[float, float]] = []
+    opened: float | None = None
+    for transition in story:
+        before, after, at = str(transition[1]), str(transition[2]), float(transition[-1])
+        if after == "processing" and before != "processing":
+            opened = at
+        elif before == "processing" and after != "processing":
+            if opened is not None and after not in FINISHED_STATES:
+                spans.append((opened, at))
+            opened = None
+    return spans
+
+
+def redone_seconds(spans: Iterable[tuple[float, float]], saved_at: Iterable[float] = ()) -> float:
+    """Seconds of lost spans after the last checkpoint written within each: the work redone."""
+    saves = sorted(saved_at)
+    total = 0.0
+    for start, end in spans:
+        last = max([start, *(t for t in saves if start <= t <= end)])
+        total += max(0.0, end - last)
+    return total
+
+
+def task_story(client: Any, key: str) -> list[tuple[Any, ...]]:
+    """The scheduler's transitions of ``key`` (empty when they cannot be read). The scheduler keeps
+    a bounded log (``distributed.admin.low-level-log-length``): a long-lost span may be gone."""
+    try:
+        story = client.run_on_scheduler(_scheduler_story, key)
+    except Exception as exc:  # accounting must never fail a sweep
+        log.debug("preemption: no scheduler story for %s: %s", key, exc)
+        return []
+    return [tuple(t) for t in story]
+
+
+def _scheduler_story(key: str, dask_scheduler: Any = None) -> list[tuple[Any, ...]]:
+    return [tuple(t) for t in dask_scheduler.story(key)]

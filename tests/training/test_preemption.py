@@ -16,6 +16,7 @@ from training.data import load_manifest
 from training.search import checkpoint_folder, register_preemption, run_search
 from training.trial import CHECKPOINT_FILE
 
+CNN_PARAMS = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
 SPACE = {
     "families": {
         "cnn": {
@@ -83,3 +84,50 @@ def test_sigterm_checkpoints_mid_epoch_and_the_trial_resumes_there(
     assert result.resumed_from_step is not None and result.resumed_from_step >= steps_per_epoch
     assert result.resumed_after_notice_at_step == result.resumed_from_step
     assert [h["epoch"] for h in result.history] == list(range(epochs))
+
+
+class _NoticeAfter:
+    """A notice flag that is raised at the ``n``-th batch-boundary check."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, 0
+
+    def is_set(self) -> bool:
+        self.calls += 1
+        return self.calls >= self.n
+
+
+def test_unit_stopped_by_a_notice_continues_in_the_same_data_order(
+    small_manifest: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A MOP unit told to stop at batch 5 packs weights, optimizer, position and RNG; continuing
+    from that state gives exactly the weights of the pass run without a stop."""
+    import torch
+    from safetensors.torch import load
+
+    from training.executors import units
+    from training.executors.units import DataRef, ModelSpec, init_state, partial_meta, train_pass
+    from training.preempt import UnitPreempted
+
+    data = DataRef(small_manifest)
+    shards = sorted(e["name"] for e in load_manifest(small_manifest)["splits"]["train"])[:1]
+    spec = ModelSpec("m", {**CNN_PARAMS, "batch_size": 16}, seed=3)
+    start, _ = train_pass(spec, init_state(spec, data), data, shards, 0, 3, 1)
+    whole, record = train_pass(spec, start, data, shards, 1, 3, 1, {"visited": ["p1"]})
+    assert record["resumed_at_batch"] == 0
+    monkeypatch.setattr(units, "NOTICE", _NoticeAfter(5))
+    with pytest.raises(UnitPreempted) as stopped:
+        train_pass(spec, start, data, shards, 1, 3, 1, {"visited": ["p1"]})
+    monkeypatch.undo()
+    assert stopped.value.record["batches"] == 5 and stopped.value.state is not None
+    assert stopped.value.record["start"] <= stopped.value.record["saved_at"] <= stopped.value.record["end"]
+    assert partial_meta(stopped.value.state) == {"epoch": 1, "pass_index": 1, "shards": shards, "batches": 5}
+    resumed, record = train_pass(spec, stopped.value.state, data, shards, 1, 3, 1, {"visited": ["p1"]})
+    assert record["resumed_at_batch"] == 5 and partial_meta(resumed) is None
+    a, b = load(whole), load(resumed)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # a partial state of another pass is not continued (that pass starts from its first batch)
+    _, other = train_pass(spec, stopped.value.state, data, shards, 1, 3, 0)
+    assert other["resumed_at_batch"] == 0

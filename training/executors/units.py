@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from training.preempt import NOTICE, UnitPreempted, notice_received
+
 log = logging.getLogger(__name__)
 
 # Worker-process cache of loaded partitions: each worker loads its shards once and keeps them.
@@ -105,11 +107,15 @@ def _build(spec: ModelSpec, manifest: Mapping[str, Any]) -> Any:
     return arch, build_model(arch, norm["mean"], norm["std"])
 
 
-def pack_state(model: Any, optimizer: Any | None, meta: Mapping[str, Any]) -> bytes:
-    """Weights and AdamW moments as safetensors bytes, with JSON metadata."""
+def pack_state(
+    model: Any, optimizer: Any | None, meta: Mapping[str, Any], extra: Mapping[str, Any] | None = None
+) -> bytes:
+    """Weights and AdamW moments as safetensors bytes, with JSON metadata (and ``extra`` tensors,
+    e.g. the RNG state of a pass stopped mid-way)."""
     from safetensors.torch import save
 
     tensors = {f"model.{k}": v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    tensors |= {f"extra.{k}": v.detach().contiguous().clone() for k, v in (extra or {}).items()}
     steps: dict[str, float] = {}
     if optimizer is not None:
         for index, param in enumerate(optimizer.param_groups[0]["params"]):
@@ -191,8 +197,11 @@ def train_pass(
     from training.trial import quiet_lightning
 
     started = time.time()
+    if notice_received():  # this worker is going away: hand the unit back untouched
+        raise UnitPreempted(spec.model_id, state, {"start": started, "saved_at": started, "end": started})
     torch.set_num_threads(1)
     quiet_lightning()
+    resume = _resume_point(state, epoch, pass_index, shard_names)
     manifest = load_manifest(data.manifest_uri, data.storage_options)
     _, model = _build(spec, manifest)
     lr = epoch_lr(float(spec.params["lr"]), epoch, total_epochs)
@@ -214,20 +223,70 @@ def train_pass(
     module = PassModule(model, lr=lr, weight_decay=float(spec.params["weight_decay"]))
     x, y = load_partition(data, shard_names)
     loaded = time.time()
-    # Same shuffling for the same (model, epoch, pass) wherever it runs.
+    # Same shuffling for the same (model, epoch, pass) wherever it runs: the permutation that
+    # DataLoader(shuffle=True, generator=...) draws, less the batches a preempted attempt did.
     generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 1009 + pass_index)
-    loader = DataLoader(
-        TensorDataset(x, y), batch_size=int(spec.params["batch_size"]), shuffle=True, generator=generator
-    )
+    batch_size = int(spec.params["batch_size"])
+    n_batches = -(-len(x) // batch_size)
+    skip = resume.batches if resume is not None else 0
+    order = torch.randperm(len(x), generator=generator)[skip * batch_size :]
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, sampler=order.tolist())
     torch.manual_seed(spec.seed + epoch)
-    trainer = pl.Trainer(max_epochs=1, limit_val_batches=0, **quiet_trainer_kwargs())
+    if resume is not None:
+        torch.set_rng_state(resume.rng)
+        log.info(
+            "%s: resuming epoch %d pass %d at batch %d/%d", spec.model_id, epoch, pass_index, skip, n_batches
+        )
+    done_meta = {"epoch": epoch, "model_id": spec.model_id, **dict(meta or {})}
+
+    class NoticeWatch(pl.Callback):
+        """A spot notice (a flag read per batch): pack the state at this batch boundary and stop."""
+
+        def on_train_batch_end(
+            self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            if not NOTICE.is_set():
+                return
+            batches = skip + batch_idx + 1
+            if batches >= n_batches:  # the pass is done anyway
+                return
+            partial = {
+                "epoch": epoch,
+                "pass_index": pass_index,
+                "shards": list(shard_names),
+                "batches": batches,
+            }
+            rng = {"rng": torch.get_rng_state()}
+            packed = pack_state(model, optimizer_holder.get("opt"), {**done_meta, "partial": partial}, rng)
+            saved_at = time.time()
+            log.warning(
+                "%s: spot notice; stopped epoch %d pass %d at batch %d/%d",
+                spec.model_id,
+                epoch,
+                pass_index,
+                batches,
+                n_batches,
+            )
+            raise UnitPreempted(
+                spec.model_id,
+                packed,
+                {
+                    "start": started,
+                    "load_end": loaded,
+                    "saved_at": saved_at,
+                    "end": time.time(),
+                    "batches": batches,
+                },
+            )
+
+    trainer = pl.Trainer(
+        max_epochs=1, limit_val_batches=0, callbacks=[NoticeWatch()], **quiet_trainer_kwargs()
+    )
     try:
         trainer.fit(module, loader)
     except NonFiniteLossError:
         raise
-    new_state = pack_state(
-        model, optimizer_holder.get("opt"), {"epoch": epoch, "model_id": spec.model_id, **dict(meta or {})}
-    )
+    new_state = pack_state(model, optimizer_holder.get("opt"), done_meta)
     ended = time.time()
     return new_state, {
         "model": spec.model_id,
@@ -238,9 +297,44 @@ def train_pass(
         "load_end": loaded,
         "end": ended,
         "rows": int(len(x)),
+        "resumed_at_batch": skip,
         "train_loss": float(module.last_train_loss),
         "state_bytes": len(new_state),
     }
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a pass stopped on a spot notice: batches done and the RNG state at that point."""
+
+    batches: int
+    rng: Any
+
+
+def partial_meta(state: bytes | None) -> dict[str, Any] | None:
+    """The mid-pass position packed with a state stopped on a notice (None for a finished pass)."""
+    if state is None:
+        return None
+    partial = read_meta(state).get("partial")
+    return dict(partial) if partial else None
+
+
+def _resume_point(
+    state: bytes | None, epoch: int, pass_index: int, shard_names: Sequence[str]
+) -> ResumePoint | None:
+    """The point to continue this pass from, when ``state`` was packed mid-way through it."""
+    partial = partial_meta(state)
+    if (
+        partial is None
+        or state is None
+        or int(partial.get("epoch", -1)) != epoch
+        or int(partial.get("pass_index", -1)) != pass_index
+        or list(partial.get("shards", [])) != list(shard_names)
+    ):
+        return None
+    from safetensors.torch import load
+
+    return ResumePoint(int(partial["batches"]), load(state)["extra.rng"])
 
 
 def init_state(spec: ModelSpec, data: DataRef) -> bytes:
