@@ -4,14 +4,21 @@ A FastAPI app is mounted at ``/mopflow`` on Airflow's api-server; the nav item "
 its page in an iframe. The routes need an authenticated Airflow user (the UI's session cookie or
 a bearer token): Airflow does not protect plugin endpoints by itself. Page logic lives in
 ``sweeps_page`` (data -> HTML); the routes here only read settings and call it.
+
+A root middleware (``trigger_guard``) refuses, at trigger time, a run conf of a DAG tagged
+``mopflow`` that has unknown keys, is larger than ``[mopflow] max_conf_bytes`` or (pipeline DAGs)
+is no valid pipeline config; :func:`resolve_trigger` tells it which DAG a request is for, whether
+the caller may trigger it and what it accepts.
 """
 
 from __future__ import annotations
 
 import logging
+from http.cookies import SimpleCookie
 from typing import Any
 
 import sweeps_page
+import trigger_guard
 from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, Response
@@ -115,9 +122,102 @@ def _external_views() -> list[dict[str, Any]]:
     ]
 
 
+# --- trigger-time conf checks (the Airflow side of trigger_guard) -------------------------------
+
+GUARD_TAG = "mopflow"  # the DAGs whose run confs are checked
+
+
+def _token(headers: dict[str, str] | Any) -> str | None:
+    """The caller's credential as Airflow's ``get_user`` reads it: a bearer token, else the UI cookie."""
+    from airflow.api_fastapi.auth.managers.base_auth_manager import COOKIE_NAME_JWT_TOKEN
+
+    scheme, _, credentials = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and credentials.strip():
+        return str(credentials.strip())
+    cookie: SimpleCookie = SimpleCookie()
+    try:
+        cookie.load(headers.get("cookie", ""))
+    except Exception:
+        return None
+    morsel = cookie.get(COOKIE_NAME_JWT_TOKEN)
+    return morsel.value if morsel else None
+
+
+def _guarded_dag(call: trigger_guard.Call, user: Any) -> trigger_guard.GuardedDag | None:
+    """The DAG the request triggers when it is tagged mopflow and the user may trigger it."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
+    from airflow.models.asset import TaskOutletAssetReference
+    from airflow.models.dag import DagModel
+    from airflow.models.dagbag import DBDagBag
+    from airflow.serialization.definitions.notset import is_arg_set
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    from compression.config import CONF_FIELDS, validate_conf
+
+    with create_session() as session:
+        dag_id = call.dag_id or call.endpoint.dag_id
+        if dag_id is None and call.endpoint.asset_id is not None:
+            producers = session.scalars(
+                select(TaskOutletAssetReference.dag_id)
+                .where(TaskOutletAssetReference.asset_id == call.endpoint.asset_id)
+                .group_by(TaskOutletAssetReference.dag_id)
+                .limit(2)
+            ).all()
+            dag_id = producers[0] if len(producers) == 1 else None
+        if dag_id is None:
+            return None
+        dag = DBDagBag().get_latest_version_of_dag(dag_id, session=session)
+        if dag is None or GUARD_TAG not in dag.tags:
+            return None
+        details = DagDetails(id=dag_id, team_name=DagModel.get_team_name(dag_id, session=session))
+    if not get_auth_manager().is_authorized_dag(
+        method="POST", access_entity=DagAccessEntity.RUN, details=details, user=user
+    ):
+        return None  # Airflow answers 403
+    params = dict(dag.params.items())
+    defaults = {key: p.value for key, p in params.items() if is_arg_set(p.value)}
+    # The pipeline DAGs' Params are the pipeline config's keys (conf_json_schema): validate it whole.
+    pipeline = set(params) == set(CONF_FIELDS)
+    return trigger_guard.GuardedDag(dag_id, frozenset(params), defaults, validate_conf if pipeline else None)
+
+
+async def resolve_trigger(call: trigger_guard.Call) -> trigger_guard.GuardedDag | None:
+    """What the guard checks a request against, or None: let Airflow answer (401/403/404/other DAGs)."""
+    from airflow.api_fastapi.core_api.security import resolve_user_from_token
+    from fastapi.concurrency import run_in_threadpool
+
+    try:
+        user = await resolve_user_from_token(_token(call.headers))
+    except HTTPException:
+        return None
+    return await run_in_threadpool(_guarded_dag, call, user)
+
+
+def conf_limit() -> int | ValueError:
+    """``[mopflow] max_conf_bytes`` (default and most: the pipeline's own limit), or why it is bad."""
+    from airflow.configuration import conf
+
+    from compression.config import MAX_CONF_BYTES
+
+    try:
+        return trigger_guard.parse_limit(conf.get("mopflow", "max_conf_bytes", fallback=None), MAX_CONF_BYTES)
+    except ValueError as exc:
+        log.error("mopflow plugin: %s; every mopflow trigger is refused until it is fixed", exc)
+        return exc
+
+
 class MopflowPlugin(AirflowPlugin):
-    """Registers the Sweeps app and the menu links."""
+    """Registers the Sweeps app, the menu links and the trigger-time conf checks."""
 
     name = "mopflow"
     fastapi_apps = [{"app": create_app(), "url_prefix": URL_PREFIX, "name": "mopflow sweeps"}]
+    fastapi_root_middlewares = [
+        {
+            "middleware": trigger_guard.TriggerGuard,
+            "kwargs": {"resolve": resolve_trigger, "limit": conf_limit()},
+            "name": "mopflow trigger guard",
+        }
+    ]
     external_views = _external_views()
