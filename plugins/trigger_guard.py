@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,7 +187,7 @@ class TriggerGuard:
         self.resolve = resolve
         self.limit = limit
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         endpoint = (
             match_endpoint(scope.get("method", ""), scope.get("path", ""))
             if scope["type"] == "http"

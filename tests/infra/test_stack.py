@@ -446,7 +446,7 @@ def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path: Path) -> No
 
 DAG_ID = "mopflow_sweep"
 # The tiny config of tests/dags/test_end_to_end.py, smaller still: 2 trials of 2 epochs.
-TINY = {
+TINY: dict[str, Any] = {
     "num_samples": 1000,
     "n_shards": 2,
     "n_trials": 2,
@@ -483,8 +483,10 @@ def _mopflow(home: Path, *args: str, timeout: int = 420) -> subprocess.Completed
     )
 
 
-def _request(method: str, url: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
-    headers = {"Content-Type": "application/json"}
+def _request(
+    method: str, url: str, body: Any = None, token: str | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json", **(headers or {})}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     data = json.dumps(body).encode() if body is not None else None
@@ -782,21 +784,105 @@ def test_browser_mlflow_shows_the_champion_version(running_stack: Stack, airflow
         page.close()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("key", "value"), [("epochs", -3), ("strategy", "bogus")])
-def test_invalid_param_is_refused_and_creates_no_run(running_stack: Stack, key: str, value: Any) -> None:
-    s = running_stack
+def _wait_for_dag(s: Stack, dag_id: str) -> None:
     deadline = time.monotonic() + 120
-    while s.api("GET", f"/dags/{DAG_ID}")[0] != 200:
-        assert time.monotonic() < deadline
+    while s.api("GET", f"/dags/{dag_id}")[0] != 200:  # the dag-processor parses at start
+        assert time.monotonic() < deadline, f"{dag_id} never appeared"
         time.sleep(2)
-    before = {r["dag_run_id"] for r in s.dag_runs()}
-    status, answer = s.api(
-        "POST", f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": {**TINY, key: value}}
+
+
+def _run_ids(s: Stack, dag_id: str) -> set[str]:
+    status, answer = s.api("GET", f"/dags/{dag_id}/dagRuns")
+    assert status == 200, answer
+    return {r["dag_run_id"] for r in answer["dag_runs"]}
+
+
+# Each bad conf is refused at trigger time by the api-server (Airflow's Param schemas, and the mopflow
+# plugin's trigger guard for unknown keys, size and the whole pipeline config), and no run exists.
+BAD_CONFS = [
+    pytest.param({"epochs": -3}, 400, ["epochs", "-3"], id="out-of-range"),
+    pytest.param({"strategy": "bogus"}, 400, ["strategy", "bogus"], id="not-in-enum"),
+    pytest.param({"n_trials": "many"}, 400, ["n_trials", "many"], id="wrong-type"),
+    pytest.param(
+        {"n_trails": 5},
+        400,
+        ["unknown conf key(s) ['n_trails']", "the accepted keys are", "'n_trials'", "'top_k'"],
+        id="unknown-key",
+    ),
+    pytest.param({"n_trials": 2, "top_k": 4}, 400, ["top_k=4 is larger than n_trials=2"], id="cross-key"),
+    pytest.param(
+        {"search_space": "x" * 140_000},
+        413,
+        ["bytes; the limit is 131072 bytes", "[mopflow] max_conf_bytes", "AIRFLOW__MOPFLOW__MAX_CONF_BYTES"],
+        id="oversized",
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("conf", "status", "needles"), BAD_CONFS)
+def test_bad_conf_is_refused_at_trigger_time_and_creates_no_run(
+    running_stack: Stack, conf: dict[str, Any], status: int, needles: list[str]
+) -> None:
+    s = running_stack
+    _wait_for_dag(s, DAG_ID)
+    before = _run_ids(s, DAG_ID)
+    code, answer = s.api("POST", f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": {**TINY, **conf}})
+    assert code == status, (code, str(answer)[:2000])
+    for needle in needles:
+        assert needle in json.dumps(answer) or needle in str(answer), (needle, str(answer)[:2000])
+    assert _run_ids(s, DAG_ID) == before
+
+
+@pytest.mark.slow
+def test_trigger_guard_covers_the_ui_call_other_dags_and_backfills(running_stack: Stack) -> None:
+    s = running_stack
+    _wait_for_dag(s, DAG_ID)
+    before = _run_ids(s, DAG_ID)
+    body = {"logical_date": None, "conf": {**TINY, "bogus": 1}}
+    # The UI's trigger form: the same endpoint, with the session cookie and a Referer.
+    ui_headers = {"Cookie": f"_token={s.token}", "Referer": f"{s.airflow}/dags/{DAG_ID}"}
+    code, answer = _request("POST", f"{s.airflow}/api/v2/dags/{DAG_ID}/dagRuns", body, headers=ui_headers)
+    assert code == 400 and "['bogus']" in answer["detail"], (code, answer)
+    # No credentials: Airflow's own 401, nothing about the DAG's keys.
+    code, answer = _request("POST", f"{s.airflow}/api/v2/dags/{DAG_ID}/dagRuns", body)
+    assert code == 401 and "bogus" not in json.dumps(answer), (code, answer)
+    assert _run_ids(s, DAG_ID) == before
+    # mopflow_promote: its own Params are the accepted keys.
+    _wait_for_dag(s, "mopflow_promote")
+    before_promote = _run_ids(s, "mopflow_promote")
+    code, answer = s.api(
+        "POST",
+        "/dags/mopflow_promote/dagRuns",
+        {"logical_date": None, "conf": {"action": "rollback", "model": "x"}},
     )
-    assert 400 <= status < 500, (status, answer)
-    assert key in json.dumps(answer) and str(value) in json.dumps(answer), answer
-    assert {r["dag_run_id"] for r in s.dag_runs()} == before
+    assert code == 400, (code, answer)
+    assert "['model']; the accepted keys are ['action', 'name', 'version']" in answer["detail"]
+    assert _run_ids(s, "mopflow_promote") == before_promote
+    # A valid conf still triggers (the DAG stays paused: the run waits, nothing is promoted).
+    code, run = s.api(
+        "POST",
+        "/dags/mopflow_promote/dagRuns",
+        {"logical_date": None, "conf": {"action": "rollback", "name": "x"}},
+    )
+    assert code == 200 and run["conf"] == {"action": "rollback", "name": "x"}, (code, run)
+    assert _run_ids(s, "mopflow_promote") == before_promote | {run["dag_run_id"]}
+    # A backfill's dag_run_conf of the scheduled DAG.
+    _wait_for_dag(s, "mopflow_retrain")
+    backfill = {
+        "dag_id": "mopflow_retrain",
+        "from_date": "2026-01-01T00:00:00Z",
+        "to_date": "2026-01-20T00:00:00Z",
+        "dag_run_conf": {"n_trials": 2, "bogus": 1},
+    }
+    code, answer = s.api("POST", "/backfills", backfill)
+    assert code == 400 and "mopflow_retrain: unknown conf key(s) ['bogus']" in answer["detail"], (
+        code,
+        answer,
+    )
+    code, listed = s.api("GET", "/backfills?dag_id=mopflow_retrain")
+    assert code == 200 and listed["total_entries"] == 0, listed
+    assert _run_ids(s, "mopflow_retrain") == set()
 
 
 @pytest.mark.slow
