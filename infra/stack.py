@@ -7,7 +7,17 @@ Five services on 127.0.0.1, wired to one another and to the same MOPFLOW_HOME:
 - ``optuna-dashboard`` on the study storage;
 - ``airflow``: ``airflow standalone`` (scheduler, dag-processor, api-server, triggerer) on this
   project's ``dags/`` and ``plugins/``, whose task processes get the stack's MLflow and Dask
-  addresses through ``MOPFLOW_TRACKING_URI`` and ``MOPFLOW_DASK_ADDRESS``.
+  addresses through ``MOPFLOW_TRACKING_URI`` and ``MOPFLOW_DASK_ADDRESS``. With the
+  CeleryExecutor (``AIRFLOW__CORE__EXECUTOR``; standalone would force the LocalExecutor) the
+  components run as services of their own instead: ``airflow`` is then the api-server, beside
+  ``airflow-scheduler``, ``airflow-dag-processor``, ``airflow-triggerer`` and
+  ``airflow-celery-worker`` (the broker, e.g. Redis, is not started by the stack).
+
+The backends follow the settings (e.g. ``MOPFLOW_PROFILE=scale-out``): Airflow's metadata on
+``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN``, MLflow's on ``MOPFLOW_MLFLOW_BACKEND_STORE`` with its
+artifacts at ``MOPFLOW_MLFLOW_ARTIFACTS_DESTINATION``, Optuna's on ``MOPFLOW_OPTUNA_STORAGE``. A
+tracking URI or Dask address on 127.0.0.1 names the server the stack itself serves; one on
+another host is refused (the stack would not be the one the tasks use).
 
 Every service runs in its own process group with its log under ``<home>/stack/logs``; pids,
 ports, URLs and health checks are recorded in ``<home>/stack/state.json`` so that ``status``
@@ -76,6 +86,10 @@ STACK_ENV: dict[str, tuple[str, str]] = {
     ),
 }
 SERVICE_ORDER = ("mlflow", "dask-scheduler", "dask-workers", "optuna-dashboard", "airflow")
+# With the CeleryExecutor the Airflow components run as services of their own ("airflow" is then
+# the api-server); they start after it and stop before it.
+CELERY_SERVICES = ("airflow-scheduler", "airflow-dag-processor", "airflow-triggerer", "airflow-celery-worker")
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 class StackError(RuntimeError):
@@ -281,11 +295,15 @@ def config_from_env(
         raise StackError(_validation_message(exc)) from exc
 
 
+# MLflow client variables that say where runs go (``set_tracking_uri`` exports some of them): a stale
+# one would send a server's or a task's writes elsewhere. Others (``MLFLOW_S3_ENDPOINT_URL``) are kept.
+_MLFLOW_WHERE = ("MLFLOW_TRACKING_", "MLFLOW_REGISTRY_", "MLFLOW_EXPERIMENT_", "MLFLOW_RUN_")
+
+
 def base_env(environ: Mapping[str, str], bin_dir: str) -> dict[str, str]:
-    """The inherited environment minus MLflow's own variables (``set_tracking_uri`` exports them, and
-    a stale ``MLFLOW_TRACKING_URI`` would send a server's or a task's writes elsewhere), with the
-    venv's ``bin`` first on PATH (airflow standalone starts its parts as a bare ``airflow``)."""
-    env = {k: v for k, v in environ.items() if not k.startswith("MLFLOW_")}
+    """The inherited environment minus MLflow's "where do runs go" variables (see ``_MLFLOW_WHERE``),
+    with the venv's ``bin`` first on PATH (airflow standalone starts its parts as a bare ``airflow``)."""
+    env = {k: v for k, v in environ.items() if not k.startswith(_MLFLOW_WHERE)}
     path = env.get("PATH", "")
     if bin_dir not in path.split(os.pathsep):
         env["PATH"] = bin_dir + (os.pathsep + path if path else "")
@@ -308,6 +326,70 @@ def mopflow_env(settings: Settings, ports: StackPorts) -> dict[str, str]:
         "MOPFLOW_DASK_ADDRESS": f"tcp://{HOST}:{ports.dask_scheduler}",
         "MOPFLOW_DASK_WORKERS": str(settings.dask_workers),
     }
+
+
+def is_loopback(url: str) -> bool:
+    """Whether a URL (``http://...``, ``tcp://...``) names a host on this machine's loopback."""
+    from urllib.parse import urlsplit
+
+    return (urlsplit(url).hostname or "") in LOOPBACK
+
+
+def airflow_executor(environ: Mapping[str, str]) -> str:
+    """The default executor's class name (the first of ``AIRFLOW__CORE__EXECUTOR``; default
+    LocalExecutor); only the LocalExecutor and the CeleryExecutor are run by the stack."""
+    raw = environ.get("AIRFLOW__CORE__EXECUTOR", "").strip()
+    first = raw.split(",")[0].strip()
+    name = first.rpartition(":")[2].rpartition(".")[2] or "LocalExecutor"
+    if name not in ("LocalExecutor", "CeleryExecutor"):
+        raise StackError(
+            f"AIRFLOW__CORE__EXECUTOR={raw!r}: `mopflow up` runs the LocalExecutor or the CeleryExecutor"
+        )
+    if name == "CeleryExecutor":
+        conn = environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "")
+        if not conn or conn.startswith("sqlite"):
+            raise StackError(
+                "the CeleryExecutor needs Airflow's metadata on a database server, e.g. "
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=postgresql+psycopg2://postgres@127.0.0.1:5432/mopflow_airflow "
+                f"(got {conn or 'the SQLite default'!r})"
+            )
+        if not environ.get("AIRFLOW__CELERY__BROKER_URL", "").strip():
+            raise StackError(
+                "the CeleryExecutor needs a broker: set AIRFLOW__CELERY__BROKER_URL "
+                "(e.g. redis://127.0.0.1:6379/0; the scale-out profile does)"
+            )
+    return name
+
+
+def mlflow_server_stores(settings: Settings, environ: Mapping[str, str]) -> tuple[str, str]:
+    """The stack's MLflow server: (backend store URI, artifacts destination).
+
+    The backend store is ``MOPFLOW_MLFLOW_BACKEND_STORE``, else the tracking URI when it is a
+    database. A tracking URI that is a server (``http://...``, as in the scale-out profile) is
+    accepted when it is on 127.0.0.1 and a backend store is given: the stack serves it."""
+    store = environ.get("MOPFLOW_MLFLOW_BACKEND_STORE", "").strip()
+    uri = settings.tracking_uri
+    if uri.startswith(("http://", "https://")):
+        if not store:
+            raise StackError(
+                f"MOPFLOW_TRACKING_URI={uri!r} already points at a tracking server; `mopflow up` starts "
+                "its own: give it a database in MOPFLOW_MLFLOW_BACKEND_STORE (as the scale-out profile does) "
+                "or set MOPFLOW_TRACKING_URI to a database URI (e.g. sqlite:///...)"
+            )
+        if not is_loopback(uri):
+            raise StackError(
+                f"MOPFLOW_TRACKING_URI={uri!r} points at a tracking server on another host; `mopflow up` "
+                "serves MLflow on 127.0.0.1: unset it or point it at 127.0.0.1"
+            )
+    backend = store or uri
+    if backend.startswith(("http://", "https://")):
+        raise StackError(f"MOPFLOW_MLFLOW_BACKEND_STORE={backend!r} must be a database URI, not a server")
+    destination = (
+        environ.get("MOPFLOW_MLFLOW_ARTIFACTS_DESTINATION", "").strip()
+        or settings.mlflow_artifact_location
+        or str(Path(settings.home) / "mlflow" / "artifacts")
+    )
+    return backend, destination
 
 
 def airflow_password_file(airflow_home: str, environ: Mapping[str, str]) -> str:
@@ -343,7 +425,8 @@ def airflow_env(
     defaults = {
         "AIRFLOW__API__WORKERS": "1",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
-        "AIRFLOW__CORE__PARALLELISM": "4",  # LocalExecutor worker processes
+        "AIRFLOW__CORE__PARALLELISM": "4",  # task instances running at once (LocalExecutor processes)
+        "AIRFLOW__CELERY__WORKER_CONCURRENCY": "4",  # a Celery worker's task processes (Airflow's default: 16)
     }
     env.update({k: v for k, v in defaults.items() if k not in environ})
     return env
@@ -363,16 +446,13 @@ def build_specs(
     Airflow plugin) gets the admin's credentials through ``MLFLOW_TRACKING_USERNAME/PASSWORD``."""
     if config.mlflow_auth and auth is None:
         raise StackError("the stack config asks for MLflow auth but no credentials were prepared")
-    if settings.tracking_uri.startswith(("http://", "https://")):
-        raise StackError(
-            f"MOPFLOW_TRACKING_URI={settings.tracking_uri!r} already points at a tracking server; "
-            "`mopflow up` starts its own on a database URI (e.g. sqlite:///...): unset it or give a database URI"
-        )
-    if settings.dask_address:
+    backend_store, artifacts_destination = mlflow_server_stores(settings, environ)
+    if settings.dask_address and not is_loopback(settings.dask_address):
         raise StackError(
             f"MOPFLOW_DASK_ADDRESS={settings.dask_address!r} points at an existing Dask scheduler; "
-            "`mopflow up` starts its own: unset it"
+            "`mopflow up` starts its own on 127.0.0.1: unset it or point it at 127.0.0.1"
         )
+    executor = airflow_executor(environ)
     p = config.ports
     # Where the Airflow "Sweeps" page (plugins/sweeps_page.py) links to; a user's value (a proxy) wins.
     ui_urls = {
@@ -401,7 +481,6 @@ def build_specs(
     if storage_kind(optuna_target) == "journal":
         # The journal file may not exist yet: name the storage class so the dashboard creates it.
         optuna_args = (journal_path(optuna_target), "--storage-class", "JournalFileStorage")
-    airflow_url = f"http://{HOST}:{p.airflow}"
     return [
         ServiceSpec(
             name="mlflow",
@@ -409,9 +488,9 @@ def build_specs(
                 exe("mlflow"),
                 "server",
                 "--backend-store-uri",
-                settings.tracking_uri,
+                backend_store,
                 "--artifacts-destination",
-                settings.mlflow_artifact_location,
+                artifacts_destination,
                 "--serve-artifacts",
                 "--host",
                 HOST,
@@ -485,15 +564,82 @@ def build_specs(
             checks=(HealthCheck(kind="http", url=f"http://{HOST}:{p.optuna}/"),),
             ports=(p.optuna,),
         ),
+        *airflow_specs(executor, {**common, **airflow_env(settings, p, repo, environ)}, p, bin_dir),
+    ]
+
+
+def airflow_specs(executor: str, env: dict[str, str], p: StackPorts, bin_dir: str) -> list[ServiceSpec]:
+    """Airflow: ``airflow standalone`` for the LocalExecutor; for the CeleryExecutor (which
+    standalone replaces by the LocalExecutor) the api-server as ``airflow`` and each other
+    component, the Celery worker included, as a service of its own."""
+    airflow = str(Path(bin_dir) / "airflow")
+    url = f"http://{HOST}:{p.airflow}"
+    health = HealthCheck(kind="airflow", url=f"{url}/api/v2/monitor/health")  # metadata DB + scheduler
+    if executor != "CeleryExecutor":
+        return [
+            ServiceSpec(
+                name="airflow",
+                argv=(airflow, "standalone"),
+                env=env,
+                url=url,
+                checks=(health,),
+                ports=(p.airflow, p.airflow_worker_logs, p.airflow_trigger_logs),
+            )
+        ]
+    worker_logs = f"tcp://{HOST}:{p.airflow_worker_logs}"
+    trigger_logs = f"tcp://{HOST}:{p.airflow_trigger_logs}"
+    return [
         ServiceSpec(
             name="airflow",
-            argv=(exe("airflow"), "standalone"),
-            env={**common, **airflow_env(settings, p, repo, environ)},
-            url=airflow_url,
-            checks=(HealthCheck(kind="airflow", url=f"{airflow_url}/api/v2/monitor/health"),),
-            ports=(p.airflow, p.airflow_worker_logs, p.airflow_trigger_logs),
+            argv=(airflow, "api-server"),
+            env=env,
+            url=url,
+            checks=(health,),
+            ports=(p.airflow,),
+        ),
+        ServiceSpec(name="airflow-scheduler", argv=(airflow, "scheduler"), env=env, url=url, checks=()),
+        ServiceSpec(
+            name="airflow-dag-processor", argv=(airflow, "dag-processor"), env=env, url=url, checks=()
+        ),
+        ServiceSpec(
+            name="airflow-triggerer",
+            argv=(airflow, "triggerer"),
+            env=env,
+            url=trigger_logs,
+            checks=(HealthCheck(kind="tcp", url=trigger_logs),),  # its log server is up
+            ports=(p.airflow_trigger_logs,),
+        ),
+        ServiceSpec(
+            name="airflow-celery-worker",
+            argv=(airflow, "celery", "worker"),
+            env=env,
+            url=env.get("AIRFLOW__CELERY__BROKER_URL", ""),
+            checks=(HealthCheck(kind="tcp", url=worker_logs),),  # its log server is up
+            ports=(p.airflow_worker_logs,),
         ),
     ]
+
+
+def create_optuna_tables(url: str) -> None:
+    """Create (or upgrade) Optuna's tables in an RDB storage, as any Optuna client would."""
+    from optuna.storages import RDBStorage
+
+    from infra.optuna_storage import redact_url
+
+    try:
+        RDBStorage(url).engine.dispose()
+    except Exception as exc:
+        raise StackError(
+            f"MOPFLOW_OPTUNA_STORAGE={redact_url(url)!r}: cannot open or create Optuna's tables: {exc}"
+        ) from exc
+
+
+def migrate_airflow_db(env: Mapping[str, str], bin_dir: str) -> None:
+    """Create or upgrade Airflow's metadata tables (standalone does it itself; separate components don't)."""
+    cmd = [str(Path(bin_dir) / "airflow"), "db", "migrate"]
+    proc = subprocess.run(cmd, env=dict(env), cwd=REPO, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise StackError(f"`airflow db migrate` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 
 
 def dask_dashboard_url(port: int, has_bokeh: bool) -> str:
@@ -925,11 +1071,13 @@ def up(
                 f"port(s) already in use: {', '.join(taken)}; choose others with --*-port / "
                 f"MOPFLOW_*_PORT or pass --free-ports"
             )
-        for folder in (settings.airflow_home, settings.mlflow_artifact_location):
+        for folder in (settings.airflow_home, mlflow_server_stores(settings, environ)[1]):
             if "://" not in folder:
                 Path(folder).mkdir(parents=True, exist_ok=True)
         if storage_kind(settings.optuna_storage) == "journal":
             Path(journal_path(settings.optuna_storage)).parent.mkdir(parents=True, exist_ok=True)
+        else:  # optuna-dashboard opens an RDB without creating its tables
+            create_optuna_tables(settings.optuna_storage)
         log_dir = stack_dir(home) / "logs"
         airflow_spec = next(s for s in specs if s.name == "airflow")
         state = StackState(
@@ -943,6 +1091,9 @@ def up(
         )
         records: list[ServiceRecord] = []
         try:
+            if len([s for s in specs if s.name.startswith("airflow")]) > 1:  # components, not standalone
+                say("  migrating Airflow's metadata database (airflow db migrate)...")
+                migrate_airflow_db(airflow_spec.env, bin_dir)
             for spec in specs:
                 records.append(spawn(spec, log_dir))
                 say(f"  {spec.name:17} started   pid {records[-1].pid}, log {records[-1].log}")
@@ -971,9 +1122,8 @@ def down(home: str | Path, grace_s: float, say: Callable[[str], None] = print) -
         if state is None:
             say(f"no mopflow stack recorded in {path}: nothing to stop")
             return []
-        order = sorted(
-            state.services, key=lambda r: -SERVICE_ORDER.index(r.name) if r.name in SERVICE_ORDER else 0
-        )
+        known = (*SERVICE_ORDER, *CELERY_SERVICES)
+        order = sorted(state.services, key=lambda r: -known.index(r.name) if r.name in known else 0)
         stopped = stop_services(order, grace_s, say)
         busy = [f"{r.name}:{p}" for r in state.services for p in r.ports if port_answers(p)]
         path.unlink(missing_ok=True)
