@@ -316,15 +316,15 @@ def scale_out_stack(root: Path, **extra: str) -> Iterator[ScaleOutStack]:
             assert down.returncode == 0, down.stdout[-2000:] + down.stderr[-2000:]
 
 
-# Two trials of two epochs on 1000 samples; distinct data seeds and model names per run.
+# Two trials of one epoch on 1000 samples; distinct data seeds and model names per run.
 TINY = {
     "num_samples": 1000,
     "n_shards": 2,
     "n_trials": 2,
-    "epochs": 2,
+    "epochs": 1,
     "min_resource": 1,
     "top_k": 2,
-    "distill_epochs": 2,
+    "distill_epochs": 1,
     "munge_multiplier": 0,
     "max_gap_to_ensemble": 100,
 }
@@ -380,3 +380,41 @@ def test_local_executor_on_postgresql_runs_two_sweeps_in_parallel(tmp_path: Path
         a, b = (by_key[key] for key in overlaps[0])
         assert a.pid and b.pid and a.pid != b.pid
         assert a.queued_by_job_id == b.queued_by_job_id is not None
+
+
+@pytest.mark.slow
+@pytest.mark.services
+def test_celery_executor_runs_a_sweep_through_a_redis_worker(tmp_path: Path) -> None:
+    """Smoke test: the same `mopflow up` with AIRFLOW__CORE__EXECUTOR=CeleryExecutor (broker: the
+    profile's Redis) runs one tiny sweep; every task went through Celery (a Celery task id on each
+    task instance, its result SUCCESS in the result backend on PostgreSQL)."""
+    import sqlalchemy
+
+    require_service("Redis", *REDIS)
+    queue = f"mopflow_test_{uuid.uuid4().hex[:8]}"  # a queue of this test's own on the shared Redis
+    with scale_out_stack(
+        tmp_path, AIRFLOW__CORE__EXECUTOR="CeleryExecutor", AIRFLOW__OPERATORS__DEFAULT_QUEUE=queue
+    ) as s:
+        assert {r.name for r in s.state.services} == {*stack.SERVICE_ORDER, *stack.CELERY_SERVICES}
+        run_id = s.trigger(TINY | {"model_name": "celery"})
+        tis = s.wait([run_id], timeout=420)[run_id]
+        assert {t["state"] for t in tis} == {"success"}
+        assert {t["queue"] for t in tis} == {queue}
+        engine = sqlalchemy.create_engine(s.airflow_db)
+        try:
+            with engine.connect() as conn:
+                ids: dict[str, str | None] = dict(
+                    conn.execute(
+                        sqlalchemy.text(
+                            "SELECT task_id, external_executor_id FROM task_instance WHERE run_id = :r"
+                        ),
+                        {"r": run_id},
+                    ).all()
+                )
+                results: dict[str, str] = dict(
+                    conn.execute(sqlalchemy.text("SELECT task_id, status FROM celery_taskmeta")).all()
+                )
+        finally:
+            engine.dispose()
+        assert set(ids) == {t["task_id"] for t in tis} and all(ids.values()), ids
+        assert all(results.get(str(celery_id)) == "SUCCESS" for celery_id in ids.values()), (ids, results)
