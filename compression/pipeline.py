@@ -187,6 +187,7 @@ def search_stage(
 ) -> dict[str, Any]:
     """Stage 2: the Optuna study, trials trained in parallel on Dask; one nested MLflow run per trial."""
     from training.cluster import dask_client
+    from training.scaling import log_volatile
     from training.search import run_search, run_search_with_executor
     from training.trial import TrialResult
 
@@ -248,6 +249,7 @@ def search_stage(
         for result in outcome.results:  # trials finished by an earlier attempt but never logged
             log_trial(result)
         _log_mop_epochs(tracker, run_id, outcome.epoch_records)
+        log_volatile(tracker, run_id, outcome)  # worker_schedule n_j per round; spot_trace account
         leaderboard = [
             {
                 "trial": r.number,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from training.space import SearchSpace, default_space, parse_space
+from training.volatile import WorkerSchedule
 
 KNOWN_DATASETS = ("mnist1d",)
 
@@ -111,6 +112,62 @@ class SearchConfig(StageConfig):
     warm_start: bool = Field(
         False, description="Enqueue the current champion's trial parameters as the first trial"
     )
+
+    worker_schedule: WorkerSchedule | None = Field(
+        None,
+        description="Scale the Dask cluster to n_j workers in round j (unit=epoch; task and mop); "
+        "None = a fixed cluster",
+    )
+    scale_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="Seconds a scale-up waits for workers to join before going on"
+    )
+    spot_trace: str = Field(
+        "",
+        max_length=4096,
+        description="Price trace CSV (timestamp,price) replayed against the LocalCluster's workers; "
+        "empty = off",
+    )
+    spot_bids: list[float] | None = Field(
+        None, max_length=256, description="spot_trace: one bid per LocalCluster worker (per worker-hour)"
+    )
+    spot_speed: float = Field(
+        60.0, gt=0, le=1e6, allow_inf_nan=False, description="spot_trace: trace seconds per real second"
+    )
+
+    @model_validator(mode="after")
+    def _volatile(self) -> SearchConfig:
+        schedule = self.worker_schedule
+        if schedule is not None:
+            if self.strategy not in ("task", "mop"):
+                raise ValueError(
+                    f"worker_schedule scales the Dask cluster for strategy task or mop, not {self.strategy!r}"
+                )
+            if schedule.unit != "epoch":
+                raise ValueError(
+                    f"worker_schedule.unit must be 'epoch' (the cluster changes size between rounds), "
+                    f"got {schedule.unit!r}"
+                )
+        if bool(self.spot_trace) != (self.spot_bids is not None):
+            raise ValueError(
+                "spot_trace and spot_bids go together: a price trace and one bid per worker "
+                f"(got spot_trace={self.spot_trace!r}, spot_bids={self.spot_bids!r})"
+            )
+        if self.spot_bids is not None:
+            if not self.spot_bids:
+                raise ValueError("spot_bids must hold one bid per LocalCluster worker, got []")
+            for i, bid in enumerate(self.spot_bids):
+                if not 0 <= bid < float("inf"):
+                    raise ValueError(f"spot_bids[{i}]={bid}: a bid must be a finite number >= 0")
+            if self.strategy != "task":
+                raise ValueError(
+                    f"spot_trace replay runs with strategy 'task' (a trial resumes from its notice "
+                    f"checkpoint on any worker), not {self.strategy!r}"
+                )
+            if schedule is not None:
+                raise ValueError(
+                    "spot_trace and worker_schedule cannot be combined (both resize the cluster)"
+                )
+        return self
 
     def search_space(self) -> SearchSpace:
         """The validated search space."""

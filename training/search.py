@@ -12,7 +12,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import TrialState
@@ -21,8 +21,12 @@ from infra import storage
 from infra.optuna_storage import make_storage, quiet_optuna
 from training.config import SearchConfig
 from training.data import verify_manifest
+from training.scaling import RoundScale, round_scaling, with_spot_replay
 from training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna, sample_params
 from training.trial import TrialResult, TrialSpec, make_pruner, train_trial
+
+if TYPE_CHECKING:
+    from infra.spot_replay import SpotReport
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ class SearchOutcome:
     storage_url: str
     results: list[TrialResult]
     epoch_records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # MOP units per epoch
+    worker_rounds: tuple[RoundScale, ...] = ()  # worker_schedule: n_j per round (training/scaling.py)
+    spot: SpotReport | None = None  # spot_trace: the replay's record and cost account
 
     def complete(self) -> list[TrialResult]:
         """COMPLETE trials, best validation accuracy first."""
@@ -366,6 +372,7 @@ def _open_study(
     return study, space, already, [result_from_frozen(t) for t in already]
 
 
+@with_spot_replay
 def run_search(
     cfg: SearchConfig,
     manifest_uri: str,
@@ -397,6 +404,7 @@ def run_search(
     deadline = time.monotonic() + cfg.timeout_minutes * 60 if cfg.timeout_minutes else None
     started = time.monotonic()
     register_preemption(client)
+    scaling = round_scaling(cfg, client)  # worker_schedule: n_j workers per round of trials
     try:  # show the workers' per-epoch progress in this (task) log
         client.forward_logging("training", level=logging.INFO)
     except Exception:  # an older scheduler without log forwarding still trains
@@ -413,7 +421,7 @@ def run_search(
         in_flight: dict[Any, optuna.trial.Trial] = {}
         asked = 0
         while asked < count or in_flight:
-            while len(in_flight) < cfg.n_workers and asked < count:
+            while asked < count and scaling.may_start(len(in_flight)):
                 if respect_deadline and deadline is not None and time.monotonic() > deadline:
                     log.info(
                         "search: time budget of %.1f min reached; not starting more trials",
@@ -446,6 +454,7 @@ def run_search(
                 )
                 in_flight[future] = trial
                 asked += 1
+                scaling.started()
                 log.info("search: started trial %d %s", trial.number, params)
             if not in_flight:
                 break
@@ -518,7 +527,10 @@ def run_search(
         extra_attempts += missing
     fail_orphans(study)
     return SearchOutcome(
-        study_name=study_name, storage_url=storage_url, results=sorted(results, key=lambda r: r.number)
+        study_name=study_name,
+        storage_url=storage_url,
+        results=sorted(results, key=lambda r: r.number),
+        worker_rounds=tuple(scaling.history),
     )
 
 
@@ -594,11 +606,21 @@ def run_search_with_executor(
     data = DataRef(manifest_uri, dict(storage_options or {}))
     shards = [e["name"] for e in load_manifest(manifest_uri, storage_options)["splits"]["train"]]
     controller = _SearchController(study, space, cfg, budget)
+    scaling = round_scaling(cfg, client)  # worker_schedule: n_j workers per MOP round
     executor: Any
     if cfg.strategy == "mop":
         from training.executors.mop import MopExecutor
 
-        executor = MopExecutor(client, data, shards, checkpoint_root, seed=cfg.seed, slots=cfg.model_slots)
+        executor = MopExecutor(
+            client,
+            data,
+            shards,
+            checkpoint_root,
+            seed=cfg.seed,
+            slots=cfg.model_slots,
+            partitions=scaling.partitions(),
+            before_round=scaling.round_hook(),
+        )
         initial = controller.ask(cfg.model_slots)
     elif cfg.strategy == "ddp":
         from training.executors.ddp import DDPExecutor
@@ -647,4 +669,10 @@ def run_search_with_executor(
         len(outcomes),
         time.monotonic() - started,
     )
-    return SearchOutcome(study_name, storage_url, sorted(results, key=lambda r: r.number), epoch_records)
+    return SearchOutcome(
+        study_name,
+        storage_url,
+        sorted(results, key=lambda r: r.number),
+        epoch_records,
+        worker_rounds=tuple(scaling.history),
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
@@ -43,6 +43,8 @@ class MopExecutor(Executor):
         checkpoint_root: str = "",
         seed: int = 0,
         slots: int | None = None,
+        partitions: int | None = None,
+        before_round: Callable[[int], int] | None = None,
     ) -> None:
         super().__init__(data, checkpoint_root)
         self.client = client
@@ -51,7 +53,8 @@ class MopExecutor(Executor):
         if not workers:  # a cluster still starting (or a worker restarting under load)
             client.wait_for_workers(1, timeout=120)
             workers = sorted(client.scheduler_info()["workers"])
-        self.partitions = partition_shards(shard_names, len(workers))
+        self.partitions = partition_shards(shard_names, partitions or len(workers))
+        self.before_round = before_round  # e.g. scale the cluster to n_j workers (training/scaling.py)
         self.scheduler = MopScheduler(round_robin(self.partitions, workers), seed=seed)
         # Model slots: models training at once (at least one per partition keeps every worker busy).
         self.slots = slots or len(self.partitions)
@@ -80,6 +83,9 @@ class MopExecutor(Executor):
         active = {m.model_id: m for m in models if next_epoch.get(m.model_id, 0) < epochs}
         round_index = 0
         while active:
+            if self.before_round is not None:  # the cluster may change size between rounds
+                self.before_round(round_index)
+                self.scheduler.placement = round_robin(self.partitions, self._alive())
             self.scheduler.start_epoch(list(active))
             for mid in active:  # resume mid-epoch: partitions already visited are skipped
                 done = set(visited.get(mid, []))
