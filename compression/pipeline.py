@@ -264,6 +264,8 @@ def search_stage(
         tracker.log_dict(run_id, leaderboard, "leaderboard.json")
         counts = {s: sum(1 for r in outcome.results if r.state == s) for s in ("COMPLETE", "PRUNED", "FAIL")}
         tracker.log_metrics(run_id, {f"trials_{k.lower()}": v for k, v in counts.items()})
+        # work lost with preempted or killed workers and done again (0 on a calm cluster)
+        tracker.log_metrics(run_id, {"redone_unit_seconds": outcome.redone_unit_seconds})
         best = outcome.complete()
         if not best:
             raise RuntimeError(f"study {study} finished with no COMPLETE trial ({counts})")

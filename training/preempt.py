@@ -97,6 +97,18 @@ class PreemptionPlugin(WorkerPlugin):
             await asyncio.sleep(0.1)
         if worker.state.executing_count > 0:
             log.warning("preemption: grace period over with a task still running; leaving anyway")
+        else:
+            # Hand results still held here (a unit that finished as the notice came) to another
+            # worker first, so the coordinator can still fetch them; restart=True: under a nanny
+            # (local clusters) a fresh worker process takes this one's place.
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(
+                    worker.close_gracefully(restart=True, reason="preempted (SIGTERM)"), left
+                )
+                return
+            except Exception as exc:  # no worker to take the data, or out of time: just leave
+                log.warning("preemption: graceful close failed (%s); leaving", exc)
         # nanny=False: under a nanny (local clusters) a fresh worker process takes this one's place
         await worker.close(nanny=False, executor_wait=False, reason="preempted (SIGTERM)")
 

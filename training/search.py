@@ -21,6 +21,7 @@ from infra import storage
 from infra.optuna_storage import make_storage, quiet_optuna
 from training.config import SearchConfig
 from training.data import verify_manifest
+from training.preempt import lost_spans, redone_seconds, task_story
 from training.scaling import RoundScale, round_scaling, with_spot_replay
 from training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna, sample_params
 from training.trial import TrialResult, TrialSpec, make_pruner, train_trial
@@ -46,6 +47,11 @@ class SearchOutcome:
     epoch_records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # MOP units per epoch
     worker_rounds: tuple[RoundScale, ...] = ()  # worker_schedule: n_j per round (training/scaling.py)
     spot: SpotReport | None = None  # spot_trace: the replay's record and cost account
+
+    @property
+    def redone_unit_seconds(self) -> float:
+        """Work lost to preempted or killed workers and done again, over every trial (seconds)."""
+        return float(sum(r.redone_s for r in self.results))
 
     def complete(self) -> list[TrialResult]:
         """COMPLETE trials, best validation accuracy first."""
@@ -173,6 +179,7 @@ def result_from_frozen(trial: optuna.trial.FrozenTrial) -> TrialResult:
         worker=str(attrs.get("worker", "")),
         num_params=int(attrs.get("num_params", 0)),
         resumed_from_epoch=attrs.get("resumed_from_epoch"),
+        redone_s=float(attrs.get("redone_s", 0.0)),
     )
 
 
@@ -294,6 +301,8 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -
         attrs["resumed_from_epoch"] = result.resumed_from_epoch
     if result.resumed_from_step is not None:
         attrs["resumed_from_step"] = result.resumed_from_step
+    if result.redone_s > 0:
+        attrs["redone_s"] = round(result.redone_s, 3)
     try:
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
@@ -486,6 +495,16 @@ def run_search(
                         bundle_uri=None,
                         error=f"{type(exc).__name__}: {exc}",
                     )
+                # attempts lost with their worker (spot notice or kill), less what checkpoints saved
+                result.redone_s = redone_seconds(
+                    lost_spans(task_story(client, str(future.key))), result.saved_at
+                )
+                if result.redone_s > 0:
+                    log.warning(
+                        "search: trial %d redid %.2fs of work lost to preempted or killed workers",
+                        result.number,
+                        result.redone_s,
+                    )
                 if not _tell(study, trial, result):
                     asked -= 1  # it was failed for a stale heartbeat: its queued retry runs instead
                     continue
@@ -611,6 +630,7 @@ def run_search_with_executor(
     if cfg.strategy == "mop":
         from training.executors.mop import MopExecutor
 
+        register_preemption(client)  # spot notices: units checkpoint mid-pass and move on
         executor = MopExecutor(
             client,
             data,
@@ -656,6 +676,9 @@ def run_search_with_executor(
             pruned_epoch=controller.pruned.get(model_id),
             error=outcome.error,
             worker=cfg.strategy,
+            redone_s=sum(
+                float(i["redone_s"]) for i in getattr(executor, "interruptions", []) if i["model"] == model_id
+            ),
         )
         _tell(study, trial, result)
         results.append(result)

@@ -146,6 +146,8 @@ class TrialResult:
     resumed_from_epoch: int | None = None  # the epoch a retried trial resumed after
     resumed_from_step: int | None = None  # the optimizer step it resumed at (mid-epoch after a notice)
     resumed_after_notice_at_step: int | None = None  # set when the checkpoint was written on a spot notice
+    saved_at: list[float] = field(default_factory=list)  # wall-clock times of its checkpoints (all attempts)
+    redone_s: float = 0.0  # work lost with preempted/killed workers and done again (set by the coordinator)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -232,6 +234,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
     started = time.monotonic()
     worker = f"{os.uname().nodename}:{os.getpid()}"
     history: list[dict[str, float]] = []
+    saved_at: list[float] = []  # when each checkpoint was written (carried across attempts)
     state: dict[str, int | None] = {
         "pruned_epoch": None,
         "resumed_from_epoch": None,
@@ -303,10 +306,12 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                 return {
                     "history": [dict(h) for h in history],
                     "preempted_at_step": state["preempted_at_step"],
+                    "saved_at": list(saved_at),
                 }
 
             def load_state_dict(self, state_dict: dict[str, Any]) -> None:
                 history[:] = [dict(h) for h in state_dict.get("history", [])]
+                saved_at[:] = [float(t) for t in state_dict.get("saved_at", [])]
                 state["resumed_after_notice_at_step"] = state_dict.get("preempted_at_step")
                 if history:
                     state["resumed_from_epoch"] = int(history[-1]["epoch"])
@@ -323,6 +328,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                 if notice_received():  # a spot notice: keep this epoch's progress, hand the trial back
                     state["preempted_at_step"] = int(trainer.global_step)
                     if spec.checkpoint_uri:
+                        saved_at.append(time.time())
                         save_checkpoint(trainer, spec, workdir)
                     log.warning(
                         "trial %d: preempted at epoch %d step %d; checkpointed, rescheduling",
@@ -335,6 +341,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
             def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
                 if trainer.sanity_checking or not spec.checkpoint_uri or state["pruned_epoch"] is not None:
                     return
+                saved_at.append(time.time())
                 save_checkpoint(trainer, spec, workdir)
 
             def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -385,6 +392,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
             resumed_from_epoch=state["resumed_from_epoch"],
             resumed_from_step=state["resumed_from_step"],
             resumed_after_notice_at_step=state["resumed_after_notice_at_step"],
+            saved_at=list(saved_at),
         )
     except Preempted as exc:
         from distributed import Reschedule
@@ -404,6 +412,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
             duration_s=time.monotonic() - started,
             worker=worker,
             resumed_from_epoch=state["resumed_from_epoch"],
+            saved_at=list(saved_at),
         )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -13,6 +13,7 @@ import pytest
 
 from training.config import SearchConfig
 from training.data import load_manifest
+from training.preempt import lost_spans, redone_seconds
 from training.search import checkpoint_folder, register_preemption, run_search
 from training.trial import CHECKPOINT_FILE
 
@@ -131,3 +132,51 @@ def test_unit_stopped_by_a_notice_continues_in_the_same_data_order(
     # a partial state of another pass is not continued (that pass starts from its first batch)
     _, other = train_pass(spec, stopped.value.state, data, shards, 1, 3, 0)
     assert other["resumed_at_batch"] == 0
+
+
+def test_lost_spans_and_redone_seconds_from_a_scheduler_story() -> None:
+    """A task ran on a worker that died (10-14), ran again after a notice checkpoint (20-25, saved
+    at 24.5) and finished (30-33). Redone: 4 s (no checkpoint) + 0.5 s after the checkpoint."""
+    story = [
+        ("k", "released", "waiting", {}, "s", 9.0),
+        ("k", "waiting", "processing", {}, "s", 10.0),
+        ("k", "processing", "released", {}, "handle-worker-cleanup", 14.0),
+        ("k", "released", "waiting", {}, "s", 14.0),
+        ("k", "queued", "processing", {}, "s", 20.0),
+        ("k", "processing", "waiting", {}, "reschedule", 25.0),
+        ("k", "waiting", "processing", {}, "s", 30.0),
+        ("k", "processing", "memory", {}, "task-finished", 33.0),
+    ]
+    assert lost_spans(story) == [(10.0, 14.0), (20.0, 25.0)]
+    assert redone_seconds(lost_spans(story), [5.0, 24.5, 31.0]) == pytest.approx(4.5)
+    assert redone_seconds([], [1.0]) == 0.0
+    erred = [("k", "waiting", "processing", {}, "s", 1.0), ("k", "processing", "erred", {}, "s", 2.0)]
+    assert lost_spans(erred) == []  # an error is an answer, not lost work
+
+
+def test_unit_stopped_by_a_notice_is_its_models_next_unit() -> None:
+    """The MOP invariants hold around a notice: the stopped unit goes back to the queue and its
+    model runs no other unit before it; a restarted worker takes a partition back."""
+    from training.executors.scheduler import MopScheduler, round_robin
+
+    scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0", "w1"]), seed=0)
+    scheduler.start_epoch(["a", "b"])
+    first = dict(scheduler.assign(["w0", "w1"]))
+    stopped = first["w0"]
+    scheduler.lose_worker("w0", ["w1"], saved=True)  # w0 got the notice and left
+    assert scheduler.resume == {stopped.model: stopped.partition}
+    assert scheduler.placement == {"p0": "w1", "p1": "w1"}
+    scheduler.complete("w1")
+    assert scheduler.add_worker("w2") == ["p0"] and scheduler.placement == {"p0": "w2", "p1": "w1"}
+    assert scheduler.add_worker("w2") == []  # it holds a partition now
+    order = []
+    while not scheduler.epoch_finished:
+        for worker, unit in scheduler.assign(["w1", "w2"]):
+            order.append(unit)
+            scheduler.complete(worker)
+    mine = [u for u in order if u.model == stopped.model]
+    assert mine[0] == stopped  # the model finished the stopped pass before anything else
+    assert sorted((u.model, u.partition) for u in [*order, first["w1"]]) == sorted(
+        (m, p) for m in "ab" for p in ("p0", "p1")
+    )
+    assert scheduler.resume == {}

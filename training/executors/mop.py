@@ -1,4 +1,12 @@
-"""Model Hopper Parallelism on Dask: partitions stay on their workers, model states hop."""
+"""Model Hopper Parallelism on Dask: partitions stay on their workers, model states hop.
+
+Volatile workers: a unit whose worker got a spot notice (SIGTERM) hands back its state packed at
+the last batch boundary (``UnitPreempted``); it is queued again as its model's next unit and
+continues from that batch on another (or the restarted) worker. A unit whose worker died without
+notice (SIGKILL) is seen missing within ``POLL_S`` (+ ``REAP_GRACE_S``) and redone from the
+model's last finished unit: at most that sub-epoch is lost. The seconds to redo are summed in
+``redone_unit_seconds`` and each interruption is listed in ``interruptions``.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +22,17 @@ from training.executors.units import (
     ModelSpec,
     evaluate_state,
     init_state,
+    partial_meta,
     read_meta,
     train_pass_and_validate,
 )
+from training.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
 
 log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # how often the coordinator looks for workers that died while running a unit
+REAP_GRACE_S = 2.0  # a worker missing this long with its unit unanswered died without notice
+WORKER_WAIT_S = 120.0  # how long to wait for a replacement when no worker is left
 
 
 def partition_shards(shard_names: Sequence[str], n_partitions: int) -> dict[str, list[str]]:
@@ -59,9 +73,18 @@ class MopExecutor(Executor):
         # Model slots: models training at once (at least one per partition keeps every worker busy).
         self.slots = slots or len(self.partitions)
         self.epoch_records: dict[int, list[dict[str, Any]]] = {}
+        self.redone_unit_seconds = 0.0  # work lost with interrupted units, to be done again
+        self.interruptions: list[dict[str, Any]] = []  # one per unit lost or stopped by a notice
+        self._leaving: set[str] = set()  # workers that said they are being preempted
+        self._missing_since: dict[str, float] = {}
+        self._no_worker_since: float | None = None
+
+    def _connected(self) -> set[str]:
+        return set(self.client.scheduler_info()["workers"])
 
     def _alive(self) -> list[str]:
-        return sorted(self.client.scheduler_info()["workers"])
+        """Workers that can take units (connected, not leaving on a notice)."""
+        return sorted(self._connected() - self._leaving)
 
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
@@ -97,8 +120,11 @@ class MopExecutor(Executor):
             in_flight: dict[Any, tuple[str, Unit]] = {}
             round_started = time.monotonic()
             total_units = len(self.scheduler.queue)
+            submitted: dict[Any, float] = {}
             while not self.scheduler.epoch_finished:
-                idle = [w for w in self._alive() if w not in self.scheduler.running]
+                connected = self._connected()
+                alive = self._reconcile(connected)
+                idle = [w for w in alive if w not in self.scheduler.running]
                 for worker, unit in self.scheduler.assign(idle):
                     spec = active[unit.model]
                     epoch = next_epoch.get(unit.model, 0)
@@ -112,7 +138,7 @@ class MopExecutor(Executor):
                         epoch,
                         epochs,
                         int(unit.partition[1:]),
-                        {"visited": seen},
+                        {"visited": seen, "partition": unit.partition},
                         len(set(seen)) >= len(self.partitions),  # the epoch's last unit validates
                         workers=[worker],
                         allow_other_workers=False,
@@ -120,6 +146,7 @@ class MopExecutor(Executor):
                         key=f"mop-{unit.model}-e{epoch}-{unit.partition}-{time.monotonic_ns()}",
                     )
                     in_flight[future] = (worker, unit)
+                    submitted[future] = time.time()
                     log.info(
                         "mop: round %d: %s (epoch %d) on %s runs on %s",
                         round_index + 1,
@@ -129,13 +156,28 @@ class MopExecutor(Executor):
                         worker,
                     )
                 if not in_flight:
+                    self._wait_for_a_worker(alive)
                     time.sleep(0.05)
                     continue
-                done_futures, _ = wait(list(in_flight), return_when="FIRST_COMPLETED")
+                try:
+                    done_futures, _ = wait(list(in_flight), timeout=POLL_S, return_when="FIRST_COMPLETED")
+                except TimeoutError:
+                    done_futures = set()
+                self._reap_dead(in_flight, submitted, connected)
                 for future in done_futures:
                     worker, unit = in_flight.pop(future)
+                    started_at = submitted.pop(future, time.time())
                     try:
                         state, record, val_acc = future.result()
+                    except UnitPreempted as exc:  # a spot notice: continue from its batch elsewhere
+                        if exc.state is not None:
+                            states[unit.model] = exc.state
+                            self.save_checkpoint(unit.model, exc.state)
+                        redone = max(0.0, float(exc.record["end"]) - float(exc.record["saved_at"]))
+                        self._account(unit, worker, "notice", redone, batches=exc.record.get("batches", 0))
+                        self._leaving.add(worker)
+                        self._lose(worker, saved=partial_meta(exc.state) is not None)
+                        continue
                     except (
                         FloatingPointError
                     ) as exc:  # NonFiniteLossError: the model fails, the sweep goes on
@@ -150,9 +192,8 @@ class MopExecutor(Executor):
                         log.warning(
                             "mop: unit %s on %s was lost (%s); it goes back to the queue", unit, worker, exc
                         )
-                        self.scheduler.lose_worker(
-                            worker, [w for w in self._alive() if w != worker] or self._alive()
-                        )
+                        self._account(unit, worker, "lost", self._lost_seconds(future, started_at))
+                        self._lose(worker, saved=False)
                         continue
                     self.scheduler.complete(worker)
                     states[unit.model] = state
@@ -184,6 +225,95 @@ class MopExecutor(Executor):
             outcomes[mid].checkpoint_uri = self.checkpoint_uri(mid) if self.checkpoint_root else None
         return outcomes
 
+    def _reconcile(self, connected: set[str]) -> list[str]:
+        """Follow the cluster: partitions of workers gone while idle move to survivors; a new
+        (restarted) worker takes partitions from the busiest. Returns the workers that take units."""
+        alive = sorted(connected - self._leaving)
+        for holder in sorted(set(self.scheduler.placement.values()) - set(alive)):
+            if holder not in self.scheduler.running and alive:
+                self.scheduler.lose_worker(holder, alive)
+        for worker in alive:
+            moved = self.scheduler.add_worker(worker)
+            if moved:
+                log.info("mop: worker %s joined; it takes partition(s) %s", worker, ", ".join(moved))
+        self._leaving &= connected  # a worker that has left is forgotten
+        return alive
+
+    def _reap_dead(
+        self, in_flight: dict[Any, tuple[str, Unit]], submitted: dict[Any, float], connected: set[str]
+    ) -> None:
+        """Units whose worker vanished without answering (SIGKILL: no notice): cancel and requeue
+        them; the model goes on from its last finished unit."""
+        now = time.monotonic()
+        for worker in {w for w, _ in in_flight.values()} - connected:
+            self._missing_since.setdefault(worker, now)
+        for future, (worker, unit) in list(in_flight.items()):
+            missing = self._missing_since.get(worker)
+            if worker in connected or missing is None or now - missing < REAP_GRACE_S:
+                continue
+            if future.done():  # its answer arrived after all: handled with the done futures
+                continue
+            lost = self._lost_seconds(future, submitted.pop(future, time.time()))
+            future.cancel()
+            del in_flight[future]
+            log.warning("mop: worker %s died running %s (no notice); the unit is redone", worker, unit)
+            self._account(unit, worker, "killed", lost)
+            self._lose(worker, saved=False)
+        self._missing_since = {w: t for w, t in self._missing_since.items() if w not in connected}
+
+    def _lost_seconds(self, future: Any, submitted_at: float) -> float:
+        """Seconds the unit ran on a worker that never finished it (from the scheduler's story;
+        from its submission when the story does not tell)."""
+        spans = lost_spans(task_story(self.client, str(future.key)))
+        return redone_seconds(spans) if spans else max(0.0, time.time() - submitted_at)
+
+    def _wait_for_a_worker(self, alive: list[str]) -> None:
+        """Nothing runs: fail when no worker has been there for ``WORKER_WAIT_S``."""
+        if alive:
+            self._no_worker_since = None
+            return
+        now = time.monotonic()
+        self._no_worker_since = self._no_worker_since or now
+        if now - self._no_worker_since > WORKER_WAIT_S:
+            raise RuntimeError(f"no Dask worker left to run MOP units (waited {WORKER_WAIT_S:.0f}s)")
+
+    def _lose(self, worker: str, saved: bool) -> None:
+        """Requeue ``worker``'s unit and move its partitions, waiting for a replacement if none is left."""
+        if worker in self._alive():  # the unit failed but its worker is fine: requeue it in place
+            self.scheduler.requeue(worker, saved)
+            return
+        deadline = time.monotonic() + WORKER_WAIT_S
+        survivors = [w for w in self._alive() if w != worker]
+        while not survivors:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no Dask worker left to run MOP units (waited {WORKER_WAIT_S:.0f}s)")
+            time.sleep(0.2)
+            survivors = [w for w in self._alive() if w != worker]
+        self.scheduler.lose_worker(worker, survivors, saved=saved)
+
+    def _account(self, unit: Unit, worker: str, kind: str, redone: float, **extra: Any) -> None:
+        self.redone_unit_seconds += redone
+        self.interruptions.append(
+            {
+                "model": unit.model,
+                "partition": unit.partition,
+                "worker": worker,
+                "kind": kind,
+                "redone_s": redone,
+                "at": time.time(),
+                **extra,
+            }
+        )
+        log.warning(
+            "mop: %s on %s interrupted (%s) on %s: %.2f unit-seconds to redo, %.2f in all",
+            unit.model,
+            unit.partition,
+            kind,
+            worker,
+            redone,
+            self.redone_unit_seconds,
+        )
+
     def _restore(
         self,
         spec: ModelSpec,
@@ -198,6 +328,10 @@ class MopExecutor(Executor):
         states[spec.model_id] = state
         epoch = int(meta.get("epoch", -1))
         seen = list(meta.get("visited", []))
+        if partial_meta(state) is not None:  # stopped mid-pass on a notice: that unit comes first
+            seen = [p for p in seen if p != meta.get("partition")]
+            if meta.get("partition") in self.partitions:
+                self.scheduler.resume[spec.model_id] = str(meta["partition"])
         if len(seen) >= len(self.partitions):  # that epoch was complete
             next_epoch[spec.model_id], visited[spec.model_id] = epoch + 1, []
         else:

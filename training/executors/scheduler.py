@@ -4,7 +4,9 @@ Per epoch every active model must visit every partition exactly once. A queue ho
 (model, partition) units still to run; whenever a worker is idle the queue is shuffled and
 the first unit whose model is idle and whose partition that worker holds is given to it. A
 model never runs on two workers at once and a worker runs one unit at a time. A unit lost
-with its worker goes back to the queue (its partition moves to a surviving worker).
+with its worker goes back to the queue (its partition moves to a surviving worker); one that
+stopped mid-pass with a checkpoint (a spot notice) is its model's next unit, so the pass is
+finished before the model moves on. A new (restarted) worker takes partitions from the busiest.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class MopScheduler:
     queue: list[Unit] = field(default_factory=list)
     running: dict[str, Unit] = field(default_factory=dict)  # worker -> unit
     done: list[Unit] = field(default_factory=list)
+    resume: dict[str, str] = field(default_factory=dict)  # model -> partition it stopped mid-pass on
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -55,7 +58,12 @@ class MopScheduler:
             self._rng.shuffle(self.queue)
             busy = self.busy_models
             for unit in self.queue:
-                if unit.model not in busy and self.placement[unit.partition] == worker:
+                pinned = self.resume.get(unit.model, unit.partition)
+                if (
+                    unit.model not in busy
+                    and self.placement[unit.partition] == worker
+                    and pinned == unit.partition
+                ):
                     self.queue.remove(unit)
                     self.running[worker] = unit
                     assignments.append((worker, unit))
@@ -66,25 +74,57 @@ class MopScheduler:
         """The unit on ``worker`` finished."""
         unit = self.running.pop(worker)
         self.done.append(unit)
+        if self.resume.get(unit.model) == unit.partition:
+            del self.resume[unit.model]
         return unit
 
-    def lose_worker(self, worker: str, survivors: Iterable[str]) -> Unit | None:
-        """``worker`` is gone: requeue its unit and move its partitions to the least-loaded survivors."""
+    def lose_worker(self, worker: str, survivors: Iterable[str], saved: bool = False) -> Unit | None:
+        """``worker`` is gone: requeue its unit and move its partitions to the least-loaded survivors.
+
+        ``saved``: the unit checkpointed mid-pass before it left; it is its model's next unit.
+        """
         alive = sorted(set(survivors) - {worker})
         if not alive:
             raise RuntimeError("no worker is left to take over the lost worker's partitions")
-        unit = self.running.pop(worker, None)
-        if unit is not None:
-            self.queue.append(unit)
+        unit = self.requeue(worker, saved)
         for partition, holder in sorted(self.placement.items()):
             if holder == worker:
                 load = {w: sum(1 for h in self.placement.values() if h == w) for w in alive}
                 self.placement[partition] = min(alive, key=lambda w: (load[w], w))
         return unit
 
+    def requeue(self, worker: str, saved: bool = False) -> Unit | None:
+        """Put the unit running on ``worker`` back in the queue (``saved``: it is its model's next)."""
+        unit = self.running.pop(worker, None)
+        if unit is not None:
+            self.queue.append(unit)
+            if saved:
+                self.resume[unit.model] = unit.partition
+        return unit
+
+    def add_worker(self, worker: str) -> list[str]:
+        """A worker that holds no partition (a restarted one) takes partitions from the busiest
+        holders, those not running a unit first, until it is no less loaded than they; returns them."""
+        moved: list[str] = []
+        if worker in self.placement.values():
+            return moved
+        while True:
+            load: dict[str, int] = {}
+            for holder in self.placement.values():
+                load[holder] = load.get(holder, 0) + 1
+            busiest = max(sorted(load), key=lambda w: load[w])
+            if load[busiest] - 1 < len(moved) + 1:
+                return moved
+            running = {u.partition for u in self.running.values()}
+            mine = sorted(p for p, h in self.placement.items() if h == busiest)
+            partition = min(mine, key=lambda p: (p in running, p))
+            self.placement[partition] = worker
+            moved.append(partition)
+
     def drop_model(self, model: str) -> None:
         """Stop a model between units: its remaining units of this epoch are dropped."""
         self.queue = [u for u in self.queue if u.model != model]
+        self.resume.pop(model, None)
 
     @property
     def epoch_finished(self) -> bool:

@@ -1,5 +1,11 @@
 """Task parallelism on Dask (each model trains on one worker over all the data) and the
-sequential baseline (one model after another, in this process)."""
+sequential baseline (one model after another, in this process).
+
+Volatile workers: an epoch whose worker got a spot notice comes back as ``UnitPreempted`` with
+its state at the last batch boundary and is submitted again from there; one whose worker died
+(SIGKILL) is run again from the epoch's start by Dask. ``redone_unit_seconds`` sums the work
+lost (the scheduler's record of the spans that never finished, less what a notice saved).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from training.executors.units import (
     train_pass,
     train_pass_and_validate,
 )
+from training.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,8 @@ class TaskExecutor(Executor):
         self.client = client
         self.shards = sorted(shard_names)
         self.slots = len(client.scheduler_info()["workers"])
+        self.redone_unit_seconds = 0.0  # work lost with interrupted epochs, to be done again
+        self.interruptions: list[dict[str, Any]] = []
 
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
@@ -50,11 +59,16 @@ class TaskExecutor(Executor):
         states: dict[str, bytes] = {}
         in_flight: dict[Any, str] = {}
         specs = {m.model_id: m for m in models}
+        leaving: set[str] = set()  # workers that said they are being preempted
 
         def submit(mid: str) -> None:
             spec = specs[mid]
             epoch = next_epoch.get(mid, 0)
             state = states.get(mid) or init_state(spec, self.data)
+            elsewhere: dict[str, Any] = {}
+            if leaving:  # keep off workers on their way out (loosely: any worker if none else)
+                others = sorted(set(self.client.scheduler_info()["workers"]) - leaving)
+                elsewhere = {"workers": others, "allow_other_workers": True} if others else {}
             future = self.client.submit(
                 _train_and_validate,
                 spec,
@@ -65,6 +79,7 @@ class TaskExecutor(Executor):
                 epochs,
                 pure=False,
                 key=f"task-{mid}-e{epoch}-{time.monotonic_ns()}",
+                **elsewhere,
             )
             in_flight[future] = mid
 
@@ -87,12 +102,24 @@ class TaskExecutor(Executor):
                 mid = in_flight.pop(future)
                 try:
                     state, record, val_acc = future.result()
+                except UnitPreempted as exc:  # a spot notice: the epoch goes on from its batch
+                    if exc.state is not None:
+                        states[mid] = exc.state
+                    worker = str(exc.record.get("worker", ""))
+                    leaving.add(worker)  # forgotten when the restarted worker takes a new address
+                    redone = max(0.0, float(exc.record["end"]) - float(exc.record["saved_at"]))
+                    self._account(mid, next_epoch.get(mid, 0), worker, "notice", redone)
+                    queue.insert(0, mid)
+                    continue
                 except Exception as exc:
                     log.warning("task: %s failed at epoch %d: %s", mid, next_epoch.get(mid, 0) + 1, exc)
                     outcomes[mid].error = f"{type(exc).__name__}: {exc}"
                     queue += self._refill(controller, specs, outcomes, epochs, len(queue) + len(in_flight))
                     continue
                 epoch = next_epoch.get(mid, 0)
+                lost = redone_seconds(lost_spans(task_story(self.client, str(future.key))))
+                if lost > 0:  # its worker died: Dask ran the epoch again from its start
+                    self._account(mid, epoch, "", "killed", lost)
                 states[mid] = state
                 self.records.append(record)
                 self.save_checkpoint(mid, state)
@@ -118,6 +145,28 @@ class TaskExecutor(Executor):
             outcome.state = states.get(mid)
             outcome.checkpoint_uri = self.checkpoint_uri(mid) if self.checkpoint_root else None
         return outcomes
+
+    def _account(self, mid: str, epoch: int, worker: str, kind: str, redone: float) -> None:
+        self.redone_unit_seconds += redone
+        self.interruptions.append(
+            {
+                "model": mid,
+                "epoch": epoch,
+                "worker": worker,
+                "kind": kind,
+                "redone_s": redone,
+                "at": time.time(),
+            }
+        )
+        log.warning(
+            "task: %s epoch %d interrupted (%s%s): %.2f unit-seconds to redo, %.2f in all",
+            mid,
+            epoch + 1,
+            kind,
+            f" on {worker}" if worker else "",
+            redone,
+            self.redone_unit_seconds,
+        )
 
     def _refill(
         self,

@@ -198,7 +198,8 @@ def train_pass(
 
     started = time.time()
     if notice_received():  # this worker is going away: hand the unit back untouched
-        raise UnitPreempted(spec.model_id, state, {"start": started, "saved_at": started, "end": started})
+        here = {"start": started, "saved_at": started, "end": started, "worker": _dask_address()}
+        raise UnitPreempted(spec.model_id, state, here)
     torch.set_num_threads(1)
     quiet_lightning()
     resume = _resume_point(state, epoch, pass_index, shard_names)
@@ -276,6 +277,7 @@ def train_pass(
                     "saved_at": saved_at,
                     "end": time.time(),
                     "batches": batches,
+                    "worker": _dask_address(),
                 },
             )
 
@@ -301,6 +303,16 @@ def train_pass(
         "train_loss": float(module.last_train_loss),
         "state_bytes": len(new_state),
     }
+
+
+def _dask_address() -> str:
+    """The address of the Dask worker running this (empty outside a worker)."""
+    try:
+        from distributed import get_worker
+
+        return str(get_worker().address)
+    except (ImportError, ValueError):
+        return ""
 
 
 @dataclass(frozen=True)
