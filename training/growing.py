@@ -33,7 +33,15 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from infra.cost import PriceError, PriceTrace, RunAccount, TraceExhaustedError, account_run, log_run_account
+from infra.cost import (
+    SECONDS_PER_HOUR,
+    PriceError,
+    PriceTrace,
+    RunAccount,
+    TraceExhaustedError,
+    account_run,
+    log_run_account,
+)
 from infra.tracking import Tracker
 from training.models import ArchSpec, build_model
 from training.volatile import ScalingRule, WorkerSchedule, scaled_step_size, workers_at_iteration
@@ -334,6 +342,23 @@ def account_prefix(
         provisioned=[u.provisioned for u in updates[:iterations]],
         start=volatility.start,
     )
+
+
+def cost_curve(result: GrowingResult, volatility: Volatility, config: GrowingConfig) -> tuple[float, ...]:
+    """The run's cumulative cost after each record (slot): the cost over time.
+
+    Each active worker of a slot pays that slot's price for ``iteration_seconds`` (idle slots cost
+    nothing), the billing of :func:`infra.cost.account_run` on slot-aligned prices: the value after
+    iteration j's record equals ``account_prefix(result, volatility, config, j).cost``.
+    """
+    trace, r = volatility.trace, config.iteration_seconds
+    start = trace.start if volatility.start is None else volatility.start
+    total, curve = 0.0, []
+    for rec in result.records:
+        if rec.active:
+            total += trace.prices[trace.index_at(start + rec.slot * r)] * rec.active * r / SECONDS_PER_HOUR
+        curve.append(total)
+    return tuple(curve)
 
 
 def config_params(config: GrowingConfig) -> dict[str, object]:

@@ -11,8 +11,10 @@ from infra.cost import SECONDS_PER_HOUR, PriceError, PriceTrace, TraceExhaustedE
 from training.growing import (
     GrowingConfig,
     Volatility,
+    account_prefix,
     aggregated_gradient,
     concatenated_gradient,
+    cost_curve,
     log_growing_run,
     train_growing,
 )
@@ -172,6 +174,23 @@ def test_the_account_matches_training_and_counts_the_idle_slot() -> None:
     # price x active worker-seconds, per hour: 2*1*10 + 3*10 + 2*1*10 + 2*1*10
     assert account.cost == pytest.approx((20 + 30 + 20 + 20) / SECONDS_PER_HOUR)
     assert account == account_run(TRACE, (4.0, 2.0), [10.0] * 4, provisioned=[2, 2, 2, 2])
+
+
+def test_the_cost_curve_adds_each_slots_price_times_its_active_workers() -> None:
+    cfg = _volatile_config()
+    volatility = Volatility(TRACE, (4.0, 2.0))
+    result = train_growing(cfg, ARCH, _data(), volatility=volatility)
+    curve = cost_curve(result, volatility, cfg)
+    # slots: 2 workers at 1, 1 worker at 3, idle at 9 (free), 2 at 1, 2 at 1; 10 s each
+    expected = [20.0, 50.0, 50.0, 70.0, 90.0]
+    assert curve == pytest.approx([c / SECONDS_PER_HOUR for c in expected])
+    assert result.account is not None and curve[-1] == pytest.approx(result.account.cost)
+    for rec, cost in zip(result.records, curve, strict=True):
+        if rec.active:  # after iteration j: the account of the first j iterations
+            assert cost == pytest.approx(account_prefix(result, volatility, cfg, rec.iteration).cost)
+    later = Volatility(TRACE, (4.0, 2.0), start=10.0)  # starts at the price-3 slot
+    shifted = train_growing(cfg, ARCH, _data(), volatility=later)
+    assert cost_curve(shifted, later, cfg)[:2] == pytest.approx([30 / SECONDS_PER_HOUR] * 2)
 
 
 def test_volatility_inputs_are_checked() -> None:
