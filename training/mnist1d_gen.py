@@ -1,0 +1,144 @@
+"""MNIST-1D generation, vectorized: the same samples as ``mnist1d.data.make_dataset``, bit for bit.
+
+The ``mnist1d`` package builds each sample in a Python loop that sets up four
+``scipy.interpolate.interp1d`` objects and a Gaussian filter per sample (about 250 µs a sample,
+nearly all of it call overhead on arrays of 12 to 72 numbers). Here the random draws still come
+one sample at a time from the same legacy ``RandomState`` stream, in the package's order, but
+the arithmetic runs on all the samples of a partition at once, with the very operations the
+package applies (``numpy.interp``'s formula, ``gaussian_filter1d`` row by row), so the output is
+identical (``tests/training/test_mnist1d_gen.py`` checks it against the package for several
+sizes and seeds). Only the package's default dataset arguments are supported: they are what the
+shard stage uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+from scipy.ndimage import gaussian_filter1d
+
+# mnist1d.data.get_dataset_args() defaults (the package's published dataset)
+TRAIN_SPLIT = 0.8
+TEMPLATE_LEN = 12
+PADDING = (36, 60)
+SCALE_COEFF = 0.4
+MAX_TRANSLATION = 48
+CORR_NOISE_SCALE = 0.25
+IID_NOISE_SCALE = 2e-2
+SHEAR_SCALE = 0.75
+FINAL_SEQ_LENGTH = 40
+EPS = 1e-8
+N_CLASSES = 10
+DILATED_LEN = TEMPLATE_LEN + PADDING[-1]  # 72
+CHUNK = 2048  # samples transformed at once
+
+
+@dataclass(frozen=True)
+class Mnist1d:
+    """A generated dataset, split like the package's: the first 80% train, the rest test."""
+
+    x: np.ndarray  # (n_train, 40) float64
+    y: np.ndarray  # (n_train,) int64
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+@cache
+def _templates() -> np.ndarray:
+    """The ten digit templates of ``mnist1d.data.get_templates`` (x only), whitened the same way."""
+    from mnist1d.data import get_templates
+
+    x: np.ndarray = get_templates()["x"]
+    x.setflags(write=False)
+    return x
+
+
+def interp_rows(x_new: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
+    """``np.interp(x_new, xp, row)`` for every row of ``fp`` at once, with numpy's own formula.
+
+    numpy's C loop returns ``fp[j]`` where ``x == xp[j]`` (and at the last point) and otherwise
+    ``slope * (x - xp[j]) + fp[j]`` with ``slope = (fp[j+1] - fp[j]) / (xp[j+1] - xp[j])``; the
+    same operations in the same order give the same doubles. ``x_new`` must lie in ``[xp[0], xp[-1]]``.
+    """
+    j = np.searchsorted(xp, x_new, side="right") - 1  # xp[j] <= x < xp[j+1]
+    exact = xp[j] == x_new  # numpy returns fp[j] there (the last point included)
+    k = np.minimum(j, len(xp) - 2)
+    slope = (fp[:, k + 1] - fp[:, k]) / (xp[k + 1] - xp[k])
+    out = slope * (x_new - xp[k]) + fp[:, k]
+    out[:, exact] = fp[:, j[exact]]
+    return out
+
+
+def _draws(rng: np.random.RandomState, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The random numbers of ``n`` samples, in the package's order per sample:
+    pad ``rand()``, scale ``rand()``, translate ``choice(48)``, correlated noise ``randn(72)``,
+    iid noise ``randn(72)``, shear ``rand()``.
+
+    Consecutive draws of one kind are merged into one call (the legacy stream is the same).
+    """
+    uniforms = np.empty((n, 3))  # pad, scale, shear
+    shifts = np.empty(n, dtype=np.int64)
+    gauss = np.empty((n, 2 * DILATED_LEN))
+    random_sample, randint, standard_normal = rng.random_sample, rng.randint, rng.standard_normal
+    if n:
+        uniforms[0, :2] = random_sample(2)
+    for i in range(n):
+        shifts[i] = randint(0, MAX_TRANSLATION)
+        gauss[i] = standard_normal(2 * DILATED_LEN)
+        if i + 1 < n:  # this sample's shear and the next one's pad and scale
+            uniforms[i, 2], uniforms[i + 1, 0], uniforms[i + 1, 1] = random_sample(3)
+        else:
+            uniforms[i, 2] = random_sample()
+    return uniforms, shifts, gauss[:, :DILATED_LEN], gauss[:, DILATED_LEN:]
+
+
+def _transform(labels: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
+    """``mnist1d.transform.transform`` of each label's template, all samples at once."""
+    n = len(labels)
+    uniforms, shifts, corr_gauss, iid_gauss = _draws(rng, n)
+    low, high = PADDING
+    pads = low + (uniforms[:, 0] * (high - low + 1)).astype(np.int64)
+
+    # pad with zeros, then dilate to 72 points: rows of equal length share their grid
+    x = _templates()[labels] + EPS
+    grid = np.linspace(0, 1, DILATED_LEN)
+    dilated = np.empty((n, DILATED_LEN))
+    for pad in np.unique(pads):
+        rows = np.flatnonzero(pads == pad)
+        padded = np.concatenate([x[rows], np.zeros((len(rows), pad))], axis=1)
+        dilated[rows] = interp_rows(grid, np.linspace(0, 1, TEMPLATE_LEN + pad), padded)
+
+    dilated *= (1 + SCALE_COEFF * (uniforms[:, 1] - 0.5))[:, None]  # scale
+    rolled = dilated[np.arange(n)[:, None], (np.arange(DILATED_LEN) - shifts[:, None]) % DILATED_LEN]
+
+    mask = rolled != 0
+    corr = gaussian_filter1d(CORR_NOISE_SCALE * corr_gauss, 2, axis=1)
+    noisy = mask * rolled + (1 - mask) * corr
+    noisy = noisy + IID_NOISE_SCALE * iid_gauss
+
+    coeff = SHEAR_SCALE * (uniforms[:, 2] - 0.5)
+    sheared = noisy - coeff[:, None] * np.linspace(-0.5, 0.5, DILATED_LEN)
+    return interp_rows(np.linspace(0, 1, FINAL_SEQ_LENGTH), grid, sheared)
+
+
+def make_mnist1d(num_samples: int, seed: int) -> Mnist1d:
+    """``mnist1d.data.make_dataset`` with the default arguments, ``num_samples`` and ``seed``.
+
+    Like the package, it makes ``num_samples // 10`` samples per class.
+    """
+    if num_samples < 0:
+        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+    rng = np.random.RandomState(seed)
+    per_class = num_samples // N_CLASSES
+    labels = np.repeat(np.arange(N_CLASSES, dtype=np.int64), per_class)
+    # in chunks, in order (the draws continue the same stream): the arrays stay in the CPU cache
+    xs = np.empty((len(labels), FINAL_SEQ_LENGTH))
+    for start in range(0, len(labels), CHUNK):
+        xs[start : start + CHUNK] = _transform(labels[start : start + CHUNK], rng)
+    order = rng.permutation(len(labels))
+    xs, ys = xs[order], labels[order]
+    xs = (xs - xs.mean()) / xs.std()
+    split = int(len(ys) * TRAIN_SPLIT)
+    return Mnist1d(xs[:split], ys[:split], xs[split:], ys[split:])
