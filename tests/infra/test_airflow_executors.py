@@ -384,14 +384,25 @@ def test_local_executor_on_postgresql_runs_two_sweeps_in_parallel(tmp_path: Path
 
 @pytest.mark.slow
 @pytest.mark.services
-def test_celery_executor_runs_a_sweep_through_a_redis_worker(tmp_path: Path) -> None:
+def test_celery_executor_runs_a_sweep_through_a_redis_worker(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Smoke test: the same `mopflow up` with AIRFLOW__CORE__EXECUTOR=CeleryExecutor (broker: the
     profile's Redis) runs one tiny sweep; every task went through Celery (a Celery task id on each
     task instance, its result SUCCESS in the result backend on PostgreSQL)."""
     import sqlalchemy
 
     require_service("Redis", *REDIS)
+    import redis
+
     queue = f"mopflow_test_{uuid.uuid4().hex[:8]}"  # a queue of this test's own on the shared Redis
+    broker = redis.Redis(host=REDIS[0], port=REDIS[1], db=0)  # the profile's broker database
+
+    def forget_queue() -> None:  # what the worker left on Redis for this queue
+        broker.delete(queue, f"_kombu.binding.{queue}")
+        broker.close()
+
+    request.addfinalizer(forget_queue)
     with scale_out_stack(
         tmp_path, AIRFLOW__CORE__EXECUTOR="CeleryExecutor", AIRFLOW__OPERATORS__DEFAULT_QUEUE=queue
     ) as s:

@@ -1,7 +1,11 @@
 """The scale-out profile for real: Airflow metadata, MLflow backend and Optuna storage on
 PostgreSQL, MLflow artifacts, shards and checkpoints on S3 (an S3-compatible server on
 127.0.0.1), an external Dask scheduler and workers as separate processes. The whole retraining
-pipeline runs with ``MOPFLOW_PROFILE=scale-out`` and the outcomes match the embedded run's."""
+pipeline runs with ``MOPFLOW_PROFILE=scale-out`` and the outcomes match the embedded run's.
+
+Here ``mopflow run`` runs the DAG in-process (``dag.test``); the real Airflow components in this
+profile (``mopflow up``: scheduler, dag-processor, api-server, the LocalExecutor running tasks in
+parallel, the CeleryExecutor with a Redis broker) are tested in ``test_airflow_executors.py``."""
 
 from __future__ import annotations
 
