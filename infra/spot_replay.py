@@ -85,6 +85,7 @@ class SpotReport:
     account: RunAccount
     ideal_cost: float  # the bids' bill over the same span, switching exactly at price changes
     source: str = ""
+    error: str = ""  # why the replay thread stopped early, if it did
 
     def pids(self, worker: str) -> list[int]:
         """Process ids the worker had, in order (one per start)."""
@@ -433,6 +434,7 @@ class SpotReplay:
             account=account,
             ideal_cost=ideal,
             source=self.source,
+            error="" if self.error is None else f"{type(self.error).__name__}: {self.error}",
         )
         log.info(
             "spot: replay done: cost %.4f (ideal %.4f), %.2f worker-h billed, idle %.2f h, %d notice(s)",
@@ -481,6 +483,8 @@ def log_replay(tracker: Tracker, run_id: str, report: SpotReport) -> dict[str, f
         "spot_kills": float(report.count("killed")),
     }
     tracker.log_metrics(run_id, extra)
+    if report.error:
+        tracker.set_tags(run_id, {"mopflow.spot_replay_error": report.error[:4000]})
     running, history = len(report.workers), []
     for e in report.events:
         if e.kind in ("exit", "start") and e.wall <= report.wall_stop:

@@ -8,7 +8,7 @@ interrupting any work:
   every partition once). Before it starts the cluster is scaled to n_j workers and the partitions
   (``min(n_max, shards)`` of them, fixed for the sweep) are placed round-robin on the workers present.
 * ``task``: a trial runs whole on one worker, so round j is a batch of trials: the cluster is scaled
-  to n_j workers, one trial per worker is started, and round j+1 begins when all of them have
+  to n_j workers, one trial per worker present (at most n_j) is started, and round j+1 begins when all of them have
   finished (a barrier: a worker whose trial was pruned early waits for the round to end). ``n_workers``
   is then ignored.
 
@@ -192,7 +192,8 @@ class RoundScaling:
             return True
         if in_flight:
             return False  # the round's barrier: wait until its trials are done
-        self._quota = self.before_round(len(self.history))  # one trial per worker present
+        present = self.before_round(len(self.history))
+        self._quota = min(present, self.history[-1].target)  # one trial per worker, at most n_j
         return True
 
     def started(self) -> None:

@@ -128,7 +128,7 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     assert [r.state for r in outcome.results] == ["COMPLETE"] * 4
     assert all(len(r.history) == 15 for r in outcome.results)
     report = outcome.spot
-    assert report is not None
+    assert report is not None and report.error == ""
     kinds = [e.kind for e in report.events if e.worker == "1"]
     assert kinds[:3] == ["joined", "notice", "exit"], kinds
     assert "notice" not in [e.kind for e in report.events if e.worker == "0"]

@@ -89,6 +89,25 @@ def test_local_cluster_scaler_starts_and_stops_worker_processes(cluster_client: 
 
 
 @pytest.mark.slow
+def test_external_scheduler_retires_surplus_workers_and_waits_for_new_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Connected by address (no cluster object): the surplus is retired; a scale-up can only wait
+    for a deployment to add workers, and goes on with those present after the timeout."""
+    from distributed import Client
+
+    from training.cluster import dask_client
+
+    with dask_client("", 2) as local, Client(local.cluster.scheduler_address, timeout="30s") as client:
+        scaler = scaler_for(client, timeout_s=2)
+        assert type(scaler).__name__ == "RetiringScaler"
+        assert scaler.scale(1) == 1 and len(worker_addresses(client)) == 1
+        with caplog.at_level("WARNING", logger="training.scaling"):
+            assert scaler.scale(2) == 1
+        assert "wanted 2 workers, 1 present" in caplog.text
+
+
+@pytest.mark.slow
 def test_mop_sweep_scales_the_cluster_per_round(
     small_manifest: str, tmp_path: Path, cluster_client: object
 ) -> None:
