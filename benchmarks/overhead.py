@@ -12,8 +12,10 @@ generator, for ``--epochs`` epochs (default 3), with one torch thread.
 * ``lightning``: ``training.lit.Classifier(model, lr=0.01, weight_decay=1e-5)`` fitted by
   ``pl.Trainer(max_epochs=E, **quiet_trainer_kwargs())`` (no validation loader): AdamW and a
   per-step ``OneCycleLR`` over ``trainer.estimated_stepping_batches`` steps, as in production
-  (the product module: manual optimization through Lightning's optimizer wrapper and
-  ``manual_backward``, so Lightning's hooks, step counting and DDP support are all in the loop).
+  (the product module and Trainer settings that trials use: Lightning's fit loop, its batch
+  hooks, callbacks and step counting; manual optimization, which on one CPU device with no
+  backward/step hook in use takes the module's fast path, ``loss.backward()`` and the bare
+  optimizer's ``step()``, as trials do; under DDP it goes through ``manual_backward``).
 * ``plain``: the same AdamW and ``OneCycleLR`` (same total steps) in a bare loop:
   ``zero_grad(set_to_none=True)``, forward, cross-entropy, backward, ``step``, scheduler ``step``.
 * ``plain_checks`` (information): ``plain`` plus what ``Classifier.training_step`` adds on top of

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, cast
 
 import pytorch_lightning as pl
@@ -25,6 +26,15 @@ class Classifier(pl.LightningModule):
     Optimization is manual: the same zero_grad / backward / step / per-step scheduler step as
     Lightning's automatic loop, without its closure and per-step hook machinery, which cost
     these small models about a third of each step (benchmarks/overhead.py).
+
+    On a single device in 32-bit precision, when no callback (nor a subclass) uses the
+    backward / optimizer-step hooks, a step goes straight to ``loss.backward()`` and the
+    optimizer's own ``step()`` (the fast path): Lightning's wrapper would only call those
+    unused hooks, an empty closure and the pass-through profiler around the same two calls.
+    The step is still counted in the loop's progress, exactly as the wrapper counts it, so
+    ``global_step``, checkpoints and resumption are unchanged. Anything else (DDP, whose
+    ``manual_backward`` prepares the gradient reducer; mixed precision; a hook in use) takes
+    Lightning's path.
     """
 
     def __init__(
@@ -45,6 +55,7 @@ class Classifier(pl.LightningModule):
         self._loss_sum = 0.0
         self._loss_count = 0
         self.automatic_optimization = False
+        self._fast: _FastStep | None = None  # set at the start of each fit when the fast path applies
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets _current_fx_name (a str or None) around every hook call, several times
@@ -68,7 +79,7 @@ class Classifier(pl.LightningModule):
     def loss(self, batch: Any) -> torch.Tensor:
         """The training loss of one batch."""
         x, y = batch[0], batch[1]
-        logits = self(x)
+        logits = self.model(x)
         loss = F.cross_entropy(logits, y)
         if len(batch) > 2 and self.alpha > 0:
             soft = batch[2]
@@ -78,7 +89,6 @@ class Classifier(pl.LightningModule):
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        optimizer = cast(LightningOptimizer, self.optimizers())  # one optimizer: never a list
         loss = self.loss(batch)
         value = loss.item()  # one read serves the NaN check and the epoch mean
         if not math.isfinite(value):
@@ -86,17 +96,34 @@ class Classifier(pl.LightningModule):
             raise NonFiniteLossError(
                 f"training loss became {value} at epoch {self.current_epoch}, step {self.global_step}"
             )
-        optimizer.zero_grad(set_to_none=True)
-        # manual_backward, not loss.backward(): under DDP it prepares the gradient reducer
-        self.manual_backward(loss)
-        optimizer.step()
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()  # type: ignore[union-attr]
+        fast = self._fast
+        if fast is not None:
+            fast.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            fast.progress.increment_ready()
+            fast.optimizer.step()
+            fast.progress.increment_completed()
+            if fast.scheduler is not None:
+                fast.scheduler.step()
+        else:
+            optimizer = cast(LightningOptimizer, self.optimizers())  # one optimizer: never a list
+            optimizer.zero_grad(set_to_none=True)
+            # manual_backward, not loss.backward(): under DDP it prepares the gradient reducer
+            self.manual_backward(loss)
+            optimizer.step()
+            scheduler = self.lr_schedulers()
+            if scheduler is not None:
+                scheduler.step()  # type: ignore[union-attr]
         # Accumulated on the side and logged once per epoch: self.log on every step doubled
         # the per-step cost of these small models.
         self._loss_sum += value
         self._loss_count += 1
+
+    def on_train_start(self) -> None:
+        self._fast = _fast_step(self)
+
+    def on_train_end(self) -> None:
+        self._fast = None
 
     def epoch_train_loss(self) -> float:
         """Mean training loss of the current (or just finished) epoch so far."""
@@ -131,6 +158,53 @@ class Classifier(pl.LightningModule):
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr, total_steps=max(total, 1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@dataclass(frozen=True)
+class _FastStep:
+    """What the fast path steps: the bare optimizer, its scheduler, and the loop's step counter."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    progress: Any  # the manual-optimization loop's optimizer-step progress (a ``_Progress``)
+
+
+# Hooks Lightning's optimizer wrapper and ``manual_backward`` run around backward and step.
+_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+
+
+def _fast_step(module: Classifier) -> _FastStep | None:
+    """The fast path's parts, or None when Lightning's own path is needed (see ``Classifier``)."""
+    from pytorch_lightning.plugins.precision import Precision
+    from pytorch_lightning.profilers import PassThroughProfiler
+    from pytorch_lightning.strategies import SingleDeviceStrategy
+    from pytorch_lightning.utilities.model_helpers import is_overridden
+
+    trainer = module.trainer
+    if (
+        type(trainer.strategy) is not SingleDeviceStrategy
+        or type(trainer.precision_plugin) is not Precision
+        or not isinstance(getattr(trainer, "profiler", None), PassThroughProfiler)
+        or trainer.gradient_clip_val
+    ):
+        return None
+    for hook in _STEP_HOOKS:
+        if is_overridden(hook, module, pl.LightningModule) or any(
+            is_overridden(hook, callback, pl.Callback) for callback in getattr(trainer, "callbacks", [])
+        ):
+            return None
+    optimizers = module.optimizers(use_pl_optimizer=False)
+    progress = getattr(
+        getattr(getattr(trainer.fit_loop, "epoch_loop", None), "manual_optimization", None),
+        "optim_step_progress",
+        None,
+    )
+    if isinstance(optimizers, list) or progress is None:
+        return None
+    schedulers = module.lr_schedulers()
+    if isinstance(schedulers, list):
+        return None
+    return _FastStep(optimizers, schedulers, progress)
 
 
 def quiet_trainer_kwargs() -> dict[str, Any]:
