@@ -89,7 +89,7 @@ def test_bad_replay_input_fails_before_training(tmp_path: Path, small_manifest: 
             run_search(cfg.model_copy(update={"spot_bids": [1.0, 2.0]}), *args, client)
         with pytest.raises(PriceError, match="below the trace's lowest price"):
             run_search(cfg.model_copy(update={"spot_bids": [0.1]}), *args, client)
-    assert not (tmp_path / "j.log").exists() or "trial" not in (tmp_path / "j.log").read_text()
+    assert not (tmp_path / "j.log").exists(), "no study was opened"
 
 
 @pytest.mark.slow
@@ -110,8 +110,8 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     csv.write_text("timestamp,price\n0,0.3\n60,0.8\n600,0.3\n100000,0.3\n")
     speed = 60.0
     cfg = SearchConfig(
-        n_trials=4,
-        epochs=15,
+        n_trials=3,
+        epochs=10,
         n_workers=2,
         space=SPACE,
         pruner="none",
@@ -125,8 +125,8 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
         )
         after = len(client.scheduler_info()["workers"])
     assert after == 2, "the replay leaves every worker running"
-    assert [r.state for r in outcome.results] == ["COMPLETE"] * 4
-    assert all(len(r.history) == 15 for r in outcome.results)
+    assert [r.state for r in outcome.results] == ["COMPLETE"] * 3
+    assert all(len(r.history) == 10 for r in outcome.results)
     report = outcome.spot
     assert report is not None and report.error == ""
     kinds = [e.kind for e in report.events if e.worker == "1"]
@@ -137,7 +137,7 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     notice, gone = (
         next(e for e in report.events if e.worker == "1" and e.kind == k) for k in ("notice", "exit")
     )
-    assert 60 <= notice.trace_t < 60 + 0.5 * speed  # within a poll (and a loaded machine's delay)
+    assert 60 <= notice.trace_t < 60 + 1.0 * speed  # within a poll (and a loaded machine's delay)
     t1 = report.trace_start + (report.wall_stop - report.wall_start) * speed
     trace = PriceTrace((0.0, 60.0, 600.0), (0.3, 0.8, 0.3), 100_000.0)
     assert report.ideal_cost == pytest.approx(sum(bill_interval(trace, [1.0, 0.5], 0.0, t1).worker_costs))
@@ -146,17 +146,17 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     starts = [e for e in report.events if e.worker == "1" and e.kind == "start" and e.trace_t <= t1]
     worker1 = [(0.0, min(gone.trace_t, t1))] + ([(starts[0].trace_t, t1)] if starts else [])
     if starts:
-        assert max(600.0, gone.trace_t) <= starts[0].trace_t < max(600.0, gone.trace_t) + 0.5 * speed
+        assert max(600.0, gone.trace_t) <= starts[0].trace_t < max(600.0, gone.trace_t) + 1.0 * speed
     expected = sum(bill_interval(trace, [math.inf], a, b).worker_costs[0] for a, b in [(0.0, t1), *worker1])
     account = report.account
     assert account.cost == pytest.approx(expected, rel=1e-6)
     # never billed less than the bids imply (but for the moments a restart takes to be noticed)
-    assert report.ideal_cost - 0.5 * speed * 0.3 / 3600 <= account.cost
+    assert report.ideal_cost - 1.0 * speed * 0.3 / 3600 <= account.cost
     assert account.cost - report.ideal_cost <= (gone.trace_t - notice.trace_t) * 0.8 / 3600 + 1e-9
     assert account.idle_seconds == pytest.approx(0.0, abs=1e-6)  # worker 0 always ran
     assert account.wasted_worker_seconds == pytest.approx(min(gone.trace_t, t1) - notice.trace_t, rel=1e-6)
     assert 0 < account.useful_worker_seconds < account.billed_worker_seconds
-    assert account.units >= 4
+    assert account.units >= 3
 
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "spot", str(tmp_path / "mlartifacts"))
     run_id = tracker.start_run("search", {})
