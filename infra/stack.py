@@ -611,7 +611,8 @@ def airflow_specs(executor: str, env: dict[str, str], p: StackPorts, bin_dir: st
         ),
         ServiceSpec(
             name="airflow-celery-worker",
-            argv=(airflow, "celery", "worker"),
+            # A node name of this stack's own: two stacks on one broker and host never clash.
+            argv=(airflow, "celery", "worker", "--celery-hostname", f"mopflow-{p.airflow}@%h"),
             env=env,
             url=env.get("AIRFLOW__CELERY__BROKER_URL", ""),
             checks=(HealthCheck(kind="tcp", url=worker_logs),),  # its log server is up

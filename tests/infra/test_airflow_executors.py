@@ -133,12 +133,13 @@ def test_celery_executor_runs_each_component_and_a_worker(tmp_path: Path) -> Non
     specs = _specs(env)
     assert list(specs) == [*stack.SERVICE_ORDER, *stack.CELERY_SERVICES]
     argv = {name: spec.argv[1:] for name, spec in specs.items() if name.startswith("airflow")}
+    airflow_port = specs["airflow"].ports[0]
     assert argv == {
         "airflow": ("api-server",),
         "airflow-scheduler": ("scheduler",),
         "airflow-dag-processor": ("dag-processor",),
         "airflow-triggerer": ("triggerer",),
-        "airflow-celery-worker": ("celery", "worker"),
+        "airflow-celery-worker": ("celery", "worker", "--celery-hostname", f"mopflow-{airflow_port}@%h"),
     }
     worker = specs["airflow-celery-worker"].env
     assert worker["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
