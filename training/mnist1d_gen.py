@@ -45,12 +45,30 @@ class Mnist1d:
     y_test: np.ndarray
 
 
-@cache
-def _templates() -> np.ndarray:
-    """The ten digit templates of ``mnist1d.data.get_templates`` (x only), whitened the same way."""
-    from mnist1d.data import get_templates
+# The ten digit templates of ``mnist1d.data.get_templates`` (copied: importing the package
+# pulls in matplotlib, a second or more per process; the test checks they are the package's).
+_DIGITS = (
+    (5, 6, 6.5, 6.75, 7, 7, 7, 7, 6.75, 6.5, 6, 5),
+    (5, 3, 3, 3.4, 3.8, 4.2, 4.6, 5, 5.4, 5.8, 5, 5),
+    (5, 6, 6.5, 6.5, 6, 5.25, 4.75, 4, 3.5, 3.5, 4, 5),
+    (5, 6, 6.5, 6.5, 6, 5, 5, 6, 6.5, 6.5, 6, 5),
+    (5, 4.4, 3.8, 3.2, 2.6, 2.6, 5, 5, 5, 5, 5, 5),
+    (5, 3, 3, 3, 3, 5, 6, 6.5, 6.5, 6, 4.5, 5),
+    (5, 4, 3.5, 3.25, 3, 3, 3, 3, 3.25, 3.5, 4, 5),
+    (5, 7, 7, 6.6, 6.2, 5.8, 5.4, 5, 4.6, 4.2, 5, 5),
+    (5, 4, 3.5, 3.5, 4, 5, 5, 4, 3.5, 3.5, 4, 5),
+    (5, 4, 3.5, 3.5, 4, 5, 5, 5, 5, 4.7, 4.3, 5),
+)
 
-    x: np.ndarray = get_templates()["x"]
+
+@cache
+def templates() -> np.ndarray:
+    """The digit templates, whitened and scaled with the package's operations (10 x 12)."""
+    x = np.stack([np.asarray(d, dtype=np.float64) for d in _DIGITS])
+    x -= x.mean(1, keepdims=True)
+    x /= x.std(1, keepdims=True)
+    x -= x[:, :1]
+    x = x / 6.0
     x.setflags(write=False)
     return x
 
@@ -102,7 +120,7 @@ def _transform(labels: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
     pads = low + (uniforms[:, 0] * (high - low + 1)).astype(np.int64)
 
     # pad with zeros, then dilate to 72 points: rows of equal length share their grid
-    x = _templates()[labels] + EPS
+    x = templates()[labels] + EPS
     grid = np.linspace(0, 1, DILATED_LEN)
     dilated = np.empty((n, DILATED_LEN))
     for pad in np.unique(pads):

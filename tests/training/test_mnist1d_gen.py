@@ -2,9 +2,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mnist1d.data import get_dataset_args, make_dataset
+from mnist1d.data import get_dataset_args, get_templates, make_dataset
 
-from training.mnist1d_gen import interp_rows, make_mnist1d
+from training.mnist1d_gen import interp_rows, make_mnist1d, templates
+
+
+def test_templates_are_the_packages() -> None:
+    assert np.array_equal(templates(), get_templates()["x"])
 
 
 @pytest.mark.parametrize(
