@@ -423,10 +423,17 @@ def test_celery_executor_runs_a_sweep_through_a_redis_worker(
                         {"r": run_id},
                     ).all()
                 )
-                results: dict[str, str] = dict(
-                    conn.execute(sqlalchemy.text("SELECT task_id, status FROM celery_taskmeta")).all()
-                )
+            assert set(ids) == {t["task_id"] for t in tis} and all(ids.values()), ids
+            # A task reports its state before its Celery task returns: the last result may lag.
+            deadline = time.monotonic() + 60
+            while True:
+                with engine.connect() as conn:
+                    results: dict[str, str] = dict(
+                        conn.execute(sqlalchemy.text("SELECT task_id, status FROM celery_taskmeta")).all()
+                    )
+                if all(results.get(str(i)) == "SUCCESS" for i in ids.values()):
+                    break
+                assert time.monotonic() < deadline, (ids, results)
+                time.sleep(1)
         finally:
             engine.dispose()
-        assert set(ids) == {t["task_id"] for t in tis} and all(ids.values()), ids
-        assert all(results.get(str(celery_id)) == "SUCCESS" for celery_id in ids.values()), (ids, results)
