@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 import time
@@ -106,11 +107,23 @@ class PreemptionPlugin(WorkerPlugin):
                 await asyncio.wait_for(
                     worker.close_gracefully(restart=True, reason="preempted (SIGTERM)"), left
                 )
+                self._exit_for_the_nanny(worker)
                 return
             except Exception as exc:  # no worker to take the data, or out of time: just leave
                 log.warning("preemption: graceful close failed (%s); leaving", exc)
         # nanny=False: under a nanny (local clusters) a fresh worker process takes this one's place
         await worker.close(nanny=False, executor_wait=False, reason="preempted (SIGTERM)")
+        self._exit_for_the_nanny(worker)
+
+    @staticmethod
+    def _exit_for_the_nanny(worker: Any) -> None:
+        """End the closed worker's process now under a nanny, so that the nanny starts the fresh
+        one at once: a process that trained takes seconds to wind down (torch and Lightning
+        teardown), and a LocalCluster gives up on a worker not back within 15 s
+        (``distributed.deploy.lost-worker-timeout``)."""
+        if getattr(worker, "nanny", None):
+            logging.shutdown()
+            os._exit(0)
 
 
 FINISHED_STATES = ("memory", "erred", "forgotten")

@@ -499,6 +499,7 @@ def run_search(
                 result.redone_s = redone_seconds(
                     lost_spans(task_story(client, str(future.key))), result.saved_at
                 )
+                future.release()  # the result is here now: the worker need not keep it
                 if result.redone_s > 0:
                     log.warning(
                         "search: trial %d redid %.2fs of work lost to preempted or killed workers",

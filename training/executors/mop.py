@@ -195,6 +195,8 @@ class MopExecutor(Executor):
                         self._account(unit, worker, "lost", self._lost_seconds(future, started_at))
                         self._lose(worker, saved=False)
                         continue
+                    finally:  # the result is here now: the worker need not keep it (nor hand it off)
+                        future.release()
                     self.scheduler.complete(worker)
                     states[unit.model] = state
                     visited[unit.model] = list(read_meta(state).get("visited", []))

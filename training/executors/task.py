@@ -116,6 +116,8 @@ class TaskExecutor(Executor):
                     outcomes[mid].error = f"{type(exc).__name__}: {exc}"
                     queue += self._refill(controller, specs, outcomes, epochs, len(queue) + len(in_flight))
                     continue
+                finally:  # the result is here now: the worker need not keep it (nor hand it off)
+                    future.release()
                 epoch = next_epoch.get(mid, 0)
                 lost = redone_seconds(lost_spans(task_story(self.client, str(future.key))))
                 if lost > 0:  # its worker died: Dask ran the epoch again from its start
