@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import dask
 from distributed import Client, LocalCluster
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,11 @@ def dask_client(address: str = "", n_workers: int = 2) -> Iterator[Client]:
         return
     log.info("starting Dask LocalCluster with %d worker processes", n_workers)
     with (
+        # Dask's nanny starts workers with MALLOC_TRIM_THRESHOLD_=65536, which freezes glibc's
+        # mmap threshold: every numpy temporary over 128 KiB is then mmap'd and page-faulted
+        # afresh, and the heap is trimmed on each free. MNIST-1D generation cost 15-45% more CPU
+        # in a worker than in a plain process (benchmarks/shard.py); glibc's defaults it is.
+        dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}),
         LocalCluster(
             n_workers=n_workers,
             threads_per_worker=1,
