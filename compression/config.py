@@ -14,7 +14,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from training.config import DataConfig, SearchConfig, StageConfig, check_name
+from training.config import (
+    SCHEDULE_SPEC_HELP,
+    DataConfig,
+    SearchConfig,
+    StageConfig,
+    check_name,
+    format_worker_schedule,
+)
 from training.space import SearchSpace, SpaceError, parse_space
 
 MAX_CONF_BYTES = 128 * 1024
@@ -106,6 +113,11 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "model_slots": ("search", "model_slots"),
     "grid_points": ("search", "grid_points"),
     "warm_start": ("search", "warm_start"),
+    "worker_schedule": ("search", "worker_schedule"),
+    "scale_timeout_s": ("search", "scale_timeout_s"),
+    "spot_trace": ("search", "spot_trace"),
+    "spot_bids": ("search", "spot_bids"),
+    "spot_speed": ("search", "spot_speed"),
     "top_k": ("ensemble", "top_k"),
     "ensemble_selection": ("ensemble", "selection"),
     "student_family": ("distill", "family"),
@@ -226,6 +238,7 @@ class PipelineConfig(BaseModel):
         out = {}
         for key, (stage, field) in CONF_FIELDS.items():
             out[key] = getattr(getattr(self, stage), field)
+        out["worker_schedule"] = format_worker_schedule(self.search.worker_schedule)  # its text spec
         return out
 
 
@@ -248,7 +261,8 @@ def _flat_error(exc: ValidationError) -> str:
         value = err.get("input")
         shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
         msg = str(err["msg"]).removeprefix("Value error, ")
-        lines.append(f"{where}: {msg}" if where == "config" else f"{where}: {msg} (got {shown[:80]})")
+        whole = where == "config" or (where in STAGE_MODELS and len(loc) == 1)  # the message names values
+        lines.append(f"{where}: {msg}" if whole else f"{where}: {msg} (got {shown[:80]})")
     return "; ".join(lines)
 
 
@@ -266,6 +280,16 @@ def conf_json_schema() -> dict[str, dict[str, Any]]:
                 "anyOf": [{"type": "null"}, {"type": "string", "maxLength": 65536}, {"type": "object"}],
                 "description": "Search space as JSON (families and common params); empty = default space",
             }
+        elif key == "worker_schedule":
+            schema = {
+                "type": "string",
+                "maxLength": 200,
+                "description": "Grow the Dask cluster by round (strategies task and mop): "
+                + SCHEDULE_SPEC_HELP,
+            }
+            default = ""
+        elif key == "spot_bids":  # a list, or the same as text in the trigger form ("1.0, 0.5")
+            schema["anyOf"] = [*schema["anyOf"], {"type": "string", "maxLength": 8192}]
         schema["default"] = default
         if "description" not in schema:
             schema["description"] = info.description or key

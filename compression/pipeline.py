@@ -198,7 +198,9 @@ def search_stage(
     study = study_name_for(cfg, ctx)
     lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"]), "mopflow.study": study}
     run_id = _stage_run(tracker, ctx, "search", lineage)
-    tracker.log_params(run_id, {k: v for k, v in cfg.search.model_dump().items() if k != "space"})
+    params = {k: v for k, v in cfg.search.model_dump().items() if k != "space"}
+    params["worker_schedule"] = cfg.to_conf()["worker_schedule"]  # its spec, as the conf gives it
+    tracker.log_params(run_id, params)
     tracker.log_dict(run_id, cfg.search.search_space().model_dump(), "search_space.json")
 
     def log_trial(result: TrialResult) -> None:

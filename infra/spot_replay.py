@@ -99,6 +99,22 @@ class SpotReport:
         return sum(1 for e in self.events if e.kind == kind)
 
 
+def read_price_trace(location: str, storage_options: Mapping[str, Any] | None = None) -> PriceTrace:
+    """A ``timestamp,price`` CSV from a local path or an fsspec URL (``s3://...``)."""
+    from infra import storage
+    from infra.cost import parse_price_csv
+
+    try:
+        data = storage.read_bytes(location, storage_options)
+    except (OSError, ValueError) as exc:
+        raise PriceError(f"cannot read price trace {location}: {exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PriceError(f"price trace {location} is not UTF-8 text: {exc}") from exc
+    return parse_price_csv(text, source=location)
+
+
 def repeat_trace(trace: PriceTrace, until: float) -> PriceTrace:
     """The trace, repeated end to end from its start, covering at least ``[start, until)``."""
     if until <= trace.end:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from training.space import SearchSpace, default_space, parse_space
 from training.volatile import WorkerSchedule
@@ -82,6 +82,12 @@ def is_table_url(value: str) -> bool:
     return "/" in value or value.endswith((".parquet", ".csv", ".pq"))
 
 
+SCHEDULE_SPEC_HELP = (
+    "'' or 'static' (a fixed cluster), 'static:<n>', 'step:<n_start>:<increment>:<n_max>[:<period>]', "
+    "'exponential:<eta>:<n_max>' (rounds are epochs)"
+)
+
+
 class SearchConfig(StageConfig):
     """The Optuna search: budget, parallelism, sampler and pruner, and the space (as data)."""
 
@@ -116,7 +122,7 @@ class SearchConfig(StageConfig):
     worker_schedule: WorkerSchedule | None = Field(
         None,
         description="Scale the Dask cluster to n_j workers in round j (unit=epoch; task and mop); "
-        "None = a fixed cluster",
+        "None = a fixed cluster. A string spec is accepted: " + SCHEDULE_SPEC_HELP,
     )
     scale_timeout_s: float = Field(
         120.0, gt=0, le=3600, description="Seconds a scale-up waits for workers to join before going on"
@@ -133,6 +139,28 @@ class SearchConfig(StageConfig):
     spot_speed: float = Field(
         60.0, gt=0, le=1e6, allow_inf_nan=False, description="spot_trace: trace seconds per real second"
     )
+
+    @field_validator("worker_schedule", mode="before")
+    @classmethod
+    def _schedule_spec(cls, value: Any) -> Any:
+        return parse_worker_schedule(value) if isinstance(value, str) else value
+
+    @field_validator("spot_bids", mode="before")
+    @classmethod
+    def _bids_text(cls, value: Any) -> Any:
+        return parse_bids(value) if isinstance(value, str) else value
+
+    @field_validator("spot_trace")
+    @classmethod
+    def _trace_location(cls, value: str) -> str:
+        if value and (not value.strip() or any(ord(c) < 32 for c in value)):
+            raise ValueError(f"spot_trace {value!r} must be a path or URL without control characters")
+        if value and not value.lower().endswith(".csv"):
+            raise ValueError(
+                f"spot_trace {value!r} must name a timestamp,price CSV file (a path or fsspec URL "
+                "ending in .csv), or be empty for no replay"
+            )
+        return value
 
     @model_validator(mode="after")
     def _volatile(self) -> SearchConfig:
@@ -158,10 +186,10 @@ class SearchConfig(StageConfig):
             for i, bid in enumerate(self.spot_bids):
                 if not 0 <= bid < float("inf"):
                     raise ValueError(f"spot_bids[{i}]={bid}: a bid must be a finite number >= 0")
-            if self.strategy != "task":
+            if self.strategy not in ("task", "mop"):
                 raise ValueError(
-                    f"spot_trace replay runs with strategy 'task' (a trial resumes from its notice "
-                    f"checkpoint on any worker), not {self.strategy!r}"
+                    f"spot_trace replay runs with strategy 'task' or 'mop' (a trial or unit resumes "
+                    f"from its notice checkpoint on any worker), not {self.strategy!r}"
                 )
             if schedule is not None:
                 raise ValueError(
@@ -172,6 +200,77 @@ class SearchConfig(StageConfig):
     def search_space(self) -> SearchSpace:
         """The validated search space."""
         return default_space() if self.space is None else parse_space(self.space)
+
+
+_SCHEDULE_ARGS: dict[str, tuple[tuple[str, ...], int]] = {  # kind -> (positional fields, how many required)
+    "static": (("n_max",), 1),
+    "step": (("n_start", "increment", "n_max", "period"), 3),
+    "exponential": (("eta", "n_max"), 2),
+}
+
+
+def parse_worker_schedule(spec: str) -> WorkerSchedule | None:
+    """A worker schedule from its flat-config spec (rounds are epochs, ``unit="epoch"``):
+
+    ``""``, ``"none"`` or ``"static"``: None (a fixed cluster); ``"static:<n>"``: n workers every
+    round; ``"step:<n_start>:<increment>:<n_max>[:<period>]"`` (period in rounds, default 1);
+    ``"exponential:<eta>:<n_max>"``: ``n_j = min(ceil(eta^(j-1)), n_max)``.
+    """
+    text = spec.strip().lower()
+    if text in ("", "none", "static"):
+        return None
+    kind, *args = [part.strip() for part in text.split(":")]
+    if kind not in _SCHEDULE_ARGS:
+        raise ValueError(f"worker_schedule {spec!r}: unknown kind {kind!r}; expected {SCHEDULE_SPEC_HELP}")
+    names, required = _SCHEDULE_ARGS[kind]
+    if not required <= len(args) <= len(names):
+        raise ValueError(
+            f"worker_schedule {spec!r}: {kind} takes {':'.join(f'<{n}>' for n in names[:required])}"
+            + (f"[:<{names[-1]}>]" if len(names) > required else "")
+            + f", got {len(args)} value(s)"
+        )
+    fields: dict[str, Any] = {"kind": kind, "unit": "epoch"} | ({"period": 1} if kind == "step" else {})
+    for name, raw in zip(names, args, strict=False):
+        try:
+            fields[name] = float(raw) if name == "eta" else int(raw)
+        except ValueError:
+            expected = "a number" if name == "eta" else "an integer"
+            raise ValueError(f"worker_schedule {spec!r}: {name}={raw!r} is not {expected}") from None
+    try:
+        return WorkerSchedule(**fields)
+    except ValidationError as exc:
+        problems = "; ".join(
+            (f"{e['loc'][0]}={e.get('input')!r}: " if e["loc"] else "")
+            + str(e["msg"]).removeprefix("Value error, ")
+            for e in exc.errors()
+        )
+        raise ValueError(f"worker_schedule {spec!r}: {problems}") from None
+
+
+def format_worker_schedule(schedule: WorkerSchedule | None) -> str:
+    """The flat-config spec of a schedule (the inverse of :func:`parse_worker_schedule`)."""
+    if schedule is None:
+        return ""
+    if schedule.kind == "static":
+        return f"static:{schedule.n_max}"
+    if schedule.kind == "step":
+        return f"step:{schedule.n_start}:{schedule.increment}:{schedule.n_max}:{schedule.period}"
+    return f"exponential:{schedule.eta:.15g}:{schedule.n_max}"
+
+
+def parse_bids(text: str) -> list[float] | None:
+    """Bids written as text (the trigger form): numbers separated by commas or spaces, optionally
+    in brackets; empty = None."""
+    items = [t for t in re.split(r"[,\s]+", text.strip().strip("[]")) if t]
+    if not items:
+        return None
+    bids = []
+    for i, item in enumerate(items):
+        try:
+            bids.append(float(item))
+        except ValueError:
+            raise ValueError(f"spot_bids[{i}]={item!r} is not a number (bids: e.g. '1.0, 0.5')") from None
+    return bids
 
 
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -231,13 +231,15 @@ def log_volatile(tracker: Tracker, run_id: str, outcome: Any) -> None:
         log_replay(tracker, run_id, spot)
 
 
-def spot_replay_for(cfg: SearchConfig, client: Any, grace_s: float) -> Any:
-    """A :class:`~infra.spot_replay.SpotReplay` for ``cfg.spot_trace`` on this client's LocalCluster,
-    validated before any training: the trace file, the cluster, one bid per worker."""
+def spot_replay_for(
+    cfg: SearchConfig, client: Any, grace_s: float, storage_options: Mapping[str, Any] | None = None
+) -> Any:
+    """A :class:`~infra.spot_replay.SpotReplay` for ``cfg.spot_trace`` (a path or fsspec URL) on this
+    client's LocalCluster, validated before any training: the trace file, the cluster, one bid per worker."""
     from distributed import Nanny, SpecCluster
 
-    from infra.cost import PriceError, load_price_trace
-    from infra.spot_replay import SpotReplay
+    from infra.cost import PriceError
+    from infra.spot_replay import SpotReplay, read_price_trace
 
     cluster = getattr(client, "cluster", None)
     if not isinstance(cluster, SpecCluster):
@@ -247,7 +249,7 @@ def spot_replay_for(cfg: SearchConfig, client: Any, grace_s: float) -> Any:
         )
     if any(spec.get("cls") is not Nanny for spec in cluster.worker_spec.values()):
         raise PriceError("spot_trace replay needs a LocalCluster of worker processes (processes=True)")
-    trace = load_price_trace(cfg.spot_trace)
+    trace = read_price_trace(cfg.spot_trace, storage_options)
     return SpotReplay(
         cluster,
         client,
@@ -278,7 +280,7 @@ def with_spot_replay(search: Callable[..., Any]) -> Callable[..., Any]:
         from training.search import register_preemption
 
         grace = register_preemption(client)  # before the first notice can come
-        replay = spot_replay_for(cfg, client, grace)
+        replay = spot_replay_for(cfg, client, grace, bound.arguments.get("storage_options"))
         replay.start()
         try:
             outcome = search(*args, **kwargs)

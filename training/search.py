@@ -598,6 +598,7 @@ class _SearchController:
         return self.ask(free_slots)
 
 
+@with_spot_replay
 def run_search_with_executor(
     cfg: SearchConfig,
     manifest_uri: str,

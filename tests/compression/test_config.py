@@ -68,3 +68,76 @@ def test_wrong_types_are_refused_naming_the_key() -> None:
         PipelineConfig.from_conf({"epochs": "eighty"})
     with pytest.raises(ConfigError, match="feature_columns"):
         PipelineConfig.from_conf({"feature_columns": "a,b"})
+
+
+def test_volatile_worker_keys_reach_the_search_config() -> None:
+    cfg = PipelineConfig.from_conf(
+        {
+            "strategy": "mop",
+            "worker_schedule": "exponential:2:4",
+            "scale_timeout_s": 30,
+        }
+    )
+    schedule = cfg.search.worker_schedule
+    assert schedule is not None
+    assert (schedule.kind, schedule.eta, schedule.n_max, schedule.unit) == ("exponential", 2.0, 4, "epoch")
+    assert cfg.search.scale_timeout_s == 30.0
+    assert cfg.to_conf()["worker_schedule"] == "exponential:2:4"
+    assert PipelineConfig.from_conf(cfg.to_conf()) == cfg
+    step = PipelineConfig.from_conf({"worker_schedule": "step:1:2:5"}).search.worker_schedule
+    assert step is not None and (step.n_start, step.increment, step.n_max, step.period) == (1, 2, 5, 1)
+    for fixed in ("", "static", "none"):
+        assert PipelineConfig.from_conf({"worker_schedule": fixed}).search.worker_schedule is None
+    static = PipelineConfig.from_conf({"worker_schedule": "static:3"}).search.worker_schedule
+    assert static is not None and static.kind == "static" and static.n_max == 3
+
+    spot = PipelineConfig.from_conf(
+        {"strategy": "mop", "spot_trace": "s3://b/prices.csv", "spot_bids": "1.0, 0.5", "spot_speed": 120}
+    )
+    assert (spot.search.spot_trace, spot.search.spot_bids, spot.search.spot_speed) == (
+        "s3://b/prices.csv",
+        [1.0, 0.5],
+        120.0,
+    )
+    assert PipelineConfig.from_conf({"spot_trace": "p.csv", "spot_bids": [0.4]}).search.spot_bids == [0.4]
+    assert PipelineConfig.from_conf(spot.to_conf()) == spot
+
+
+@pytest.mark.parametrize(
+    ("conf", "needles"),
+    [
+        ({"worker_schedule": "exp:2:4"}, ["worker_schedule", "'exp:2:4'", "exponential:<eta>:<n_max>"]),
+        ({"worker_schedule": "exponential:0.5:4"}, ["worker_schedule", "eta=0.5"]),
+        ({"worker_schedule": "step:1:x:4"}, ["worker_schedule", "increment='x'"]),
+        ({"worker_schedule": "step:6:1:4"}, ["worker_schedule", "n_start=6 exceeds n_max=4"]),
+        ({"worker_schedule": "static:2", "strategy": "ddp"}, ["worker_schedule", "'ddp'"]),
+        ({"scale_timeout_s": 0}, ["scale_timeout_s", "0"]),
+        ({"spot_speed": -1}, ["spot_speed", "-1"]),
+        ({"spot_trace": "prices.txt", "spot_bids": [1.0]}, ["spot_trace", "prices.txt", ".csv"]),
+        ({"spot_trace": "p.csv"}, ["spot_trace='p.csv'", "spot_bids=None"]),
+        ({"spot_trace": "p.csv", "spot_bids": "1.0, x"}, ["spot_bids[1]='x'"]),
+        ({"spot_trace": "p.csv", "spot_bids": [1.0, -2.0]}, ["spot_bids[1]=-2.0"]),
+        ({"spot_trace": "p.csv", "spot_bids": [1.0], "strategy": "ddp"}, ["spot_trace", "'ddp'"]),
+        (
+            {"spot_trace": "p.csv", "spot_bids": [1.0], "worker_schedule": "static:2"},
+            ["spot_trace and worker_schedule"],
+        ),
+    ],
+)
+def test_bad_volatile_keys_are_refused_naming_the_value(conf: dict, needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        PipelineConfig.from_conf(conf)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_volatile_keys_in_the_trigger_form_schema() -> None:
+    schema = conf_json_schema()
+    assert schema["worker_schedule"]["type"] == "string" and schema["worker_schedule"]["default"] == ""
+    jsonschema.validate("exponential:2:4", schema["worker_schedule"])
+    for bids in ("1.0, 0.5", [1.0, 0.5], None):
+        jsonschema.validate(bids, schema["spot_bids"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"bid": 1}, schema["spot_bids"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(0, schema["spot_speed"])

@@ -66,8 +66,21 @@ def test_spot_settings_are_validated_early(tmp_path: Path) -> None:
         SearchConfig(spot_trace=str(tmp_path / "p.csv"))
     with pytest.raises(ValidationError, match=r"spot_bids\[1\]=-1.0"):
         SearchConfig(spot_trace="p.csv", spot_bids=[1.0, -1.0])
-    with pytest.raises(ValidationError, match="strategy 'task'"):
-        SearchConfig(spot_trace="p.csv", spot_bids=[1.0], strategy="mop")
+    with pytest.raises(ValidationError, match="strategy 'task' or 'mop'.*not 'ddp'"):
+        SearchConfig(spot_trace="p.csv", spot_bids=[1.0], strategy="ddp")
+    assert SearchConfig(spot_trace="p.csv", spot_bids="1.0, 0.5", strategy="mop").spot_bids == [1.0, 0.5]
+    with pytest.raises(ValidationError, match="spot_trace 'prices.txt' must name a timestamp,price CSV"):
+        SearchConfig(spot_trace="prices.txt", spot_bids=[1.0])
+
+
+def test_trace_is_read_from_an_fsspec_url(tmp_path: Path) -> None:
+    from infra.spot_replay import read_price_trace
+
+    (tmp_path / "p.csv").write_text("timestamp,price\n0,0.3\n60,0.8\n")
+    trace = read_price_trace(f"file://{tmp_path / 'p.csv'}")
+    assert trace.times == (0.0, 60.0) and trace.prices == (0.3, 0.8)
+    with pytest.raises(PriceError, match="cannot read price trace memory://nowhere/p.csv"):
+        read_price_trace("memory://nowhere/p.csv")
 
 
 @pytest.mark.slow
@@ -164,3 +177,83 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
     assert run.data.metrics["spot_cost"] == pytest.approx(account.cost)
     assert run.data.metrics["spot_notices"] == 1.0 and run.data.params["spot_bids"] == "1,0.5"
+
+
+MOP_SPACE = {
+    "families": {
+        "cnn": {
+            "width": {"type": "categorical", "choices": [8]},
+            "depth": {"type": "categorical", "choices": [2]},
+        }
+    },
+    "common": {
+        "lr": {"type": "categorical", "choices": [0.01]},
+        "batch_size": {"type": "categorical", "choices": [8]},
+    },
+}
+
+
+@pytest.mark.slow
+def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
+    tmp_path: Path, small_manifest: str
+) -> None:
+    """strategy=mop: worker 1 (bid 0.5) is priced out from trace second 60 to 180 (1 s to 3 s at
+    60x). Its unit checkpoints on the notice and goes on elsewhere; the worker's process really
+    exits and a new one joins under the same name while the sweep runs; every trial completes all
+    its epochs and the account is logged."""
+    import dask
+    from mlflow.tracking import MlflowClient
+
+    from infra.tracking import MlflowTracker
+    from training.cluster import dask_client
+    from training.scaling import log_volatile
+    from training.search import run_search_with_executor
+
+    csv = tmp_path / "prices.csv"
+    csv.write_text("timestamp,price\n0,0.3\n60,0.8\n180,0.3\n100000,0.3\n")
+    cfg = SearchConfig(
+        n_trials=2,
+        epochs=EPOCHS_MOP,
+        strategy="mop",
+        model_slots=2,
+        space=MOP_SPACE,
+        pruner="none",
+        spot_trace=str(csv),
+        spot_bids=[1.0, 0.5],
+        spot_speed=60.0,
+    )
+    # a restarted worker that trained takes a while to come back on a loaded 2-core machine
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"}), dask_client("", 2) as client:
+        outcome = run_search_with_executor(
+            cfg,
+            small_manifest,
+            "spot-mop",
+            str(tmp_path / "j.log"),
+            str(tmp_path / "art"),
+            client,
+            checkpoint_root=str(tmp_path / "ckpt"),
+        )
+        after = len(client.scheduler_info()["workers"])
+    assert after == 2, "the replay leaves every worker running"
+    assert [r.state for r in outcome.results] == ["COMPLETE"] * 2, [r.error for r in outcome.results]
+    assert all([h["epoch"] for h in r.history] == list(range(EPOCHS_MOP)) for r in outcome.results)
+    # every model still visited both partitions once per epoch
+    assert sorted(len(recs) for recs in outcome.epoch_records.values()) == [4] * EPOCHS_MOP
+    report = outcome.spot
+    assert report is not None and report.error == ""
+    kinds = [e.kind for e in report.events if e.worker == "1" and e.wall <= report.wall_stop]
+    assert kinds[:5] == ["joined", "notice", "exit", "start", "joined"], kinds  # restarted mid-sweep
+    assert "notice" not in [e.kind for e in report.events if e.worker == "0"]
+    pids, addresses = report.pids("1"), report.addresses("1")
+    assert len(set(pids)) >= 2 and len(set(addresses)) >= 2, "a new process at a new address"
+    assert report.account.cost > 0 and report.account.billed_worker_seconds > 0
+
+    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "spot", str(tmp_path / "mlartifacts"))
+    run_id = tracker.start_run("search", {})
+    log_volatile(tracker, run_id, outcome)
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
+    assert run.data.metrics["spot_cost"] == pytest.approx(report.account.cost)
+    assert run.data.metrics["spot_notices"] == 1.0 and run.data.metrics["spot_restarts"] >= 1.0
+
+
+EPOCHS_MOP = 3
