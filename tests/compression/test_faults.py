@@ -3,6 +3,7 @@ behaviour, and checks that nothing already done is lost."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -307,3 +308,119 @@ def test_postgresql_restart_mid_sweep_loses_and_duplicates_no_trial(
     assert len(outcome.results) == cfg.n_trials == len(counted)
     assert len({r.number for r in outcome.results}) == cfg.n_trials
     assert all(r.state == "COMPLETE" for r in outcome.results), [r.error for r in outcome.results]
+
+
+class _UnitStarted(logging.Handler):
+    """Sets ``address`` and ``started`` when the MOP executor logs its first unit submission."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.started = threading.Event()
+        self.address = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if not self.started.is_set() and " runs on tcp://" in message:
+            self.address = message.rsplit(" runs on ", 1)[1].strip()
+            self.started.set()
+
+
+def _worker_pid(address: str) -> int | None:
+    """The pid of this process's Dask worker process listening at ``address`` (tcp://host:port)."""
+    import psutil
+
+    port = int(address.rsplit(":", 1)[1])
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any(
+                c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in child.net_connections("tcp")
+            ):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+@pytest.mark.slow
+def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_path: Path) -> None:
+    """Fault: a Dask worker process is SIGKILLed (no notice) while it runs a MOP unit of the
+    search stage; its nanny starts a new one.
+    Expected: the pipeline's result is what an undisturbed run gives (as the pipeline tests
+    assert it): every trial COMPLETE, the student registered with its aliases on a new version,
+    lineage tags on the runs and the version, no MLflow run left RUNNING, and the lost work logged
+    as ``redone_unit_seconds`` > 0."""
+    import dask
+
+    conf = CONF | {"strategy": "mop", "model_slots": 2, "model_name": "killed"}
+    settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path / "home")})
+    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "manual__worker_killed", settings)
+    shard = pipeline.shard_stage(conf, ctx, settings)
+
+    watcher = _UnitStarted()
+    killed: list[object] = []
+
+    def kill_a_busy_worker() -> None:
+        if not watcher.started.wait(timeout=180):
+            killed.append("no unit started")
+            return
+        time.sleep(0.5)  # inside the unit: a fresh worker spends seconds loading its model and data
+        pid = _worker_pid(watcher.address)
+        if pid is None:
+            killed.append(f"no worker process listens at {watcher.address}")
+            return
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    mop_log = logging.getLogger("training.executors.mop")
+    mop_log.addHandler(watcher)
+    level = mop_log.level
+    mop_log.setLevel(logging.INFO)
+    killer = threading.Thread(target=kill_a_busy_worker)
+    killer.start()
+    try:
+        # a worker killed while loading takes a while to come back on a loaded 2-core machine
+        with dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"}):
+            search = pipeline.search_stage(conf, ctx, shard, settings)
+    finally:
+        mop_log.removeHandler(watcher)
+        mop_log.setLevel(level)
+        killer.join(timeout=200)
+    assert len(killed) == 1 and isinstance(killed[0], int), f"no worker was killed mid-unit: {killed}"
+    ens = pipeline.ensemble_stage(conf, ctx, shard, search, settings)
+    student = pipeline.distill_stage(conf, ctx, shard, ens, settings)
+    summary = pipeline.register_stage(conf, ctx, shard, search, ens, student, settings)
+
+    # every trial COMPLETE, each once
+    assert search["counts"] == {"COMPLETE": conf["n_trials"], "PRUNED": 0, "FAIL": 0}
+    study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * conf["n_trials"]
+
+    client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
+    experiment = client.get_experiment_by_name(settings.experiment_name)
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
+    # no run left RUNNING by the stages (the parent is closed by finalize)
+    assert [r.info.run_name for r in runs if r.info.status == "RUNNING"] == [
+        client.get_run(ctx["parent_run_id"]).info.run_name
+    ]
+    stages = [r.data.tags["mopflow.stage"] for r in runs]
+    assert stages.count("trial") == conf["n_trials"] and stages.count("search") == 1
+    for run in runs:  # lineage
+        if run.data.tags["mopflow.stage"] != "pipeline":
+            assert run.data.tags["mopflow.manifest_hash"] == shard["manifest_hash"], run.info.run_name
+    search_run = next(r for r in runs if r.data.tags["mopflow.stage"] == "search")
+    assert search_run.data.metrics["redone_unit_seconds"] > 0  # the killed unit was done again
+    assert search_run.data.metrics["trials_complete"] == conf["n_trials"]
+
+    # the registry: a new version carrying the lineage, aliased
+    registered = summary["registered"]
+    assert registered["version"] == "1" and "challenger" in registered["aliases"]
+    version = client.get_model_version_by_alias(registered["name"], "challenger")
+    assert str(version.version) == registered["version"]
+    assert version.tags["mopflow.manifest_hash"] == shard["manifest_hash"]
+    assert version.tags["mopflow.study"] == search["study_name"]
+    if registered["promoted"]:
+        assert client.get_model_version_by_alias(registered["name"], "champion").version == version.version
+
+    pipeline.finalize_pipeline(ctx, settings)
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
+    assert {r.info.status for r in runs} == {"FINISHED"}
