@@ -363,7 +363,7 @@ def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_pat
         if not watcher.started.wait(timeout=180):
             killed.append("no unit started")
             return
-        time.sleep(0.5)  # inside the unit: a fresh worker spends seconds loading its model and data
+        time.sleep(0.1)  # the unit is on its worker (a fresh worker spends seconds loading it)
         pid = _worker_pid(watcher.address)
         if pid is None:
             killed.append(f"no worker process listens at {watcher.address}")
