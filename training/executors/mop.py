@@ -121,9 +121,14 @@ class MopExecutor(Executor):
             round_started = time.monotonic()
             total_units = len(self.scheduler.queue)
             submitted: dict[Any, float] = {}
-            while not self.scheduler.epoch_finished:
-                connected = self._connected()
-                alive = self._reconcile(connected)
+
+            def submit_ready(
+                alive: list[str],
+                in_flight: dict[Any, tuple[str, Unit]] = in_flight,
+                submitted: dict[Any, float] = submitted,
+                round_index: int = round_index,
+            ) -> None:
+                """Give every idle worker a unit (the randomized rule) and submit it."""
                 idle = [w for w in alive if w not in self.scheduler.running]
                 for worker, unit in self.scheduler.assign(idle):
                     spec = active[unit.model]
@@ -155,6 +160,11 @@ class MopExecutor(Executor):
                         unit.partition,
                         worker,
                     )
+
+            while not self.scheduler.epoch_finished:
+                connected = self._connected()
+                alive = self._reconcile(connected)
+                submit_ready(alive)
                 if not in_flight:
                     self._wait_for_a_worker(alive)
                     time.sleep(0.05)
@@ -164,6 +174,7 @@ class MopExecutor(Executor):
                 except TimeoutError:
                     done_futures = set()
                 self._reap_dead(in_flight, submitted, connected)
+                finished: list[str] = []  # models whose unit finished: checkpointed below
                 for future in done_futures:
                     worker, unit = in_flight.pop(future)
                     started_at = submitted.pop(future, time.time())
@@ -204,7 +215,8 @@ class MopExecutor(Executor):
                         val_accs[unit.model] = val_acc
                     record |= {"worker": worker, "partition": unit.partition, "round": round_index}
                     records.append(record)
-                    self.save_checkpoint(unit.model, state)
+                    self.scheduler.record_cost(unit.model, float(record["end"]) - float(record["start"]))
+                    finished.append(unit.model)
                     log.info(
                         "mop: round %d: %s finished %s on %s in %.2fs (%d/%d units)",
                         round_index + 1,
@@ -215,6 +227,10 @@ class MopExecutor(Executor):
                         len(records),
                         total_units,
                     )
+                if finished:  # the freed workers get their next units first, then the checkpoints
+                    submit_ready(self._alive())
+                for mid in finished:
+                    self.save_checkpoint(mid, states[mid])
             self.records += records
             self.epoch_records[round_index] = records
             log.info("mop: round %d done in %.1fs", round_index + 1, time.monotonic() - round_started)

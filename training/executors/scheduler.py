@@ -1,8 +1,13 @@
 """The Model Hopper Parallelism scheduler (Cerebro, VLDB 2020), as a pure, seeded state machine.
 
 Per epoch every active model must visit every partition exactly once. A queue holds the
-(model, partition) units still to run; whenever a worker is idle the queue is shuffled and
-the first unit whose model is idle and whose partition that worker holds is given to it. A
+(model, partition) units still to run; whenever a worker is idle the queue is shuffled and,
+of the units whose model is idle and whose partition that worker holds, the one whose model
+has the most units left in the epoch is given to it (then the longest, by its measured
+seconds per unit); ties go to the first in the shuffled order. A model's units run one after another, so
+starting the models with the most left first keeps the epoch's last units short and spread
+over the workers (the pure "first in the shuffled queue" rule leaves a worker idle at the end
+of an epoch whenever all its remaining units belong to models running elsewhere). A
 model never runs on two workers at once and a worker runs one unit at a time. A unit lost
 with its worker goes back to the queue (its partition moves to a surviving worker); one that
 stopped mid-pass with a checkpoint (a spot notice) is its model's next unit, so the pass is
@@ -12,7 +17,8 @@ finished before the model moves on. A new (restarted) worker takes partitions fr
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -34,6 +40,7 @@ class MopScheduler:
     running: dict[str, Unit] = field(default_factory=dict)  # worker -> unit
     done: list[Unit] = field(default_factory=list)
     resume: dict[str, str] = field(default_factory=dict)  # model -> partition it stopped mid-pass on
+    cost: dict[str, float] = field(default_factory=dict)  # model -> seconds per unit, as measured
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -57,18 +64,35 @@ class MopScheduler:
                 continue
             self._rng.shuffle(self.queue)
             busy = self.busy_models
-            for unit in self.queue:
-                pinned = self.resume.get(unit.model, unit.partition)
-                if (
-                    unit.model not in busy
-                    and self.placement[unit.partition] == worker
-                    and pinned == unit.partition
-                ):
-                    self.queue.remove(unit)
-                    self.running[worker] = unit
-                    assignments.append((worker, unit))
-                    break
+            candidates = [
+                unit
+                for unit in self.queue
+                if unit.model not in busy
+                and self.placement[unit.partition] == worker
+                and self.resume.get(unit.model, unit.partition) == unit.partition
+            ]
+            if not candidates:
+                continue
+            unit = max(candidates, key=self._work_left())  # max keeps the first of equals
+            self.queue.remove(unit)
+            self.running[worker] = unit
+            assignments.append((worker, unit))
         return assignments
+
+    def _work_left(self) -> Callable[[Unit], tuple[int, float]]:
+        """The work each model still has this epoch: its units left (they run one after
+        another), then its seconds per unit (longest first, so the epoch ends on short units)."""
+        left = Counter(u.model for u in self.queue)
+        known = [c for c in self.cost.values() if c > 0]
+        default = sum(known) / len(known) if known else 1.0
+        return lambda unit: (left[unit.model], self.cost.get(unit.model, default))
+
+    def record_cost(self, model: str, seconds: float) -> None:
+        """A unit of ``model`` took ``seconds`` (kept as a running estimate of its unit time)."""
+        if seconds <= 0:
+            return
+        previous = self.cost.get(model)
+        self.cost[model] = seconds if previous is None else 0.5 * (previous + seconds)
 
     def complete(self, worker: str) -> Unit:
         """The unit on ``worker`` finished."""
