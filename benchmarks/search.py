@@ -8,7 +8,9 @@ bad learning rates and tiny models are part of it, as in a real sweep), through 
 ``training.search.run_search``:
 
 * ``tpe+asha``: TPE sampler, asynchronous successive halving (min resource ``--min-resource``
-  epochs, reduction factor 3);
+  epochs, default 3, reduction factor 3: rungs at 3, 9 and 27, a ladder of factor 3 whose top
+  rung is just under the 30-epoch budget; with min resource 5 the rungs were 5 and 15 only (the
+  next, 45, is past the budget), so a trial past epoch 15 ran to the end unpruned);
 * ``random``: random sampling, no pruning.
 
 For each of ``--seeds`` seeds, the time to target is the wall-clock time from the search's start
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--trials", type=int, default=24)
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--min-resource", type=int, default=5)
+    parser.add_argument("--min-resource", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--target", type=float, default=0.94)
     parser.add_argument(
