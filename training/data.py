@@ -105,6 +105,38 @@ def plan_shards(partition_rows: Sequence[int], n_shards: int) -> list[list[tuple
     return plan
 
 
+def worker_slots(nthreads: Mapping[str, int]) -> list[str]:
+    """One entry per worker thread, interleaved across workers (``{a: 2, b: 1}`` gives
+    ``[a, b, a]``): dealing tasks round-robin over it spreads them evenly by thread."""
+    workers = sorted(nthreads)
+    most = max((int(nthreads[w]) for w in workers), default=0)
+    return [w for round_ in range(most) for w in workers if int(nthreads[w]) > round_]
+
+
+def balance_writers(
+    shard_rows: Sequence[int], local_rows: Sequence[Mapping[str, int]], workers: Sequence[str]
+) -> list[str]:
+    """The worker that writes each shard, so that every worker writes about as many rows.
+
+    Longest shard first, each onto the worker with the fewest rows to write so far (ties: the
+    worker already holding more of the shard's rows, then the order of ``workers``). Writing
+    a shard costs about its row count, and all shards become ready together (after the last
+    partition), so this keeps every worker busy to the end: placing each shard with the worker
+    that holds most of its rows instead can leave one worker writing alone while the other idles.
+    """
+    if not workers:
+        raise ValueError("balance_writers needs at least one worker")
+    if len(local_rows) != len(shard_rows):
+        raise ValueError(f"{len(shard_rows)} shards but {len(local_rows)} row placements")
+    load = dict.fromkeys(workers, 0)
+    chosen = [""] * len(shard_rows)
+    for i in sorted(range(len(shard_rows)), key=lambda i: (-shard_rows[i], i)):
+        worker = min(workers, key=lambda w: (load[w], -local_rows[i].get(w, 0)))
+        chosen[i] = worker
+        load[worker] += shard_rows[i]
+    return chosen
+
+
 def combine_stats(parts: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float]]:
     """Feature mean/std from per-shard sums and sums of squares (one pass over the data)."""
     count = sum(int(p["rows"]) for p in parts)
@@ -507,6 +539,11 @@ def source_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[An
     """Futures of the source's prepared partitions; the rows stay on the workers."""
     if cfg.dataset == "mnist1d":
         n_parts = max(1, -(-cfg.num_samples // cfg.partition_rows))
+        slots = worker_slots(client.nthreads())
+        # Dealt round-robin over the worker threads up front: equal partitions take equal time,
+        # so every worker finishes its share together. Left to Dask's queue (each worker is
+        # sent its next task before it is free), the last partition can go to a busy worker
+        # while the other idles. Loose: a task on a lost or overloaded worker can move.
         return [
             client.submit(
                 generate_mnist1d_partition,
@@ -514,6 +551,8 @@ def source_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[An
                 cfg.seed + p * PARTITION_SEED_STRIDE,
                 cfg.val_fraction,
                 pure=False,
+                workers=[slots[p % len(slots)]] if slots else None,
+                allow_other_workers=True,
             )
             for p, (start, stop) in enumerate(even_chunks(cfg.num_samples, n_parts))
         ]
@@ -573,8 +612,7 @@ def shard_dataset(
     # client no longer wants trips the scheduler (and on success, releasing them is enough)
     held: list[Any] = list(partitions)
     try:
-        stats_futures = _on_holders(client, partition_stats, partitions, features)
-        held += stats_futures
+        stats_futures = _on_holders_as_done(client, partition_stats, partitions, held, features)
         stats = client.gather(stats_futures)
         totals = validate_stats(stats, cfg, features, cfg.n_shards)
         if cfg.stratify:
@@ -588,19 +626,34 @@ def shard_dataset(
         log.warning("shard: dropped %d row(s) with NaN/inf features (nan_policy='drop')", totals["dropped"])
     log.info("shard: %s rows per split in %d partition(s)", totals["split_rows"], len(partitions))
     try:
-        futures: dict[str, list[Any]] = {}
-        names: dict[str, list[str]] = {}
         holders = _holders(partitions, client)
-        for split, n_chunks in per_split_shards.items():
-            rows_per_partition = [int(s["split_rows"].get(split, 0)) for s in stats]
-            futures[split], names[split] = [], []
-            for i, slices in enumerate(plan_shards(rows_per_partition, n_chunks)):
-                shard_name = f"{split}-{i:05d}.parquet"
-                names[split].append(shard_name)
-                url = storage.join(out_dir, shard_name)
-                futures[split].append(
-                    _submit_shard(client, partitions, holders, split, slices, url, storage_options, held)
+        shards = [
+            (split, f"{split}-{i:05d}.parquet", slices)
+            for split, n_chunks in per_split_shards.items()
+            for i, slices in enumerate(
+                plan_shards([int(s["split_rows"].get(split, 0)) for s in stats], n_chunks)
+            )
+        ]
+        shard_rows = [sum(stop - start for _, start, stop in slices) for _, _, slices in shards]
+        local_rows: list[dict[str, int]] = []
+        for _, _, slices in shards:
+            on: dict[str, int] = {}
+            for p, start, stop in slices:
+                if holders[p] is not None:
+                    on[str(holders[p])] = on.get(str(holders[p]), 0) + stop - start
+            local_rows.append(on)
+        workers = sorted({h for h in holders if h is not None})
+        writers = balance_writers(shard_rows, local_rows, workers) if workers else [None] * len(shards)
+        futures: dict[str, list[Any]] = {split: [] for split in per_split_shards}
+        names: dict[str, list[str]] = {split: [] for split in per_split_shards}
+        for (split, shard_name, slices), n_rows, writer in zip(shards, shard_rows, writers, strict=True):
+            names[split].append(shard_name)
+            url = storage.join(out_dir, shard_name)
+            futures[split].append(
+                _submit_shard(
+                    client, partitions, holders, split, slices, url, storage_options, held, writer, n_rows
                 )
+            )
         results = {split: client.gather(fs) for split, fs in futures.items()}
     except Exception:
         client.cancel(held)
@@ -707,6 +760,33 @@ def _on_holders(client: Any, fn: Any, partitions: Sequence[Any], *args: Any) -> 
     ]
 
 
+def _on_holders_as_done(
+    client: Any, fn: Any, partitions: Sequence[Any], held: list[Any], *args: Any
+) -> list[Any]:
+    """Like ``_on_holders``, but each task is submitted as soon as its partition is computed
+    (the small per-partition tasks run between the generation tasks, not after all of them)."""
+    from distributed import as_completed
+
+    index = {p.key: i for i, p in enumerate(partitions)}
+    out: list[Any] = [None] * len(partitions)
+    for done in as_completed(list(partitions)):
+        holder = next(iter(client.who_has([done]).get(done.key, ())), None)
+        future = client.submit(
+            fn,
+            done,
+            *args,
+            pure=False,
+            workers=None if holder is None else [holder],
+            allow_other_workers=True,
+        )
+        held.append(future)
+        out[index[done.key]] = future
+    return out
+
+
+SLICE_PRIORITY = 1 << 40  # above any shard's row count
+
+
 def _submit_shard(
     client: Any,
     partitions: Sequence[Any],
@@ -716,31 +796,31 @@ def _submit_shard(
     url: str,
     storage_options: Mapping[str, Any] | None,
     held: list[Any],
+    writer: str | None,
+    priority: int,
 ) -> Any:
-    """Submit one shard: slice each partition where it lives, write on the worker holding most rows.
+    """Submit one shard: slice each partition where it lives, write on ``writer``.
 
-    Only the rows the shard needs move between workers (never whole partitions).
+    Only the rows the shard needs move between workers (never whole partitions). A higher
+    ``priority`` (the shard's rows) runs first: a worker writes its longest shard first. The
+    slicing tasks run before every write (``SLICE_PRIORITY``): a worker busy with a long write
+    would otherwise keep the other waiting for the slices it holds.
     """
-    rows_on: dict[str, int] = {}
-    pieces = []
-    for p, start, stop in slices:
-        holder = holders[p]
-        if holder is not None:
-            rows_on[holder] = rows_on.get(holder, 0) + stop - start
-        pieces.append(
-            client.submit(
-                take_rows,
-                partitions[p],
-                split,
-                start,
-                stop,
-                pure=False,
-                workers=None if holder is None else [holder],
-                allow_other_workers=True,
-            )
+    pieces = [
+        client.submit(
+            take_rows,
+            partitions[p],
+            split,
+            start,
+            stop,
+            pure=False,
+            workers=None if holders[p] is None else [holders[p]],
+            allow_other_workers=True,
+            priority=SLICE_PRIORITY + priority,
         )
+        for p, start, stop in slices
+    ]
     held += pieces
-    writer = max(rows_on, key=lambda w: rows_on[w]) if rows_on else None
     future = client.submit(
         write_shard,
         url,
@@ -749,6 +829,7 @@ def _submit_shard(
         pure=False,
         workers=None if writer is None else [writer],
         allow_other_workers=True,
+        priority=priority,
     )
     held.append(future)
     return future
