@@ -42,6 +42,11 @@ Figures per strategy
 * ``val_acc_mean``: mean over the 8 models of the final state's validation accuracy
   (``units.evaluate_state`` on the returned state, the same function for every strategy).
 * ``idle`` (mop only): mean over MOP rounds of ``gantt.idle_fraction`` of that round's records.
+* ``cpu`` (sequential, task, mop): CPU seconds during the timed run, from psutil: the strategy
+  subprocess (the coordinator), its live descendants (Dask nannies and workers), and
+  ``other_s`` = machine busy time less both (other jobs on a shared host). Not a target: it
+  tells a strategy that did more work (more worker seconds for the same rows) from one that got
+  less of the machine (more ``other_s``).
 
 Targets (from the Cerebro paper; printed as PASS/FAIL)
 ------------------------------------------------------
@@ -181,6 +186,32 @@ def _final_accuracy(outcomes: dict[str, Any], specs: Sequence[Any], data: Any) -
     return {"val_acc": acc, "reported_val_acc": reported, "errors": errors, "epochs_done": epochs_done}
 
 
+def _cpu_snapshot() -> dict[str, float]:
+    """CPU seconds so far: the whole machine (busy, i.e. all but idle and iowait), this process
+    (the driver/coordinator) and its live descendants (Dask nannies and workers)."""
+    import psutil
+
+    machine = psutil.cpu_times()
+    me = psutil.Process()
+    own = me.cpu_times()
+    below = 0.0
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            t = child.cpu_times()
+            below += t.user + t.system
+    busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+    return {"machine_busy_s": busy, "coordinator_s": own.user + own.system, "descendants_s": below}
+
+
+def _cpu_delta(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Where the CPU went during the timed run; ``other_s``: processes outside this benchmark
+    (other jobs on a shared machine) that competed with the workers."""
+    d = {k: after[k] - before[k] for k in before}
+    d["other_s"] = max(0.0, d["machine_busy_s"] - d["coordinator_s"] - d["descendants_s"])
+    d["capacity_s"] = wall_s * (os.cpu_count() or 1)
+    return d
+
+
 def _state_traffic(records: Sequence[dict[str, Any]]) -> int:
     return 2 * sum(int(r.get("state_bytes", 0)) for r in records)
 
@@ -209,9 +240,11 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
         _warm_imports()
         clear_partitions()
         executor: Any = SequentialExecutor(data, shards)
+        cpu_before = _cpu_snapshot()
         started = time.perf_counter()
         outcomes = executor.run(specs, epochs)
         result["wall_s"] = time.perf_counter() - started
+        result["cpu"] = _cpu_delta(cpu_before, _cpu_snapshot(), result["wall_s"])
         result["footprint_bytes"] = cached_bytes()
         result["footprint_method"] = "measured: units.cached_bytes() of the one training process"
         result["moved_bytes"] = 0
@@ -235,9 +268,11 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
             else:
                 executor = MopExecutor(client, data, shards, seed=0)
                 result["partitions"] = executor.partitions
+            cpu_before = _cpu_snapshot()
             started = time.perf_counter()
             outcomes = executor.run(specs, epochs)
             result["wall_s"] = time.perf_counter() - started
+            result["cpu"] = _cpu_delta(cpu_before, _cpu_snapshot(), result["wall_s"])
             per_worker = client.run(cached_bytes)
         result["footprint_bytes"] = int(sum(per_worker.values()))
         result["footprint_per_worker_bytes"] = {str(k): int(v) for k, v in per_worker.items()}
@@ -421,6 +456,27 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_cpu(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Where the CPU went during each timed run (not a target: it tells a slower strategy that
+    did more work from one that got less of the machine, e.g. other jobs on a shared host)."""
+    lines = []
+    for name, r in results.items():
+        c = r.get("cpu")
+        if "error" in r or not c:
+            continue
+        lines.append(
+            f"CPU {name}: coordinator {c['coordinator_s']:.1f}s, workers {c['descendants_s']:.1f}s, "
+            f"other processes {c['other_s']:.1f}s of {c['capacity_s']:.1f}s "
+            f"({c['other_s'] / c['capacity_s']:.0%} of the machine)"
+        )
+    mop, task = results.get("mop", {}).get("cpu"), results.get("task", {}).get("cpu")
+    if mop and task and task["descendants_s"]:
+        lines.append(
+            f"CPU mop/task worker seconds (same rows): {mop['descendants_s'] / task['descendants_s']:.3f}"
+        )
+    return lines
+
+
 def evaluate_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The Cerebro targets for MOP; a target whose inputs are missing is UNDEFINED."""
 
@@ -522,6 +578,15 @@ def run(settings: Settings, out: Path) -> int:
                 print(
                     f"  {name}: {r['wall_s']:.1f}s, val_acc_mean {_fmt(r['val_acc_mean'], '.4f')}", flush=True
                 )
+                if "cpu" in r:
+                    c = r["cpu"]
+                    busy = r.get("records", {}).get("busy_s")
+                    print(
+                        f"  {name} CPU during the run: coordinator {c['coordinator_s']:.1f}s, "
+                        f"workers {c['descendants_s']:.1f}s, other processes {c['other_s']:.1f}s "
+                        f"of {c['capacity_s']:.1f}s; unit busy (wall) {_fmt(busy, '.1f')}s",
+                        flush=True,
+                    )
                 if r.get("errors"):
                     print(f"  {name}: model errors: {r['errors']}", flush=True)
         table = format_table(results)
@@ -535,8 +600,11 @@ def run(settings: Settings, out: Path) -> int:
         print()
         print(header)
         print(table)
+        cpu_lines = format_cpu(results)
         print()
         for line in target_lines:
+            print(line)
+        for line in cpu_lines:
             print(line)
         report = {
             "benchmark": "strategies",
@@ -572,7 +640,7 @@ def run(settings: Settings, out: Path) -> int:
             "results": results,
             "targets": targets,
             "total_s": time.perf_counter() - wall_start,
-            "printed": [header, table, *target_lines],
+            "printed": [header, table, *target_lines, *cpu_lines],
         }
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
