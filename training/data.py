@@ -105,14 +105,6 @@ def plan_shards(partition_rows: Sequence[int], n_shards: int) -> list[list[tuple
     return plan
 
 
-def worker_slots(nthreads: Mapping[str, int]) -> list[str]:
-    """One entry per worker thread, interleaved across workers (``{a: 2, b: 1}`` gives
-    ``[a, b, a]``): dealing tasks round-robin over it spreads them evenly by thread."""
-    workers = sorted(nthreads)
-    most = max((int(nthreads[w]) for w in workers), default=0)
-    return [w for round_ in range(most) for w in workers if int(nthreads[w]) > round_]
-
-
 def balance_writers(
     shard_rows: Sequence[int], local_rows: Sequence[Mapping[str, int]], workers: Sequence[str]
 ) -> list[str]:
@@ -425,8 +417,9 @@ def partition_stats(frame: pd.DataFrame, features: Sequence[str]) -> dict[str, A
     }
 
 
-def take_rows(frame: pd.DataFrame, split: str, start: int, stop: int) -> pd.DataFrame:
-    """Rows ``start:stop`` of one split of a partition, without the helper columns.
+def take_rows(frame: pd.DataFrame, split: str, start: int, stop: int | None) -> pd.DataFrame:
+    """Rows ``start:stop`` of one split of a partition (``stop=None``: to its end), without the
+    helper columns.
 
     Runs where the partition lives, so only the rows a shard needs travel to its writer.
     """
@@ -435,9 +428,15 @@ def take_rows(frame: pd.DataFrame, split: str, start: int, stop: int) -> pd.Data
 
 
 def write_shard(
-    url: str, storage_options: Mapping[str, Any] | None, pieces: Sequence[pd.DataFrame]
+    url: str,
+    storage_options: Mapping[str, Any] | None,
+    pieces: Sequence[pd.DataFrame],
+    bounds: Sequence[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
-    """Write one parquet shard from its pieces (in order); return its stats."""
+    """Write one parquet shard from its pieces (in order; rows ``start:stop`` of each piece
+    when ``bounds`` is given); return its stats."""
+    if bounds is not None:
+        pieces = [piece.iloc[start:stop] for piece, (start, stop) in zip(pieces, bounds, strict=True)]
     part = pieces[0].reset_index(drop=True) if len(pieces) == 1 else pd.concat(pieces, ignore_index=True)
     part[LABEL_COLUMN] = pd.to_numeric(part[LABEL_COLUMN]).astype(np.int64)
     buffer = io.BytesIO()
@@ -536,24 +535,28 @@ def describe_source(cfg: DataConfig, storage_options: Mapping[str, Any] | None) 
 
 
 def source_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
-    """Futures of the source's prepared partitions; the rows stay on the workers."""
+    """The source's prepared partitions (the rows stay on the workers): futures, or for
+    MNIST-1D functions ``submit(worker)`` that start generating partition ``i`` on ``worker``
+    (``_per_partition_as_done`` hands them out as workers free up)."""
     if cfg.dataset == "mnist1d":
         n_parts = max(1, -(-cfg.num_samples // cfg.partition_rows))
-        slots = worker_slots(client.nthreads())
-        # Dealt round-robin over the worker threads up front: equal partitions take equal time,
-        # so every worker finishes its share together. Left to Dask's queue (each worker is
-        # sent its next task before it is free), the last partition can go to a busy worker
-        # while the other idles. Loose: a task on a lost or overloaded worker can move.
+
+        def generator(rows: int, seed: int) -> Any:
+            def submit(worker: str | None) -> Any:
+                return client.submit(
+                    generate_mnist1d_partition,
+                    rows,
+                    seed,
+                    cfg.val_fraction,
+                    pure=False,
+                    workers=None if worker is None else [worker],
+                    allow_other_workers=True,  # loose: a lost worker's partition runs elsewhere
+                )
+
+            return submit
+
         return [
-            client.submit(
-                generate_mnist1d_partition,
-                stop - start,
-                cfg.seed + p * PARTITION_SEED_STRIDE,
-                cfg.val_fraction,
-                pure=False,
-                workers=[slots[p % len(slots)]] if slots else None,
-                allow_other_workers=True,
-            )
+            generator(stop - start, cfg.seed + p * PARTITION_SEED_STRIDE)
             for p, (start, stop) in enumerate(even_chunks(cfg.num_samples, n_parts))
         ]
     raw = client.compute(info.table.to_delayed())
@@ -607,12 +610,20 @@ def shard_dataset(
         )
         return ShardResult(manifest_uri, existing["manifest_hash"], reused=True)
 
-    partitions = source_partitions(cfg, info, client)
+    sources = source_partitions(cfg, info, client)
+    per_split_shards = {"train": cfg.n_shards, "validation": 1, "test": 1}
+    # Each partition's rows of each split are cut out as soon as the partition is computed,
+    # while the others are still being generated; the writers then take their rows from these
+    # pieces, so nothing but the writes is left once the counts are in. (Not for a stratified
+    # split: its rows change split after the counts are in.)
+    whole_splits = [] if cfg.stratify else list(per_split_shards)
     # every future stays referenced until the end: cancelling a task whose dependents the
     # client no longer wants trips the scheduler (and on success, releasing them is enough)
-    held: list[Any] = list(partitions)
+    held: list[Any] = [s for s in sources if not callable(s)]
     try:
-        stats_futures = _on_holders_as_done(client, partition_stats, partitions, held, features)
+        partitions, stats_futures, whole_pieces = _per_partition_as_done(
+            client, sources, held, features, whole_splits
+        )
         stats = client.gather(stats_futures)
         totals = validate_stats(stats, cfg, features, cfg.n_shards)
         if cfg.stratify:
@@ -621,7 +632,6 @@ def shard_dataset(
     except Exception:
         client.cancel(held)
         raise
-    per_split_shards = {"train": cfg.n_shards, "validation": 1, "test": 1}
     if totals["dropped"]:
         log.warning("shard: dropped %d row(s) with NaN/inf features (nan_policy='drop')", totals["dropped"])
     log.info("shard: %s rows per split in %d partition(s)", totals["split_rows"], len(partitions))
@@ -649,9 +659,21 @@ def shard_dataset(
         for (split, shard_name, slices), n_rows, writer in zip(shards, shard_rows, writers, strict=True):
             names[split].append(shard_name)
             url = storage.join(out_dir, shard_name)
+            pieces = [whole_pieces[split][p] for p, _, _ in slices] if split in whole_pieces else None
+
             futures[split].append(
                 _submit_shard(
-                    client, partitions, holders, split, slices, url, storage_options, held, writer, n_rows
+                    client,
+                    partitions,
+                    holders,
+                    split,
+                    slices,
+                    url,
+                    storage_options,
+                    held,
+                    writer,
+                    n_rows,
+                    pieces,
                 )
             )
         results = {split: client.gather(fs) for split, fs in futures.items()}
@@ -760,28 +782,83 @@ def _on_holders(client: Any, fn: Any, partitions: Sequence[Any], *args: Any) -> 
     ]
 
 
-def _on_holders_as_done(
-    client: Any, fn: Any, partitions: Sequence[Any], held: list[Any], *args: Any
-) -> list[Any]:
-    """Like ``_on_holders``, but each task is submitted as soon as its partition is computed
-    (the small per-partition tasks run between the generation tasks, not after all of them)."""
+def feed_cap(unstarted: int, n_threads: int) -> int:
+    """How many partition tasks a worker thread may have outstanding (running + queued) when
+    ``unstarted`` are not handed out yet: three while plenty remain (the next ones are there
+    when the current one ends, even if this loop is slow to hand out more on a busy machine),
+    one for the last ``n_threads`` (each goes to a thread that is free, never behind a busy
+    worker's task while another idles)."""
+    return 3 if unstarted > n_threads else 1
+
+
+def _per_partition_as_done(
+    client: Any,
+    sources: Sequence[Any],
+    held: list[Any],
+    features: Sequence[str],
+    whole_splits: Sequence[str],
+) -> tuple[list[Any], list[Any], dict[str, list[Any]]]:
+    """The partitions and, per partition, as soon as it is computed and on its worker: its
+    stats, and all its rows of each split in ``whole_splits`` (the pieces the shard writers
+    take their rows from).
+
+    ``sources`` are futures, or functions ``submit(worker)`` (see ``source_partitions``) that
+    are handed out as workers free up (``feed_cap``), so the last partitions go to whichever
+    worker is free first. The small tasks outrank the partition tasks (priority 1), so they run
+    between them rather than all at once after the last partition.
+    """
     from distributed import as_completed
 
-    index = {p.key: i for i, p in enumerate(partitions)}
-    out: list[Any] = [None] * len(partitions)
-    for done in as_completed(list(partitions)):
+    n = len(sources)
+    partitions: list[Any] = [None] * n
+    index: dict[Any, int] = {}
+    threads = {w: max(1, int(t)) for w, t in sorted(client.nthreads().items())}
+    outstanding = dict.fromkeys(threads, 0)
+    queue = as_completed()
+    unstarted = [i for i, s in enumerate(sources) if callable(s)]
+    unstarted.reverse()  # popped from the end: partition order
+    sent_to: dict[int, str] = {}
+
+    def start(i: int, worker: str | None) -> None:
+        source = sources[i]
+        future = source(worker) if callable(source) else source
+        partitions[i], index[future.key] = future, i
+        if callable(source):
+            held.append(future)
+        queue.add(future)
+        if worker is not None:
+            outstanding[worker] += 1
+            sent_to[i] = worker
+
+    def feed() -> None:
+        while unstarted and outstanding:
+            worker = min(outstanding, key=lambda w: outstanding[w] / threads[w])
+            if outstanding[worker] >= feed_cap(len(unstarted), sum(threads.values())) * threads[worker]:
+                return
+            start(unstarted.pop(), worker)
+        while unstarted:  # no workers known: Dask places them
+            start(unstarted.pop(), None)
+
+    for i, source in enumerate(sources):
+        if not callable(source):
+            start(i, None)
+    feed()
+    stats: list[Any] = [None] * n
+    pieces: dict[str, list[Any]] = {split: [None] * n for split in whole_splits}
+    for done in queue:
+        i = index[done.key]
+        sent = sent_to.pop(i, None)
+        if sent in outstanding:
+            outstanding[sent] -= 1
+        feed()  # the next partition first: its worker is free now
         holder = next(iter(client.who_has([done]).get(done.key, ())), None)
-        future = client.submit(
-            fn,
-            done,
-            *args,
-            pure=False,
-            workers=None if holder is None else [holder],
-            allow_other_workers=True,
-        )
-        held.append(future)
-        out[index[done.key]] = future
-    return out
+        where = {"workers": None if holder is None else [holder], "allow_other_workers": True}
+        stats[i] = client.submit(partition_stats, done, features, pure=False, priority=1, **where)
+        held.append(stats[i])
+        for split in whole_splits:
+            pieces[split][i] = client.submit(take_rows, done, split, 0, None, pure=False, priority=1, **where)
+            held.append(pieces[split][i])
+    return partitions, stats, pieces
 
 
 SLICE_PRIORITY = 1 << 40  # above any shard's row count
@@ -798,34 +875,43 @@ def _submit_shard(
     held: list[Any],
     writer: str | None,
     priority: int,
+    split_pieces: Sequence[Any] | None = None,
 ) -> Any:
     """Submit one shard: slice each partition where it lives, write on ``writer``.
 
     Only the rows the shard needs move between workers (never whole partitions). A higher
     ``priority`` (the shard's rows) runs first: a worker writes its longest shard first. The
     slicing tasks run before every write (``SLICE_PRIORITY``): a worker busy with a long write
-    would otherwise keep the other waiting for the slices it holds.
+    would otherwise keep the other waiting for the slices it holds. ``split_pieces``: each
+    partition's rows of the split, already cut (one per entry of ``slices``); the writer takes
+    its rows from them.
     """
-    pieces = [
-        client.submit(
-            take_rows,
-            partitions[p],
-            split,
-            start,
-            stop,
-            pure=False,
-            workers=None if holders[p] is None else [holders[p]],
-            allow_other_workers=True,
-            priority=SLICE_PRIORITY + priority,
-        )
-        for p, start, stop in slices
-    ]
+    bounds = None if split_pieces is None else [(start, stop) for _, start, stop in slices]
+    pieces = (
+        list(split_pieces)
+        if split_pieces is not None
+        else [
+            client.submit(
+                take_rows,
+                partitions[p],
+                split,
+                start,
+                stop,
+                pure=False,
+                workers=None if holders[p] is None else [holders[p]],
+                allow_other_workers=True,
+                priority=SLICE_PRIORITY + priority,
+            )
+            for p, start, stop in slices
+        ]
+    )
     held += pieces
     future = client.submit(
         write_shard,
         url,
         storage_options,
         pieces,
+        bounds,
         pure=False,
         workers=None if writer is None else [writer],
         allow_other_workers=True,

@@ -1,17 +1,16 @@
-"""Placement rules of the shard stage: generation dealt over the worker threads, shard writers
+"""Placement rules of the shard stage: partitions handed out as workers free up, shard writers
 balanced by rows (pure functions; the Dask path is covered by test_data.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from training.data import balance_writers, worker_slots
+from training.data import balance_writers, feed_cap
 
 
-def test_worker_slots_interleave_workers_by_thread() -> None:
-    assert worker_slots({"b": 1, "a": 2}) == ["a", "b", "a"]
-    assert worker_slots({"a": 1, "b": 1}) == ["a", "b"]
-    assert worker_slots({}) == []
+def test_the_last_partitions_go_only_to_free_threads() -> None:
+    assert feed_cap(18, 2) == 3  # plenty left: next tasks wait behind the running one
+    assert feed_cap(2, 2) == 1 and feed_cap(1, 2) == 1  # the tail: never queued behind a busy thread
 
 
 def test_writers_are_balanced_by_rows_longest_first() -> None:
