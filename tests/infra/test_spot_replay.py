@@ -11,20 +11,10 @@ from pydantic import ValidationError
 
 from infra.cost import PriceError, PriceTrace, bill_interval
 from infra.spot_replay import account_intervals, price_at, repeat_trace
+from tests.spaces import fixed_cnn_space
 from training.config import SearchConfig
 
-SPACE = {
-    "families": {
-        "cnn": {
-            "width": {"type": "categorical", "choices": [8]},
-            "depth": {"type": "categorical", "choices": [2]},
-        }
-    },
-    "common": {
-        "lr": {"type": "categorical", "choices": [0.01]},
-        "batch_size": {"type": "categorical", "choices": [64]},
-    },
-}
+SPACE = fixed_cnn_space(batch_size=64)
 
 
 def test_repeated_trace_and_prices_past_its_end() -> None:
@@ -179,18 +169,7 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     assert run.data.metrics["spot_notices"] == 1.0 and run.data.params["spot_bids"] == "1,0.5"
 
 
-MOP_SPACE = {
-    "families": {
-        "cnn": {
-            "width": {"type": "categorical", "choices": [8]},
-            "depth": {"type": "categorical", "choices": [2]},
-        }
-    },
-    "common": {
-        "lr": {"type": "categorical", "choices": [0.01]},
-        "batch_size": {"type": "categorical", "choices": [8]},
-    },
-}
+MOP_SPACE = fixed_cnn_space(batch_size=8)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.spaces import fixed_cnn_space
 from training.config import SearchConfig
 from training.data import load_manifest
 from training.preempt import lost_spans, redone_seconds
@@ -18,18 +19,7 @@ from training.search import checkpoint_folder, register_preemption, run_search
 from training.trial import CHECKPOINT_FILE
 
 CNN_PARAMS = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
-SPACE = {
-    "families": {
-        "cnn": {
-            "width": {"type": "categorical", "choices": [8]},
-            "depth": {"type": "categorical", "choices": [2]},
-        }
-    },
-    "common": {
-        "lr": {"type": "categorical", "choices": [0.01]},
-        "batch_size": {"type": "categorical", "choices": [32]},
-    },
-}
+SPACE = fixed_cnn_space(batch_size=32)
 
 
 def test_grace_period_setting_is_validated() -> None:

@@ -8,22 +8,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from tests.spaces import fixed_cnn_space
 from training.config import SearchConfig
 from training.scaling import RoundScale, RoundScaling, log_worker_rounds, scaler_for, worker_addresses
 from training.volatile import WorkerSchedule
 
-SPACE = {
-    "families": {
-        "cnn": {
-            "width": {"type": "categorical", "choices": [8]},
-            "depth": {"type": "categorical", "choices": [2]},
-        }
-    },
-    "common": {
-        "lr": {"type": "categorical", "choices": [0.01]},
-        "batch_size": {"type": "categorical", "choices": [64]},
-    },
-}
+SPACE = fixed_cnn_space(batch_size=64)
 STEP = WorkerSchedule(kind="step", n_start=1, increment=1, period=1, n_max=2, unit="epoch")
 
 

@@ -1,0 +1,21 @@
+"""Search spaces shared by tests: one fixed configuration, so a sweep's outcome depends on what is tested."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def fixed_cnn_space(batch_size: int, lr: float = 0.01) -> dict[str, Any]:
+    """A space with a single point: a CNN of width 8 and depth 2 at one learning rate and batch size."""
+    return {
+        "families": {
+            "cnn": {
+                "width": {"type": "categorical", "choices": [8]},
+                "depth": {"type": "categorical", "choices": [2]},
+            }
+        },
+        "common": {
+            "lr": {"type": "categorical", "choices": [lr]},
+            "batch_size": {"type": "categorical", "choices": [batch_size]},
+        },
+    }
