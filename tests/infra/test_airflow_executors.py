@@ -34,6 +34,7 @@ from infra.profile import apply_profile, read_profile
 from infra.settings import Settings
 from infra.stack import free_port
 from tests.conftest import PG, require_service
+from tests.rest import request_json
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = str(Path(sys.executable).parent)
@@ -166,24 +167,6 @@ def _admin_sql(sql: str) -> None:  # a fresh connection each time
         conn.close()
 
 
-def _request(method: str, url: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as response:
-            raw = response.read()
-            return response.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw)
-        except ValueError:
-            return exc.code, raw.decode(errors="replace")
-
-
 class ScaleOutStack:
     """A `mopflow up` in the scale-out profile on fresh PostgreSQL databases and a moto S3 server."""
 
@@ -211,14 +194,14 @@ class ScaleOutStack:
         self.state = state
         self.airflow = next(s.url for s in state.services if s.name == "airflow")
         password = json.loads(Path(state.airflow_password_file).read_text())["admin"]
-        status, answer = _request(
+        status, answer = request_json(
             "POST", f"{self.airflow}/auth/token", {"username": "admin", "password": password}
         )
         assert status == 201, answer
         self.token = answer["access_token"]
 
     def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        return _request(method, f"{self.airflow}/api/v2{path}", body, self.token)
+        return request_json(method, f"{self.airflow}/api/v2{path}", body, self.token)
 
     def trigger(self, conf: dict[str, Any]) -> str:
         deadline = time.monotonic() + 120

@@ -21,6 +21,7 @@ import pytest
 
 from infra import stack
 from infra.settings import Settings
+from tests.rest import request_json
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = str(Path(sys.executable).parent)
@@ -245,7 +246,7 @@ def test_mlflow_with_auth_refuses_anonymous_clients(tmp_path: Path) -> None:
     try:
         stack.wait_healthy([rec], 180, lambda _: None)  # /health needs no credentials
         url = f"{rec.url}/api/2.0/mlflow/experiments/search?max_results=1"
-        assert _request("GET", url)[0] == 401
+        assert request_json("GET", url)[0] == 401
         token = base64.b64encode(f"admin:{auth.password.get_secret_value()}".encode()).decode()
         req = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
         with urllib.request.urlopen(req, timeout=30) as response:
@@ -483,26 +484,6 @@ def _mopflow(home: Path, *args: str, timeout: int = 420) -> subprocess.Completed
     )
 
 
-def _request(
-    method: str, url: str, body: Any = None, token: str | None = None, headers: dict[str, str] | None = None
-) -> tuple[int, Any]:
-    headers = {"Content-Type": "application/json", **(headers or {})}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as response:
-            raw = response.read()
-            return response.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw)
-        except ValueError:
-            return exc.code, raw.decode(errors="replace")
-
-
 class Stack:
     """The running stack as the tests see it: its state file, an Airflow token, REST helpers."""
 
@@ -515,7 +496,7 @@ class Stack:
         self.airflow = urls["airflow"]
         self.mlflow = urls["mlflow"]
         self.password = json.loads(Path(state.airflow_password_file).read_text())["admin"]
-        status, answer = _request(
+        status, answer = request_json(
             "POST", f"{self.airflow}/auth/token", {"username": "admin", "password": self.password}
         )
         assert status == 201, answer
@@ -524,7 +505,7 @@ class Stack:
         self.sweep: dict[str, str] = {}
 
     def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        return _request(method, f"{self.airflow}/api/v2{path}", body, self.token)
+        return request_json(method, f"{self.airflow}/api/v2{path}", body, self.token)
 
     def dag_runs(self) -> list[dict[str, Any]]:
         status, answer = self.api("GET", f"/dags/{DAG_ID}/dagRuns")
@@ -571,7 +552,7 @@ def test_up_prints_urls_and_a_second_up_starts_nothing(running_stack: Stack) -> 
     for name in stack.SERVICE_ORDER:
         assert any(line.startswith(name) and " healthy " in line for line in status.stdout.splitlines()), name
     # Everything answers on loopback, and the Airflow API wants a token.
-    code, _ = _request("GET", f"{running_stack.airflow}/api/v2/dags")
+    code, _ = request_json("GET", f"{running_stack.airflow}/api/v2/dags")
     assert code == 401
     assert os.stat(running_stack.state.airflow_password_file).st_mode & 0o777 == 0o600
     status_code, pools = running_stack.api("GET", f"/pools/{stack.TRAINING_POOL}")
@@ -604,16 +585,16 @@ def test_sweep_triggered_over_rest_registers_a_champion(running_stack: Stack) ->
 
     name = f"{TINY['model_name']}-student"
     query = urllib.parse.urlencode({"name": name, "alias": "champion"})
-    status, alias = _request("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/alias?{query}")
+    status, alias = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/alias?{query}")
     assert status == 200, alias
     version = alias["model_version"]
     assert version["name"] == name and "champion" in version["aliases"]
-    status, model = _request("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/get?name={name}")
+    status, model = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/get?name={name}")
     assert status == 200, model
     aliases = {a["alias"]: a["version"] for a in model["registered_model"]["aliases"]}
     assert aliases["champion"] == aliases["challenger"] == version["version"]
     # The tasks logged to the stack's server: the run that produced the version is there too.
-    status, mlrun = _request("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={version['run_id']}")
+    status, mlrun = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={version['run_id']}")
     assert status == 200 and mlrun["run"]["data"], mlrun
     s.sweep = {"airflow_run_id": run["dag_run_id"], "model": name, "version": str(version["version"])}
 
@@ -753,7 +734,7 @@ def test_browser_sweeps_page_shows_the_leaderboard(running_stack: Stack, airflow
     link = re.fullmatch(re.escape(s.mlflow) + r"/#/experiments/(\d+)/runs/([0-9a-f]{32})", mlflow_href)
     assert link, mlflow_href
     # The link leads to this sweep's pipeline run in the stack's MLflow.
-    status, mlrun = _request("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={link.group(2)}")
+    status, mlrun = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={link.group(2)}")
     assert status == 200, mlrun
     tags = {t["key"]: t["value"] for t in mlrun["run"]["data"]["tags"]}
     assert tags["mopflow.airflow_run_id"] == sweep["airflow_run_id"], tags
@@ -842,10 +823,10 @@ def test_trigger_guard_covers_the_ui_call_other_dags_and_backfills(running_stack
     body = {"logical_date": None, "conf": {**TINY, "bogus": 1}}
     # The UI's trigger form: the same endpoint, with the session cookie and a Referer.
     ui_headers = {"Cookie": f"_token={s.token}", "Referer": f"{s.airflow}/dags/{DAG_ID}"}
-    code, answer = _request("POST", f"{s.airflow}/api/v2/dags/{DAG_ID}/dagRuns", body, headers=ui_headers)
+    code, answer = request_json("POST", f"{s.airflow}/api/v2/dags/{DAG_ID}/dagRuns", body, headers=ui_headers)
     assert code == 400 and "['bogus']" in answer["detail"], (code, answer)
     # No credentials: Airflow's own 401, nothing about the DAG's keys.
-    code, answer = _request("POST", f"{s.airflow}/api/v2/dags/{DAG_ID}/dagRuns", body)
+    code, answer = request_json("POST", f"{s.airflow}/api/v2/dags/{DAG_ID}/dagRuns", body)
     assert code == 401 and "bogus" not in json.dumps(answer), (code, answer)
     assert _run_ids(s, DAG_ID) == before
     # mopflow_promote: its own Params are the accepted keys.
