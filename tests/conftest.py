@@ -32,6 +32,18 @@ def require_service(name: str, host: str, port: int) -> None:
     pytest.skip(message)
 
 
+def pg_admin_sql(sql: str) -> None:
+    """Run one statement as postgres on the local server, on a fresh connection (a test may restart it)."""
+    import psycopg2
+
+    conn = psycopg2.connect(host=PG[0], port=PG[1], user="postgres", dbname="postgres")
+    conn.autocommit = True
+    try:
+        conn.cursor().execute(sql)
+    finally:
+        conn.close()
+
+
 @pytest.fixture()
 def mopflow_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty MOPFLOW_HOME for one test, with every derived setting cleared."""
@@ -70,17 +82,10 @@ PG = ("127.0.0.1", 5432)
 def pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database for one test, dropped afterwards."""
     require_service("PostgreSQL", *PG)
-    import psycopg2
 
     name = f"mopflow_test_{uuid.uuid4().hex[:10]}"
 
-    def admin_sql(sql: str) -> None:  # a fresh connection each time: a test may restart the server
-        conn = psycopg2.connect(host=PG[0], port=PG[1], user="postgres", dbname="postgres")
-        conn.autocommit = True
-        try:
-            conn.cursor().execute(sql)
-        finally:
-            conn.close()
+    admin_sql = pg_admin_sql
 
     admin_sql(f"CREATE DATABASE {name}")
     try:

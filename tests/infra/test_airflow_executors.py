@@ -33,7 +33,7 @@ from infra import stack
 from infra.profile import apply_profile, read_profile
 from infra.settings import Settings
 from infra.stack import free_port
-from tests.conftest import PG, require_service
+from tests.conftest import PG, pg_admin_sql, require_service
 from tests.rest import request_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,15 +156,7 @@ def test_celery_executor_runs_each_component_and_a_worker(tmp_path: Path) -> Non
 # ---------------------------------------------------------------------------- the real stack (slow)
 
 
-def _admin_sql(sql: str) -> None:  # a fresh connection each time
-    import psycopg2
-
-    conn = psycopg2.connect(host=PG[0], port=PG[1], user="postgres", dbname="postgres")
-    conn.autocommit = True
-    try:
-        conn.cursor().execute(sql)
-    finally:
-        conn.close()
+_admin_sql = pg_admin_sql
 
 
 class ScaleOutStack:

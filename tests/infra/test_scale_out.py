@@ -26,7 +26,7 @@ import pytest
 
 from infra.profile import apply_profile, parse_profile, read_profile
 from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
-from tests.conftest import PG, require_service
+from tests.conftest import PG, pg_admin_sql, require_service
 from tests.dags.test_end_to_end import TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,20 +119,13 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """Start PostgreSQL databases, S3, an MLflow server and a Dask cluster; run the pipeline once."""
     require_service("PostgreSQL", *PG)
     import boto3
-    import psycopg2
     from moto.server import ThreadedMotoServer
 
     root = tmp_path_factory.mktemp("scaleout")
     suffix = uuid.uuid4().hex[:8]
     dbs = {part: f"mopflow_so_{part}_{suffix}" for part in ("airflow", "mlflow", "optuna")}
 
-    def admin_sql(sql: str) -> None:  # a fresh connection each time: the server may have restarted
-        conn = psycopg2.connect(host=PG[0], port=PG[1], user="postgres", dbname="postgres")
-        conn.autocommit = True
-        try:
-            conn.cursor().execute(sql)
-        finally:
-            conn.close()
+    admin_sql = pg_admin_sql
 
     cleanup = contextlib.ExitStack()  # undoes whatever was set up, even when setup fails half-way
     try:  # setup: on failure, undo what was made before re-raising
