@@ -11,7 +11,10 @@ What is measured
    concatenates the rows of each split, writes the same shards (``n_shards`` train, 1 validation,
    1 test) with ``DataFrame.to_parquet`` and computes the sha256 of each file. ``wall_s`` of a
    Dask run is the ``shard_dataset`` call only (cluster start-up is recorded separately in the
-   JSON). ``speedup`` = baseline wall / run wall; target: >= 1.7x on 2 workers. Both sides have
+   JSON). Each configuration runs ``--repeats`` times (default 3), interleaved round by round,
+   and the table shows its median run (every round is in the JSON): the machine's speed drifts
+   by several percent over minutes. ``speedup`` = baseline median wall / run median wall;
+   target: >= 1.7x on 2 workers. Both sides have
    ``training.data`` (and with it pandas and numpy) imported before their timed window: the
    baseline process imports it, and the workers of a Dask run are made to import it after the
    cluster starts; what the stage imports lazily (the generator, scipy, pyarrow's writer) loads
@@ -212,6 +215,7 @@ def run_baseline(rows: int) -> RunResult:
     from training.data import (
         HASH_COLUMN,
         LABEL_COLUMN,
+        PARQUET_WRITE_OPTIONS,
         PARTITION_SEED_STRIDE,
         SPLIT_COLUMN,
         SPLITS,
@@ -240,7 +244,7 @@ def run_baseline(rows: int) -> RunResult:
                 table[LABEL_COLUMN] = table[LABEL_COLUMN].astype("int64")
                 for i, (lo, hi) in enumerate(even_chunks(len(table), per_split_shards[split])):
                     path = out_dir / f"{split}-{i:05d}.parquet"
-                    table.iloc[lo:hi].to_parquet(path, index=False)
+                    table.iloc[lo:hi].to_parquet(path, index=False, **PARQUET_WRITE_OPTIONS)
                     hashes[path.name] = _sha256_file(path)
                     written += hi - lo
     return RunResult(
@@ -376,10 +380,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main_orchestrate(rows: int, base_rows: int, timeout_s: float, results_path: Path) -> int:
-    """Run every configuration, print the table and targets, write the JSON; 0 if all targets pass."""
+def median_run(results: list[RunResult]) -> RunResult:
+    """The run with the median wall time (the lower middle one for an even count)."""
+    ordered = sorted(results, key=lambda r: r.wall_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def main_orchestrate(
+    rows: int, base_rows: int, timeout_s: float, results_path: Path, repeats: int = 3
+) -> int:
+    """Run every configuration ``repeats`` times, interleaved (baseline, 1 worker, 2 workers, then
+    again), so that a drift of the machine's speed touches every configuration alike; the table
+    shows each configuration's median run. Print the table and targets, write the JSON; 0 if all
+    targets pass."""
     started_at = datetime.now(UTC)
-    runs = {name: spawn(name, rows, timeout_s) for name in RUNS}
+    rounds = [{name: spawn(name, rows, timeout_s) for name in RUNS} for _ in range(repeats)]
+    runs = {name: median_run([r[name] for r in rounds]) for name in RUNS}
     base = runs["dask-2-workers"] if base_rows == rows else spawn("dask-2-workers", base_rows, timeout_s)
 
     baseline_wall = runs["baseline"].wall_s
@@ -406,8 +422,9 @@ def main_orchestrate(rows: int, base_rows: int, timeout_s: float, results_path: 
     factor = rows / base_rows
     speedup_ok = speedup_2 >= SPEEDUP_TARGET
     memory_ok = mem_ratio < MEMORY_RATIO_TARGET
-    same_output = all(runs[n].shard_sha256 == runs["baseline"].shard_sha256 for n in WORKERS)
-    rows_ok = all(r.rows == r.rows_requested for r in [*runs.values(), base])
+    every_run = [r for rnd in rounds for r in rnd.values()]
+    same_output = all(r.shard_sha256 == runs["baseline"].shard_sha256 for r in every_run)
+    rows_ok = all(r.rows == r.rows_requested for r in [*every_run, base])
 
     cpus = os.cpu_count() or 0
     print(f"shard benchmark: MNIST-1D, partition_rows={PARTITION_ROWS:,}, n_shards={N_SHARDS}, {cpus} CPUs")
@@ -425,8 +442,13 @@ def main_orchestrate(rows: int, base_rows: int, timeout_s: float, results_path: 
         f"  (driver growth during shard_dataset above its pre-run RSS: "
         f"{growth_big:.0f} MB vs {growth_small:.0f} MB)"
     )
+    print(
+        "wall s per round (baseline / 1 worker / 2 workers): "
+        + ", ".join(" / ".join(f"{r[n].wall_s:.1f}" for n in RUNS) for r in rounds)
+        + f"; speedup per round: {', '.join(f'{r[RUNS[0]].wall_s / r[RUNS[2]].wall_s:.2f}x' for r in rounds)}"
+    )
     print(f"shards byte-identical to the baseline's: {'yes' if same_output else 'NO'}")
-    busy = {r.config + f"@{r.rows_requested}": r.other_cpu_share for r in [*runs.values(), base]}
+    busy = {r.config + f"@{r.rows_requested}": r.other_cpu_share for r in [*every_run, base]}
     noisy = {k: v for k, v in busy.items() if v > 0.05}
     if noisy:
         shares = ", ".join(f"{k} {v:.0%}" for k, v in noisy.items())
@@ -450,9 +472,11 @@ def main_orchestrate(rows: int, base_rows: int, timeout_s: float, results_path: 
             "partition_rows": PARTITION_ROWS,
             "n_shards": N_SHARDS,
             "sample_interval_s": SAMPLE_INTERVAL_S,
+            "repeats": repeats,
         },
         "table": table,
         "runs": {name: asdict(r) for name, r in runs.items()} | {"dask-2-workers-base": asdict(base)},
+        "rounds": [{name: asdict(r) for name, r in rnd.items()} for rnd in rounds],
         "targets": {
             "speedup_2_workers": {"value": speedup_2, "target_min": SPEEDUP_TARGET, "pass": speedup_ok},
             "driver_memory_ratio": {
@@ -478,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows for the throughput runs")
     parser.add_argument("--base-rows", type=int, default=100_000, help="rows of the memory-scaling base run")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per configuration")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="interleaved runs of each configuration (median reported)"
+    )
     parser.add_argument("--results", type=Path, default=RESULTS_PATH, help="where to write the JSON")
     parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)  # internal: one config
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # internal: its result file
@@ -487,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--run needs --out")
         run_one(args.run, args.rows, args.out)
         return 0
-    return main_orchestrate(args.rows, args.base_rows, args.timeout, args.results)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    return main_orchestrate(args.rows, args.base_rows, args.timeout, args.results, args.repeats)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ def join(base: str, *parts: str) -> str:
     return posixpath.join(base.rstrip("/"), *parts)
 
 
-def sha256_bytes(data: bytes) -> str:
-    """Hex sha256 of a byte string."""
+def sha256_bytes(data: bytes | memoryview) -> str:
+    """Hex sha256 of a byte string (or a view of bytes)."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -39,7 +39,9 @@ def sha256_url(url: str, storage_options: Mapping[str, Any] | None = None) -> st
     return digest.hexdigest()
 
 
-def write_bytes_atomic(url: str, data: bytes, storage_options: Mapping[str, Any] | None = None) -> None:
+def write_bytes_atomic(
+    url: str, data: bytes | memoryview, storage_options: Mapping[str, Any] | None = None
+) -> None:
     """Write ``data`` so that readers see either the old file or the whole new one.
 
     Local files are written to a temporary name and renamed; object stores publish an object

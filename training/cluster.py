@@ -26,7 +26,15 @@ def dask_client(address: str = "", n_workers: int = 2) -> Iterator[Client]:
         # mmap threshold: every numpy temporary over 128 KiB is then mmap'd and page-faulted
         # afresh, and the heap is trimmed on each free. MNIST-1D generation cost 15-45% more CPU
         # in a worker than in a plain process (benchmarks/shard.py); glibc's defaults it is.
-        dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}),
+        dask.config.set(
+            {
+                "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                # The statistical profiler samples every worker's stack 100 times a second,
+                # taking the GIL from the task each time; its only reader is the dashboard,
+                # which a LocalCluster here never serves (dashboard_address=None).
+                "distributed.worker.profile.enabled": False,
+            }
+        ),
         LocalCluster(
             n_workers=n_workers,
             threads_per_worker=1,

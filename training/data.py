@@ -11,6 +11,7 @@ import hashlib
 import io
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,10 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 LABEL_COLUMN = "label"
 SPLITS = ("train", "validation", "test")
+# Parquet writer options of every shard: dictionary encoding for the label only. On continuous
+# float features pyarrow first builds a dictionary, finds it too large and falls back to plain
+# pages: writing took ten times as long and the files came out half again as large.
+PARQUET_WRITE_OPTIONS: dict[str, Any] = {"use_dictionary": [LABEL_COLUMN]}
 
 
 class ShardIntegrityError(RuntimeError):
@@ -137,6 +142,15 @@ def combine_stats(parts: Sequence[Mapping[str, Any]]) -> tuple[list[float], list
     mean = total / count
     var = np.maximum(total_sq / count - mean**2, 0.0)
     return mean.tolist(), np.sqrt(var).tolist()
+
+
+def feature_sums(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Column sums and sums of squares of a 2-D array, accumulated in float64 (no float64 copy
+    of a float32 array is made: numpy casts it in small buffers)."""
+    return (
+        values.sum(axis=0, dtype=np.float64),
+        np.einsum("ij,ij->j", values, values, dtype=np.float64),
+    )
 
 
 def manifest_hash(manifest: Mapping[str, Any]) -> str:
@@ -346,15 +360,23 @@ def generate_mnist1d_partition(num_samples: int, seed: int, val_fraction: float)
     data = make_mnist1d(num_samples, seed)  # the package's samples, generated vectorized
     cols = feature_columns(data.x.shape[1])
     x = np.concatenate([data.x, data.x_test]).astype(np.float32, copy=False)
-    frame = pd.DataFrame(x, columns=cols)
-    frame[LABEL_COLUMN] = np.concatenate([data.y, data.y_test]).astype(np.int64)
+    y = np.concatenate([data.y, data.y_test]).astype(np.int64)
+    content = pd.DataFrame(x, columns=cols, copy=False)
+    content[LABEL_COLUMN] = y
     # a row's hash depends on its content only: the same as hashing the train rows alone
-    u = row_unit_interval(frame, salt=f"val-{seed}")
+    u = row_unit_interval(content, salt=f"val-{seed}")
     n_train = len(data.y)
-    frame[HASH_COLUMN] = u
-    frame[SPLIT_COLUMN] = "test"
     rule = SplitRule(("train", "validation"), ("validation",), (val_fraction,))
-    frame.loc[: n_train - 1, SPLIT_COLUMN] = assign_splits(u[:n_train], np.empty(0), rule, None)
+    split = np.full(len(y), "test", dtype=object)
+    split[:n_train] = assign_splits(u[:n_train], np.empty(0), rule, None)
+    # rows grouped by split (each split's rows in their order): take_rows then cuts views, not copies
+    order = np.concatenate([np.flatnonzero(split == name) for name in SPLITS])
+    # each feature column contiguous (pandas keeps the columns as rows of one 2-D block): Arrow
+    # then takes them without a copy when a shard is encoded
+    frame = pd.DataFrame(np.take(x.T, order, axis=1).T, columns=cols, copy=False)
+    frame[LABEL_COLUMN] = y[order]
+    frame[HASH_COLUMN] = u[order]
+    frame[SPLIT_COLUMN] = split[order]
     return frame
 
 
@@ -407,7 +429,9 @@ def partition_stats(frame: pd.DataFrame, features: Sequence[str]) -> dict[str, A
         if not problems and (pd.to_numeric(labels) < 0).any():
             problems.append(f"{int(pd.to_numeric(labels).min())}")
     classes = {} if problems else pd.to_numeric(labels).astype(np.int64).value_counts().to_dict()
-    values = frame[list(features)].to_numpy(dtype=np.float64)
+    values = frame[list(features)].to_numpy()
+    if values.dtype.kind != "f":  # prepared features are float32; no float64 copy for the check
+        values = values.astype(np.float64)
     nonfinite = (~np.isfinite(values)).sum(axis=0)
     return {
         "split_rows": {str(k): int(v) for k, v in split_rows.items()},
@@ -421,10 +445,28 @@ def take_rows(frame: pd.DataFrame, split: str, start: int, stop: int | None) -> 
     """Rows ``start:stop`` of one split of a partition (``stop=None``: to its end), without the
     helper columns.
 
-    Runs where the partition lives, so only the rows a shard needs travel to its writer.
+    Runs where the partition lives, so only the rows a shard needs travel to its writer. A split
+    whose rows are contiguous (generated partitions are grouped by split) is cut as a view.
     """
-    rows = frame[frame[SPLIT_COLUMN] == split].iloc[start:stop]
-    return rows.drop(columns=[SPLIT_COLUMN, HASH_COLUMN])
+    positions = np.flatnonzero((frame[SPLIT_COLUMN] == split).to_numpy())
+    if len(positions) and positions[-1] - positions[0] + 1 == len(positions):
+        rows = frame.iloc[positions[0] : positions[-1] + 1]
+    else:
+        rows = frame.iloc[positions]
+    return rows.iloc[start:stop].drop(columns=[SPLIT_COLUMN, HASH_COLUMN])
+
+
+def parquet_bytes(frame: pd.DataFrame) -> memoryview:
+    """``frame.to_parquet(index=False, **PARQUET_WRITE_OPTIONS)``'s bytes, encoded into an Arrow
+    buffer: the encoder then never takes the GIL to write into a Python file object, which on a
+    Dask worker the event loop holds whenever it moves data for other tasks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    pq.write_table(table, sink, compression="snappy", **PARQUET_WRITE_OPTIONS)  # pandas' default codec
+    return memoryview(sink.getvalue())
 
 
 def write_shard(
@@ -439,19 +481,17 @@ def write_shard(
         pieces = [piece.iloc[start:stop] for piece, (start, stop) in zip(pieces, bounds, strict=True)]
     part = pieces[0].reset_index(drop=True) if len(pieces) == 1 else pd.concat(pieces, ignore_index=True)
     part[LABEL_COLUMN] = pd.to_numeric(part[LABEL_COLUMN]).astype(np.int64)
-    buffer = io.BytesIO()
-    part.to_parquet(buffer, index=False)
-    data = buffer.getvalue()
+    data = parquet_bytes(part)
     storage.write_bytes_atomic(url, data, storage_options)
-    feats = part.drop(columns=[LABEL_COLUMN]).to_numpy(dtype=np.float64)
+    sums, sumsq = feature_sums(part.drop(columns=[LABEL_COLUMN]).to_numpy())
     counts = part[LABEL_COLUMN].value_counts().sort_index()
     return {
         "rows": len(part),
         "bytes": len(data),
         "sha256": storage.sha256_bytes(data),
         "class_counts": {str(int(k)): int(v) for k, v in counts.items()},
-        "sum": feats.sum(axis=0).tolist(),
-        "sumsq": (feats**2).sum(axis=0).tolist(),
+        "sum": sums.tolist(),
+        "sumsq": sumsq.tolist(),
         "schema": {c: str(t) for c, t in part.dtypes.items()},
     }
 
@@ -791,6 +831,36 @@ def feed_cap(unstarted: int, n_threads: int) -> int:
     return 3 if unstarted > n_threads else 1
 
 
+def contiguous_runs(indices: Sequence[int], threads: Mapping[str, int]) -> dict[str, deque[int]]:
+    """Cut ``indices`` (in order) into one contiguous run per worker, sized by its threads.
+
+    A shard covers consecutive partitions: when neighbours live on the same worker, its writer
+    finds most of its rows there and little data moves between workers.
+    """
+    total = sum(threads.values())
+    if not threads or total <= 0:
+        raise ValueError(f"need at least one worker thread, got {dict(threads)}")
+    runs: dict[str, deque[int]] = {}
+    start, assigned = 0, 0
+    for worker, n in threads.items():
+        assigned += n
+        stop = round(len(indices) * assigned / total)
+        runs[worker] = deque(indices[start:stop])
+        start = stop
+    return runs
+
+
+def next_partition(runs: Mapping[str, deque[int]], worker: str) -> int | None:
+    """The next partition for ``worker``: the front of its own run; once that is done, the back
+    of the longest other run (the partitions its owner would reach last), so free workers keep
+    busy without breaking the runs up."""
+    own = runs.get(worker)
+    if own:
+        return own.popleft()
+    longest = max(runs.values(), key=len, default=deque())
+    return longest.pop() if longest else None
+
+
 def _per_partition_as_done(
     client: Any,
     sources: Sequence[Any],
@@ -798,14 +868,17 @@ def _per_partition_as_done(
     features: Sequence[str],
     whole_splits: Sequence[str],
 ) -> tuple[list[Any], list[Any], dict[str, list[Any]]]:
-    """The partitions and, per partition, as soon as it is computed and on its worker: its
-    stats, and all its rows of each split in ``whole_splits`` (the pieces the shard writers
-    take their rows from).
+    """The partitions and, per partition, on the worker that holds it: its stats, and all its
+    rows of each split in ``whole_splits`` (the pieces the shard writers take their rows from).
 
     ``sources`` are futures, or functions ``submit(worker)`` (see ``source_partitions``) that
-    are handed out as workers free up (``feed_cap``), so the last partitions go to whichever
-    worker is free first. The small tasks outrank the partition tasks (priority 1), so they run
-    between them rather than all at once after the last partition.
+    are handed out as workers free up (``feed_cap``): each worker works through its own
+    contiguous run of partitions (``contiguous_runs``), then takes over the end of another's
+    (``next_partition``), so the last partitions go to whichever worker is free first. A partition handed to a worker gets its small tasks submitted with it,
+    pinned to that worker (loosely: a lost worker's tasks run elsewhere), so they need no round
+    trip through this loop; they outrank the partition tasks (priority 1), so they run between
+    them rather than all at once after the last partition. A source that is a future gets its
+    small tasks once it is computed, on the worker that computed it.
     """
     from distributed import as_completed
 
@@ -816,8 +889,20 @@ def _per_partition_as_done(
     outstanding = dict.fromkeys(threads, 0)
     queue = as_completed()
     unstarted = [i for i, s in enumerate(sources) if callable(s)]
-    unstarted.reverse()  # popped from the end: partition order
+    runs = contiguous_runs(unstarted, threads) if threads else {}
     sent_to: dict[int, str] = {}
+    stats: list[Any] = [None] * n
+    pieces: dict[str, list[Any]] = {split: [None] * n for split in whole_splits}
+
+    def follow(i: int, worker: str | None) -> None:
+        where = {"workers": None if worker is None else [worker], "allow_other_workers": worker is not None}
+        stats[i] = client.submit(partition_stats, partitions[i], features, pure=False, priority=1, **where)
+        held.append(stats[i])
+        for split in whole_splits:
+            pieces[split][i] = client.submit(
+                take_rows, partitions[i], split, 0, None, pure=False, priority=1, **where
+            )
+            held.append(pieces[split][i])
 
     def start(i: int, worker: str | None) -> None:
         source = sources[i]
@@ -825,39 +910,40 @@ def _per_partition_as_done(
         partitions[i], index[future.key] = future, i
         if callable(source):
             held.append(future)
+            follow(i, worker)
         queue.add(future)
         if worker is not None:
             outstanding[worker] += 1
             sent_to[i] = worker
 
     def feed() -> None:
-        while unstarted and outstanding:
+        left = sum(len(run) for run in runs.values())
+        while left and outstanding:
             worker = min(outstanding, key=lambda w: outstanding[w] / threads[w])
-            if outstanding[worker] >= feed_cap(len(unstarted), sum(threads.values())) * threads[worker]:
+            if outstanding[worker] >= feed_cap(left, sum(threads.values())) * threads[worker]:
                 return
-            start(unstarted.pop(), worker)
-        while unstarted:  # no workers known: Dask places them
-            start(unstarted.pop(), None)
+            i = next_partition(runs, worker)
+            if i is None:
+                return
+            start(i, worker)
+            left -= 1
+        if not runs:  # no workers known: Dask places them
+            for i in unstarted:
+                start(i, None)
+            unstarted.clear()
 
     for i, source in enumerate(sources):
         if not callable(source):
             start(i, None)
     feed()
-    stats: list[Any] = [None] * n
-    pieces: dict[str, list[Any]] = {split: [None] * n for split in whole_splits}
     for done in queue:
         i = index[done.key]
         sent = sent_to.pop(i, None)
         if sent in outstanding:
             outstanding[sent] -= 1
         feed()  # the next partition first: its worker is free now
-        holder = next(iter(client.who_has([done]).get(done.key, ())), None)
-        where = {"workers": None if holder is None else [holder], "allow_other_workers": True}
-        stats[i] = client.submit(partition_stats, done, features, pure=False, priority=1, **where)
-        held.append(stats[i])
-        for split in whole_splits:
-            pieces[split][i] = client.submit(take_rows, done, split, 0, None, pure=False, priority=1, **where)
-            held.append(pieces[split][i])
+        if stats[i] is None:  # a future from the source: follow it where it was computed
+            follow(i, next(iter(client.who_has([done]).get(done.key, ())), None))
     return partitions, stats, pieces
 
 

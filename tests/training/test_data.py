@@ -1,25 +1,34 @@
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
 from infra import storage
 from training.config import DataConfig
 from training.data import (
+    PARQUET_WRITE_OPTIONS,
+    SPLIT_COLUMN,
+    SPLITS,
     DataValidationError,
     ShardIntegrityError,
     SplitRule,
     assign_splits,
     combine_stats,
     even_chunks,
+    feature_sums,
+    generate_mnist1d_partition,
     load_manifest,
     load_split,
+    parquet_bytes,
     row_unit_interval,
     shard_dataset,
     stratified_thresholds,
+    take_rows,
     threshold_positions,
     verify_manifest,
 )
@@ -49,6 +58,46 @@ def test_combine_stats_matches_numpy() -> None:
     mean, std = combine_stats(parts)
     both = np.vstack([a, b])
     assert np.allclose(mean, both.mean(0)) and np.allclose(std, both.std(0))
+
+
+def test_feature_sums_accumulate_in_float64() -> None:
+    rng = np.random.default_rng(1)
+    # an offset that float32 accumulation would lose digits of
+    values = (1000.0 + rng.normal(size=(20_000, 3))).astype(np.float32)
+    sums, sumsq = feature_sums(values)
+    exact = values.astype(np.float64)
+    assert sums.dtype == np.float64 and sumsq.dtype == np.float64
+    np.testing.assert_allclose(sums, exact.sum(axis=0), rtol=1e-13)
+    np.testing.assert_allclose(sumsq, (exact**2).sum(axis=0), rtol=1e-13)
+
+
+def test_shards_encode_features_plain_and_the_label_as_a_dictionary() -> None:
+    frame = take_rows(generate_mnist1d_partition(600, 1, 0.1), "train", 0, None).reset_index(drop=True)
+    data = bytes(parquet_bytes(frame))
+    # the same bytes as pandas' writer with the same options (what the benchmark's baseline uses)
+    assert data == frame.to_parquet(index=False, **PARQUET_WRITE_OPTIONS)
+    meta = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0)
+    encodings = {
+        meta.column(i).path_in_schema: set(meta.column(i).encodings) for i in range(meta.num_columns)
+    }
+    dictionary = {"PLAIN_DICTIONARY", "RLE_DICTIONARY"}
+    assert encodings.pop("label") & dictionary
+    assert encodings and not [c for c, e in encodings.items() if e & dictionary]
+    pd.testing.assert_frame_equal(pd.read_parquet(io.BytesIO(data)), frame)
+
+
+def test_generated_partitions_group_rows_by_split_and_are_cut_as_views() -> None:
+    frame = generate_mnist1d_partition(1000, 3, 0.1)
+    codes = frame[SPLIT_COLUMN].map({name: i for i, name in enumerate(SPLITS)}).to_numpy()
+    assert (np.diff(codes) >= 0).all() and set(codes) == {0, 1, 2}
+    piece = take_rows(frame, "validation", 0, None)
+    assert np.shares_memory(piece["x000"].to_numpy(), frame["x000"].to_numpy())  # no copy
+    # rows not grouped (a restratified table partition): the same rows, in order, as a copy
+    shuffled = frame.iloc[np.random.default_rng(0).permutation(len(frame))]
+    expected = shuffled[shuffled[SPLIT_COLUMN] == "validation"].iloc[5:20]
+    got = take_rows(shuffled, "validation", 5, 20)
+    pd.testing.assert_frame_equal(got, expected.drop(columns=[SPLIT_COLUMN, "_u"]))
+    assert take_rows(frame.iloc[:0], "test", 0, None).empty
 
 
 def test_default_mnist1d_keeps_the_published_split(tmp_path: Path, dask_client: object) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.data import balance_writers, feed_cap
+from training.data import balance_writers, contiguous_runs, feed_cap, next_partition
 
 
 def test_the_last_partitions_go_only_to_free_threads() -> None:
@@ -30,3 +30,18 @@ def test_one_worker_writes_everything_and_bad_input_is_refused() -> None:
         balance_writers([1], [{}], [])
     with pytest.raises(ValueError, match="2 shards but 1"):
         balance_writers([1, 2], [{}], ["a"])
+
+
+def test_each_worker_works_through_a_contiguous_run_then_takes_the_end_of_another() -> None:
+    runs = contiguous_runs(list(range(6)), {"a": 1, "b": 1})
+    assert {w: list(r) for w, r in runs.items()} == {"a": [0, 1, 2], "b": [3, 4, 5]}
+    assert [next_partition(runs, "a") for _ in range(3)] == [0, 1, 2]
+    # a's run is done while b is still on its first: a takes b's last partition, b keeps its order
+    assert next_partition(runs, "a") == 5
+    assert [next_partition(runs, "b") for _ in range(3)] == [3, 4, None]
+    assert next_partition(runs, "a") is None
+    # runs are sized by threads
+    weighted = contiguous_runs(list(range(9)), {"a": 2, "b": 1})
+    assert {w: list(r) for w, r in weighted.items()} == {"a": [0, 1, 2, 3, 4, 5], "b": [6, 7, 8]}
+    with pytest.raises(ValueError, match="at least one worker thread"):
+        contiguous_runs([0], {})
