@@ -113,24 +113,33 @@ def plan_shards(partition_rows: Sequence[int], n_shards: int) -> list[list[tuple
 def balance_writers(
     shard_rows: Sequence[int], local_rows: Sequence[Mapping[str, int]], workers: Sequence[str]
 ) -> list[str]:
-    """The worker that writes each shard, so that every worker writes about as many rows.
+    """The worker that writes each shard, so that every worker writes about as many rows and as
+    few rows as possible travel between workers.
 
-    Longest shard first, each onto the worker with the fewest rows to write so far (ties: the
-    worker already holding more of the shard's rows, then the order of ``workers``). Writing
-    a shard costs about its row count, and all shards become ready together (after the last
-    partition), so this keeps every worker busy to the end: placing each shard with the worker
-    that holds most of its rows instead can leave one worker writing alone while the other idles.
+    Longest shard first, each onto the worker that holds most of its rows, unless that worker
+    would then write more than an even share of all rows (plus half the shard); then onto the
+    worker with the fewest rows to write so far (ties: the worker holding more of the shard's
+    rows, then the order of ``workers``). Writing a shard costs about its row count and all
+    shards become ready together (after the last partition), so the cap keeps every worker busy
+    to the end; placing by locality alone can leave one worker writing alone while the other
+    idles, and placing by load alone moves rows that need not move.
     """
     if not workers:
         raise ValueError("balance_writers needs at least one worker")
     if len(local_rows) != len(shard_rows):
         raise ValueError(f"{len(shard_rows)} shards but {len(local_rows)} row placements")
+    share = sum(shard_rows) / len(workers)
     load = dict.fromkeys(workers, 0)
     chosen = [""] * len(shard_rows)
     for i in sorted(range(len(shard_rows)), key=lambda i: (-shard_rows[i], i)):
-        worker = min(workers, key=lambda w: (load[w], -local_rows[i].get(w, 0)))
+        rows, local = shard_rows[i], local_rows[i]
+        home = max(workers, key=lambda w: (local.get(w, 0), -load[w]))
+        if local.get(home, 0) > 0 and load[home] + rows <= share + rows / 2:
+            worker = home
+        else:
+            worker = min(workers, key=lambda w: (load[w], -local.get(w, 0)))
         chosen[i] = worker
-        load[worker] += shard_rows[i]
+        load[worker] += rows
     return chosen
 
 

@@ -19,9 +19,20 @@ def test_writers_are_balanced_by_rows_longest_first() -> None:
     local = [{"a": r} for r in rows]  # every shard's rows on worker a: locality alone would pile them there
     writers = balance_writers(rows, local, ["a", "b"])
     load = {w: sum(r for r, x in zip(rows, writers, strict=True) if x == w) for w in "ab"}
-    assert sorted(load.values()) == [470, 530]  # the best split of these sizes
+    assert load == {"a": 470, "b": 530}  # the best split of these sizes
     # ties on load go to the worker that already holds the shard's rows
     assert balance_writers([10, 10], [{"b": 10}, {"a": 10}], ["a", "b"]) == ["b", "a"]
+
+
+def test_writers_take_the_shards_whose_rows_they_hold_when_that_stays_balanced() -> None:
+    # contiguous partition runs: train shards 0-3 on a, 4-7 on b; validation and test half and half
+    rows = [90] * 8 + [80, 200]
+    local = [{"a": 90}] * 4 + [{"b": 90}] * 4 + [{"a": 40, "b": 40}, {"a": 100, "b": 100}]
+    writers = balance_writers(rows, local, ["a", "b"])
+    moved = [i for i, w in enumerate(writers[:8]) if w not in local[i]]
+    assert len(moved) == 1  # one train shard moves, for balance; a load-only placement moves five
+    load = {w: sum(r for r, x in zip(rows, writers, strict=True) if x == w) for w in "ab"}
+    assert load == {"a": 470, "b": 530}  # the best split of these sizes
 
 
 def test_one_worker_writes_everything_and_bad_input_is_refused() -> None:
