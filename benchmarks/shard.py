@@ -9,16 +9,21 @@ What is measured
    is a single-process pandas/numpy baseline without Dask that does the same work: it calls
    ``generate_mnist1d_partition`` for each partition in turn (same sizes and seeds as the stage),
    concatenates the rows of each split, writes the same shards (``n_shards`` train, 1 validation,
-   1 test) with ``DataFrame.to_parquet`` and computes the sha256 of each file. ``wall_s`` of a
+   1 test) with ``DataFrame.to_parquet`` and the stage's ``PARQUET_WRITE_OPTIONS`` (the same
+   encoding, so the same bytes) and computes the sha256 of each file. ``wall_s`` of a
    Dask run is the ``shard_dataset`` call only (cluster start-up is recorded separately in the
    JSON). Each configuration runs ``--repeats`` times (default 3), interleaved round by round,
    and the table shows its median run (every round is in the JSON): the machine's speed drifts
    by several percent over minutes. ``speedup`` = baseline median wall / run median wall;
-   target: >= 1.7x on 2 workers. Both sides have
-   ``training.data`` (and with it pandas and numpy) imported before their timed window: the
-   baseline process imports it, and the workers of a Dask run are made to import it after the
-   cluster starts; what the stage imports lazily (the generator, scipy, pyarrow's writer) loads
-   inside the window on both sides.
+   target: >= 1.7x on 2 workers. Steady state: every configuration first does ``--warmup``
+   untimed runs (default 1) in the same processes, the baseline in its process and a Dask
+   configuration on its cluster, each into its own fresh folder, and then the timed run; the
+   first run's wall time is kept (``cold_wall_s``) and its speedup printed for information.
+   Why: on this kind of VM a process's first use of memory is expensive and uneven (touching
+   3 GiB of fresh memory took 5.1 s once and 3.4 s the next time; the same 1.6 GB in a process
+   that reuses freed memory 0.5 s), and a fresh LocalCluster grows three processes' heaps at
+   once; cold runs of the same configuration spread by 10% and more. Both sides have
+   ``training.data`` (and with it pandas and numpy) imported before their first run.
 2. Peak memory per process. Every configuration runs in a fresh subprocess (this script
    re-invoked with ``--run NAME``) so that peaks are not polluted by earlier runs. The driver's
    (or the baseline's) peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss`` of that subprocess; note
@@ -93,6 +98,8 @@ class RunResult:
     machine_busy_cpu_s: float = 0.0
     other_cpu_share: float = 0.0
     load_avg_1m_before: float = 0.0
+    # wall seconds of the first, untimed run in the same processes (None without --warmup)
+    cold_wall_s: float | None = None
 
 
 class CpuWindow:
@@ -208,8 +215,9 @@ def _sha256_file(path: Path) -> str:
 # The configurations (each runs in its own subprocess)
 
 
-def run_baseline(rows: int) -> RunResult:
-    """Generate and shard in one process with pandas/numpy only: no Dask."""
+def _baseline_once(cfg: Any, out_dir: Path) -> tuple[int, dict[str, str]]:
+    """Generate and shard ``cfg`` into ``out_dir`` in this process; the rows written and each
+    shard's sha256."""
     import pandas as pd
 
     from training.data import (
@@ -223,30 +231,41 @@ def run_baseline(rows: int) -> RunResult:
         generate_mnist1d_partition,
     )
 
+    n_parts = max(1, -(-cfg.num_samples // cfg.partition_rows))
+    frames = [
+        generate_mnist1d_partition(stop - start, cfg.seed + p * PARTITION_SEED_STRIDE, cfg.val_fraction)
+        for p, (start, stop) in enumerate(even_chunks(cfg.num_samples, n_parts))
+    ]
+    per_split_shards = {"train": cfg.n_shards, "validation": 1, "test": 1}
+    written, hashes = 0, {}
+    for split in SPLITS:
+        table = pd.concat([f[f[SPLIT_COLUMN] == split] for f in frames], ignore_index=True)
+        table = table.drop(columns=[SPLIT_COLUMN, HASH_COLUMN])
+        table[LABEL_COLUMN] = table[LABEL_COLUMN].astype("int64")
+        for i, (lo, hi) in enumerate(even_chunks(len(table), per_split_shards[split])):
+            path = out_dir / f"{split}-{i:05d}.parquet"
+            table.iloc[lo:hi].to_parquet(path, index=False, **PARQUET_WRITE_OPTIONS)
+            hashes[path.name] = _sha256_file(path)
+            written += hi - lo
+    return written, hashes
+
+
+def run_baseline(rows: int, warmup: int = 1) -> RunResult:
+    """Generate and shard in one process with pandas/numpy only: no Dask. ``warmup`` untimed
+    runs first, in this process (the first one's wall time is kept as ``cold_wall_s``)."""
+    import training.data  # noqa: F401  (imported before the window, as on the Dask workers)
+
     cfg = _data_config(rows)
+    cold_wall = None
+    for i in range(warmup):
+        with tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as root:
+            started = time.perf_counter()
+            _baseline_once(cfg, Path(root))
+            if i == 0:
+                cold_wall = time.perf_counter() - started
     rss_before = _self_rss_mb()
-    with tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as root:
-        out_dir = Path(root) / "baseline"
-        out_dir.mkdir()
-        with CpuWindow() as window:
-            n_parts = max(1, -(-cfg.num_samples // cfg.partition_rows))
-            frames = [
-                generate_mnist1d_partition(
-                    stop - start, cfg.seed + p * PARTITION_SEED_STRIDE, cfg.val_fraction
-                )
-                for p, (start, stop) in enumerate(even_chunks(cfg.num_samples, n_parts))
-            ]
-            per_split_shards = {"train": cfg.n_shards, "validation": 1, "test": 1}
-            written, hashes = 0, {}
-            for split in SPLITS:
-                table = pd.concat([f[f[SPLIT_COLUMN] == split] for f in frames], ignore_index=True)
-                table = table.drop(columns=[SPLIT_COLUMN, HASH_COLUMN])
-                table[LABEL_COLUMN] = table[LABEL_COLUMN].astype("int64")
-                for i, (lo, hi) in enumerate(even_chunks(len(table), per_split_shards[split])):
-                    path = out_dir / f"{split}-{i:05d}.parquet"
-                    table.iloc[lo:hi].to_parquet(path, index=False, **PARQUET_WRITE_OPTIONS)
-                    hashes[path.name] = _sha256_file(path)
-                    written += hi - lo
+    with tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as root, CpuWindow() as window:
+        written, hashes = _baseline_once(cfg, Path(root))
     return RunResult(
         config="baseline",
         rows_requested=rows,
@@ -261,11 +280,14 @@ def run_baseline(rows: int) -> RunResult:
         machine_busy_cpu_s=window.machine_busy_s,
         other_cpu_share=window.other_share(window.self_cpu_s),
         load_avg_1m_before=window.load_before,
+        cold_wall_s=cold_wall,
     )
 
 
-def run_dask(name: str, rows: int) -> RunResult:
-    """Shard with ``shard_dataset`` on a fresh LocalCluster of ``WORKERS[name]`` workers."""
+def run_dask(name: str, rows: int, warmup: int = 1) -> RunResult:
+    """Shard with ``shard_dataset`` on a fresh LocalCluster of ``WORKERS[name]`` workers;
+    ``warmup`` untimed runs first, on the same cluster, each into its own fresh folder (the
+    first one's wall time is kept as ``cold_wall_s``)."""
     from training.cluster import dask_client
     from training.data import SPLITS, load_manifest, shard_dataset
 
@@ -280,6 +302,13 @@ def run_dask(name: str, rows: int) -> RunResult:
         # Like the baseline, which imports training.data before its timed window: the workers
         # import it before theirs (each import costs a fresh process about a second).
         client.run(importlib.import_module, "training.data")
+        cold_wall = None
+        for i in range(warmup):
+            with tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as warm_root:
+                started = time.perf_counter()
+                shard_dataset(cfg, warm_root, client)
+                if i == 0:
+                    cold_wall = time.perf_counter() - started
         pids = sorted(client.run(os.getpid).values())
         rss_before = _self_rss_mb()
         with RssSampler(pids) as sampler, CpuWindow() as window:
@@ -307,10 +336,11 @@ def run_dask(name: str, rows: int) -> RunResult:
         machine_busy_cpu_s=window.machine_busy_s,
         other_cpu_share=window.other_share(own_cpu),
         load_avg_1m_before=window.load_before,
+        cold_wall_s=cold_wall,
     )
 
 
-def run_one(name: str, rows: int, out: Path) -> None:
+def run_one(name: str, rows: int, out: Path, warmup: int = 1) -> None:
     """Entry point of a subprocess: run one configuration and write its result as JSON."""
     import logging
 
@@ -319,7 +349,7 @@ def run_one(name: str, rows: int, out: Path) -> None:
         import distributed  # noqa: F401  (its import sets the "distributed" logger to INFO)
 
         logging.getLogger("distributed").setLevel(logging.WARNING)  # the in-process scheduler's chatter
-    result = run_baseline(rows) if name == "baseline" else run_dask(name, rows)
+    result = run_baseline(rows, warmup) if name == "baseline" else run_dask(name, rows, warmup)
     out.write_text(json.dumps(asdict(result)))
 
 
@@ -327,13 +357,13 @@ def run_one(name: str, rows: int, out: Path) -> None:
 # Orchestration (the parent process stays light: it imports neither pandas nor Dask)
 
 
-def spawn(name: str, rows: int, timeout_s: float) -> RunResult:
+def spawn(name: str, rows: int, timeout_s: float, warmup: int = 1) -> RunResult:
     """Run one configuration in a fresh Python subprocess and read back its result."""
     print(f"running {name} on {rows:,} rows ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--run", name, "--rows", str(rows)]
-        cmd += ["--out", str(out)]
+        cmd += ["--out", str(out), "--warmup", str(warmup)]
         subprocess.run(cmd, check=True, timeout=timeout_s, cwd=REPO_ROOT)  # noqa: S603
         result = RunResult(**json.loads(out.read_text()))
     print(f"  {name}: {result.wall_s:.1f}s", file=sys.stderr, flush=True)
@@ -387,16 +417,18 @@ def median_run(results: list[RunResult]) -> RunResult:
 
 
 def main_orchestrate(
-    rows: int, base_rows: int, timeout_s: float, results_path: Path, repeats: int = 3
+    rows: int, base_rows: int, timeout_s: float, results_path: Path, repeats: int = 3, warmup: int = 1
 ) -> int:
     """Run every configuration ``repeats`` times, interleaved (baseline, 1 worker, 2 workers, then
     again), so that a drift of the machine's speed touches every configuration alike; the table
     shows each configuration's median run. Print the table and targets, write the JSON; 0 if all
     targets pass."""
     started_at = datetime.now(UTC)
-    rounds = [{name: spawn(name, rows, timeout_s) for name in RUNS} for _ in range(repeats)]
+    rounds = [{name: spawn(name, rows, timeout_s, warmup) for name in RUNS} for _ in range(repeats)]
     runs = {name: median_run([r[name] for r in rounds]) for name in RUNS}
-    base = runs["dask-2-workers"] if base_rows == rows else spawn("dask-2-workers", base_rows, timeout_s)
+    base = (
+        runs["dask-2-workers"] if base_rows == rows else spawn("dask-2-workers", base_rows, timeout_s, warmup)
+    )
 
     baseline_wall = runs["baseline"].wall_s
     table: list[dict[str, Any]] = []
@@ -447,6 +479,14 @@ def main_orchestrate(
         + ", ".join(" / ".join(f"{r[n].wall_s:.1f}" for n in RUNS) for r in rounds)
         + f"; speedup per round: {', '.join(f'{r[RUNS[0]].wall_s / r[RUNS[2]].wall_s:.2f}x' for r in rounds)}"
     )
+    if warmup:
+        cold = {n: sorted(r[n].cold_wall_s or 0.0 for r in rounds)[(len(rounds) - 1) // 2] for n in RUNS}
+        print(
+            f"first (cold) runs in fresh processes, median wall s: baseline {cold['baseline']:.1f}, "
+            f"1 worker {cold['dask-1-worker']:.1f}, 2 workers {cold['dask-2-workers']:.1f}: "
+            f"speedup on 2 workers {cold['baseline'] / cold['dask-2-workers']:.2f}x (info; the target is "
+            "on the timed runs after the warm-up)"
+        )
     print(f"shards byte-identical to the baseline's: {'yes' if same_output else 'NO'}")
     busy = {r.config + f"@{r.rows_requested}": r.other_cpu_share for r in [*every_run, base]}
     noisy = {k: v for k, v in busy.items() if v > 0.05}
@@ -473,6 +513,7 @@ def main_orchestrate(
             "n_shards": N_SHARDS,
             "sample_interval_s": SAMPLE_INTERVAL_S,
             "repeats": repeats,
+            "warmup": warmup,
         },
         "table": table,
         "runs": {name: asdict(r) for name, r in runs.items()} | {"dask-2-workers-base": asdict(base)},
@@ -505,6 +546,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=3, help="interleaved runs of each configuration (median reported)"
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed runs in the same processes before the timed one (0: time the first, cold run)",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS_PATH, help="where to write the JSON")
     parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)  # internal: one config
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # internal: its result file
@@ -512,11 +559,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         if args.out is None:
             parser.error("--run needs --out")
-        run_one(args.run, args.rows, args.out)
+        run_one(args.run, args.rows, args.out, args.warmup)
         return 0
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    return main_orchestrate(args.rows, args.base_rows, args.timeout, args.results, args.repeats)
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    return main_orchestrate(args.rows, args.base_rows, args.timeout, args.results, args.repeats, args.warmup)
 
 
 if __name__ == "__main__":

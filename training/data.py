@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
+# Part of every content address: bump it when the bytes written for the same input change
+# (2: features plain-encoded; partitions grouped by split, which reorders stratified shards).
+SHARD_FORMAT_VERSION = 2
 LABEL_COLUMN = "label"
 SPLITS = ("train", "validation", "test")
 # Parquet writer options of every shard: dictionary encoding for the label only. On continuous
@@ -79,7 +82,13 @@ def shard_key(source: Mapping[str, Any], cfg: DataConfig) -> str:
     fields = {"n_shards", "val_fraction", "test_fraction", "nan_policy"}
     # stratify joins the key only when set, so unstratified datasets keep their addresses
     shard_cfg = cfg.model_dump(include=fields | ({"stratify"} if cfg.stratify else set()))
-    return storage.canonical_hash({"source": dict(source), "shards": shard_cfg, "v": MANIFEST_VERSION})[:16]
+    address = {
+        "source": dict(source),
+        "shards": shard_cfg,
+        "v": MANIFEST_VERSION,
+        "format": SHARD_FORMAT_VERSION,
+    }
+    return storage.canonical_hash(address)[:16]
 
 
 def even_chunks(n_rows: int, n_chunks: int) -> list[tuple[int, int]]:
@@ -155,7 +164,12 @@ def combine_stats(parts: Sequence[Mapping[str, Any]]) -> tuple[list[float], list
 
 def feature_sums(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Column sums and sums of squares of a 2-D array, accumulated in float64 (no float64 copy
-    of a float32 array is made: numpy casts it in small buffers)."""
+    of a float32 array is made: numpy casts it in small buffers).
+
+    The array is made column-major first (a copy only if it is not): the last bits of the sums
+    depend on the memory layout, and the manifest must not depend on where a shard's rows came from.
+    """
+    values = np.asfortranarray(values)
     return (
         values.sum(axis=0, dtype=np.float64),
         np.einsum("ij,ij->j", values, values, dtype=np.float64),
@@ -362,7 +376,8 @@ def generate_mnist1d_partition(num_samples: int, seed: int, val_fraction: float)
 
     The package splits its samples 80/20 into train and test; validation rows are then held
     out of train by a hash of each row's content. With 5000 samples and seed 42 this is the
-    published 4000/1000 split.
+    published 4000/1000 split. The rows come back grouped by split (train, validation, test;
+    each split's rows in the package's order), so ``take_rows`` cuts a split as a view.
     """
     from training.mnist1d_gen import make_mnist1d
 
@@ -883,11 +898,14 @@ def _per_partition_as_done(
     ``sources`` are futures, or functions ``submit(worker)`` (see ``source_partitions``) that
     are handed out as workers free up (``feed_cap``): each worker works through its own
     contiguous run of partitions (``contiguous_runs``), then takes over the end of another's
-    (``next_partition``), so the last partitions go to whichever worker is free first. A partition handed to a worker gets its small tasks submitted with it,
-    pinned to that worker (loosely: a lost worker's tasks run elsewhere), so they need no round
-    trip through this loop; they outrank the partition tasks (priority 1), so they run between
-    them rather than all at once after the last partition. A source that is a future gets its
-    small tasks once it is computed, on the worker that computed it.
+    (``next_partition``), so the last partitions go to whichever worker is free first.
+
+    A partition handed to a worker gets its small tasks submitted with it, pinned to that worker
+    (loosely: a lost worker's tasks run elsewhere), so they need no round trip through this
+    loop; they outrank the partition tasks (priority 1), so they run between them rather than
+    all at once after the last partition. Should Dask run the partition on another worker after
+    all (work stealing), its small tasks are submitted again there. A source that is a future
+    gets its small tasks once it is computed, on the worker that computed it.
     """
     from distributed import as_completed
 
@@ -951,8 +969,14 @@ def _per_partition_as_done(
         if sent in outstanding:
             outstanding[sent] -= 1
         feed()  # the next partition first: its worker is free now
+        holder = next(iter(client.who_has([done]).get(done.key, ())), None)
         if stats[i] is None:  # a future from the source: follow it where it was computed
-            follow(i, next(iter(client.who_has([done]).get(done.key, ())), None))
+            follow(i, holder)
+        elif holder is not None and sent is not None and holder != sent:
+            # Dask moved the partition to another worker (work stealing at the tail): its
+            # follow-up tasks, pinned to the first worker, would pull the whole partition there
+            client.cancel([stats[i], *(pieces[split][i] for split in whole_splits)])
+            follow(i, holder)
     return partitions, stats, pieces
 
 
