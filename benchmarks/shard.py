@@ -14,8 +14,8 @@ What is measured
    stage computes: the validation checks and the manifest's counts and feature statistics
    (about 0.2 s of the stage's CPU at 1,000,000 rows), so the speedup is a conservative one. ``wall_s`` of a
    Dask run is the ``shard_dataset`` call only (cluster start-up is recorded separately in the
-   JSON). Each configuration runs ``--repeats`` times (default 3), interleaved round by round,
-   and the table shows its median run (every round is in the JSON): the machine's speed drifts
+   JSON). Each configuration runs ``--repeats`` times (default 3), interleaved round by round
+   (each round starts with the next configuration), and the table shows its median run (every round is in the JSON): the machine's speed drifts
    by several percent over minutes. ``speedup`` = baseline median wall / run median wall;
    target: >= 1.7x on 2 workers. Steady state: every configuration first does ``--warmup``
    untimed runs (default 1) in the same processes, the baseline in its process and a Dask
@@ -426,7 +426,12 @@ def main_orchestrate(
     shows each configuration's median run. Print the table and targets, write the JSON; 0 if all
     targets pass."""
     started_at = datetime.now(UTC)
-    rounds = [{name: spawn(name, rows, timeout_s, warmup) for name in RUNS} for _ in range(repeats)]
+    # each round starts with a different configuration (baseline, 1 worker, 2 workers; then 1
+    # worker, 2 workers, baseline; ...): no configuration always runs right after another one
+    rounds = [
+        {name: spawn(name, rows, timeout_s, warmup) for name in RUNS[r % len(RUNS) :] + RUNS[: r % len(RUNS)]}
+        for r in range(repeats)
+    ]
     runs = {name: median_run([r[name] for r in rounds]) for name in RUNS}
     base = (
         runs["dask-2-workers"] if base_rows == rows else spawn("dask-2-workers", base_rows, timeout_s, warmup)
