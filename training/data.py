@@ -900,12 +900,9 @@ def _per_partition_as_done(
     contiguous run of partitions (``contiguous_runs``), then takes over the end of another's
     (``next_partition``), so the last partitions go to whichever worker is free first.
 
-    A partition handed to a worker gets its small tasks submitted with it, pinned to that worker
-    (loosely: a lost worker's tasks run elsewhere), so they need no round trip through this
-    loop; they outrank the partition tasks (priority 1), so they run between them rather than
-    all at once after the last partition. Should Dask run the partition on another worker after
-    all (work stealing), its small tasks are submitted again there. A source that is a future
-    gets its small tasks once it is computed, on the worker that computed it.
+    A partition's small tasks are submitted once it is computed, pinned (loosely: a lost
+    worker's tasks run elsewhere) to the worker that computed it; they outrank the partition
+    tasks (priority 1), so they run between them rather than all at once after the last one.
     """
     from distributed import as_completed
 
@@ -937,7 +934,6 @@ def _per_partition_as_done(
         partitions[i], index[future.key] = future, i
         if callable(source):
             held.append(future)
-            follow(i, worker)
         queue.add(future)
         if worker is not None:
             outstanding[worker] += 1
@@ -969,14 +965,9 @@ def _per_partition_as_done(
         if sent in outstanding:
             outstanding[sent] -= 1
         feed()  # the next partition first: its worker is free now
-        holder = next(iter(client.who_has([done]).get(done.key, ())), None)
-        if stats[i] is None:  # a future from the source: follow it where it was computed
-            follow(i, holder)
-        elif holder is not None and sent is not None and holder != sent:
-            # Dask moved the partition to another worker (work stealing at the tail): its
-            # follow-up tasks, pinned to the first worker, would pull the whole partition there
-            client.cancel([stats[i], *(pieces[split][i] for split in whole_splits)])
-            follow(i, holder)
+        # where it was computed, which need not be where it was sent (Dask may steal a queued
+        # partition for an idle worker): small tasks pinned anywhere else would pull it over
+        follow(i, next(iter(client.who_has([done]).get(done.key, ())), None))
     return partitions, stats, pieces
 
 

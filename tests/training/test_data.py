@@ -260,3 +260,38 @@ def test_shard_writers_never_pull_whole_partitions(tmp_path: Path, dask_client: 
     assert all(str(k).startswith("take_rows") for k in moved), sorted(moved)
     total = sum(e["rows"] for split in manifest["splits"].values() for e in split)
     assert total == 4000
+
+
+def test_small_tasks_follow_a_partition_to_the_worker_that_computed_it(dask_client: object) -> None:
+    from distributed import wait
+
+    from training.data import _per_partition_as_done, feature_columns
+
+    workers = sorted(dask_client.nthreads())  # type: ignore[attr-defined]
+
+    def elsewhere(seed: int) -> object:
+        def submit(worker: str | None) -> object:
+            # as when Dask steals a queued partition: it runs on another worker than it was sent to
+            other = next(w for w in workers if w != worker)
+            return dask_client.submit(  # type: ignore[attr-defined]
+                generate_mnist1d_partition, 300, seed, 0.1, pure=False, workers=[other]
+            )
+
+        return submit
+
+    before = {w: len(log) for w, log in dask_client.run(_transfers).items()}  # type: ignore[attr-defined]
+    held: list[object] = []
+    parts, stats, pieces = _per_partition_as_done(
+        dask_client, [elsewhere(s) for s in range(4)], held, feature_columns(40), list(SPLITS)
+    )
+    wait(held)
+    holders = dask_client.who_has(held)  # type: ignore[attr-defined]
+    for i, part in enumerate(parts):
+        where = set(holders[part.key])
+        assert set(holders[stats[i].key]) == where
+        assert all(set(holders[pieces[split][i].key]) == where for split in SPLITS)
+    after = dask_client.run(_transfers)  # type: ignore[attr-defined]
+    moved = [k for w, log in after.items() for entry in log[before.get(w, 0) :] for k in entry]
+    assert not moved, moved
+    counts = [s["split_rows"] for s in dask_client.gather(stats)]  # type: ignore[attr-defined]
+    assert all(sum(c.values()) == 300 for c in counts)
