@@ -10,9 +10,10 @@ What is measured
    ``generate_mnist1d_partition`` for each partition in turn (same sizes and seeds as the stage),
    concatenates the rows of each split, writes the same shards (``n_shards`` train, 1 validation,
    1 test) with ``DataFrame.to_parquet`` and the stage's ``PARQUET_WRITE_OPTIONS`` (the same
-   encoding, so the same bytes) and computes the sha256 of each file. It skips what only the
-   stage computes: the validation checks and the manifest's counts and feature statistics
-   (about 0.2 s of the stage's CPU at 1,000,000 rows), so the speedup is a conservative one. ``wall_s`` of a
+   encoding, so the same bytes) and computes the sha256 of each file; like the stage it checks
+   every partition (``partition_stats``, ``validate_stats``) and computes the manifest's
+   figures (class counts per shard, the train features' mean/std), which are compared with the
+   stage's manifest (equal, or the output says NO) and written as a small JSON file. ``wall_s`` of a
    Dask run is the ``shard_dataset`` call only (cluster start-up is recorded separately in the
    JSON). Each configuration runs ``--repeats`` times (default 3), interleaved round by round
    (each round starts with the next configuration), and the table shows its median run (every round is in the JSON): the machine's speed drifts
@@ -102,6 +103,8 @@ class RunResult:
     load_avg_1m_before: float = 0.0
     # wall seconds of the first, untimed run in the same processes (None without --warmup)
     cold_wall_s: float | None = None
+    # the manifest's figures: class counts per shard and the train features' mean/std
+    manifest_figures: dict[str, Any] = field(default_factory=dict)
 
 
 class CpuWindow:
@@ -217,9 +220,9 @@ def _sha256_file(path: Path) -> str:
 # The configurations (each runs in its own subprocess)
 
 
-def _baseline_once(cfg: Any, out_dir: Path) -> tuple[int, dict[str, str]]:
-    """Generate and shard ``cfg`` into ``out_dir`` in this process; the rows written and each
-    shard's sha256."""
+def _baseline_once(cfg: Any, out_dir: Path) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """Generate and shard ``cfg`` into ``out_dir`` in this process, with the checks and the
+    manifest figures the stage computes; the rows written, each shard's sha256 and the figures."""
     import pandas as pd
 
     from training.data import (
@@ -229,8 +232,13 @@ def _baseline_once(cfg: Any, out_dir: Path) -> tuple[int, dict[str, str]]:
         PARTITION_SEED_STRIDE,
         SPLIT_COLUMN,
         SPLITS,
+        combine_stats,
         even_chunks,
+        feature_columns,
+        feature_sums,
         generate_mnist1d_partition,
+        partition_stats,
+        validate_stats,
     )
 
     n_parts = max(1, -(-cfg.num_samples // cfg.partition_rows))
@@ -238,18 +246,31 @@ def _baseline_once(cfg: Any, out_dir: Path) -> tuple[int, dict[str, str]]:
         generate_mnist1d_partition(stop - start, cfg.seed + p * PARTITION_SEED_STRIDE, cfg.val_fraction)
         for p, (start, stop) in enumerate(even_chunks(cfg.num_samples, n_parts))
     ]
+    features = feature_columns(frames[0].shape[1] - 3)  # all but label, hash and split
+    validate_stats([partition_stats(f, features) for f in frames], cfg, features, cfg.n_shards)
     per_split_shards = {"train": cfg.n_shards, "validation": 1, "test": 1}
     written, hashes = 0, {}
+    class_counts: dict[str, dict[str, int]] = {}
+    train_sums: list[dict[str, Any]] = []
     for split in SPLITS:
         table = pd.concat([f[f[SPLIT_COLUMN] == split] for f in frames], ignore_index=True)
         table = table.drop(columns=[SPLIT_COLUMN, HASH_COLUMN])
         table[LABEL_COLUMN] = table[LABEL_COLUMN].astype("int64")
         for i, (lo, hi) in enumerate(even_chunks(len(table), per_split_shards[split])):
             path = out_dir / f"{split}-{i:05d}.parquet"
-            table.iloc[lo:hi].to_parquet(path, index=False, **PARQUET_WRITE_OPTIONS)
+            shard = table.iloc[lo:hi]
+            shard.to_parquet(path, index=False, **PARQUET_WRITE_OPTIONS)
             hashes[path.name] = _sha256_file(path)
             written += hi - lo
-    return written, hashes
+            counts = shard[LABEL_COLUMN].value_counts().sort_index()
+            class_counts[path.name] = {str(int(k)): int(v) for k, v in counts.items()}
+            if split == "train":
+                sums, sumsq = feature_sums(shard[features].to_numpy())
+                train_sums.append({"rows": hi - lo, "sum": sums, "sumsq": sumsq})
+    mean, std = combine_stats(train_sums)
+    figures = {"class_counts": class_counts, "normalization": {"mean": mean, "std": std}}
+    (out_dir / "manifest.json").write_text(json.dumps(figures))
+    return written, hashes, figures
 
 
 def run_baseline(rows: int, warmup: int = 1) -> RunResult:
@@ -267,7 +288,7 @@ def run_baseline(rows: int, warmup: int = 1) -> RunResult:
                 cold_wall = time.perf_counter() - started
     rss_before = _self_rss_mb()
     with tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as root, CpuWindow() as window:
-        written, hashes = _baseline_once(cfg, Path(root))
+        written, hashes, figures = _baseline_once(cfg, Path(root))
     return RunResult(
         config="baseline",
         rows_requested=rows,
@@ -283,6 +304,7 @@ def run_baseline(rows: int, warmup: int = 1) -> RunResult:
         other_cpu_share=window.other_share(window.self_cpu_s),
         load_avg_1m_before=window.load_before,
         cold_wall_s=cold_wall,
+        manifest_figures=figures,
     )
 
 
@@ -319,6 +341,10 @@ def run_dask(name: str, rows: int, warmup: int = 1) -> RunResult:
             raise RuntimeError("shard_dataset reused an existing output in a fresh data_root")
         manifest = load_manifest(result.manifest_uri)
         entries = [e for split in SPLITS for e in manifest["splits"][split]]
+        figures = {
+            "class_counts": {str(e["name"]): e["class_counts"] for e in entries},
+            "normalization": manifest["normalization"],
+        }
     worker_cpu = [end - start for start, end in zip(sampler.cpu_start_s, sampler.cpu_s, strict=True)]
     own_cpu = window.self_cpu_s + sum(worker_cpu)
     return RunResult(
@@ -339,6 +365,7 @@ def run_dask(name: str, rows: int, warmup: int = 1) -> RunResult:
         other_cpu_share=window.other_share(own_cpu),
         load_avg_1m_before=window.load_before,
         cold_wall_s=cold_wall,
+        manifest_figures=figures,
     )
 
 
@@ -463,6 +490,7 @@ def main_orchestrate(
     memory_ok = mem_ratio < MEMORY_RATIO_TARGET
     every_run = [r for rnd in rounds for r in rnd.values()]
     same_output = all(r.shard_sha256 == runs["baseline"].shard_sha256 for r in every_run)
+    same_figures = all(r.manifest_figures == runs["baseline"].manifest_figures for r in every_run)
     rows_ok = all(r.rows == r.rows_requested for r in [*every_run, base])
 
     cpus = os.cpu_count() or 0
@@ -495,6 +523,10 @@ def main_orchestrate(
             "on the timed runs after the warm-up)"
         )
     print(f"shards byte-identical to the baseline's: {'yes' if same_output else 'NO'}")
+    print(
+        "manifest figures (class counts per shard, train feature mean/std) equal to the baseline's: "
+        f"{'yes' if same_figures else 'NO'}"
+    )
     busy = {r.config + f"@{r.rows_requested}": r.other_cpu_share for r in [*every_run, base]}
     noisy = {k: v for k, v in busy.items() if v > 0.05}
     if noisy:
@@ -537,6 +569,7 @@ def main_orchestrate(
             },
         },
         "shards_identical_to_baseline": same_output,
+        "manifest_figures_equal_to_baseline": same_figures,
         "rows_as_requested": rows_ok,
     }
     results_path.parent.mkdir(parents=True, exist_ok=True)
