@@ -915,18 +915,6 @@ def _per_partition_as_done(
     unstarted = [i for i, s in enumerate(sources) if callable(s)]
     runs = contiguous_runs(unstarted, threads) if threads else {}
     sent_to: dict[int, str] = {}
-    stats: list[Any] = [None] * n
-    pieces: dict[str, list[Any]] = {split: [None] * n for split in whole_splits}
-
-    def follow(i: int, worker: str | None) -> None:
-        where = {"workers": None if worker is None else [worker], "allow_other_workers": worker is not None}
-        stats[i] = client.submit(partition_stats, partitions[i], features, pure=False, priority=1, **where)
-        held.append(stats[i])
-        for split in whole_splits:
-            pieces[split][i] = client.submit(
-                take_rows, partitions[i], split, 0, None, pure=False, priority=1, **where
-            )
-            held.append(pieces[split][i])
 
     def start(i: int, worker: str | None) -> None:
         source = sources[i]
@@ -959,6 +947,8 @@ def _per_partition_as_done(
         if not callable(source):
             start(i, None)
     feed()
+    stats: list[Any] = [None] * n
+    pieces: dict[str, list[Any]] = {split: [None] * n for split in whole_splits}
     for done in queue:
         i = index[done.key]
         sent = sent_to.pop(i, None)
@@ -967,7 +957,13 @@ def _per_partition_as_done(
         feed()  # the next partition first: its worker is free now
         # where it was computed, which need not be where it was sent (Dask may steal a queued
         # partition for an idle worker): small tasks pinned anywhere else would pull it over
-        follow(i, next(iter(client.who_has([done]).get(done.key, ())), None))
+        holder = next(iter(client.who_has([done]).get(done.key, ())), None)
+        where = {"workers": None if holder is None else [holder], "allow_other_workers": holder is not None}
+        stats[i] = client.submit(partition_stats, done, features, pure=False, priority=1, **where)
+        held.append(stats[i])
+        for split in whole_splits:
+            pieces[split][i] = client.submit(take_rows, done, split, 0, None, pure=False, priority=1, **where)
+            held.append(pieces[split][i])
     return partitions, stats, pieces
 
 
