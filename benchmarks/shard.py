@@ -439,9 +439,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def median_run(results: list[RunResult]) -> RunResult:
-    """The run with the median wall time (the lower middle one for an even count)."""
-    ordered = sorted(results, key=lambda r: r.wall_s)
+def median_run(results: list[RunResult], wall: Any = lambda r: r.wall_s) -> RunResult:
+    """The run with the median ``wall`` time (the lower middle one for an even count)."""
+    ordered = sorted(results, key=wall)
     return ordered[(len(ordered) - 1) // 2]
 
 
@@ -515,7 +515,8 @@ def main_orchestrate(
         + f"; speedup per round: {', '.join(f'{r[RUNS[0]].wall_s / r[RUNS[2]].wall_s:.2f}x' for r in rounds)}"
     )
     if warmup:
-        cold = {n: sorted(r[n].cold_wall_s or 0.0 for r in rounds)[(len(rounds) - 1) // 2] for n in RUNS}
+        cold_wall = lambda r: r.cold_wall_s or 0.0  # noqa: E731
+        cold = {n: cold_wall(median_run([r[n] for r in rounds], cold_wall)) for n in RUNS}
         print(
             f"first (cold) runs in fresh processes, median wall s: baseline {cold['baseline']:.1f}, "
             f"1 worker {cold['dask-1-worker']:.1f}, 2 workers {cold['dask-2-workers']:.1f}: "
