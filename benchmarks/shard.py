@@ -41,7 +41,7 @@ What is measured
 4. Machine check. Before each round the same pure-Python loop runs alone and then in two
    processes at once (``machine_parallelism``); the speed of the pair against the single run
    (2.00x = two full CPUs) is printed per round and kept in the JSON. On this kind of VM it
-   ranged from 1.20x to 2.24x within an hour (2026-11-23; above 2x, the single run was the one
+   ranged from 1.20x to 2.62x within an hour (2026-11-23; above 2x, the single run was the one
    slowed): a speedup on 2 workers can only be read against it.
 
 Output: a plain-text table on stdout and every figure in ``benchmarks/results/shard.json``
