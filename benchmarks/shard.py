@@ -473,10 +473,15 @@ def machine_parallelism() -> dict[str, float]:
     return {"alone_s": alone, "together_s": max(together), "two_process_speedup": 2 * alone / max(together)}
 
 
+def lower_middle(ordered: list[Any]) -> Any:
+    """The middle item of a sorted list (the lower middle one for an even count)."""
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def median_run(results: list[RunResult], wall: Any = lambda r: r.wall_s) -> RunResult:
     """The run with the median ``wall`` time (the lower middle one for an even count)."""
-    ordered = sorted(results, key=wall)
-    return ordered[(len(ordered) - 1) // 2]
+    run: RunResult = lower_middle(sorted(results, key=wall))
+    return run
 
 
 def main_orchestrate(
@@ -553,7 +558,7 @@ def main_orchestrate(
     ceilings = [m["two_process_speedup"] for m in machine]
     print(
         "machine check before each round, a CPU-bound loop in 2 processes at once vs alone (2.00x = "
-        f"two full CPUs): {', '.join(f'{c:.2f}x' for c in ceilings)}; median {sorted(ceilings)[(len(ceilings) - 1) // 2]:.2f}x"
+        f"two full CPUs): {', '.join(f'{c:.2f}x' for c in ceilings)}; median {lower_middle(sorted(ceilings)):.2f}x"
     )
     if warmup:
         cold_wall = lambda r: r.cold_wall_s or 0.0  # noqa: E731
