@@ -50,13 +50,22 @@ def volatile_client() -> Iterator[Any]:
 Pick = Callable[[dict[str, list[str]]], tuple[str, str] | None]
 
 
+def _executing(dask_worker: Any) -> list[str]:
+    """The keys a worker is running now: the scheduler's ``processing`` also lists tasks still
+    waiting for their inputs, and a notice that lands then stops the unit before its first batch."""
+    return [str(ts.key) for ts in dask_worker.state.executing]
+
+
 def _disturb(client: Any, pick: Pick, running: Callable[[], bool]) -> list[str]:
-    """Once ``pick`` chooses two busy workers from what each processes, SIGTERM the first (a spot
+    """Once ``pick`` chooses two busy workers from what each is running, SIGTERM the first (a spot
     notice) and SIGKILL the second a few batches later; the nanny restarts both."""
     deadline = time.monotonic() + 120
     while running() and time.monotonic() < deadline:
-        processing = {str(w): [str(k) for k in keys] for w, keys in client.processing().items()}
-        chosen = pick({w: keys for w, keys in processing.items() if keys})
+        try:
+            executing = client.run(_executing)
+        except OSError:  # a worker restarting after an earlier sweep
+            executing = {}
+        chosen = pick({str(w): keys for w, keys in executing.items() if keys})
         if chosen is not None:
             pids = client.run(os.getpid, workers=list(chosen))
             time.sleep(0.15)  # a few batches into their units
