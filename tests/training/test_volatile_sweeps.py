@@ -115,33 +115,46 @@ def _replay(outcome: SearchOutcome, cfg: SearchConfig, manifest_uri: str) -> dic
     """Train every model of a MOP sweep again in this process, undisturbed, one unit after another
     in the hopping order the sweep's records show; the validation accuracy after each epoch, per
     trial number (the executor's own unit function, model seed and partitioning)."""
+    import torch
+
     from training.data import load_manifest
     from training.executors import DataRef, ModelSpec
     from training.executors.mop import partition_shards
-    from training.executors.units import init_state, train_pass_and_validate
+    from training.executors.units import clear_partitions, init_state, train_pass_and_validate
 
     data = DataRef(manifest_uri, {})
     shards = [e["name"] for e in load_manifest(manifest_uri, {})["splits"]["train"]]
-    partitions = partition_shards(shards, cfg.model_slots or 2)
+    used = {r["partition"] for recs in outcome.epoch_records.values() for r in recs}
+    partitions = partition_shards(shards, len(used))
+    assert set(partitions) == used
     accs: dict[int, list[float]] = {}
-    for result in outcome.results:
-        spec = ModelSpec(f"trial-{result.number:04d}", result.params, seed=cfg.seed * 1000 + result.number)
-        state = init_state(spec, data)
-        for epoch, order in enumerate(_hopping_order(outcome, spec.model_id)):
-            for i, partition in enumerate(order):
-                state, _, acc = train_pass_and_validate(
-                    spec,
-                    state,
-                    data,
-                    partitions[partition],
-                    epoch,
-                    cfg.epochs,
-                    int(partition[1:]),
-                    {"visited": order[: i + 1], "partition": partition},
-                    i == len(order) - 1,
-                )
-            assert acc is not None
-            accs.setdefault(result.number, []).append(acc)
+    threads = (
+        torch.get_num_threads()
+    )  # a unit sets 1 thread, as on a worker; the rest of the session keeps its own
+    try:
+        for result in outcome.results:
+            spec = ModelSpec(
+                f"trial-{result.number:04d}", result.params, seed=cfg.seed * 1000 + result.number
+            )
+            state = init_state(spec, data)
+            for epoch, order in enumerate(_hopping_order(outcome, spec.model_id)):
+                for i, partition in enumerate(order):
+                    state, _, acc = train_pass_and_validate(
+                        spec,
+                        state,
+                        data,
+                        partitions[partition],
+                        epoch,
+                        cfg.epochs,
+                        int(partition[1:]),
+                        {"visited": order[: i + 1], "partition": partition},
+                        i == len(order) - 1,
+                    )
+                assert acc is not None
+                accs.setdefault(result.number, []).append(acc)
+    finally:
+        torch.set_num_threads(threads)
+        clear_partitions()
     return accs
 
 
