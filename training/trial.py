@@ -323,26 +323,43 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                     state["resumed_from_step"] = int(trainer.global_step)
 
             def on_train_batch_end(
-                self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+                self,
+                trainer: pl.Trainer,
+                pl_module: pl.LightningModule,
+                outputs: Any,
+                batch: Any,
+                batch_idx: int,
             ) -> None:
-                if notice_received():  # a spot notice: keep this epoch's progress, hand the trial back
-                    state["preempted_at_step"] = int(trainer.global_step)
-                    if spec.checkpoint_uri:
-                        saved_at.append(time.time())
-                        save_checkpoint(trainer, spec, workdir)
-                    log.warning(
-                        "trial %d: preempted at epoch %d step %d; checkpointed, rescheduling",
-                        spec.number,
-                        trainer.current_epoch,
-                        trainer.global_step,
-                    )
-                    raise Preempted(spec.number)
+                if not notice_received():
+                    return
+                if spec.checkpoint_uri and batch_idx + 1 >= trainer.num_training_batches:
+                    # The epoch's last batch: Lightning resumes a checkpoint taken here past the
+                    # epoch's end and skips its validation (the epoch would be missing from the
+                    # history and the pruner). Its validation comes next; stop after it instead.
+                    return
+                self._preempt(trainer)
 
             def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
                 if trainer.sanity_checking or not spec.checkpoint_uri or state["pruned_epoch"] is not None:
                     return
+                if notice_received() and trainer.current_epoch + 1 < spec.epochs:
+                    self._preempt(trainer)  # the epoch is validated: its checkpoint resumes at the next
                 saved_at.append(time.time())
                 save_checkpoint(trainer, spec, workdir)
+
+            def _preempt(self, trainer: pl.Trainer) -> None:
+                """A spot notice: checkpoint this epoch's progress and hand the trial back."""
+                state["preempted_at_step"] = int(trainer.global_step)
+                if spec.checkpoint_uri:
+                    saved_at.append(time.time())
+                    save_checkpoint(trainer, spec, workdir)
+                log.warning(
+                    "trial %d: preempted at epoch %d step %d; checkpointed, rescheduling",
+                    spec.number,
+                    trainer.current_epoch,
+                    trainer.global_step,
+                )
+                raise Preempted(spec.number)
 
             def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
                 if trainer.sanity_checking:

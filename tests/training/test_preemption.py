@@ -88,6 +88,42 @@ class _NoticeAfter:
         return self.calls >= self.n
 
 
+@pytest.mark.slow
+def test_a_notice_at_an_epochs_last_batch_keeps_that_epochs_validation(
+    small_manifest: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault: a spot notice lands on (or just around) the last batch of the first epoch.
+    Expected: the trial hands itself back after that epoch's validation, so the resumed trial's
+    history has every epoch once (Lightning resumes a checkpoint taken on an epoch's last batch
+    past the epoch's end and skips its validation: the history read [0, 2] here, the pruner never
+    heard of epoch 1), and it says where it resumed."""
+    from distributed import Reschedule
+
+    from training import preempt
+    from training.trial import TrialSpec, train_trial
+
+    train_rows = sum(e["rows"] for e in load_manifest(small_manifest)["splits"]["train"])
+    steps_per_epoch = -(-train_rows // 32)
+    epochs = 3
+    # The flag is read once before training and after every batch (and validation); the n-th read
+    # around the first epoch's end covers the second-to-last batch, the last one and the validation.
+    for n in range(steps_per_epoch - 1, steps_per_epoch + 3):
+        folder = tmp_path / f"n{n}"
+        spec = TrialSpec(
+            0, 0, CNN_PARAMS, epochs, 0, small_manifest, str(folder / "b"), pruner="none",
+            checkpoint_uri=str(folder / "ckpt"),
+        )  # fmt: skip
+        monkeypatch.setattr(preempt, "NOTICE", _NoticeAfter(n))
+        with pytest.raises(Reschedule):
+            train_trial(spec)
+        monkeypatch.undo()
+        result = train_trial(spec)
+        assert result.state == "COMPLETE", (n, result.error)
+        assert [h["epoch"] for h in result.history] == list(range(epochs)), n
+        assert result.resumed_after_notice_at_step == result.resumed_from_step, n
+        assert result.resumed_from_step is not None and 0 < result.resumed_from_step <= steps_per_epoch, n
+
+
 def test_unit_stopped_by_a_notice_continues_in_the_same_data_order(
     small_manifest: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
