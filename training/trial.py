@@ -241,6 +241,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
         "resumed_from_step": None,
         "preempted_at_step": None,
         "resumed_after_notice_at_step": None,
+        "saved_step": None,  # the global step of the last checkpoint written
     }
     if notice_received():  # this worker is going away: do not start here
         from distributed import Reschedule
@@ -254,7 +255,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
 
         from training.bundle import save_bundle
         from training.data import load_manifest, load_split
-        from training.lit import Classifier, quiet_trainer_kwargs
+        from training.lit import Classifier, EpochShuffle, quiet_trainer_kwargs
         from training.models import ArchSpec, build_model, count_params
 
         torch.set_num_threads(spec.torch_threads)
@@ -288,11 +289,14 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
         module = Classifier(
             model, lr=float(spec.params["lr"]), weight_decay=float(spec.params["weight_decay"])
         )
+        batch_size = int(spec.params["batch_size"])
+        steps_per_epoch = -(-len(x_train) // batch_size)
+        # each epoch's order from (seed, epoch): a resumed trial goes on with the batches it had left
+        shuffle = EpochShuffle(len(x_train), spec.seed, batch_size)
         train_loader = DataLoader(
             TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train)),
-            batch_size=int(spec.params["batch_size"]),
-            shuffle=True,
-            generator=torch.Generator().manual_seed(spec.seed),
+            batch_size=batch_size,
+            sampler=shuffle,
         )
         val_loader = DataLoader(
             TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)), batch_size=4096
@@ -307,9 +311,14 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                     "history": [dict(h) for h in history],
                     "preempted_at_step": state["preempted_at_step"],
                     "saved_at": list(saved_at),
+                    "global_step": state["saved_step"],
                 }
 
             def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+                # before Lightning draws the first batch (when it sets up the data, before any
+                # hook sees the restored trainer): the epoch and batch the checkpoint stopped at
+                if state_dict.get("global_step") is not None:
+                    shuffle.resume_at(*divmod(int(state_dict["global_step"]), steps_per_epoch))
                 history[:] = [dict(h) for h in state_dict.get("history", [])]
                 saved_at[:] = [float(t) for t in state_dict.get("saved_at", [])]
                 state["resumed_after_notice_at_step"] = state_dict.get("preempted_at_step")
@@ -344,6 +353,10 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                     return
                 if notice_received() and trainer.current_epoch + 1 < spec.epochs:
                     self._preempt(trainer)  # the epoch is validated: its checkpoint resumes at the next
+                self._save(trainer)
+
+            def _save(self, trainer: pl.Trainer) -> None:
+                state["saved_step"] = int(trainer.global_step)  # one optimizer step per batch
                 saved_at.append(time.time())
                 save_checkpoint(trainer, spec, workdir)
 
@@ -351,8 +364,7 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                 """A spot notice: checkpoint this epoch's progress and hand the trial back."""
                 state["preempted_at_step"] = int(trainer.global_step)
                 if spec.checkpoint_uri:
-                    saved_at.append(time.time())
-                    save_checkpoint(trainer, spec, workdir)
+                    self._save(trainer)
                 log.warning(
                     "trial %d: preempted at epoch %d step %d; checkpointed, rescheduling",
                     spec.number,

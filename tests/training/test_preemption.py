@@ -89,14 +89,15 @@ class _NoticeAfter:
 
 
 @pytest.mark.slow
-def test_a_notice_at_an_epochs_last_batch_keeps_that_epochs_validation(
+def test_a_trial_stopped_by_a_notice_resumes_exactly_where_it_stopped(
     small_manifest: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fault: a spot notice lands on (or just around) the last batch of the first epoch.
-    Expected: the trial hands itself back after that epoch's validation, so the resumed trial's
-    history has every epoch once (Lightning resumes a checkpoint taken on an epoch's last batch
-    past the epoch's end and skips its validation: the history read [0, 2] here, the pruner never
-    heard of epoch 1), and it says where it resumed."""
+    """Fault: a spot notice lands mid-epoch, or on (or just around) the last batch of the first epoch.
+    Expected: the trial hands itself back (after that epoch's validation when the notice came on
+    its last batch: Lightning resumes a checkpoint taken there past the epoch's end and skips its
+    validation, which left the history [1, 2] and the pruner without that epoch), and resumed,
+    it ends exactly as an undisturbed trial: every epoch once, the same validation accuracies and
+    epoch losses (the resumed epoch goes on with the batches it had left, in the same order)."""
     from distributed import Reschedule
 
     from training import preempt
@@ -105,21 +106,26 @@ def test_a_notice_at_an_epochs_last_batch_keeps_that_epochs_validation(
     train_rows = sum(e["rows"] for e in load_manifest(small_manifest)["splits"]["train"])
     steps_per_epoch = -(-train_rows // 32)
     epochs = 3
-    # The flag is read once before training and after every batch (and validation); the n-th read
-    # around the first epoch's end covers the second-to-last batch, the last one and the validation.
-    for n in range(steps_per_epoch - 1, steps_per_epoch + 3):
-        folder = tmp_path / f"n{n}"
-        spec = TrialSpec(
-            0, 0, CNN_PARAMS, epochs, 0, small_manifest, str(folder / "b"), pruner="none",
-            checkpoint_uri=str(folder / "ckpt"),
+
+    def spec(name: str) -> TrialSpec:
+        return TrialSpec(
+            0, 0, CNN_PARAMS, epochs, 0, small_manifest, str(tmp_path / name / "b"), pruner="none",
+            checkpoint_uri=str(tmp_path / name / "ckpt"),
         )  # fmt: skip
+
+    calm = train_trial(spec("calm"))
+    assert [h["epoch"] for h in calm.history] == list(range(epochs))
+    # The flag is read once before training and after every batch (and validation): the 6th read
+    # is mid-epoch; the reads around the first epoch's end cover the second-to-last batch, the
+    # last one and the validation.
+    for n in [6, *range(steps_per_epoch - 1, steps_per_epoch + 3)]:
         monkeypatch.setattr(preempt, "NOTICE", _NoticeAfter(n))
         with pytest.raises(Reschedule):
-            train_trial(spec)
+            train_trial(spec(f"n{n}"))
         monkeypatch.undo()
-        result = train_trial(spec)
+        result = train_trial(spec(f"n{n}"))
         assert result.state == "COMPLETE", (n, result.error)
-        assert [h["epoch"] for h in result.history] == list(range(epochs)), n
+        assert result.history == calm.history, n
         assert result.resumed_after_notice_at_step == result.resumed_from_step, n
         assert result.resumed_from_step is not None and 0 < result.resumed_from_step <= steps_per_epoch, n
 

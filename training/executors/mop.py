@@ -33,6 +33,26 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0  # how often the coordinator looks for workers that died while running a unit
 REAP_GRACE_S = 2.0  # a worker missing this long with its unit unanswered died without notice
 WORKER_WAIT_S = 120.0  # how long to wait for a replacement when no worker is left
+FETCH_POLL_S = 5.0  # how often a unit's result being fetched checks that its worker is still there
+
+
+class UnitResultLost(RuntimeError):
+    """A unit finished on a worker that died before its result was fetched (the result died with it)."""
+
+
+def fetch_unit_result(client: Any, future: Any, worker: str, poll_s: float = FETCH_POLL_S) -> Any:
+    """The result of a unit pinned to ``worker``.
+
+    A unit that finished on a worker killed before its result was fetched cannot be fetched any
+    more, and Dask would run it again only on that (pinned) worker, which never comes back:
+    waiting would hang the sweep. Raises ``UnitResultLost`` once ``worker`` has left the cluster.
+    """
+    while True:
+        try:
+            return future.result(timeout=poll_s)
+        except TimeoutError:
+            if worker not in client.scheduler_info()["workers"]:
+                raise UnitResultLost(f"worker {worker} left before its unit's result was fetched") from None
 
 
 def partition_shards(shard_names: Sequence[str], n_partitions: int) -> dict[str, list[str]]:
@@ -179,7 +199,7 @@ class MopExecutor(Executor):
                     worker, unit = in_flight.pop(future)
                     started_at = submitted.pop(future, time.time())
                     try:
-                        state, record, val_acc = future.result()
+                        state, record, val_acc = fetch_unit_result(self.client, future, worker)
                     except UnitPreempted as exc:  # a spot notice: continue from its batch elsewhere
                         if exc.state is not None:
                             states[unit.model] = exc.state
