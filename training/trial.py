@@ -241,7 +241,6 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
         "resumed_from_step": None,
         "preempted_at_step": None,
         "resumed_after_notice_at_step": None,
-        "saved_step": None,  # the global step of the last checkpoint written
     }
     if notice_received():  # this worker is going away: do not start here
         from distributed import Reschedule
@@ -311,14 +310,16 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                     "history": [dict(h) for h in history],
                     "preempted_at_step": state["preempted_at_step"],
                     "saved_at": list(saved_at),
-                    "global_step": state["saved_step"],
                 }
 
+            def on_load_checkpoint(
+                self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+            ) -> None:
+                # before Lightning draws the first batch (when it sets up the data): the epoch and
+                # batch the checkpoint stopped at (one optimizer step per batch)
+                shuffle.resume_at(*divmod(int(checkpoint["global_step"]), steps_per_epoch))
+
             def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-                # before Lightning draws the first batch (when it sets up the data, before any
-                # hook sees the restored trainer): the epoch and batch the checkpoint stopped at
-                if state_dict.get("global_step") is not None:
-                    shuffle.resume_at(*divmod(int(state_dict["global_step"]), steps_per_epoch))
                 history[:] = [dict(h) for h in state_dict.get("history", [])]
                 saved_at[:] = [float(t) for t in state_dict.get("saved_at", [])]
                 state["resumed_after_notice_at_step"] = state_dict.get("preempted_at_step")
@@ -356,7 +357,6 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                 self._save(trainer)
 
             def _save(self, trainer: pl.Trainer) -> None:
-                state["saved_step"] = int(trainer.global_step)  # one optimizer step per batch
                 saved_at.append(time.time())
                 save_checkpoint(trainer, spec, workdir)
 

@@ -127,9 +127,8 @@ def _replay(outcome: SearchOutcome, cfg: SearchConfig, manifest_uri: str) -> dic
     partitions = partition_shards(shards, len(used))
     assert set(partitions) == used
     accs: dict[int, list[float]] = {}
-    threads = (
-        torch.get_num_threads()
-    )  # a unit sets 1 thread, as on a worker; the rest of the session keeps its own
+    # a unit sets 1 thread, as on a worker; the rest of the session keeps its own
+    threads = torch.get_num_threads()
     try:
         for result in outcome.results:
             spec = ModelSpec(
