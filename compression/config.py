@@ -287,9 +287,14 @@ def conf_json_schema() -> dict[str, dict[str, Any]]:
                 "description": "Grow the Dask cluster by round (strategies task and mop): "
                 + SCHEDULE_SPEC_HELP,
             }
-            default = ""
+            default = None
         elif key == "spot_bids":  # a list, or the same as text in the trigger form ("1.0, 0.5")
             schema["anyOf"] = [*schema["anyOf"], {"type": "string", "maxLength": 8192}]
+        if default in (None, "") and isinstance(schema.get("type"), str):
+            # Optional text: null is "not set". Airflow's trigger form requires every field whose
+            # type does not allow null, and an empty required field disables its Trigger button.
+            schema["type"] = ["null", schema["type"]]
+            default = None
         schema["default"] = default
         if "description" not in schema:
             schema["description"] = info.description or key

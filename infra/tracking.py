@@ -50,6 +50,52 @@ def bound_mlflow_retries() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
+def route_mlflow_logs_to_root() -> bool:
+    """Send MLflow's log records and event messages through the root logger, at level info and up.
+
+    MLflow writes to stderr: its ``mlflow`` logger has a stderr handler of its own and does not
+    propagate, and event messages (``Created version '1' of model ...``) are printed to stderr
+    (``eprint``). In an Airflow task every stderr line reaches the task log at level *error*.
+    Airflow's task runner configures the root logger, which keeps each record's level; so the
+    logger propagates and the event messages become INFO records of the ``mlflow`` logger.
+    Without a configured root logger (a plain script) MLflow is left as it is, so nothing is lost.
+    True when MLflow's output was rerouted.
+    """
+    if not logging.getLogger().handlers:
+        return False
+    from mlflow.utils import logging_utils
+
+    mlflow_log = logging.getLogger("mlflow")
+    mlflow_log.handlers = [h for h in mlflow_log.handlers if not isinstance(h, logging.StreamHandler)]
+    mlflow_log.propagate = True
+    if not isinstance(logging_utils.MLFLOW_LOGGING_STREAM, _MlflowEvents):
+        # eprint() looks the stream up at each call; disable_logging() still silences it.
+        logging_utils.MLFLOW_LOGGING_STREAM = _MlflowEvents(mlflow_log)  # type: ignore[assignment]  # same duck type
+    return True
+
+
+class _MlflowEvents:
+    """A text stream that turns each line MLflow prints as an event into an INFO record."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.enabled = True
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        if self.enabled:
+            *lines, self._pending = (self._pending + text).split("\n")
+            for line in lines:
+                if line.strip():
+                    self.logger.info(line)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending.strip() and self.enabled:
+            self.logger.info(self._pending)
+        self._pending = ""
+
+
 def _ensure_local_parent(tracking_uri: str) -> None:
     if tracking_uri.startswith("sqlite:///"):
         Path(tracking_uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
@@ -63,6 +109,7 @@ class MlflowTracker:
         import mlflow
         from mlflow import MlflowClient
 
+        route_mlflow_logs_to_root()
         _ensure_local_parent(tracking_uri)
         self.tracking_uri = tracking_uri
         mlflow.set_tracking_uri(tracking_uri)

@@ -183,16 +183,33 @@ def _guarded_dag(call: trigger_guard.Call, user: Any) -> trigger_guard.GuardedDa
     return trigger_guard.GuardedDag(dag_id, frozenset(params), defaults, validate_conf if pipeline else None)
 
 
-async def resolve_trigger(call: trigger_guard.Call) -> trigger_guard.GuardedDag | None:
-    """What the guard checks a request against, or None: let Airflow answer (401/403/404/other DAGs)."""
+async def authenticate_caller(headers: dict[str, str] | Any) -> Any:
+    """The Airflow user behind a request's token or UI cookie, or Airflow's own refusal (401/403)."""
     from airflow.api_fastapi.core_api.security import resolve_user_from_token
-    from fastapi.concurrency import run_in_threadpool
 
     try:
-        user = await resolve_user_from_token(_token(call.headers))
-    except HTTPException:
-        return None
+        return await resolve_user_from_token(_token(headers))
+    except HTTPException as exc:
+        return trigger_guard.Refusal(exc.status_code, str(exc.detail))
+
+
+async def resolve_trigger(call: trigger_guard.Call, user: Any) -> trigger_guard.GuardedDag | None:
+    """What the guard checks a request against, or None: let Airflow answer (403/404/other DAGs)."""
+    from fastapi.concurrency import run_in_threadpool
+
     return await run_in_threadpool(_guarded_dag, call, user)
+
+
+def guard_kwargs() -> dict[str, Any]:
+    """The trigger guard's injected Airflow side and its limits."""
+    from compression.config import MAX_CONF_BYTES
+
+    return {
+        "authenticate": authenticate_caller,
+        "resolve": resolve_trigger,
+        "limit": conf_limit(),
+        "default_limit": MAX_CONF_BYTES,
+    }
 
 
 def conf_limit() -> int | ValueError:
@@ -216,7 +233,7 @@ class MopflowPlugin(AirflowPlugin):
     fastapi_root_middlewares = [
         {
             "middleware": trigger_guard.TriggerGuard,
-            "kwargs": {"resolve": resolve_trigger, "limit": conf_limit()},
+            "kwargs": guard_kwargs(),
             "name": "mopflow trigger guard",
         }
     ]

@@ -33,7 +33,7 @@ class TrialRow:
     trial: int
     state: str
     val_acc: float | None
-    pruned_epoch: int | None
+    pruned_epoch: int | None  # 0-based, as Optuna's steps; shown from 1, as the task logs count
     params: Mapping[str, Any]
 
 
@@ -55,6 +55,7 @@ class Sweep:
     leaderboard_source: str = "none"  # "leaderboard.json", "trial runs" (still running) or "none"
     gantt: Sequence[str] = ()  # artifact file names under the search run's mop/ folder
     promoted: str | None = None
+    promotion_reason: str | None = None  # the gate's reason, either way
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,7 @@ def load_sweeps(
                 leaderboard_source=source,
                 gantt=gantt,
                 promoted=register[0].data.tags.get("mopflow.promoted") if register else None,
+                promotion_reason=register[0].data.tags.get("mopflow.promotion_reason") if register else None,
             )
         )
     return sweeps
@@ -259,7 +261,9 @@ body{font-family:system-ui,sans-serif;margin:1rem;color:#1a202c}
 table{border-collapse:collapse;margin:.5rem 0 1rem}
 th,td{border:1px solid #cbd5e0;padding:.25rem .5rem;text-align:left;vertical-align:top}
 th{background:#edf2f7}
-td.params{font-family:monospace;font-size:.85em;max-width:48rem;word-break:break-all}
+ul.params{list-style:none;margin:0;padding:0;font-size:.85em;max-width:48rem}
+ul.params li{display:inline-block;white-space:nowrap;margin-right:1em}
+ul.params code{color:#4a5568}
 section{border-top:2px solid #cbd5e0;padding-top:.5rem;margin-top:1rem}
 .meta{color:#4a5568}
 img.gantt{max-width:100%;border:1px solid #cbd5e0}
@@ -281,14 +285,46 @@ def _fmt_acc(value: float | None) -> str:
     return f"{value:.4f}" if value is not None else "-"
 
 
+def _fmt_param(value: Any) -> str:
+    """A param value as people read it: floats to 4 significant digits, the rest as given."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, str):
+        try:  # MLflow params come back as text
+            number = float(value)
+        except ValueError:
+            return value
+        return f"{number:.4g}" if any(c in value for c in ".eE") else value
+    return json.dumps(value, default=str) if isinstance(value, dict | list) else str(value)
+
+
+def render_params(params: Mapping[str, Any]) -> str:
+    """A trial's params as a key/value list; an item never wraps inside a number."""
+    items = "".join(
+        f"<li><code>{_e(key)}</code> {_e(_fmt_param(params[key]))}</li>" for key in sorted(params)
+    )
+    return f'<ul class="params">{items}</ul>' if items else "-"
+
+
+def render_promotion(promoted: str | None, reason: str | None) -> str:
+    """The promotion gate's verdict with its reason (text, not yet escaped)."""
+    if promoted is None:
+        return ""
+    verdict = "promoted to champion" if promoted == "true" else "not promoted"
+    return f"{verdict}: {reason}" if reason else verdict
+
+
 def render_leaderboard(rows: Sequence[TrialRow]) -> str:
-    """The leaderboard table (escaped)."""
-    head = "<tr><th>trial</th><th>state</th><th>validation accuracy</th><th>pruned at epoch</th><th>params</th></tr>"
+    """The leaderboard table (escaped). Epochs count from 1, as the task logs do."""
+    head = (
+        "<tr><th>trial</th><th>state</th><th>validation accuracy</th>"
+        "<th>pruned after epoch</th><th>params</th></tr>"
+    )
     body = "".join(
         "<tr>"
         f"<td>{_e(r.trial)}</td><td>{_e(r.state)}</td><td>{_e(_fmt_acc(r.val_acc))}</td>"
-        f"<td>{_e(r.pruned_epoch if r.pruned_epoch is not None else '-')}</td>"
-        f'<td class="params">{_e(json.dumps(dict(r.params), sort_keys=True, default=str))}</td>'
+        f"<td>{_e(r.pruned_epoch + 1 if r.pruned_epoch is not None else '-')}</td>"
+        f"<td>{render_params(r.params)}</td>"
         "</tr>"
         for r in rows
     )
@@ -302,14 +338,15 @@ def render_sweep(sweep: Sweep, links: Links, base: str) -> str:
         f"<h2>{_e(sweep.dag_id)} · {_e(sweep.airflow_run_id)}</h2>",
         '<p class="meta">'
         f"status {_e(sweep.status)} · started {_e(_fmt_time(sweep.start_time_ms))}"
-        f" · strategy {_e(sweep.strategy or '-')} · study {_e(sweep.study or '-')}"
-        + (f" · promoted {_e(sweep.promoted)}" if sweep.promoted is not None else "")
-        + "</p>",
+        f" · strategy {_e(sweep.strategy or '-')} · study {_e(sweep.study or '-')}" + "</p>",
         "<p>"
         f'<a href="{_e(links.mlflow_run(sweep.experiment_id, sweep.run_id))}" target="_blank" rel="noopener">MLflow run</a>'
         f' · <a href="{_e(links.optuna_study(sweep.study_id))}" target="_blank" rel="noopener">optuna-dashboard</a>'
         "</p>",
     ]
+    promotion = render_promotion(sweep.promoted, sweep.promotion_reason)
+    if promotion:
+        parts.append(f'<p class="promotion">{_e(promotion)}</p>')
     if sweep.leaderboard:
         note = (
             " (from the trial runs; the search is still running)"

@@ -122,8 +122,10 @@ def test_volatile_worker_keys_reach_the_search_config() -> None:
 
 def test_volatile_keys_in_the_trigger_form_schema() -> None:
     schema = conf_json_schema()
-    assert schema["worker_schedule"]["type"] == "string" and schema["worker_schedule"]["default"] == ""
-    jsonschema.validate("exponential:2:4", schema["worker_schedule"])
+    for key in ("worker_schedule", "spot_trace"):  # optional text: null (the default) or a string
+        assert schema[key]["type"] == ["null", "string"] and schema[key]["default"] is None
+        for value in (None, "", "exponential:2:4"):
+            jsonschema.validate(value, schema[key])
     for bids in ("1.0, 0.5", [1.0, 0.5], None):
         jsonschema.validate(bids, schema["spot_bids"])
     with pytest.raises(jsonschema.ValidationError):

@@ -110,6 +110,37 @@ def test_every_param_has_a_schema_and_a_description(dagbag: Any, dag_id: str) ->
     PipelineConfig.from_conf(_validated(dag))
 
 
+def _form_requires(schema: dict[str, Any]) -> bool:
+    """Airflow's trigger form rule: a field is required unless its schema's type allows null."""
+    kind = schema.get("type")
+    return bool(kind) and (not isinstance(kind, list) or "null" not in kind)
+
+
+@pytest.mark.parametrize("dag_id", sorted(DAG_IDS))
+def test_the_trigger_form_accepts_every_dag_s_defaults(dagbag: Any, dag_id: str) -> None:
+    dag = dagbag.dags[dag_id]
+    for key in dag.params:
+        param = dag.params.get_param(key)
+        if _form_requires(param.schema):
+            # A required field may not start empty: the form would disable its Trigger button.
+            assert param.value not in (None, ""), (dag_id, key, param.schema, param.value)
+    _validated(dag)  # every default is valid input for the form's schema
+
+
+def test_the_form_rule_flags_an_empty_required_string() -> None:
+    assert _form_requires({"type": "string"}) and _form_requires({"type": ["string"]})
+    assert not _form_requires({"type": ["null", "string"]}) and not _form_requires({"anyOf": []})
+
+
+@pytest.mark.parametrize("key", ["worker_schedule", "spot_trace"])
+@pytest.mark.parametrize("blank", [None, ""])
+def test_optional_text_params_accept_a_blank_field(dagbag: Any, key: str, blank: Any) -> None:
+    from compression.config import PipelineConfig
+
+    config = PipelineConfig.from_conf(_validated(dagbag.dags["mopflow_sweep"], **{key: blank}))
+    assert config.search.worker_schedule is None and config.search.spot_trace == ""
+
+
 def test_sweep_form_shows_the_sweep_keys_first() -> None:
     import _mopflow_common as common  # importable: the DAG files put dags/ on sys.path
 

@@ -513,6 +513,39 @@ class Stack:
         return list(answer["dag_runs"])
 
 
+def _wait_for_run(s: Stack, run_id: str, timeout_s: float = 420) -> dict[str, Any]:
+    """Wait until a run of DAG_ID succeeds; fail with the failed tasks' logs otherwise."""
+    quoted = urllib.parse.quote(run_id, safe="")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, run = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{quoted}")
+        assert status == 200, run
+        if run["state"] in ("success", "failed"):
+            break
+        assert time.monotonic() < deadline, f"run {run_id} still {run['state']} after {timeout_s} s"
+        time.sleep(3)
+    _, tis = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{quoted}/taskInstances")
+    states = {t["task_id"]: t["state"] for t in tis["task_instances"]}
+    assert run["state"] == "success", f"{states}\n{_failed_task_logs(s.home, states)}"
+    assert set(states.values()) == {"success"}, states
+    return dict(run)
+
+
+def _task_log_records(home: Path, run_id: str, task_id: str) -> list[dict[str, Any]]:
+    """The JSON records of one task's log files (Airflow 3 writes one JSON object per line)."""
+    records = []
+    for path in (home / "airflow" / "logs").rglob("*.log"):
+        if f"run_id={run_id}" in str(path) and f"task_id={task_id}/" in str(path):
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    records.append(record)
+    return records
+
+
 def _failed_task_logs(home: Path, states: dict[str, str]) -> str:
     """The last lines of the failed tasks' logs, for the assertion message."""
     failed = [task for task, state in states.items() if state not in ("success", "skipped")]
@@ -569,19 +602,11 @@ def test_sweep_triggered_over_rest_registers_a_champion(running_stack: Stack) ->
     assert s.api("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})[0] == 200
     status, run = s.api("POST", f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": TINY})
     assert status == 200, run
-    run_id = urllib.parse.quote(run["dag_run_id"], safe="")
-    deadline = time.monotonic() + 420
-    while True:
-        status, run = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")
-        assert status == 200, run
-        if run["state"] in ("success", "failed"):
-            break
-        assert time.monotonic() < deadline, f"run still {run['state']} after 420 s"
-        time.sleep(3)
-    _, tis = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")
-    states = {t["task_id"]: t["state"] for t in tis["task_instances"]}
-    assert run["state"] == "success", f"{states}\n{_failed_task_logs(s.home, states)}"
-    assert set(states.values()) == {"success"}, states
+    run = _wait_for_run(s, run["dag_run_id"])
+    # MLflow's INFO messages reach the task log as info, not as stderr lines at level error.
+    records = _task_log_records(s.home, run["dag_run_id"], "register")
+    created = [r for r in records if "Created version" in str(r.get("event", ""))]
+    assert created and {r.get("level") for r in created} == {"info"}, created or records[-20:]
 
     name = f"{TINY['model_name']}-student"
     query = urllib.parse.urlencode({"name": name, "alias": "champion"})
@@ -671,20 +696,56 @@ def _finished_sweep(s: Stack) -> dict[str, str]:
     return s.sweep
 
 
+def _open_trigger_form(page: Any, airflow: str) -> Any:
+    from playwright.sync_api import expect
+
+    page.goto(f"{airflow}/dags/{DAG_ID}")
+    page.get_by_role("button", name="Trigger").first.click()
+    dialog = page.get_by_role("dialog")
+    expect(dialog.get_by_text(f"Trigger Dag - {DAG_ID}")).to_be_visible()
+    expect(dialog.get_by_text("Run Parameters")).to_be_visible()
+    return dialog
+
+
+def _submit_trigger_form(s: Stack, page: Any, dialog: Any, shot: str) -> str:
+    """Click the form's Trigger button (it must be enabled) and return the new run's id."""
+    from playwright.sync_api import expect
+
+    before = _run_ids(s, DAG_ID)
+    button = dialog.get_by_role("button", name="Trigger", exact=True)
+    try:
+        expect(button).to_be_enabled()
+        button.click()
+        expect(page.get_by_text("Dag Run Triggered").first).to_be_visible()  # maybe an earlier one too
+    finally:
+        _screenshot(page, shot)
+    deadline = time.monotonic() + 60
+    while not (new := _run_ids(s, DAG_ID) - before):
+        assert time.monotonic() < deadline, "the trigger form created no run"
+        time.sleep(1)
+    assert len(new) == 1, new
+    return new.pop()
+
+
+# The tiny sweep once more, under other model names: each form run registers its own champion.
+FORM_TINY = {**TINY, "model_name": "form"}
+JSON_TINY = {**TINY, "model_name": "json"}
+
+
 @pytest.mark.slow
-def test_browser_trigger_form_shows_the_sweep_params(running_stack: Stack, airflow_page: Any) -> None:
+def test_browser_trigger_form_starts_sweeps_from_its_inputs_and_its_json(
+    running_stack: Stack, airflow_page: Any
+) -> None:
     import re
 
     from playwright.sync_api import expect
 
-    page = airflow_page
+    s, page = running_stack, airflow_page
+    _wait_for_dag(s, DAG_ID)
+    assert s.api("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})[0] == 200
     page.set_viewport_size({"width": 1400, "height": 2400})  # the modal's params on one screenshot
     try:
-        page.goto(f"{running_stack.airflow}/dags/{DAG_ID}")
-        page.get_by_role("button", name="Trigger").first.click()
-        dialog = page.get_by_role("dialog")
-        expect(dialog.get_by_text(f"Trigger Dag - {DAG_ID}")).to_be_visible()
-        expect(dialog.get_by_text("Run Parameters")).to_be_visible()
+        dialog = _open_trigger_form(page, s.airflow)
         # Each Param shows its key as the label and the config field's description under it.
         for key, description in (
             ("strategy", "task: a trial per worker; ddp: each trial on W DDP processes"),
@@ -697,11 +758,47 @@ def test_browser_trigger_form_shows_the_sweep_params(running_stack: Stack, airfl
             expect(dialog.get_by_role("group").filter(has=label)).to_contain_text(description)
         expect(dialog.get_by_role("combobox", name="strategy", exact=True)).to_be_visible()
         expect(dialog.get_by_role("spinbutton", name="n_trials", exact=True)).to_have_value("20")  # default
-        expect(dialog.get_by_text("Advanced", exact=True)).to_be_visible()  # the other keys' section
-    finally:
+        # With the defaults as they are the form can be submitted (no empty required field).
+        expect(dialog.get_by_role("button", name="Trigger", exact=True)).to_be_enabled()
         _screenshot(page, "trigger-form")
+
+        # 1. The form's own inputs: the first section, then the "Advanced" section.
+        for key in ("n_trials", "epochs", "top_k"):
+            dialog.get_by_role("spinbutton", name=key, exact=True).fill(str(FORM_TINY[key]))
+        dialog.get_by_role("button", name="Advanced", exact=True).click()
+        for key in ("num_samples", "n_shards", "min_resource", "distill_epochs", "munge_multiplier"):
+            dialog.get_by_role("spinbutton", name=key, exact=True).fill(str(FORM_TINY[key]))
+        dialog.get_by_role("spinbutton", name="max_gap_to_ensemble", exact=True).fill("100")
+        model_name = page.locator("label").filter(has_text=re.compile(r"^model_name\s*\*?$"))
+        dialog.get_by_role("group").filter(has=model_name).locator("input").fill(FORM_TINY["model_name"])
+        form_run = _submit_trigger_form(s, page, dialog, "trigger-form-inputs")
+
+        # 2. Airflow's "Advanced Options": the run's conf typed as JSON.
+        dialog = _open_trigger_form(page, s.airflow)
+        dialog.get_by_role("button", name="Advanced Options").click()
+        editor = dialog.locator(".monaco-editor").first
+        editor.click()
+        page.keyboard.press("ControlOrMeta+a")
+        page.keyboard.insert_text(json.dumps(JSON_TINY))
+        # The editor may add closing quotes or brackets after the cursor: drop whatever follows.
+        page.keyboard.press("Shift+ControlOrMeta+End")
+        page.keyboard.press("Delete")
+        expect(dialog.get_by_text("Invalid JSON format")).to_have_count(0)
+        json_run = _submit_trigger_form(s, page, dialog, "trigger-form-json")
+    finally:
         page.set_viewport_size({"width": 1400, "height": 1000})
-    page.keyboard.press("Escape")  # nothing triggered: the modal is closed, not submitted
+
+    for run_id, conf in ((form_run, FORM_TINY), (json_run, JSON_TINY)):
+        run = _wait_for_run(s, run_id, timeout_s=600)
+        assert {k: run["conf"][k] for k in conf} == conf, run["conf"]
+        assert run["conf"].get("worker_schedule") in (None, "") and run["conf"].get("spot_trace") in (
+            None,
+            "",
+        )
+        name = f"{conf['model_name']}-student"
+        query = urllib.parse.urlencode({"name": name, "alias": "champion"})
+        status, alias = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/alias?{query}")
+        assert status == 200 and alias["model_version"]["name"] == name, alias
 
 
 @pytest.mark.slow
@@ -813,6 +910,40 @@ def test_bad_conf_is_refused_at_trigger_time_and_creates_no_run(
     for needle in needles:
         assert needle in json.dumps(answer) or needle in str(answer), (needle, str(answer)[:2000])
     assert _run_ids(s, DAG_ID) == before
+
+
+def _post_raw(url: str, body: bytes, token: str | None) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("depth", [1_000, 10_000, 1_000_000])
+def test_a_deeply_nested_conf_gets_a_4xx_and_the_api_server_still_answers(
+    running_stack: Stack, depth: int
+) -> None:
+    s = running_stack
+    _wait_for_dag(s, DAG_ID)
+    before = _run_ids(s, DAG_ID)
+    body = b'{"logical_date": null, "conf": ' + b'{"a": ' * depth + b"1" + b"}" * depth + b"}"
+    url = f"{s.airflow}/api/v2/dags/{DAG_ID}/dagRuns"
+    code, answer = _post_raw(url, body, None)
+    assert code == 401, (code, answer)  # the caller is checked before the body is read
+    code, answer = _post_raw(url, body, s.token)
+    if len(body) > 4 * 131072:  # the guard reads at most 4 x [mopflow] max_conf_bytes
+        assert code == 413 and "the request body is" in answer["detail"], (code, answer)
+    else:
+        assert code == 400 and f"{depth + 1} levels deep; the limit is 32 levels" in answer["detail"], (
+            code,
+            answer,
+        )
+    assert _run_ids(s, DAG_ID) == before
+    assert s.api("GET", f"/dags/{DAG_ID}")[0] == 200  # the api-server still answers
 
 
 @pytest.mark.slow

@@ -36,7 +36,13 @@ def _log_pipeline_run(tracker: Any, key: str, dag_id: str, finished: bool, tmp: 
     )
     if finished:
         board = [
-            {"trial": 1, "state": "COMPLETE", "val_acc": 0.91, "pruned_epoch": None, "params": {"lr": 0.01}},
+            {
+                "trial": 1,
+                "state": "COMPLETE",
+                "val_acc": 0.91,
+                "pruned_epoch": None,
+                "params": {"lr": 0.0123456789, "width": 1024},
+            },
             {"trial": 0, "state": "PRUNED", "val_acc": 0.42, "pruned_epoch": 3, "params": {"family": EVIL}},
         ]
         tracker.log_dict(search, board, "leaderboard.json")
@@ -47,7 +53,10 @@ def _log_pipeline_run(tracker: Any, key: str, dag_id: str, finished: bool, tmp: 
         (charts / "units-epoch-001.json").write_text("[]")
         tracker.log_artifacts(search, str(charts), "mop")
         register = tracker.start_run("register", {**base, "mopflow.stage": "register"}, parent_run_id=parent)
-        tracker.set_tags(register, {"mopflow.promoted": "true"})
+        tracker.set_tags(
+            register,
+            {"mopflow.promoted": "true", "mopflow.promotion_reason": "no champion yet; promotion=accuracy"},
+        )
     else:  # still searching: only trial runs so far
         trial = tracker.start_run(
             "trial-0", {**base, "mopflow.stage": "trial", "mopflow.trial": "0"}, parent_run_id=search
@@ -128,9 +137,13 @@ def test_sweeps_page_renders_the_leaderboards(client: Any, store: dict[str, Any]
     # newest first: the finished sweep was logged last
     assert page.index("mopflow_sweep") < page.index("mopflow_retrain")
     assert "0.9100" in page and "0.4200" in page and "PRUNED" in page
-    assert "<td>3</td>" in page  # pruned epoch
+    # pruned_epoch 3 is Optuna's 0-based step: "pruned after epoch 4", as the task log says
+    assert "<th>pruned after epoch</th>" in page and "<td>4</td>" in page and "<td>3</td>" not in page
+    # params: a key/value list, floats rounded, no item wraps inside a number
+    assert "<li><code>lr</code> 0.01235</li><li><code>width</code> 1024</li>" in page
+    assert "break-all" not in page and "ul.params li{display:inline-block;white-space:nowrap" in page
     # the running search shows its trial runs
-    assert "0.5500" in page and "still running" in page and "&quot;width&quot;: &quot;64&quot;" in page
+    assert "0.5500" in page and "still running" in page and "<li><code>width</code> 64</li>" in page
     # links: MLflow run and optuna-dashboard
     exp = store["experiment_id"]
     assert f"http://127.0.0.1:5000/#/experiments/{exp}/runs/" in page
@@ -139,7 +152,20 @@ def test_sweeps_page_renders_the_leaderboards(client: Any, store: dict[str, Any]
     search = store["searches"]["bbb222"]
     assert f'src="/sweeps/gantt/{search}/gantt-epoch-002.png"' in page
     assert f'href="/sweeps/gantt/{search}/gantt-epoch-001.png"' in page
-    assert "promoted true" in page
+    assert '<p class="promotion">promoted to champion: no champion yet; promotion=accuracy</p>' in page
+
+
+def test_the_gate_s_verdict_is_shown_with_its_reason() -> None:
+    import sweeps_page
+
+    reason = "test accuracy 0.9510 < champion's 0.9670 on the same test set"
+    assert sweeps_page.render_promotion("false", reason) == f"not promoted: {reason}"
+    assert sweeps_page.render_promotion("true", None) == "promoted to champion"
+    assert sweeps_page.render_promotion(None, None) == ""
+    assert sweeps_page.render_params({}) == "-"
+    assert sweeps_page.render_params({"sampler": "tpe", "dropout": "0.30000000000000004"}) == (
+        '<ul class="params"><li><code>dropout</code> 0.3</li><li><code>sampler</code> tpe</li></ul>'
+    )
 
 
 def test_params_are_escaped(client: Any) -> None:

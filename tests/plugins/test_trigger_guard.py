@@ -34,10 +34,17 @@ PROMOTE = trigger_guard.GuardedDag(
 GUARDED = {d.dag_id: d for d in (PIPELINE, PROMOTE)}
 
 
-async def resolve(call: trigger_guard.Call) -> trigger_guard.GuardedDag | None:
-    """Like the plugin's: only a caller with a token, only the guarded DAGs."""
-    if call.headers.get("authorization") != "Bearer good":
-        return None
+async def authenticate(headers: Any) -> Any:
+    """Like the plugin's: Airflow's 401 without a token, 403 for a bad one."""
+    token = headers.get("authorization", "")
+    if not token:
+        return trigger_guard.Refusal(401, "Not authenticated")
+    return "user" if token == "Bearer good" else trigger_guard.Refusal(403, "Invalid JWT token")
+
+
+async def resolve(call: trigger_guard.Call, user: Any) -> trigger_guard.GuardedDag | None:
+    """Like the plugin's: only the guarded DAGs."""
+    assert user == "user"  # only known callers get here
     return GUARDED.get(call.dag_id or call.endpoint.dag_id or "")
 
 
@@ -54,7 +61,9 @@ def _client(limit: int | ValueError = 4096) -> tuple[Any, list[bytes]]:
         seen.append(body)
         await JSONResponse({"created": True})(scope, receive, send)
 
-    guarded = trigger_guard.TriggerGuard(app, resolve=resolve, limit=limit)
+    guarded = trigger_guard.TriggerGuard(
+        app, authenticate=authenticate, resolve=resolve, limit=limit, default_limit=MAX_CONF_BYTES
+    )
     return TestClient(guarded, headers={"Authorization": "Bearer good"}), seen
 
 
@@ -152,7 +161,6 @@ def test_backfill_conf_is_checked_for_the_dag_in_the_body() -> None:
     ("dag_id", "conf", "headers"),
     [
         ("other_dag", {"anything": 1}, {}),  # not a mopflow DAG
-        ("mopflow_sweep", {"bogus": 1}, {"Authorization": "Bearer bad"}),  # Airflow answers 401/403
         ("mopflow_sweep", None, {}),  # the Params' defaults
         ("mopflow_sweep", [1, 2], {}),  # not an object: Airflow answers 422
     ],
@@ -161,6 +169,78 @@ def test_what_the_guard_leaves_to_airflow(dag_id: str, conf: Any, headers: dict[
     client, seen = _client()
     assert _trigger(client, dag_id, conf, headers=headers).status_code == 200
     assert len(seen) == 1 and json.loads(seen[0])["conf"] == conf
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "detail"),
+    [
+        ({"Authorization": ""}, 401, "Not authenticated"),
+        ({"Authorization": "Bearer bad"}, 403, "Invalid JWT"),
+    ],
+)
+def test_a_caller_without_valid_credentials_is_refused_before_the_body_is_read(
+    headers: dict[str, str], status: int, detail: str
+) -> None:
+    client, seen = _client()
+    answer = _trigger(client, "mopflow_sweep", {"bogus": 1}, headers=headers)
+    assert answer.status_code == status and answer.json() == {
+        "detail": detail + ("" if status == 401 else " token")
+    }
+    assert "bogus" not in answer.text and seen == []
+
+
+def _nested(depth: int) -> bytes:
+    """A trigger body whose conf nests ``depth`` objects (the body itself adds one level)."""
+    return b'{"logical_date": null, "conf": ' + b'{"a": ' * depth + b"1" + b"}" * depth + b"}"
+
+
+@pytest.mark.parametrize("depth", [1_000, 10_000, 1_000_000])
+@pytest.mark.parametrize("token", ["Bearer good", ""])
+def test_a_deeply_nested_body_is_refused_not_a_server_error(depth: int, token: str) -> None:
+    client, seen = _client(limit=MAX_CONF_BYTES)
+    answer = client.post(
+        "/api/v2/dags/mopflow_sweep/dagRuns",
+        content=_nested(depth),
+        headers={"Authorization": token, "Content-Type": "application/json"},
+    )
+    if not token:
+        assert answer.status_code == 401, answer.text
+    elif len(_nested(depth)) > trigger_guard.BODY_FACTOR * MAX_CONF_BYTES:
+        assert answer.status_code == 413, answer.text
+        assert f"the limit is {trigger_guard.BODY_FACTOR * MAX_CONF_BYTES} bytes" in answer.json()["detail"]
+    else:
+        assert answer.status_code == 400, answer.text
+        detail = answer.json()["detail"]
+        assert f"{depth + 1} levels deep; the limit is {trigger_guard.MAX_DEPTH} levels" in detail
+    assert seen == []
+    # The guard still answers normally afterwards.
+    assert _trigger(client, "mopflow_sweep", {"n_trials": 4}).status_code == 200
+
+
+def test_a_conf_as_deep_as_the_limit_is_checked_as_usual() -> None:
+    client, seen = _client()
+    deep: Any = 1
+    for _ in range(trigger_guard.MAX_DEPTH - 2):  # the body and the conf are two levels
+        deep = {"a": deep}
+    answer = _trigger(client, "mopflow_sweep", {"search_space": deep})
+    assert answer.status_code == 400 and "search space: families" in answer.json()["detail"], answer.text
+    assert "levels deep" not in answer.json()["detail"] and seen == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "depth"),
+    [
+        (b"{}", 1),
+        (b'{"a": [1, {"b": 2}], "c": {}}', 3),
+        (b'{"s": "[[[{{{", "t": "\\"[["}', 1),  # brackets inside strings, escaped quotes
+        (b'["unterminated [[[', 1),
+        (b"[[[" + b'"\\"' * 1000, 3),
+        (b"]]]][", 1),  # not JSON: still no negative depth
+        (b"not json", 0),
+    ],
+)
+def test_nesting_depth_counts_brackets_outside_strings(raw: bytes, depth: int) -> None:
+    assert trigger_guard.nesting_depth(raw) == depth
 
 
 def test_a_body_that_is_not_json_goes_to_airflow() -> None:
