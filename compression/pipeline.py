@@ -246,7 +246,11 @@ def search_stage(
             else:
                 checkpoints = storage.join(settings.artifact_root, "checkpoints", study)
                 outcome = run_search_with_executor(
-                    *common, on_trial_done=log_trial, checkpoint_root=checkpoints, warm_start=warm
+                    *common,
+                    on_trial_done=log_trial,
+                    checkpoint_root=checkpoints,
+                    warm_start=warm,
+                    min_complete=cfg.ensemble.top_k,
                 )
         for result in outcome.results:  # trials finished by an earlier attempt but never logged
             log_trial(result)

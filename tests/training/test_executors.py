@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from training.executors import DataRef, EpochReport, ModelSpec
+from training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
+from training.executors.base import TrainAll
 from training.executors.gantt import gantt_png, idle_fraction
 from training.executors.mop import MopExecutor, partition_shards
 from training.executors.scheduler import MopScheduler, check_invariants, round_robin
@@ -117,21 +118,28 @@ def test_mop_matches_sequential_training(small_manifest: str, dask_client: objec
     assert abs(mop - sequential) <= 0.1
 
 
-class StopAndAdd:
-    """Stops m0 after its first epoch and adds one model once."""
+class StopAndAdd(TrainAll):
+    """Stops m0 after its first epoch and adds one model once; keeps what it is told, in order."""
 
     def __init__(self) -> None:
         self.reports: list[EpochReport] = []
+        self.events: list[tuple[str, str]] = []  # ("epoch", model) / ("done", model) / ("added", model)
         self.added = False
 
     def on_epoch_end(self, report: EpochReport) -> bool:
         self.reports.append(report)
+        self.events.append(("epoch", report.model_id))
         return not (report.model_id == "m0" and report.epoch == 0)
+
+    def on_model_done(self, outcome: ModelOutcome) -> None:
+        self.events.append(("done", outcome.spec.model_id))
+        assert outcome.state is not None, outcome.spec.model_id  # told with its final state
 
     def new_models(self, free_slots: int) -> list[ModelSpec]:
         if self.added or free_slots == 0:
             return []
         self.added = True
+        self.events.append(("added", "late"))
         return [ModelSpec("late", CNN, seed=9)]
 
 
@@ -152,6 +160,12 @@ def test_caller_can_stop_and_add_models_between_epochs(
     assert outcomes["m0"].stopped_early and outcomes["m0"].epochs_done == 1
     assert outcomes["m1"].epochs_done == 2
     assert "late" in outcomes and outcomes["late"].epochs_done == 2  # a late model still trains every epoch
+    # Each model is told done once, when it is: m0 (stopped) before its slot goes to "late".
+    done = [m for kind, m in controller.events if kind == "done"]
+    assert sorted(done) == ["late", "m0", "m1"]
+    assert controller.events.index(("done", "m0")) < controller.events.index(("added", "late"))
+    last_epoch = max(i for i, e in enumerate(controller.events) if e == ("epoch", "m1"))
+    assert controller.events.index(("done", "m1")) > last_epoch
 
 
 def test_mop_resumes_from_its_sub_epoch_checkpoints(
@@ -201,12 +215,9 @@ def test_ddp_resumes_from_its_epoch_checkpoint(small_manifest: str, tmp_path: Pa
 def test_ddp_job_stops_between_epochs_when_the_caller_says_so(small_manifest: str) -> None:
     from training.executors.ddp import DDPExecutor
 
-    class StopAfterFirst:
+    class StopAfterFirst(TrainAll):
         def on_epoch_end(self, report: EpochReport) -> bool:
             return False
-
-        def new_models(self, free_slots: int) -> list[ModelSpec]:
-            return []
 
     outcome = DDPExecutor(DataRef(small_manifest), world_size=2).run(
         [ModelSpec("d", CNN, seed=0)], epochs=8, controller=StopAfterFirst()

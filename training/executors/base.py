@@ -1,6 +1,7 @@
 """One interface for training many configurations: "train these for E epochs on these shards;
-report each model's validation metric after every epoch; let the caller stop or add models
-between epochs; return checkpoints"."""
+report each model's validation metric after every epoch; tell the caller the moment a model is
+done (finished, stopped or failed); let the caller stop or add models between epochs; return
+checkpoints"."""
 
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ class Controller(Protocol):
         """Return False to stop training this model."""
         ...
 
+    def on_model_done(self, outcome: ModelOutcome) -> None:
+        """A model is done (all epochs, stopped by ``on_epoch_end`` or failed): its final
+        outcome, with its state, before any model is added in its slot."""
+        ...
+
     def new_models(self, free_slots: int) -> list[ModelSpec]:
         """Models to add now that ``free_slots`` slots are free (may be empty)."""
         ...
@@ -59,6 +65,9 @@ class TrainAll:
 
     def on_epoch_end(self, report: EpochReport) -> bool:
         return True
+
+    def on_model_done(self, outcome: ModelOutcome) -> None:
+        return None
 
     def new_models(self, free_slots: int) -> list[ModelSpec]:
         return []
@@ -91,7 +100,8 @@ class Executor(ABC):
         queue = list(models)
         while queue:
             spec = queue.pop(0)
-            outcomes[spec.model_id] = train_one(spec)
+            outcome = outcomes[spec.model_id] = train_one(spec)
+            controller.on_model_done(outcome)
             queue += controller.new_models(1)
         return outcomes
 

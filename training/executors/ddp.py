@@ -100,6 +100,8 @@ class DDPExecutor(Executor):
                     seen, new = self._read_reports(out, seen)
                     for report in new:
                         last_progress = time.monotonic()
+                        if outcome.stopped_early:  # trained before the job saw STOP: not reported
+                            continue
                         outcome.history.append(report)
                         keep = controller.on_epoch_end(report)
                         log.info(
@@ -119,8 +121,11 @@ class DDPExecutor(Executor):
                     time.sleep(0.2)
                 seen, new = self._read_reports(out, seen)
                 for report in new:
+                    if outcome.stopped_early:
+                        break
                     outcome.history.append(report)
-                    controller.on_epoch_end(report)
+                    if not controller.on_epoch_end(report):
+                        outcome.stopped_early = True
                 if proc.returncode != 0:
                     tail = proc.stdout.read().decode(errors="replace")[-3000:] if proc.stdout else ""
                     outcome.error = f"torchrun exited with {proc.returncode}: {tail}"

@@ -124,7 +124,11 @@ class MopExecutor(Executor):
         for spec in models:
             self._restore(spec, states, visited, next_epoch)
         active = {m.model_id: m for m in models if next_epoch.get(m.model_id, 0) < epochs}
-        round_index = 0
+        for spec in models:  # restored from a checkpoint past its last epoch: done already
+            if spec.model_id not in active:
+                outcomes[spec.model_id].state = states.get(spec.model_id)
+                controller.on_model_done(outcomes[spec.model_id])
+        round_index = len(self.epoch_records)  # a second run (more trials) goes on numbering rounds
         while active:
             if self.before_round is not None:  # the cluster may change size between rounds
                 self.before_round(round_index)
@@ -218,6 +222,7 @@ class MopExecutor(Executor):
                         states.pop(unit.model, None)
                         active.pop(unit.model, None)
                         log.warning("mop: %s failed on %s: %s", unit.model, unit.partition, exc)
+                        controller.on_model_done(outcomes[unit.model])
                         continue
                     except Exception as exc:
                         log.warning(
@@ -420,7 +425,9 @@ class MopExecutor(Executor):
                 outcomes[mid].stopped_early = True
             if not keep or epoch + 1 >= epochs:
                 outcomes[mid].state = states[mid]
+                outcomes[mid].checkpoint_uri = self.checkpoint_uri(mid) if self.checkpoint_root else None
                 del active[mid]
+                controller.on_model_done(outcomes[mid])  # before its slot is filled again
         for spec in controller.new_models(max(0, self.slots - len(active))):
             active[spec.model_id] = spec
             outcomes[spec.model_id] = ModelOutcome(spec)

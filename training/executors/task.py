@@ -114,6 +114,8 @@ class TaskExecutor(Executor):
                 except Exception as exc:
                     log.warning("task: %s failed at epoch %d: %s", mid, next_epoch.get(mid, 0) + 1, exc)
                     outcomes[mid].error = f"{type(exc).__name__}: {exc}"
+                    outcomes[mid].state = states.get(mid)
+                    controller.on_model_done(outcomes[mid])
                     queue += self._refill(controller, specs, outcomes, epochs, len(queue) + len(in_flight))
                     continue
                 finally:  # the result is here now: the worker need not keep it (nor hand it off)
@@ -142,6 +144,8 @@ class TaskExecutor(Executor):
                 else:
                     outcomes[mid].stopped_early = not keep
                     outcomes[mid].state = state
+                    outcomes[mid].checkpoint_uri = self.checkpoint_uri(mid) if self.checkpoint_root else None
+                    controller.on_model_done(outcomes[mid])
                     queue += self._refill(controller, specs, outcomes, epochs, len(queue) + len(in_flight))
         for mid, outcome in outcomes.items():
             outcome.state = states.get(mid)

@@ -1,0 +1,165 @@
+"""The search brain is live under the executor strategies: Optuna hears of every trial the moment it
+finishes, so the sampler learns from it and the pruner compares with it while the sweep goes on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+
+from training.config import SearchConfig
+from training.search import run_search_with_executor
+from training.space import optuna_params_for
+
+GOOD_LR, BAD_LR = 0.02, 1e-7  # the bad rate leaves a model at chance (0.1) for every epoch
+SPACE = {
+    "families": {
+        "cnn": {
+            "width": {"type": "categorical", "choices": [8]},
+            "depth": {"type": "categorical", "choices": [2]},
+        }
+    },
+    "common": {
+        "lr": {"type": "categorical", "choices": [GOOD_LR, BAD_LR]},
+        "batch_size": {"type": "categorical", "choices": [16]},
+    },
+}
+
+
+class SpySampler(optuna.samplers.BaseSampler):
+    """The study's real sampler, noting how many COMPLETE trials it was given at each new trial."""
+
+    def __init__(self, inner: optuna.samplers.BaseSampler) -> None:
+        self.inner = inner
+        self.complete_seen: list[int] = []
+
+    def before_trial(self, study: optuna.Study, trial: Any) -> None:
+        states = (optuna.trial.TrialState.COMPLETE,)
+        self.complete_seen.append(len(study.get_trials(deepcopy=False, states=states)))
+        self.inner.before_trial(study, trial)
+
+    def infer_relative_search_space(self, study: optuna.Study, trial: Any) -> dict[str, Any]:
+        return self.inner.infer_relative_search_space(study, trial)
+
+    def sample_relative(
+        self, study: optuna.Study, trial: Any, search_space: dict[str, Any]
+    ) -> dict[str, Any]:
+        return self.inner.sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study: optuna.Study, trial: Any, name: str, distribution: Any) -> Any:
+        return self.inner.sample_independent(study, trial, name, distribution)
+
+    def after_trial(self, study: optuna.Study, trial: Any, state: Any, values: Any) -> None:
+        self.inner.after_trial(study, trial, state, values)
+
+
+def _sweep(cfg: SearchConfig, manifest: str, tmp_path: Path, client: Any, **kw: Any) -> Any:
+    return run_search_with_executor(
+        cfg,
+        manifest,
+        "live",
+        str(tmp_path / "journal.log"),
+        str(tmp_path / "artifacts"),
+        client,
+        checkpoint_root=str(tmp_path / "ckpt"),
+        **kw,
+    )
+
+
+def test_a_mop_sweep_tells_optuna_each_trial_when_it_finishes(
+    small_manifest: str, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import training.search as search
+
+    spies: list[SpySampler] = []
+
+    def spying(cfg: SearchConfig, space: Any = None) -> SpySampler:
+        spies.append(SpySampler(real_make_sampler(cfg, space)))
+        return spies[-1]
+
+    real_make_sampler = search.make_sampler
+    monkeypatch.setattr(search, "make_sampler", spying)
+    cfg = SearchConfig(
+        n_trials=4, epochs=2, strategy="mop", model_slots=2, space=SPACE, sampler="tpe", pruner="none"
+    )
+    logged: list[tuple[int, int]] = []  # (trial, trials asked by then)
+    storage = str(tmp_path / "journal.log")
+
+    def on_trial_done(result: Any) -> None:
+        asked = len(optuna.load_study(study_name="live", storage=search.make_storage(storage)).trials)
+        logged.append((result.number, asked))
+
+    outcome = _sweep(cfg, small_manifest, tmp_path, dask_client, on_trial_done=on_trial_done)
+    assert [r.state for r in outcome.results] == ["COMPLETE"] * 4
+    # TPE was given the first two trials, COMPLETE, before it sampled the last two.
+    assert spies[0].complete_seen == [0, 0, 2, 2]
+    # Trial runs are written as trials finish: the first two while the last two were not asked yet.
+    assert sorted(logged)[:2] == [(0, 2), (1, 2)] and len(logged) == 4
+    for result in outcome.results:  # each bundle was written when its trial was told
+        assert result.bundle_uri and Path(result.bundle_uri).exists()
+
+
+def _enqueue(storage: str, cfg: SearchConfig, lrs: list[float]) -> None:
+    from training.search import make_storage
+
+    study = optuna.create_study(study_name="live", storage=make_storage(storage), direction="maximize")
+    base = {"family": "cnn", "width": 8, "depth": 2, "batch_size": 16}
+    for lr in lrs:
+        study.enqueue_trial(optuna_params_for(cfg.search_space(), {**base, "lr": lr}))
+
+
+def _median_sweep(strategy: str, manifest: str, tmp_path: Path, client: Any) -> Any:
+    """Two good trials, then two that cannot learn: the median pruner stops those, comparing them
+    with the good ones, which were told COMPLETE while the sweep went on."""
+    cfg = SearchConfig(
+        n_trials=4,
+        epochs=4,
+        strategy=strategy,
+        model_slots=2,
+        ddp_world_size=2,
+        space=SPACE,
+        sampler="random",
+        pruner="median",
+        min_resource=3,  # judged from the third epoch on: the good ones have learned by then
+    )
+    _enqueue(str(tmp_path / "journal.log"), cfg, [GOOD_LR, GOOD_LR, BAD_LR, BAD_LR])
+    outcome = _sweep(cfg, manifest, tmp_path, client)
+    states = {r.number: (r.state, r.pruned_epoch, len(r.history)) for r in outcome.results}
+    assert states[0][0] == states[1][0] == "COMPLETE", states
+    for bad in (2, 3):
+        state, pruned_epoch, epochs = states[bad]
+        assert state == "PRUNED" and pruned_epoch == 2, states  # the first epoch it could be judged
+        assert epochs == pruned_epoch + 1, states  # it trained no epoch past the decision
+    return outcome
+
+
+def test_the_median_pruner_prunes_under_mop(small_manifest: str, dask_client: Any, tmp_path: Path) -> None:
+    _median_sweep("mop", small_manifest, tmp_path, dask_client)
+
+
+@pytest.mark.slow
+def test_the_median_pruner_prunes_under_ddp(small_manifest: str, dask_client: Any, tmp_path: Path) -> None:
+    _median_sweep("ddp", small_manifest, tmp_path, dask_client)
+
+
+def test_pruning_that_leaves_too_few_members_adds_unpruned_trials_under_mop(
+    small_manifest: str, dask_client: Any, tmp_path: Path
+) -> None:
+    cfg = SearchConfig(
+        n_trials=3,
+        epochs=4,
+        strategy="mop",
+        model_slots=2,
+        space=SPACE,
+        sampler="random",
+        pruner="median",
+        min_resource=3,
+    )
+    # Two good trials finish; the third cannot learn and is pruned; the ensemble wants 3 members.
+    _enqueue(str(tmp_path / "journal.log"), cfg, [GOOD_LR, GOOD_LR, BAD_LR, GOOD_LR])
+    outcome = _sweep(cfg, small_manifest, tmp_path, dask_client, min_complete=3)
+    states = [r.state for r in outcome.results]
+    assert states == ["COMPLETE", "COMPLETE", "PRUNED", "COMPLETE"], states
+    assert len(outcome.results[3].history) == 4  # the extra trial ran unpruned to the end
