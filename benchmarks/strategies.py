@@ -58,11 +58,17 @@ Output: a plain-text table on stdout, the target lines, and every figure in
 Timings are wall-clock on a shared machine: other processes running at the same time slow
 every strategy down.
 
+On a GPU machine ``--device cuda`` trains every strategy on the GPU (task and mop workers each
+see the GPU and declare the Dask resource ``GPU``; DDP runs over nccl on up to 2 GPUs) and writes
+``benchmarks/results/strategies-cuda.json``; ``--trials-per-gpu 1,2,4,8`` then also runs ``task``
+with that many worker processes sharing each GPU and reports trials/s relative to 1.
+
 Run it from the repository root::
 
     .venv/bin/python benchmarks/strategies.py            # full size (~10-20 minutes on 2 cores)
     .venv/bin/python benchmarks/strategies.py --quick    # smoke test: 3000 samples, 2 configs, 1 epoch
     .venv/bin/python benchmarks/strategies.py --strategies mop,task --epochs 2
+    python benchmarks/strategies.py --device cuda --num-samples 1000000 --trials-per-gpu 1,2,4,8
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importa
     sys.path.insert(0, str(REPO_ROOT))
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "strategies.json"
+CUDA_RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "strategies-cuda.json"
 STRATEGY_ORDER = ("sequential", "task", "mop", "ddp")
 N_WORKERS = 2
 DDP_WORLD_SIZE = 2
@@ -131,6 +138,8 @@ class Settings:
     strategies: tuple[str, ...]
     timeout_s: float
     quick: bool
+    device: str = "cpu"  # cpu | cuda
+    trials_per_gpu: tuple[int, ...] = ()  # cuda: the task strategy again with k workers per GPU
 
 
 def model_specs(settings: Settings) -> list[dict[str, Any]]:
@@ -145,7 +154,10 @@ def model_specs(settings: Settings) -> list[dict[str, Any]]:
             "weight_decay": settings.weight_decay,
             "batch_size": settings.batch_size,
         }
-        specs.append({"model_id": f"m{seed}-{family}{width}x{depth}", "params": params, "seed": seed})
+        device = {"accelerator": "gpu" if settings.device == "cuda" else "cpu", "precision": "32"}
+        specs.append(
+            {"model_id": f"m{seed}-{family}{width}x{depth}", "params": params, "seed": seed, "device": device}
+        )
     return specs
 
 
@@ -228,7 +240,7 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
     from training.executors.units import DataRef, ModelSpec, cached_bytes, clear_partitions
 
     data = DataRef(manifest_uri=job["manifest_uri"])
-    specs = [ModelSpec(**m) for m in job["models"]]
+    specs = [ModelSpec.from_dict(m) for m in job["models"]]
     shards: list[str] = job["shards"]
     epochs = int(job["epochs"])
     train_rows = int(job["train_rows"])
@@ -258,8 +270,14 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
         from training.executors.task import TaskExecutor
 
         cluster_started = time.perf_counter()
-        with dask_client("", N_WORKERS) as client:
-            client.wait_for_workers(N_WORKERS, timeout=120)
+        on_gpu = job.get("device") == "cuda"
+        per_gpu = int(job.get("trials_per_gpu", 1))
+        with dask_client(
+            "", N_WORKERS, accelerator="gpu" if on_gpu else "cpu", trials_per_gpu=per_gpu
+        ) as client:
+            workers = len(client.scheduler_info()["workers"])
+            client.wait_for_workers(workers, timeout=120)
+            result["workers"] = workers
             client.run(_warm_imports)
             client.run(clear_partitions)
             result["cluster_start_s"] = time.perf_counter() - cluster_started
@@ -288,7 +306,7 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
         result["records"] = _records_summary(executor.records)
         # Share of worker-time idle over the whole run (validation between rounds counts as idle).
         busy = result["records"]["busy_s"]
-        result["run_idle_fraction"] = max(0.0, 1.0 - busy / (result["wall_s"] * N_WORKERS))
+        result["run_idle_fraction"] = max(0.0, 1.0 - busy / (result["wall_s"] * workers))
         if name == "mop":
             rounds = {int(k): idle_fraction(v) for k, v in executor.epoch_records.items() if v}
             result["idle_per_round"] = rounds
@@ -304,9 +322,13 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
         from training.executors.ddp import DDPExecutor
         from training.models import ArchSpec, count_params
 
-        executor = DDPExecutor(
-            data, world_size=DDP_WORLD_SIZE, epoch_timeout_s=float(job["ddp_epoch_timeout_s"])
-        )
+        world = DDP_WORLD_SIZE
+        if job.get("device") == "cuda":  # nccl: one rank per GPU
+            import torch
+
+            world = max(1, min(DDP_WORLD_SIZE, torch.cuda.device_count()))
+        result["world_size"] = world
+        executor = DDPExecutor(data, world_size=world, epoch_timeout_s=float(job["ddp_epoch_timeout_s"]))
         started = time.perf_counter()
         outcomes = executor.run(specs, epochs)
         result["wall_s"] = time.perf_counter() - started
@@ -564,6 +586,7 @@ def run(settings: Settings, out: Path) -> int:
             "epochs": settings.epochs,
             "train_rows": train_rows,
             "ddp_epoch_timeout_s": min(settings.timeout_s, 600.0),
+            "device": settings.device,
         }
         job_path = work / "job.json"
         job_path.write_text(json.dumps(job))
@@ -589,6 +612,7 @@ def run(settings: Settings, out: Path) -> int:
                     )
                 if r.get("errors"):
                     print(f"  {name}: model errors: {r['errors']}", flush=True)
+        per_gpu = _trials_per_gpu_sweep(settings, job, work)
         table = format_table(results)
         targets = evaluate_targets(results)
         target_lines = [format_target(t) for t in targets]
@@ -605,6 +629,9 @@ def run(settings: Settings, out: Path) -> int:
         for line in target_lines:
             print(line)
         for line in cpu_lines:
+            print(line)
+        per_gpu_lines = format_trials_per_gpu(per_gpu)
+        for line in per_gpu_lines:
             print(line)
         report = {
             "benchmark": "strategies",
@@ -638,9 +665,10 @@ def run(settings: Settings, out: Path) -> int:
                 "val_acc_mean": "mean over models of units.evaluate_state(final state) on the validation split",
             },
             "results": results,
+            "trials_per_gpu": per_gpu,
             "targets": targets,
             "total_s": time.perf_counter() - wall_start,
-            "printed": [header, table, *target_lines, *cpu_lines],
+            "printed": [header, table, *target_lines, *cpu_lines, *per_gpu_lines],
         }
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
@@ -648,6 +676,44 @@ def run(settings: Settings, out: Path) -> int:
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _trials_per_gpu_sweep(settings: Settings, job: dict[str, Any], work: Path) -> dict[str, Any]:
+    """``task`` on the GPU with k worker processes per GPU, for each k: trials/s relative to k=1."""
+    out: dict[str, Any] = {}
+    for k in settings.trials_per_gpu:
+        path = work / f"job-tpg{k}.json"
+        path.write_text(json.dumps(job | {"trials_per_gpu": k}))
+        print(f"running task with {k} worker(s) per GPU ...", flush=True)
+        r = launch("task", path, work, settings.timeout_s)
+        if "error" in r:
+            out[str(k)] = {"error": r["error"]}
+            continue
+        out[str(k)] = {
+            "wall_s": r["wall_s"],
+            "trials_per_s": settings.configs / r["wall_s"],
+            "val_acc_mean": r["val_acc_mean"],
+            "workers": r.get("workers"),
+        }
+    base = out.get("1", {}).get("trials_per_s")
+    for entry in out.values():
+        if base and "trials_per_s" in entry:
+            entry["relative_to_1"] = entry["trials_per_s"] / base
+    return out
+
+
+def format_trials_per_gpu(per_gpu: dict[str, Any]) -> list[str]:
+    """One line per k of the trials-per-GPU sweep."""
+    lines = []
+    for k, r in per_gpu.items():
+        if "error" in r:
+            lines.append(f"trials_per_gpu={k}: FAILED {r['error']}")
+        else:
+            lines.append(
+                f"trials_per_gpu={k}: {r['trials_per_s']:.3f} trials/s "
+                f"({_fmt(r.get('relative_to_1'), '.2f')}x of 1), val_acc_mean {_fmt(r['val_acc_mean'], '.4f')}"
+            )
+    return lines
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -664,7 +730,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--strategies", default=",".join(STRATEGY_ORDER), help="comma-separated subset of the strategies"
     )
     parser.add_argument("--timeout-s", type=float, default=900.0, help="wall-clock limit per strategy")
-    parser.add_argument("--out", type=Path, default=RESULTS_PATH, help="where the JSON is written")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where every strategy trains"
+    )
+    parser.add_argument(
+        "--trials-per-gpu",
+        default="",
+        help="cuda: comma-separated worker counts per GPU for an extra task sweep (e.g. 1,2,4,8)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where the JSON is written (default: named for the device)"
+    )
     parser.add_argument("--run-strategy", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--job", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -682,7 +758,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = args.configs if args.configs is not None else (2 if args.quick else len(CONFIGS))
     if not 1 <= configs <= len(CONFIGS):
         raise SystemExit(f"--configs must be between 1 and {len(CONFIGS)}")
+    per_gpu = tuple(int(k) for k in args.trials_per_gpu.split(",") if k.strip())
+    if per_gpu and args.device != "cuda":
+        raise SystemExit("--trials-per-gpu needs --device cuda")
+    if args.device == "cuda" and not args.run_strategy:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device (a CPU build of torch, or no GPU)")
     settings = Settings(
+        device=args.device,
+        trials_per_gpu=per_gpu,
         num_samples=args.num_samples or (3000 if args.quick else 142_000),
         n_shards=args.n_shards,
         configs=configs,
@@ -694,7 +780,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         quick=args.quick,
     )
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(settings, args.out)
+    out = args.out or (CUDA_RESULTS_PATH if args.device == "cuda" else RESULTS_PATH)
+    return run(settings, out)
 
 
 if __name__ == "__main__":

@@ -187,6 +187,7 @@ def search_stage(
 ) -> dict[str, Any]:
     """Stage 2: the Optuna study, trials trained in parallel on Dask; one nested MLflow run per trial."""
     from training.cluster import dask_client
+    from training.devices import device_for_cluster
     from training.scaling import log_volatile
     from training.search import run_search, run_search_with_executor
     from training.trial import TrialResult
@@ -229,7 +230,12 @@ def search_stage(
 
     warm = champion_warm_start(tracker.client, cfg) if cfg.search.warm_start else None
     try:
-        with dask_client(settings.dask_address, settings.dask_workers) as client:
+        with dask_client(
+            settings.dask_address, settings.dask_workers, settings.accelerator, settings.trials_per_gpu
+        ) as client:
+            device = device_for_cluster(client, settings.accelerator, settings.precision)  # type: ignore[arg-type]
+            log.info("search: training on %s (precision %s)", device.accelerator, device.precision)
+            tracker.log_params(run_id, {"accelerator": device.accelerator, "precision": device.precision})
             common = (
                 cfg.search,
                 str(shard["manifest_uri"]),
@@ -241,7 +247,11 @@ def search_stage(
             )
             if cfg.search.strategy == "task":
                 outcome = run_search(
-                    *common, on_trial_done=log_trial, min_complete=cfg.ensemble.top_k, warm_start=warm
+                    *common,
+                    on_trial_done=log_trial,
+                    min_complete=cfg.ensemble.top_k,
+                    warm_start=warm,
+                    device=device,
                 )
             else:
                 checkpoints = storage.join(settings.artifact_root, "checkpoints", study)
@@ -251,6 +261,7 @@ def search_stage(
                     checkpoint_root=checkpoints,
                     warm_start=warm,
                     min_complete=cfg.ensemble.top_k,
+                    device=device,
                 )
         for result in outcome.results:  # trials finished by an earlier attempt but never logged
             log_trial(result)

@@ -19,6 +19,10 @@ class SettingsError(ValueError):
     """A setting has a value mopflow cannot use."""
 
 
+ACCELERATORS = ("auto", "cpu", "gpu")  # where training runs (training/devices.py resolves auto)
+PRECISIONS = ("32", "bf16-mixed")  # Lightning precisions mopflow trains with
+
+
 def _default_home() -> Path:
     return Path.home() / ".mopflow"
 
@@ -43,7 +47,20 @@ SETTING_ENV: dict[str, tuple[str, str]] = {
         "Optuna storage: a journal file path or journal:///path, or an RDB URL (postgresql://...)",
     ),
     "dask_address": ("MOPFLOW_DASK_ADDRESS", "Address of an existing Dask scheduler; empty = LocalCluster"),
-    "dask_workers": ("MOPFLOW_DASK_WORKERS", "Worker processes of the LocalCluster"),
+    "dask_workers": ("MOPFLOW_DASK_WORKERS", "Worker processes of the LocalCluster (CPU workers)"),
+    "accelerator": (
+        "MOPFLOW_ACCELERATOR",
+        "auto | cpu | gpu: where training runs (auto: GPU workers when CUDA is visible or the cluster has "
+        "workers with the Dask resource GPU)",
+    ),
+    "trials_per_gpu": (
+        "MOPFLOW_TRIALS_PER_GPU",
+        "LocalCluster worker processes per visible GPU, each training one trial or unit at a time (default 1)",
+    ),
+    "precision": (
+        "MOPFLOW_PRECISION",
+        "32 | bf16-mixed: training precision (bf16-mixed where the device has it)",
+    ),
     "storage_options": (
         "MOPFLOW_STORAGE_OPTIONS",
         "JSON object of fsspec storage options (e.g. s3 endpoint)",
@@ -103,6 +120,9 @@ class Settings:
     dask_workers: int
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     airflow_home: str = ""
+    accelerator: str = "auto"
+    trials_per_gpu: int = 1
+    precision: str = "32"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -123,6 +143,15 @@ class Settings:
             raise SettingsError(f"MOPFLOW_STORAGE_OPTIONS is not valid JSON: {exc}") from exc
         if not isinstance(options, dict):
             raise SettingsError("MOPFLOW_STORAGE_OPTIONS must be a JSON object")
+        accelerator = (env.get("MOPFLOW_ACCELERATOR", "") or "auto").strip().lower()
+        if accelerator not in ACCELERATORS:
+            raise SettingsError(f"MOPFLOW_ACCELERATOR={accelerator!r} is not one of {list(ACCELERATORS)}")
+        precision = (env.get("MOPFLOW_PRECISION", "") or "32").strip()
+        if precision not in PRECISIONS:
+            raise SettingsError(f"MOPFLOW_PRECISION={precision!r} is not one of {list(PRECISIONS)}")
+        per_gpu_raw = env.get("MOPFLOW_TRIALS_PER_GPU", "1") or "1"
+        if not per_gpu_raw.strip().isdigit() or not 1 <= int(per_gpu_raw) <= 64:
+            raise SettingsError(f"MOPFLOW_TRIALS_PER_GPU={per_gpu_raw!r} must be an integer from 1 to 64")
         return cls(
             home=str(home),
             data_root=env.get("MOPFLOW_DATA_ROOT") or str(home / "data"),
@@ -136,6 +165,9 @@ class Settings:
             dask_workers=workers,
             storage_options=options,
             airflow_home=env.get("MOPFLOW_AIRFLOW_HOME") or str(home / "airflow"),
+            accelerator=accelerator,
+            trials_per_gpu=int(per_gpu_raw),
+            precision=precision,
         )
 
     def describe(self) -> dict[str, str]:

@@ -92,3 +92,17 @@ def pg_url() -> Iterator[str]:
         yield f"postgresql+psycopg2://postgres@{PG[0]}:{PG[1]}/{name}"
     finally:
         admin_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` run only where torch sees a CUDA device."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from torch import nn
 
+from training.devices import CPU, DeviceSpec
+from training.schedule import one_cycle
+
 
 class NonFiniteLossError(FloatingPointError):
     """The training loss became NaN or infinite; the run stops at that step."""
@@ -86,11 +89,17 @@ class Classifier(pl.LightningModule):
         weight_decay: float,
         temperature: float = 1.0,
         alpha: float = 0.0,
+        total_steps: int | None = None,
+        start_step: int = 0,
     ) -> None:
         super().__init__()
         self.model = model
         self.lr = lr
         self.weight_decay = weight_decay
+        # The schedule's length and position in global steps (training/schedule.py); None: this
+        # fit's own steps (the whole training in one fit).
+        self.total_steps = total_steps
+        self.start_step = start_step
         self.temperature = temperature
         self.alpha = alpha
         self.last_train_loss = math.nan
@@ -209,9 +218,16 @@ class Classifier(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        total = int(self.trainer.estimated_stepping_batches)
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr, total_steps=max(total, 1))
+        self.restore_optimizer(optimizer)
+        total = (
+            self.total_steps if self.total_steps is not None else int(self.trainer.estimated_stepping_batches)
+        )
+        scheduler = one_cycle(optimizer, self.lr, total, self.start_step)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Load saved optimizer state (a resumed model's moments) before the schedule is placed;
+        nothing here, a fresh start."""
 
 
 # Lightning inspects training_step's signature on every step (whether it takes batch_idx); a
@@ -266,11 +282,11 @@ def _fast_step(module: Classifier) -> _FastStep | None:
     return _FastStep(optimizers, schedulers, progress)
 
 
-def quiet_trainer_kwargs() -> dict[str, Any]:
-    """Trainer settings for non-interactive runs: no progress bars, no summaries, no default logger."""
+def quiet_trainer_kwargs(device: DeviceSpec = CPU) -> dict[str, Any]:
+    """Trainer settings for non-interactive runs on one device (CPU by default): no progress
+    bars, no summaries, no default logger."""
     return {
-        "accelerator": "cpu",
-        "devices": 1,
+        **device.trainer_kwargs(),
         "logger": False,
         "enable_checkpointing": False,
         "enable_progress_bar": False,

@@ -21,6 +21,7 @@ from infra import storage
 from infra.optuna_storage import make_storage, quiet_optuna
 from training.config import SearchConfig
 from training.data import verify_manifest
+from training.devices import CPU, DeviceSpec
 from training.preempt import lost_spans, redone_seconds, task_story
 from training.scaling import RoundScale, round_scaling, with_spot_replay
 from training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna, sample_params
@@ -393,8 +394,10 @@ def run_search(
     on_trial_done: Callable[[TrialResult], None] | None = None,
     min_complete: int = 1,
     warm_start: WarmStart | None = None,
+    device: DeviceSpec = CPU,
 ) -> SearchOutcome:
     """Run (or resume) the study until ``cfg.n_trials`` trials have finished or time runs out.
+    Each trial trains on ``device`` (a GPU trial only on a worker with the ``GPU`` resource).
 
     If pruning left fewer than ``min_complete`` COMPLETE trials (the ensemble needs its
     members), extra trials are run with pruning off until there are enough (at most
@@ -457,9 +460,14 @@ def run_search(
                     min_resource=cfg.min_resource,
                     checkpoint_uri=checkpoint_folder(artifact_root, study_name, trial.number),
                     resume_from=resume_folder(trial),
+                    device=device,
                 )
                 future = client.submit(
-                    train_trial, spec, pure=False, key=f"trial-{study_name}-{trial.number}"
+                    train_trial,
+                    spec,
+                    pure=False,
+                    key=f"trial-{study_name}-{trial.number}",
+                    resources=device.resources() or None,
                 )
                 in_flight[future] = trial
                 asked += 1
@@ -568,7 +576,9 @@ class _SearchController:
         prune: bool = True,
         on_done: Callable[[_SearchController, Any], None] | None = None,
         respect_deadline: bool = True,
+        device: DeviceSpec = CPU,
     ) -> None:
+        self.device = device
         self.study, self.space, self.cfg, self.budget = study, space, cfg, budget
         self.prune = prune and cfg.pruner != "none"
         self.on_done = on_done
@@ -595,7 +605,7 @@ class _SearchController:
             params = sample_params(self.space, trial)
             model_id = f"trial-{trial.number:04d}"
             self.trials[model_id] = trial
-            specs.append(ModelSpec(model_id, params, seed=self.cfg.seed * 1000 + trial.number))
+            specs.append(ModelSpec(model_id, params, self.cfg.seed * 1000 + trial.number, self.device))
             log.info("search: started trial %d %s", trial.number, params)
             count -= 1
         return specs
@@ -629,6 +639,7 @@ def run_search_with_executor(
     checkpoint_root: str = "",
     warm_start: WarmStart | None = None,
     min_complete: int = 1,
+    device: DeviceSpec = CPU,
 ) -> SearchOutcome:
     """The search over the ``ddp`` or ``mop`` executor: ask-and-tell in this process; the executor
     reports every model's validation accuracy after each epoch, and each model is told to Optuna
@@ -679,7 +690,14 @@ def run_search_with_executor(
 
     def run_batch(count: int, prune: bool, respect_deadline: bool) -> None:
         controller = _SearchController(
-            study, space, cfg, count, prune=prune, on_done=finish, respect_deadline=respect_deadline
+            study,
+            space,
+            cfg,
+            count,
+            prune=prune,
+            on_done=finish,
+            respect_deadline=respect_deadline,
+            device=device,
         )
         first = controller.ask(cfg.model_slots if cfg.strategy == "mop" else 1)
         outcomes = executor.run(first, cfg.epochs, controller)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from training.devices import CPU, DeviceSpec
 from training.preempt import Preempted, notice_received
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class TrialSpec:
     min_resource: int = 1
     checkpoint_uri: str = ""  # folder of this trial's last epoch checkpoint ("" = no checkpoints)
     resume_from: str = ""  # checkpoint folder of an earlier attempt at the same params (a retry)
+    device: DeviceSpec = CPU  # where it trains (submitted with the device's Dask resources)
 
 
 @dataclass
@@ -389,7 +391,9 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
                     state["pruned_epoch"] = epoch
                     trainer.should_stop = True
 
-        trainer = pl.Trainer(max_epochs=spec.epochs, callbacks=[EpochReport()], **quiet_trainer_kwargs())
+        trainer = pl.Trainer(
+            max_epochs=spec.epochs, callbacks=[EpochReport()], **quiet_trainer_kwargs(spec.device)
+        )
         if resume_path:
             log.info("trial %d: resuming from checkpoint %s", spec.number, resume_path)
         with heartbeat(active):

@@ -25,6 +25,7 @@ class EpochReport:
     epoch: int
     val_acc: float
     train_loss: float
+    lr: float | None = None  # the learning rate the epoch ended at (the schedule's position)
 
 
 @dataclass

@@ -165,7 +165,11 @@ class DDPExecutor(Executor):
         new = [json.loads(line) for line in lines[seen:]]
         reports = [
             EpochReport(
-                str(r.get("model_id", "")), int(r["epoch"]), float(r["val_acc"]), float(r["train_loss"])
+                str(r.get("model_id", "")),
+                int(r["epoch"]),
+                float(r["val_acc"]),
+                float(r["train_loss"]),
+                float(r["lr"]) if r.get("lr") is not None else None,
             )
             for r in new
         ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -28,13 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     from torch.utils.data import DataLoader, TensorDataset
 
     from training.data import load_manifest, load_split
-    from training.executors.units import DataRef, ModelSpec, _build, pack_state
+    from training.executors.units import DataRef, ModelSpec, _build, pack_state, unpack_state
     from training.lit import Classifier, quiet_trainer_kwargs
+    from training.schedule import steps_per_epoch
     from training.trial import quiet_lightning
 
     torch.set_num_threads(1)
     quiet_lightning()
-    spec = ModelSpec(**job["spec"])
+    spec = ModelSpec.from_dict(job["spec"])
     data = DataRef(**job["data"])
     out = Path(job["out_dir"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -42,12 +44,27 @@ def main(argv: list[str] | None = None) -> int:
     pl.seed_everything(spec.seed, workers=False, verbose=False)
     _, model = _build(spec, manifest)
     start_epoch = int(job.get("start_epoch", 0))
-    if job.get("resume_state"):
-        from training.executors.units import unpack_state
-
-        unpack_state(Path(job["resume_state"]).read_bytes(), model, None)  # safetensors: nothing unpickled
-    module = Classifier(model, lr=float(spec.params["lr"]), weight_decay=float(spec.params["weight_decay"]))
+    resume = Path(job["resume_state"]).read_bytes() if job.get("resume_state") else None
+    if resume is not None:  # safetensors: nothing unpickled
+        unpack_state(resume, model, None)
     x, y = load_split(data.manifest_uri, "train", data.storage_options)
+    # One-cycle over the whole training in global steps (training/schedule.py); a rank's epoch is
+    # its share of the rows (DistributedSampler pads to equal shares) in per-rank batches. A
+    # resumed job continues the schedule and the optimizer moments where the checkpoint left them.
+    epoch_steps = steps_per_epoch([math.ceil(len(x) / world)], int(job["batch_per_rank"]))
+
+    class DDPModule(Classifier):
+        def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+            if resume is not None:
+                unpack_state(resume, self.model, optimizer)
+
+    module = DDPModule(
+        model,
+        lr=float(spec.params["lr"]),
+        weight_decay=float(spec.params["weight_decay"]),
+        total_steps=int(job["epochs"]) * epoch_steps,
+        start_step=start_epoch * epoch_steps,
+    )
     xv, yv = load_split(data.manifest_uri, "validation", data.storage_options)
     # Per-rank batch b: the global batch is world x b (Lightning adds a DistributedSampler).
     train = DataLoader(
@@ -70,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                     "val_acc": float(trainer.callback_metrics["val_acc"]),
                     "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
                     "world_size": world,
+                    "lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
                 }
-                state = pack_state(model, None, {"epoch": epoch, "model_id": spec.model_id})
+                optimizer = trainer.optimizers[0]  # moments kept: a resumed job continues them
+                state = pack_state(model, optimizer, {"epoch": epoch, "model_id": spec.model_id})
                 tmp = out / "last.safetensors.tmp"
                 tmp.write_bytes(state)
                 tmp.replace(out / "last.safetensors")
@@ -86,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         hook = default_hooks.bf16_compress_hook
-    kwargs = quiet_trainer_kwargs() | {"devices": world}
+    kwargs = quiet_trainer_kwargs(spec.device) | {"devices": world}
+    backend = spec.device.ddp_backend()  # nccl between GPUs, gloo on CPU
     trainer = pl.Trainer(
         max_epochs=int(job["epochs"]) - start_epoch,
-        strategy=DDPStrategy(process_group_backend="gloo", ddp_comm_hook=hook, timeout=_timeout(job)),
+        strategy=DDPStrategy(process_group_backend=backend, ddp_comm_hook=hook, timeout=_timeout(job)),
         callbacks=[Report()],
         **kwargs,
     )

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from training.data import load_manifest
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
 from training.executors.scheduler import MopScheduler, Unit, round_robin
 from training.executors.units import (
@@ -27,6 +28,7 @@ from training.executors.units import (
     train_pass_and_validate,
 )
 from training.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
+from training.schedule import steps_per_epoch
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,11 @@ class MopExecutor(Executor):
             client.wait_for_workers(1, timeout=120)
             workers = sorted(client.scheduler_info()["workers"])
         self.partitions = partition_shards(shard_names, partitions or len(workers))
+        rows = {
+            e["name"]: int(e["rows"])
+            for e in load_manifest(data.manifest_uri, data.storage_options)["splits"]["train"]
+        }
+        self.partition_rows = {p: sum(rows[s] for s in names) for p, names in self.partitions.items()}
         self.before_round = before_round  # e.g. scale the cluster to n_j workers (training/scaling.py)
         self.scheduler = MopScheduler(round_robin(self.partitions, workers), seed=seed)
         # Model slots: models training at once (at least one per partition keeps every worker busy).
@@ -98,6 +105,10 @@ class MopExecutor(Executor):
         self._leaving: set[str] = set()  # workers that said they are being preempted
         self._missing_since: dict[str, float] = {}
         self._no_worker_since: float | None = None
+
+    def epoch_steps(self, spec: ModelSpec) -> int:
+        """A model's optimizer steps in one epoch over every partition (its schedule's unit)."""
+        return steps_per_epoch(self.partition_rows.values(), int(spec.params["batch_size"]))
 
     def _connected(self) -> set[str]:
         return set(self.client.scheduler_info()["workers"])
@@ -169,8 +180,10 @@ class MopExecutor(Executor):
                         int(unit.partition[1:]),
                         {"visited": seen, "partition": unit.partition},
                         len(set(seen)) >= len(self.partitions),  # the epoch's last unit validates
+                        self.epoch_steps(spec),
                         workers=[worker],
                         allow_other_workers=False,
+                        resources=spec.device.resources() or None,
                         pure=False,
                         key=f"mop-{unit.model}-e{epoch}-{unit.partition}-{time.monotonic_ns()}",
                     )
@@ -401,15 +414,28 @@ class MopExecutor(Executor):
         ]
         # normally validated by the epoch's last unit; a model without a figure is validated here
         missing = {
-            mid: self.client.submit(evaluate_state, active[mid], states[mid], self.data, pure=False)
+            mid: self.client.submit(
+                evaluate_state,
+                active[mid],
+                states[mid],
+                self.data,
+                pure=False,
+                resources=active[mid].device.resources() or None,
+            )
             for mid in finished
             if mid not in val_accs
         }
         for mid in finished:
             epoch = next_epoch.get(mid, 0)
-            losses = [r["train_loss"] for r in records if r["model"] == mid]
+            mine = [r for r in records if r["model"] == mid]
             val_acc = val_accs[mid] if mid in val_accs else float(missing[mid].result())
-            report = EpochReport(mid, epoch, val_acc, float(losses[-1]) if losses else float("nan"))
+            report = EpochReport(
+                mid,
+                epoch,
+                val_acc,
+                float(mine[-1]["train_loss"]) if mine else float("nan"),
+                float(mine[-1]["lr_end"]) if mine else None,
+            )
             outcomes[mid].history.append(report)
             next_epoch[mid], visited[mid] = epoch + 1, []
             keep = controller.on_epoch_end(report)

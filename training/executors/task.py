@@ -79,6 +79,7 @@ class TaskExecutor(Executor):
                 epochs,
                 pure=False,
                 key=f"task-{mid}-e{epoch}-{time.monotonic_ns()}",
+                resources=spec.device.resources() or None,
                 **elsewhere,
             )
             in_flight[future] = mid
@@ -127,7 +128,9 @@ class TaskExecutor(Executor):
                 states[mid] = state
                 self.records.append(record)
                 self.save_checkpoint(mid, state)
-                report = EpochReport(mid, epoch, val_acc, float(record["train_loss"]))
+                report = EpochReport(
+                    mid, epoch, val_acc, float(record["train_loss"]), float(record["lr_end"])
+                )
                 outcomes[mid].history.append(report)
                 next_epoch[mid] = epoch + 1
                 keep = controller.on_epoch_end(report)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -17,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from training.devices import CPU, DeviceSpec
 from training.preempt import NOTICE, UnitPreempted, notice_received
+from training.schedule import steps_per_epoch
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +26,23 @@ log = logging.getLogger(__name__)
 _PARTITIONS: dict[tuple[str, tuple[str, ...]], tuple[Any, Any]] = {}
 # The same for the evaluation splits (validated after every epoch: read and verified once).
 _EVAL_SPLITS: dict[tuple[str, str], tuple[Any, Any]] = {}
+EVAL_BATCH = 4096  # rows per validation batch
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A configuration to train (the search's trial params) and its seed."""
+    """A configuration to train (the search's trial params), its seed and the device it trains on."""
 
     model_id: str
     params: dict[str, Any]
     seed: int = 0
+    device: DeviceSpec = CPU
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ModelSpec:
+        """Rebuild from ``dataclasses.asdict`` (a job file): the device comes back as a DeviceSpec."""
+        device = raw.get("device") or {}
+        return cls(**{**raw, "device": DeviceSpec(**device) if isinstance(device, Mapping) else device})
 
 
 @dataclass(frozen=True)
@@ -43,15 +52,6 @@ class DataRef:
     manifest_uri: str
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str = ""
-
-
-def epoch_lr(base_lr: float, epoch: int, total_epochs: int) -> float:
-    """Cosine decay by epoch (one value per epoch, so a sub-epoch on any worker uses the same)."""
-    warmup = 1 if total_epochs > 3 else 0
-    if epoch < warmup:
-        return base_lr * 0.3
-    progress = (epoch - warmup) / max(1, total_epochs - warmup)
-    return base_lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def load_partition(data: DataRef, shard_names: Sequence[str]) -> tuple[Any, Any]:
@@ -165,10 +165,11 @@ def unpack_state(data: bytes, model: Any, optimizer: Any | None) -> dict[str, An
     if optimizer is not None and steps:
         for index, param in enumerate(optimizer.param_groups[0]["params"]):
             if str(index) in steps:
+                # On the parameter's device: after a hop the model may already sit on a GPU.
                 optimizer.state[param] = {
                     "step": torch.tensor(steps[str(index)]),
-                    "exp_avg": tensors[f"opt.{index}.exp_avg"],
-                    "exp_avg_sq": tensors[f"opt.{index}.exp_avg_sq"],
+                    "exp_avg": tensors[f"opt.{index}.exp_avg"].to(param.device),
+                    "exp_avg_sq": tensors[f"opt.{index}.exp_avg_sq"].to(param.device),
                 }
     meta: dict[str, Any] = json.loads(metadata.get("meta", "{}"))
     return meta
@@ -183,10 +184,15 @@ def train_pass(
     total_epochs: int,
     pass_index: int = 0,
     meta: Mapping[str, Any] | None = None,
+    epoch_steps: int | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
     """One pass of ``spec`` over ``shard_names`` at ``epoch`` (a MOP sub-epoch, or a whole epoch).
 
-    Returns the new state and the pass's record (worker, timings, rows, loss).
+    The learning rate follows the one-cycle schedule of ``total_epochs x epoch_steps`` global
+    steps (``training/schedule.py``) from the model's global step, which the state carries:
+    the same curve whichever strategy trains it. ``epoch_steps`` is the steps of a whole epoch
+    over every partition (None: this pass is the whole epoch). Returns the new state and the
+    pass's record (worker, timings, rows, loss, global step and learning rate at its end).
     """
     import pytorch_lightning as pl
     import torch
@@ -205,29 +211,34 @@ def train_pass(
     resume = _resume_point(state, epoch, pass_index, shard_names)
     manifest = load_manifest(data.manifest_uri, data.storage_options)
     _, model = _build(spec, manifest)
-    lr = epoch_lr(float(spec.params["lr"]), epoch, total_epochs)
+    lr = float(spec.params["lr"])
     optimizer_holder: dict[str, Any] = {}
+    x, y = load_partition(data, shard_names)
+    loaded = time.time()
+    batch_size = int(spec.params["batch_size"])
+    start_step = global_step(state)
 
     class PassModule(Classifier):
-        """Constant LR within the pass; optimizer moments carried over from the previous pass."""
+        """Optimizer moments carried over from the previous pass; the schedule placed at the
+        model's global step."""
 
-        def configure_optimizers(self) -> Any:
-            optimizer = torch.optim.AdamW(
-                self.parameters(), lr=lr, weight_decay=float(spec.params["weight_decay"])
-            )
+        def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
             if state is not None:
                 unpack_state(state, self.model, optimizer)
             optimizer_holder["opt"] = optimizer
-            return optimizer
 
     # Weights and moments are loaded once, in configure_optimizers (Lightning calls it before the first step).
-    module = PassModule(model, lr=lr, weight_decay=float(spec.params["weight_decay"]))
-    x, y = load_partition(data, shard_names)
-    loaded = time.time()
+    steps = epoch_steps if epoch_steps is not None else steps_per_epoch([len(x)], batch_size)
+    module = PassModule(
+        model,
+        lr=lr,
+        weight_decay=float(spec.params["weight_decay"]),
+        total_steps=total_epochs * steps,
+        start_step=start_step,
+    )
     # Same shuffling for the same (model, epoch, pass) wherever it runs: the permutation that
     # DataLoader(shuffle=True, generator=...) draws, less the batches a preempted attempt did.
     generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + epoch * 1009 + pass_index)
-    batch_size = int(spec.params["batch_size"])
     n_batches = -(-len(x) // batch_size)
     skip = resume.batches if resume is not None else 0
     order = torch.randperm(len(x), generator=generator)[skip * batch_size :]
@@ -258,7 +269,8 @@ def train_pass(
                 "batches": batches,
             }
             rng = {"rng": torch.get_rng_state()}
-            packed = pack_state(model, optimizer_holder.get("opt"), {**done_meta, "partial": partial}, rng)
+            at = {**done_meta, "partial": partial, "global_step": start_step + trainer.global_step}
+            packed = pack_state(model, optimizer_holder.get("opt"), at, rng)
             saved_at = time.time()
             log.warning(
                 "%s: spot notice; stopped epoch %d pass %d at batch %d/%d",
@@ -282,13 +294,14 @@ def train_pass(
             )
 
     trainer = pl.Trainer(
-        max_epochs=1, limit_val_batches=0, callbacks=[NoticeWatch()], **quiet_trainer_kwargs()
+        max_epochs=1, limit_val_batches=0, callbacks=[NoticeWatch()], **quiet_trainer_kwargs(spec.device)
     )
     try:
         trainer.fit(module, loader)
     except NonFiniteLossError:
         raise
-    new_state = pack_state(model, optimizer_holder.get("opt"), done_meta)
+    end_step = start_step + trainer.global_step
+    new_state = pack_state(model, optimizer_holder.get("opt"), {**done_meta, "global_step": end_step})
     ended = time.time()
     return new_state, {
         "model": spec.model_id,
@@ -302,7 +315,20 @@ def train_pass(
         "resumed_at_batch": skip,
         "train_loss": float(module.last_train_loss),
         "state_bytes": len(new_state),
+        "global_step_end": end_step,
+        "lr_end": float(optimizer_holder["opt"].param_groups[0]["lr"]) if "opt" in optimizer_holder else lr,
     }
+
+
+def global_step(state: bytes | None) -> int:
+    """The optimizer steps a packed state has taken (0 for an initial state)."""
+    if state is None:
+        return 0
+    meta = read_meta(state)
+    if "global_step" in meta:
+        return int(meta["global_step"])
+    steps = json.loads(_metadata(state).get("steps", "{}"))  # a state packed before global_step
+    return int(max(steps.values(), default=0))
 
 
 def _dask_address() -> str:
@@ -372,9 +398,13 @@ def evaluate_state(spec: ModelSpec, state: bytes, data: DataRef, split: str = "v
     _, model = _build(spec, manifest)
     unpack_state(state, model, None)
     x, y = load_eval_split(data, split)
-    model.eval()
-    with torch.no_grad():
-        pred = model(x).argmax(dim=1).numpy()
+    device = spec.device.torch_device()
+    model.to(device).eval()
+    preds = []
+    with torch.no_grad():  # in batches: a split need not fit on the device at once
+        for start in range(0, len(x), EVAL_BATCH):
+            preds.append(model(x[start : start + EVAL_BATCH].to(device)).argmax(dim=1).cpu())
+    pred = torch.cat(preds).numpy() if preds else np.zeros(0, dtype=np.int64)
     return float(np.mean(pred == y))
 
 
@@ -388,13 +418,16 @@ def train_pass_and_validate(
     pass_index: int = 0,
     meta: Mapping[str, Any] | None = None,
     validate: bool = False,
+    epoch_steps: int | None = None,
 ) -> tuple[bytes, dict[str, Any], float | None]:
     """A pass, then (when it ends the model's epoch) validation on the same worker.
 
     Validating where the state already is saves a task and a round trip per model-epoch, and
     the wait for a separate validation phase at the end of a MOP round.
     """
-    new_state, record = train_pass(spec, state, data, shard_names, epoch, total_epochs, pass_index, meta)
+    new_state, record = train_pass(
+        spec, state, data, shard_names, epoch, total_epochs, pass_index, meta, epoch_steps
+    )
     return new_state, record, evaluate_state(spec, new_state, data) if validate else None
 
 

@@ -1,0 +1,203 @@
+"""Where training runs: resolving the accelerator, GPU workers of a LocalCluster, device-aware
+state; the ``gpu``-marked tests train on a CUDA device and are skipped without one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra.settings import Settings, SettingsError
+from training.cluster import dask_client, local_gpus
+from training.devices import (
+    CPU,
+    DeviceError,
+    DeviceSpec,
+    device_for_cluster,
+    gpu_worker_plan,
+    gpu_workers,
+    resolve_device,
+    visible_gpus,
+)
+from training.executors import DataRef, ModelSpec
+
+CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "gpus", "expected"),
+    [("auto", 0, "cpu"), ("auto", 2, "gpu"), ("cpu", 2, "cpu"), ("gpu", 1, "gpu")],
+)
+def test_the_accelerator_resolves_against_the_gpu_workers(accelerator: Any, gpus: int, expected: str) -> None:
+    device = resolve_device(accelerator, "32", gpus)
+    assert device.accelerator == expected
+    assert device.resources() == ({"GPU": 1} if expected == "gpu" else {})
+    assert device.ddp_backend() == ("nccl" if expected == "gpu" else "gloo")
+    assert device.trainer_kwargs() == {"accelerator": expected, "devices": 1, "precision": "32"}
+
+
+def test_gpu_without_gpu_workers_and_bf16_without_bfloat16_are_refused() -> None:
+    with pytest.raises(DeviceError, match=r"accelerator 'gpu' but no GPU worker.*--resources GPU=1"):
+        resolve_device("gpu", "32", 0)
+    with pytest.raises(DeviceError, match="bf16-mixed"):
+        resolve_device("auto", "bf16-mixed", 1, bf16_supported=False)
+    assert resolve_device("auto", "bf16-mixed", 0, bf16_supported=False) == DeviceSpec("cpu", "bf16-mixed")
+    with pytest.raises(DeviceError, match="no CUDA device is visible"):
+        local_gpus("gpu", [])
+    assert local_gpus("cpu", ["0"]) == [] and local_gpus("auto", ["0", "1"]) == ["0", "1"]
+
+
+def test_the_gpu_worker_plan_gives_each_worker_one_gpu_and_the_gpu_resource() -> None:
+    plan = gpu_worker_plan(["0", "3"], trials_per_gpu=2)
+    assert [(w.name, w.env, w.resources) for w in plan] == [
+        ("gpu0-0", {"CUDA_VISIBLE_DEVICES": "0"}, {"GPU": 1}),
+        ("gpu0-1", {"CUDA_VISIBLE_DEVICES": "0"}, {"GPU": 1}),
+        ("gpu3-0", {"CUDA_VISIBLE_DEVICES": "3"}, {"GPU": 1}),
+        ("gpu3-1", {"CUDA_VISIBLE_DEVICES": "3"}, {"GPU": 1}),
+    ]
+    with pytest.raises(DeviceError, match="trials_per_gpu=0"):
+        gpu_worker_plan(["0"], 0)
+
+
+def test_a_cpu_only_torch_sees_no_gpu_whatever_cuda_visible_devices_says() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1"}) == []
+
+
+def test_a_local_cluster_for_gpus_starts_a_worker_per_gpu_slot_that_sees_only_its_gpu() -> None:
+    # The mechanism on any machine: two "GPUs" by id, two workers each (nothing here touches CUDA).
+    with dask_client("", 2, accelerator="auto", trials_per_gpu=2, gpus=["0", "1"]) as client:
+        workers = client.scheduler_info()["workers"].values()
+        assert sorted(w["name"] for w in workers) == ["gpu0-0", "gpu0-1", "gpu1-0", "gpu1-1"]
+        assert all(w["resources"] == {"GPU": 1} for w in workers)
+        seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
+        assert sorted(seen.values()) == ["0", "0", "1", "1"]
+        assert gpu_workers(client) == 4
+        assert device_for_cluster(client, "auto", "32").accelerator == "gpu"
+        assert device_for_cluster(client, "cpu", "32") == CPU
+        # A unit that needs the GPU resource runs only on such a worker.
+        future = client.submit(os.getpid, resources={"GPU": 1}, pure=False)
+        assert future.result(timeout=60) in client.run(os.getpid).values()
+
+
+def test_a_cpu_cluster_has_no_gpu_workers(dask_client: Any) -> None:
+    assert gpu_workers(dask_client) == 0
+    assert device_for_cluster(dask_client, "auto", "32") == CPU
+    with pytest.raises(DeviceError, match="no GPU worker"):
+        device_for_cluster(dask_client, "gpu", "32")
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"MOPFLOW_ACCELERATOR": "tpu"}, "MOPFLOW_ACCELERATOR='tpu' is not one of ['auto', 'cpu', 'gpu']"),
+        ({"MOPFLOW_PRECISION": "16"}, "MOPFLOW_PRECISION='16' is not one of ['32', 'bf16-mixed']"),
+        ({"MOPFLOW_TRIALS_PER_GPU": "0"}, "MOPFLOW_TRIALS_PER_GPU='0' must be an integer from 1 to 64"),
+    ],
+)
+def test_bad_device_settings_are_refused_naming_the_value(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env(env)
+    assert needle in str(info.value)
+
+
+def test_device_settings_default_to_auto_one_trial_per_gpu_and_32_bit() -> None:
+    settings = Settings.from_env({})
+    assert (settings.accelerator, settings.trials_per_gpu, settings.precision) == ("auto", 1, "32")
+
+
+def test_a_model_spec_keeps_its_device_through_a_job_file() -> None:
+    spec = ModelSpec("m", CNN, 3, DeviceSpec("gpu", "bf16-mixed"))
+    assert ModelSpec.from_dict(asdict(spec)) == spec
+    assert ModelSpec.from_dict({"model_id": "m", "params": CNN}).device == CPU
+
+
+# ---------------------------------------------------------------------------- on a CUDA device
+
+GPU = DeviceSpec("gpu", "32")
+
+
+@pytest.mark.gpu
+def test_gpu_optimizer_state_is_on_the_device_after_a_hop(small_manifest: str) -> None:
+    import torch
+
+    from training.data import load_manifest
+    from training.executors.units import _build, init_state, train_pass, unpack_state
+
+    spec = ModelSpec("m", CNN, 0, GPU)
+    data = DataRef(small_manifest)
+    manifest = load_manifest(small_manifest)
+    shards = [e["name"] for e in manifest["splits"]["train"]][:1]  # one MOP partition
+    state, _ = train_pass(spec, init_state(spec, data), data, shards, 0, 2, 0)
+    _, model = _build(spec, manifest)
+    model.to("cuda")
+    optimizer = torch.optim.AdamW(model.parameters())
+    unpack_state(state, model, optimizer)
+    moments = [s["exp_avg"] for s in optimizer.state.values()]
+    assert moments and all(m.device.type == "cuda" for m in moments)
+    again, _ = train_pass(spec, state, data, shards, 1, 2, 0)  # the next hop trains on from there
+    assert again != state
+
+
+@pytest.mark.gpu
+def test_gpu_task_trial_and_mop_sweep(small_manifest: str, tmp_path: Path) -> None:
+    from training.config import SearchConfig
+    from training.search import run_search, run_search_with_executor
+
+    space = {
+        "families": {
+            "cnn": {
+                "width": {"type": "categorical", "choices": [8]},
+                "depth": {"type": "categorical", "choices": [2]},
+            }
+        },
+        "common": {
+            "lr": {"type": "categorical", "choices": [0.01]},
+            "batch_size": {"type": "categorical", "choices": [32]},
+        },
+    }
+    with dask_client("", 1, accelerator="gpu") as client:
+        device = device_for_cluster(client, "gpu", "32")
+        task = SearchConfig(n_trials=1, epochs=2, space=space, pruner="none", sampler="random")
+        done = run_search(
+            task,
+            small_manifest,
+            "gpu-task",
+            str(tmp_path / "t.log"),
+            str(tmp_path / "t"),
+            client,
+            device=device,
+        )
+        assert [r.state for r in done.results] == ["COMPLETE"]
+        mop = SearchConfig(
+            n_trials=2, epochs=2, strategy="mop", model_slots=2, space=space, pruner="none", sampler="random"
+        )
+        swept = run_search_with_executor(
+            mop,
+            small_manifest,
+            "gpu-mop",
+            str(tmp_path / "m.log"),
+            str(tmp_path / "m"),
+            client,
+            device=device,
+        )
+        assert [r.state for r in swept.results] == ["COMPLETE", "COMPLETE"]
+
+
+@pytest.mark.gpu
+def test_gpu_ddp_trial_over_nccl(small_manifest: str) -> None:
+    import torch
+
+    from training.executors.ddp import DDPExecutor
+
+    world = min(2, torch.cuda.device_count())
+    outcome = DDPExecutor(DataRef(small_manifest), world_size=world).run(
+        [ModelSpec("d", CNN, 0, GPU)], epochs=2
+    )["d"]
+    assert outcome.error is None and [r.epoch for r in outcome.history] == [0, 1]
