@@ -12,7 +12,8 @@ weight decay 1e-5) are trained for 4 epochs each on MNIST-1D by every strategy i
 * ``mop``: ``MopExecutor`` on a fresh 2-worker ``LocalCluster``: the training shards are split
   into one partition per worker and model states hop between the workers (Cerebro's model
   hopper parallelism).
-* ``ddp``: ``DDPExecutor(world_size=2)``: one ``torchrun`` job per model, 2 gloo processes.
+* ``ddp``: ``DDPExecutor(world_size=2)`` on a fresh 2-worker ``LocalCluster``: each model's 2
+  ranks run in the 2 Dask worker processes, over gloo.
 
 Data: ``DataConfig(num_samples=142_000, partition_rows=50_000, n_shards=4)`` (>= 100,000
 training rows; the row counts are read from the manifest) is sharded once with
@@ -31,7 +32,7 @@ Figures per strategy
 * ``footprint``: bytes of training data materialised across processes. ``sequential``:
   ``units.cached_bytes()`` of the benchmark subprocess (measured). ``task``/``mop``: the sum of
   ``client.run(units.cached_bytes)`` over the workers after the run (measured). ``ddp``:
-  every rank loads the full training split (``ddp_main``), so world_size x rows x
+  every rank loads the full training split (``ddp_rank``), so world_size x rows x
   (40 float32 + 1 int64) bytes (computed, not measured).
 * ``moved``: bytes moved between processes. ``sequential``: 0 (one process). ``task``/``mop``:
   2 x the sum of ``record["state_bytes"]`` over the executor's records (each unit's state goes
@@ -328,10 +329,18 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
 
             world = max(1, min(DDP_WORLD_SIZE, torch.cuda.device_count()))
         result["world_size"] = world
-        executor = DDPExecutor(data, world_size=world, epoch_timeout_s=float(job["ddp_epoch_timeout_s"]))
-        started = time.perf_counter()
-        outcomes = executor.run(specs, epochs)
-        result["wall_s"] = time.perf_counter() - started
+        from training.cluster import dask_client
+
+        on_gpu = job.get("device") == "cuda"
+        with dask_client("", world, accelerator="gpu" if on_gpu else "cpu") as client:
+            client.wait_for_workers(world, timeout=120)
+            client.run(_warm_imports)
+            executor = DDPExecutor(
+                client, data, world_size=world, epoch_timeout_s=float(job["ddp_epoch_timeout_s"])
+            )
+            started = time.perf_counter()
+            outcomes = executor.run(specs, epochs)
+            result["wall_s"] = time.perf_counter() - started
         result["footprint_bytes"] = DDP_WORLD_SIZE * train_rows * BYTES_PER_ROW
         result["footprint_method"] = (
             f"computed: every rank loads the full training split ({DDP_WORLD_SIZE} x {train_rows} rows "
@@ -391,7 +400,7 @@ def _child_main(name: str, job_path: Path, result_path: Path) -> int:
 
 
 def _kill_tree(pid: int) -> None:
-    """Kill a process and every descendant (DDP's torchrun runs in its own session), by pid."""
+    """Kill a process and every descendant (the Dask nannies and workers), by pid."""
     import psutil
 
     try:

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 STALE_ATTR = "mopflow_stale_retried"
 RESUME_ATTR = "mopflow_resume_from"
+# mop/ddp: the executor's id of a trial's model, which keys its checkpoints; a retry keeps it, so
+# a restarted coordinator's retried trial resumes its model from the last sub-epoch or epoch.
+MODEL_ATTR = "mopflow_model_id"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 STALE_CHECK_S = 15.0  # how often the coordinator looks for trials whose heartbeat stopped
 
@@ -198,7 +201,10 @@ def retry_stale_trials(study: optuna.Study) -> int:
     for t in stale:
         optuna.trial.Trial(study, t._trial_id).set_user_attr(STALE_ATTR, True)
         study.tell(t.number, state=TrialState.FAIL)
-        study.enqueue_trial(dict(t.params), user_attrs={RESUME_ATTR: t.number}, skip_if_exists=False)
+        attrs = {RESUME_ATTR: t.number} | (
+            {MODEL_ATTR: t.user_attrs[MODEL_ATTR]} if MODEL_ATTR in t.user_attrs else {}
+        )
+        study.enqueue_trial(dict(t.params), user_attrs=attrs, skip_if_exists=False)
         log.warning(
             "search: trial %d was left RUNNING by an earlier attempt; retrying its params from its "
             "last checkpoint",
@@ -603,9 +609,11 @@ class _SearchController:
         while count > 0 and len(self.trials) < self.budget:
             trial = self.study.ask()
             params = sample_params(self.space, trial)
-            model_id = f"trial-{trial.number:04d}"
+            model_id = str(trial.user_attrs.get(MODEL_ATTR) or f"trial-{trial.number:04d}")
+            trial.set_user_attr(MODEL_ATTR, model_id)
             self.trials[model_id] = trial
-            specs.append(ModelSpec(model_id, params, self.cfg.seed * 1000 + trial.number, self.device))
+            number = int(model_id.rsplit("-", 1)[1])  # a retry trains the first attempt's model on
+            specs.append(ModelSpec(model_id, params, self.cfg.seed * 1000 + number, self.device))
             log.info("search: started trial %d %s", trial.number, params)
             count -= 1
         return specs
@@ -757,7 +765,7 @@ def _strategy_executor(
     if cfg.strategy == "ddp":
         from training.executors.ddp import DDPExecutor
 
-        return DDPExecutor(data, cfg.ddp_world_size, checkpoint_root, bf16_compress=cfg.bf16_compress)
+        return DDPExecutor(client, data, cfg.ddp_world_size, checkpoint_root, bf16_compress=cfg.bf16_compress)
     raise ValueError(f"strategy {cfg.strategy!r} does not run through an executor here")
 
 

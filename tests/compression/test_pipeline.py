@@ -126,7 +126,7 @@ def test_mop_strategy_runs_the_search_and_logs_gantt_charts(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_ddp_strategy_runs_the_search_through_torchrun(tmp_path: Path) -> None:
+def test_ddp_strategy_runs_the_search_on_the_dask_workers(tmp_path: Path) -> None:
     local = Settings.from_env({"MOPFLOW_HOME": str(tmp_path)})
     conf = CONF | {"strategy": "ddp", "ddp_world_size": 2, "n_trials": 2, "epochs": 2, "model_name": "ddp"}
     ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "manual__ddp", local)

@@ -196,8 +196,9 @@ def test_gpu_ddp_trial_over_nccl(small_manifest: str) -> None:
 
     from training.executors.ddp import DDPExecutor
 
-    world = min(2, torch.cuda.device_count())
-    outcome = DDPExecutor(DataRef(small_manifest), world_size=world).run(
-        [ModelSpec("d", CNN, 0, GPU)], epochs=2
-    )["d"]
+    world = min(2, torch.cuda.device_count())  # nccl: one rank per GPU
+    with dask_client("", 1, accelerator="gpu") as client:
+        outcome = DDPExecutor(client, DataRef(small_manifest), world_size=world).run(
+            [ModelSpec("d", CNN, 0, GPU)], epochs=2
+        )["d"]
     assert outcome.error is None and [r.epoch for r in outcome.history] == [0, 1]

@@ -177,17 +177,21 @@ def test_mop_resumes_from_its_sub_epoch_checkpoints(
     assert first["m"].epochs_done == 1
     resumed = MopExecutor(dask_client, data, shards, str(tmp_path), seed=0)
     outcome = resumed.run([spec], epochs=3)["m"]
-    assert [r.epoch for r in outcome.history] == [1, 2]  # epoch 0 was not redone
+    # epoch 0 was not redone (2 rounds), and its report came back from beside the checkpoint
+    assert [r.epoch for r in outcome.history] == [0, 1, 2]
+    assert outcome.history[0] == first["m"].history[0]
     assert len(resumed.epoch_records) == 2
 
 
 @pytest.mark.slow
-def test_ddp_over_two_processes_matches_one_process_at_the_global_batch(small_manifest: str) -> None:
+def test_ddp_over_two_workers_matches_one_worker_at_the_global_batch(
+    small_manifest: str, dask_client: object
+) -> None:
     from training.executors.ddp import DDPExecutor
 
     spec = ModelSpec("d", CNN | {"width": 16, "depth": 3, "batch_size": 64, "lr": 0.02}, seed=0)
-    two = DDPExecutor(DataRef(small_manifest), world_size=2).run([spec], epochs=5)["d"]
-    one = DDPExecutor(DataRef(small_manifest), world_size=1).run([spec], epochs=5)["d"]
+    two = DDPExecutor(dask_client, DataRef(small_manifest), world_size=2).run([spec], epochs=5)["d"]
+    one = DDPExecutor(dask_client, DataRef(small_manifest), world_size=1).run([spec], epochs=5)["d"]
     assert two.error is None and one.error is None, (two.error, one.error)
     assert [r.epoch for r in two.history] == list(range(5)) and two.state
     assert two.history[-1].val_acc > 0.2 and one.history[-1].val_acc > 0.2  # both learned (chance is 0.1)
@@ -196,30 +200,36 @@ def test_ddp_over_two_processes_matches_one_process_at_the_global_batch(small_ma
 
 
 @pytest.mark.slow
-def test_ddp_resumes_from_its_epoch_checkpoint(small_manifest: str, tmp_path: Path) -> None:
+def test_ddp_resumes_from_its_epoch_checkpoint(
+    small_manifest: str, dask_client: object, tmp_path: Path
+) -> None:
     from training.executors.ddp import DDPExecutor
 
     spec = ModelSpec("d", CNN, seed=0)
-    first = DDPExecutor(DataRef(small_manifest), world_size=2, checkpoint_root=str(tmp_path)).run(
-        [spec], epochs=1
-    )
+    first = DDPExecutor(
+        dask_client, DataRef(small_manifest), world_size=2, checkpoint_root=str(tmp_path)
+    ).run([spec], epochs=1)
     assert [r.epoch for r in first["d"].history] == [0]
-    resumed = DDPExecutor(DataRef(small_manifest), world_size=2, checkpoint_root=str(tmp_path)).run(
-        [spec], epochs=3
-    )
+    resumed = DDPExecutor(
+        dask_client, DataRef(small_manifest), world_size=2, checkpoint_root=str(tmp_path)
+    ).run([spec], epochs=3)
     assert resumed["d"].error is None
-    assert [r.epoch for r in resumed["d"].history] == [1, 2]  # epoch 0 was not redone
+    # epoch 0 was not redone: its report came back from beside the checkpoint
+    assert [r.epoch for r in resumed["d"].history] == [0, 1, 2]
+    assert resumed["d"].history[0] == first["d"].history[0]
 
 
 @pytest.mark.slow
-def test_ddp_job_stops_between_epochs_when_the_caller_says_so(small_manifest: str) -> None:
+def test_ddp_job_stops_between_epochs_when_the_caller_says_so(
+    small_manifest: str, dask_client: object
+) -> None:
     from training.executors.ddp import DDPExecutor
 
     class StopAfterFirst(TrainAll):
         def on_epoch_end(self, report: EpochReport) -> bool:
             return False
 
-    outcome = DDPExecutor(DataRef(small_manifest), world_size=2).run(
+    outcome = DDPExecutor(dask_client, DataRef(small_manifest), world_size=2).run(
         [ModelSpec("d", CNN, seed=0)], epochs=8, controller=StopAfterFirst()
     )["d"]
     assert outcome.error is None and outcome.stopped_early

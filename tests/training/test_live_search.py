@@ -163,3 +163,38 @@ def test_pruning_that_leaves_too_few_members_adds_unpruned_trials_under_mop(
     states = [r.state for r in outcome.results]
     assert states == ["COMPLETE", "COMPLETE", "PRUNED", "COMPLETE"], states
     assert len(outcome.results[3].history) == 4  # the extra trial ran unpruned to the end
+
+
+class CoordinatorKilled(RuntimeError):
+    """Stands for the search task's process dying mid-sweep."""
+
+
+def test_a_restarted_mop_coordinator_loses_at_most_the_sub_epochs_in_flight(
+    small_manifest: str, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import training.search as search
+
+    cfg = SearchConfig(
+        n_trials=2, epochs=4, strategy="mop", model_slots=2, space=SPACE, sampler="random", pruner="none"
+    )
+    _enqueue(str(tmp_path / "journal.log"), cfg, [GOOD_LR, GOOD_LR])
+    real = search._SearchController.on_epoch_end
+    heard: list[Any] = []
+
+    def dies_at_the_fourth_report(self: Any, report: Any) -> bool:
+        heard.append(report)
+        keep = real(self, report)
+        if len(heard) == 4:  # both models finished their second epoch
+            raise CoordinatorKilled("the search task's process died")
+        return keep
+
+    monkeypatch.setattr(search._SearchController, "on_epoch_end", dies_at_the_fourth_report)
+    with pytest.raises(CoordinatorKilled):
+        _sweep(cfg, small_manifest, tmp_path, dask_client)
+    monkeypatch.setattr(search._SearchController, "on_epoch_end", real)
+    outcome = _sweep(cfg, small_manifest, tmp_path, dask_client)  # the restarted search task
+    # The trials left RUNNING are retried as trials 2 and 3, each resuming its model at epoch 3.
+    assert [(r.number, r.state) for r in outcome.results] == [(2, "COMPLETE"), (3, "COMPLETE")]
+    assert all([h["epoch"] for h in r.history] == [0, 1, 2, 3] for r in outcome.results)
+    units = sum(len(records) for records in outcome.epoch_records.values())
+    assert units == 2 * 2 * 2  # 2 models x the 2 epochs left x 2 partitions: nothing done twice

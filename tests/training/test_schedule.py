@@ -87,7 +87,7 @@ def test_mop_and_task_follow_the_schedule_in_global_steps(small_manifest: str, d
 
 @pytest.mark.slow
 def test_a_resumed_ddp_trial_continues_its_schedule_and_its_optimizer(
-    small_manifest: str, tmp_path: Path
+    small_manifest: str, dask_client: Any, tmp_path: Path
 ) -> None:
     from safetensors.torch import load
 
@@ -95,13 +95,14 @@ def test_a_resumed_ddp_trial_continues_its_schedule_and_its_optimizer(
 
     spec = ModelSpec("d", CNN | {"batch_size": 64}, seed=0)
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
-    whole = DDPExecutor(DataRef(small_manifest), 2, str(whole_dir)).run([spec], epochs=3)["d"]
-    DDPExecutor(DataRef(small_manifest), 2, str(split_dir)).run([spec], epochs=1)
-    resumed = DDPExecutor(DataRef(small_manifest), 2, str(split_dir)).run([spec], epochs=3)["d"]
+    whole = DDPExecutor(dask_client, DataRef(small_manifest), 2, str(whole_dir)).run([spec], epochs=3)["d"]
+    DDPExecutor(dask_client, DataRef(small_manifest), 2, str(split_dir)).run([spec], epochs=1)
+    resumed = DDPExecutor(dask_client, DataRef(small_manifest), 2, str(split_dir)).run([spec], epochs=3)["d"]
     assert whole.error is None and resumed.error is None, (whole.error, resumed.error)
-    assert [r.epoch for r in resumed.history] == [1, 2]
+    assert [r.epoch for r in resumed.history] == [0, 1, 2]  # epoch 0 from beside the checkpoint
     # The learning rate at the end of epochs 2 and 3 is the uninterrupted run's, not a new cycle's.
-    assert [r.lr for r in resumed.history] == pytest.approx([r.lr for r in whole.history[1:]], rel=1e-9)
+    # (the first run planned 1 epoch: its own epoch 0 ended its own, shorter cycle)
+    assert [r.lr for r in resumed.history[1:]] == pytest.approx([r.lr for r in whole.history[1:]], rel=1e-9)
 
     def adam_steps(root: Path) -> float:
         blob = (root / "d" / "last.safetensors").read_bytes()

@@ -5,10 +5,11 @@ checkpoints"."""
 
 from __future__ import annotations
 
+import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from infra import storage
@@ -117,6 +118,23 @@ class Executor(ABC):
         uri = self.checkpoint_uri(model_id)
         storage.write_bytes_atomic(uri, state, self.data.storage_options)
         return uri
+
+    def save_history(self, model_id: str, history: list[EpochReport]) -> None:
+        """The model's epoch reports so far, beside its checkpoint: a restarted coordinator
+        hands them to its new trial, so the trial's record is whole."""
+        if not self.checkpoint_root:
+            return
+        uri = storage.join(self.checkpoint_root, model_id, "history.json")
+        body = json.dumps([asdict(r) for r in history]).encode()
+        storage.write_bytes_atomic(uri, body, self.data.storage_options)
+
+    def load_history(self, model_id: str, through_epoch: int) -> list[EpochReport]:
+        """The saved epoch reports up to ``through_epoch`` (those its checkpoint covers)."""
+        uri = storage.join(self.checkpoint_root, model_id, "history.json") if self.checkpoint_root else ""
+        if not uri or not storage.exists(uri, self.data.storage_options):
+            return []
+        rows = json.loads(storage.read_bytes(uri, self.data.storage_options))
+        return [EpochReport(**row) for row in rows if int(row["epoch"]) <= through_epoch]
 
     def load_checkpoint(self, model_id: str) -> tuple[bytes, dict[str, Any]] | None:
         """The latest state of a model and its metadata (epoch, visited partitions), if any."""

@@ -1,23 +1,23 @@
-"""Data parallelism inside one model: Lightning DDP over W processes per configuration.
+"""Data parallelism inside one model: Lightning DDP over W ranks on W Dask workers.
 
-Each configuration is one ``torchrun`` job in its own process group (never ``strategy="ddp"``
-inside an Airflow task or a Dask worker: it would re-run the wrong program). The caller sees
-each epoch's report as rank 0 writes it and can stop the job between epochs.
+Each configuration is one job of W tasks (``training/executors/ddp_rank.py``), one per worker
+that holds the resources the trial needs (``GPU``, or a CPU slot), in their own process group
+with the rendezvous at rank 0's worker: a trial spans worker processes, and hosts. The caller
+sees each epoch's report as rank 0 sends it and can stop the job between epochs. A rank whose
+worker dies fails the job within the collective timeout; the job is then started again from
+its last epoch checkpoint (weights, optimizer moments and schedule position), once per lost rank
+up to ``max_restarts``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
@@ -25,24 +25,40 @@ from training.executors.units import DataRef, ModelSpec
 
 log = logging.getLogger(__name__)
 
+POLL_S = 0.5
+WORKER_WAIT_S = 120.0  # how long a job waits for enough workers for its ranks
+
+
+class RankLost(RuntimeError):
+    """A rank's worker left the cluster or its task failed: the job cannot go on."""
+
 
 class DDPExecutor(Executor):
-    """Models one after another, each trained by W DDP processes (gloo on CPU, nccl on GPU)."""
+    """Models one after another, each trained by W DDP ranks on W Dask workers."""
 
     name = "ddp"
 
     def __init__(
         self,
+        client: Any,
         data: DataRef,
         world_size: int = 2,
         checkpoint_root: str = "",
         bf16_compress: bool = False,
         epoch_timeout_s: float = 600.0,
+        collective_timeout_s: float = 120.0,
+        max_restarts: int = 2,
     ) -> None:
         super().__init__(data, checkpoint_root)
+        self.client = client
         self.world_size = world_size
         self.bf16_compress = bf16_compress
         self.epoch_timeout_s = epoch_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self.max_restarts = max_restarts
+        self.interruptions: list[dict[str, Any]] = []  # one per job lost with a rank
+        self.rank_pids: dict[str, list[int]] = {}  # model -> the process of each rank (last attempt)
+        self.allreduce_bytes: dict[str, int] = {}  # model -> gradient bytes its ranks all-reduced
 
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
@@ -50,127 +66,216 @@ class DDPExecutor(Executor):
         ctl = controller or TrainAll()
         return self._one_model_at_a_time(models, ctl, lambda spec: self._train_one(spec, epochs, ctl))
 
+    def rank_workers(self, spec: ModelSpec, wait_s: float = WORKER_WAIT_S) -> list[str]:
+        """W distinct workers that can run a rank of ``spec`` (with its resources), rank 0 first;
+        waits up to ``wait_s`` for enough of them (a killed worker being restarted)."""
+        needed = spec.device.resources()
+        deadline = time.monotonic() + wait_s
+        while True:
+            info = self.client.scheduler_info()["workers"]
+            fit = sorted(
+                address
+                for address, worker in info.items()
+                if all(float((worker.get("resources") or {}).get(k, 0)) >= v for k, v in needed.items())
+            )
+            if len(fit) >= self.world_size or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if len(fit) < self.world_size:
+            what = f" with resources {needed}" if needed else ""
+            raise RuntimeError(
+                f"ddp_world_size={self.world_size} needs {self.world_size} Dask workers{what}; "
+                f"the cluster has {len(fit)}"
+            )
+        return fit[: self.world_size]
+
     def _train_one(self, spec: ModelSpec, epochs: int, controller: Controller) -> ModelOutcome:
         outcome = ModelOutcome(spec)
-        with tempfile.TemporaryDirectory(prefix=f"ddp-{spec.model_id}-") as tmp:
-            out = Path(tmp)
-            batch = int(spec.params["batch_size"])
-            job: dict[str, Any] = {
-                "spec": asdict(spec),
-                "data": asdict(self.data),
-                "epochs": epochs,
-                "out_dir": str(out),
-                # The configuration's batch size is the global batch: each rank takes its share.
-                "batch_per_rank": max(1, batch // self.world_size),
-                "bf16_compress": self.bf16_compress,
-            }
-            found = self.load_checkpoint(spec.model_id)
-            if found is not None:  # resume from the latest epoch checkpoint (weights; a fresh optimizer)
-                state, meta = found
-                (out / "resume.safetensors").write_bytes(state)
-                job["resume_state"] = str(out / "resume.safetensors")
-                job["start_epoch"] = int(meta.get("epoch", -1)) + 1
-                log.info(
-                    "ddp: %s resumes at epoch %d from its checkpoint", spec.model_id, job["start_epoch"] + 1
-                )
-                if job["start_epoch"] >= epochs:
-                    outcome.state = state
-                    return outcome
-            (out / "job.json").write_text(json.dumps(job))
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={self.world_size}",
-                "-m",
-                "training.executors.ddp_main",
-                "--job",
-                str(out / "job.json"),
-            ]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-            log.info("ddp: %s starts on %d processes", spec.model_id, self.world_size)
-            started = time.time()
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            seen, last_progress = 0, time.monotonic()
+        started = time.time()
+        for attempt in range(self.max_restarts + 1):
             try:
-                while True:
-                    seen, new = self._read_reports(out, seen)
-                    for report in new:
-                        last_progress = time.monotonic()
-                        if outcome.stopped_early:  # trained before the job saw STOP: not reported
-                            continue
-                        outcome.history.append(report)
-                        keep = controller.on_epoch_end(report)
-                        log.info(
-                            "ddp: %s epoch %d/%d val_acc=%.4f",
-                            spec.model_id,
-                            report.epoch + 1,
-                            epochs,
-                            report.val_acc,
-                        )
-                        if not keep:
-                            (out / "STOP").touch()
-                            outcome.stopped_early = True
-                    if proc.poll() is not None:
-                        break
-                    if time.monotonic() - last_progress > self.epoch_timeout_s:
-                        raise TimeoutError(f"no epoch finished within {self.epoch_timeout_s:.0f}s")
-                    time.sleep(0.2)
-                seen, new = self._read_reports(out, seen)
-                for report in new:
-                    if outcome.stopped_early:
-                        break
+                self._run_job(spec, epochs, controller, outcome)
+                break
+            except RankLost as exc:
+                self.interruptions.append(
+                    {"model": spec.model_id, "kind": "rank lost", "at": time.time(), "redone_s": 0.0}
+                )
+                if attempt == self.max_restarts:
+                    outcome.error = f"RankLost: {exc}"
+                    log.warning("ddp: %s failed: %s", spec.model_id, exc)
+                else:
+                    log.warning("ddp: %s: %s; starting again from its last checkpoint", spec.model_id, exc)
+            except Exception as exc:
+                outcome.error = f"{type(exc).__name__}: {exc}"
+                log.warning("ddp: %s failed: %s", spec.model_id, outcome.error)
+                break
+        self.records.append(
+            {
+                "model": spec.model_id,
+                "worker": f"ddp x{self.world_size}",
+                "start": started,
+                "end": time.time(),
+                "epochs": len(outcome.history),
+            }
+        )
+        return outcome
+
+    def _run_job(self, spec: ModelSpec, epochs: int, controller: Controller, outcome: ModelOutcome) -> None:
+        """One attempt: the ranks from the last checkpoint to the end (or a stop)."""
+        from distributed import Event, Queue, wait
+
+        from training.executors.ddp_rank import free_port, run_rank
+
+        checkpoint = self.checkpoint_uri(spec.model_id) if self.checkpoint_root else ""
+        start_epoch = 0
+        found = self.load_checkpoint(spec.model_id)
+        if found is not None:  # resume from the latest epoch checkpoint
+            start_epoch = int(found[1].get("epoch", -1)) + 1
+            log.info("ddp: %s resumes at epoch %d from its checkpoint", spec.model_id, start_epoch + 1)
+            if not outcome.history:  # a restarted coordinator: the epochs it had, told again
+                for report in self.load_history(spec.model_id, start_epoch - 1):
                     outcome.history.append(report)
                     if not controller.on_epoch_end(report):
                         outcome.stopped_early = True
-                if proc.returncode != 0:
-                    tail = proc.stdout.read().decode(errors="replace")[-3000:] if proc.stdout else ""
-                    outcome.error = f"torchrun exited with {proc.returncode}: {tail}"
-                    log.warning("ddp: %s failed: exit code %d", spec.model_id, proc.returncode)
-            except TimeoutError as exc:
-                outcome.error = f"TimeoutError: {exc}"
-                log.warning("ddp: %s timed out; stopping its process group", spec.model_id)
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    try:
-                        proc.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
-            checkpoint = out / "last.safetensors"
-            if checkpoint.exists():
-                outcome.state = checkpoint.read_bytes()
-                outcome.checkpoint_uri = self.save_checkpoint(spec.model_id, outcome.state)
-            self.records.append(
-                {
-                    "model": spec.model_id,
-                    "worker": f"ddp x{self.world_size}",
-                    "start": started,
-                    "end": time.time(),
-                    "epochs": len(outcome.history),
-                }
+            if start_epoch >= epochs or outcome.stopped_early:
+                outcome.state = found[0]
+                return
+        workers = self.rank_workers(spec)
+        tag = uuid.uuid4().hex[:12]
+        queue, stop = Queue(f"ddp-{tag}", client=self.client), Event(f"ddp-stop-{tag}", client=self.client)
+        address, port = self.client.submit(
+            free_port, workers=[workers[0]], allow_other_workers=False, pure=False
+        ).result(timeout=60)
+        job: dict[str, Any] = {
+            "spec": asdict(spec),
+            "data": asdict(self.data),
+            "epochs": epochs,
+            "start_epoch": start_epoch,
+            "world_size": self.world_size,
+            # The configuration's batch size is the global batch: each rank takes its share.
+            "batch_per_rank": max(1, int(spec.params["batch_size"]) // self.world_size),
+            "bf16_compress": self.bf16_compress,
+            "checkpoint_uri": checkpoint,
+            "resume_uri": checkpoint if found is not None else "",
+            "queue": queue.name,
+            "stop_event": stop.name,
+            "collective_timeout_s": self.collective_timeout_s,
+        }
+        futures = {
+            self.client.submit(
+                run_rank,
+                job,
+                rank,
+                address,
+                port,
+                workers=[worker],
+                allow_other_workers=False,
+                resources=spec.device.resources() or None,
+                pure=False,
+                key=f"ddp-{spec.model_id}-r{rank}-{tag}",
+            ): (rank, worker)
+            for rank, worker in enumerate(workers)
+        }
+        log.info("ddp: %s starts on %d ranks (%s)", spec.model_id, self.world_size, ", ".join(workers))
+        last_progress = time.monotonic()
+        try:
+            while True:
+                for report in self._drain(queue):
+                    last_progress = time.monotonic()
+                    if not self._hear(report, epochs, controller, outcome):
+                        stop.set()
+                with contextlib.suppress(TimeoutError):  # not all done yet: poll again
+                    wait(list(futures), timeout=POLL_S)
+                done = {f for f in futures if f.done()}
+                if len(done) == len(futures):
+                    break
+                self._check_ranks(futures, done)
+                if time.monotonic() - last_progress > self.epoch_timeout_s:
+                    raise TimeoutError(f"no epoch finished within {self.epoch_timeout_s:.0f}s")
+            results = [f.result() for f in futures]
+            self.rank_pids[spec.model_id] = [int(r["pid"]) for r in sorted(results, key=lambda r: r["rank"])]
+            self.allreduce_bytes[spec.model_id] = int(sum(r["allreduce_bytes"] for r in results))
+            for report in self._drain(queue):  # sent before the ranks returned
+                self._hear(report, epochs, controller, outcome)
+            state = next(r["state"] for r in results if r["rank"] == 0)
+            if state is not None:
+                outcome.state = state
+                outcome.checkpoint_uri = checkpoint or None
+        except Exception:
+            self._let_ranks_end(futures)
+            for report in self._drain(queue):  # epochs whose checkpoint was written: they count
+                self._hear(report, epochs, controller, outcome)
+            raise
+        finally:
+            for future in futures:
+                future.release()
+
+    def _hear(self, report: EpochReport, epochs: int, controller: Controller, outcome: ModelOutcome) -> bool:
+        """Record rank 0's report of an epoch (kept beside the checkpoint) and pass it to the
+        controller; False once the model is to stop. Reports of epochs trained before the ranks
+        saw a stop are dropped: the model stopped at the epoch of the decision."""
+        if outcome.stopped_early:
+            return False
+        outcome.history.append(report)
+        self.save_history(report.model_id, outcome.history)
+        keep = controller.on_epoch_end(report)
+        log.info(
+            "ddp: %s epoch %d/%d val_acc=%.4f", report.model_id, report.epoch + 1, epochs, report.val_acc
+        )
+        outcome.stopped_early = not keep
+        return keep
+
+    def _check_ranks(self, futures: dict[Any, tuple[int, str]], done: set[Any]) -> None:
+        """Raise RankLost when a rank's worker left the cluster or a peer went away mid-collective,
+        or a failed rank's own error (e.g. a non-finite loss: the trial fails, not started again)."""
+        alive = set(self.client.scheduler_info()["workers"])
+        for future, (rank, worker) in futures.items():
+            if worker not in alive:
+                raise RankLost(f"rank {rank}'s worker {worker} left the cluster")
+            if future in done and future.status == "error":
+                error = future.exception()
+                if _is_communication_error(error):
+                    raise RankLost(f"rank {rank} on {worker} lost its peers: {error!r}")
+                raise error
+
+    def _let_ranks_end(self, futures: dict[Any, tuple[int, str]]) -> None:
+        """Wait, at most the collective timeout, until the other ranks gave up (they fail their
+        next collective): only then are their workers free for the next attempt."""
+        from distributed import wait
+
+        alive = set(self.client.scheduler_info()["workers"])
+        waiting = []
+        for future, (_, worker) in futures.items():
+            if worker in alive:
+                waiting.append(future)
+            else:
+                future.cancel()  # pinned to a worker that is gone: it would wait forever
+        try:
+            wait(waiting, timeout=self.collective_timeout_s + 30)
+        except TimeoutError:
+            log.warning(
+                "ddp: ranks still running %.0fs after their job failed", self.collective_timeout_s + 30
             )
-        return outcome
 
     @staticmethod
-    def _read_reports(out: Path, seen: int) -> tuple[int, list[EpochReport]]:
-        path = out / "epochs.jsonl"
-        if not path.exists():
-            return seen, []
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        new = [json.loads(line) for line in lines[seen:]]
-        reports = [
-            EpochReport(
-                str(r.get("model_id", "")),
-                int(r["epoch"]),
-                float(r["val_acc"]),
-                float(r["train_loss"]),
-                float(r["lr"]) if r.get("lr") is not None else None,
+    def _drain(queue: Any) -> list[EpochReport]:
+        """The reports rank 0 sent since the last call."""
+        reports = []
+        while queue.qsize():
+            r = json.loads(queue.get(timeout=5))
+            reports.append(
+                EpochReport(
+                    str(r.get("model_id", "")),
+                    int(r["epoch"]),
+                    float(r["val_acc"]),
+                    float(r["train_loss"]),
+                    float(r["lr"]) if r.get("lr") is not None else None,
+                )
             )
-            for r in new
-        ]
-        return len(lines), reports
+        return reports
+
+
+def _is_communication_error(error: BaseException | None) -> bool:
+    """Whether a rank failed because a peer went away (gloo/nccl), not for a reason of its own."""
+    text = f"{type(error).__name__}: {error}".lower()
+    return any(n in text for n in ("connection", "gloo", "nccl", "timed out", "timeout", "peer", "socket"))

@@ -128,17 +128,12 @@ class MopExecutor(Executor):
         from distributed import wait
 
         controller = controller or TrainAll()
-        outcomes = {m.model_id: ModelOutcome(m) for m in models}
+        outcomes: dict[str, ModelOutcome] = {}
         states: dict[str, bytes] = {}
         visited: dict[str, list[str]] = {}
         next_epoch: dict[str, int] = {}
-        for spec in models:
-            self._restore(spec, states, visited, next_epoch)
-        active = {m.model_id: m for m in models if next_epoch.get(m.model_id, 0) < epochs}
-        for spec in models:  # restored from a checkpoint past its last epoch: done already
-            if spec.model_id not in active:
-                outcomes[spec.model_id].state = states.get(spec.model_id)
-                controller.on_model_done(outcomes[spec.model_id])
+        joined = (self._admit(m, epochs, states, visited, next_epoch, outcomes, controller) for m in models)
+        active = {m.model_id: m for m, keep in zip(models, list(joined), strict=True) if keep}
         round_index = len(self.epoch_records)  # a second run (more trials) goes on numbering rounds
         while active:
             if self.before_round is not None:  # the cluster may change size between rounds
@@ -437,6 +432,7 @@ class MopExecutor(Executor):
                 float(mine[-1]["lr_end"]) if mine else None,
             )
             outcomes[mid].history.append(report)
+            self.save_history(mid, outcomes[mid].history)
             next_epoch[mid], visited[mid] = epoch + 1, []
             keep = controller.on_epoch_end(report)
             log.info(
@@ -455,7 +451,33 @@ class MopExecutor(Executor):
                 del active[mid]
                 controller.on_model_done(outcomes[mid])  # before its slot is filled again
         for spec in controller.new_models(max(0, self.slots - len(active))):
-            active[spec.model_id] = spec
-            outcomes[spec.model_id] = ModelOutcome(spec)
-            next_epoch[spec.model_id] = 0
-            log.info("mop: %s joins at the next round", spec.model_id)
+            if self._admit(spec, epochs, states, visited, next_epoch, outcomes, controller):
+                active[spec.model_id] = spec
+                log.info("mop: %s joins at the next round", spec.model_id)
+
+    def _admit(
+        self,
+        spec: ModelSpec,
+        epochs: int,
+        states: dict[str, bytes],
+        visited: dict[str, list[str]],
+        next_epoch: dict[str, int],
+        outcomes: dict[str, ModelOutcome],
+        controller: Controller,
+    ) -> bool:
+        """Take a model in: from its checkpoint when it has one (a restarted coordinator's retried
+        trial), its finished epochs handed to the controller again. True when it has epochs left."""
+        outcome = outcomes[spec.model_id] = ModelOutcome(spec)
+        self._restore(spec, states, visited, next_epoch)
+        done = next_epoch.setdefault(spec.model_id, 0)
+        keep = True
+        for report in self.load_history(spec.model_id, done - 1) if done else []:
+            outcome.history.append(report)
+            keep = controller.on_epoch_end(report) and keep
+        if keep and done < epochs:
+            return True
+        outcome.stopped_early = not keep
+        outcome.state = states.get(spec.model_id)
+        outcome.checkpoint_uri = self.checkpoint_uri(spec.model_id) if self.checkpoint_root else None
+        controller.on_model_done(outcome)
+        return False
