@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from compression.config import DistillConfig
 from training.bundle import predict_proba
+from training.devices import CPU, DeviceSpec
 from training.lit import Classifier, quiet_trainer_kwargs
 from training.models import ArchSpec, build_model, count_params, largest_width_within
 
@@ -89,10 +90,11 @@ def train_student(
     teacher: nn.Module | None,
     seed: int,
     epochs: int | None = None,
+    device: DeviceSpec = CPU,
 ) -> tuple[nn.Module, list[dict[str, float]]]:
-    """Train the student; with ``teacher=None`` it learns from hard labels alone (the baseline).
-
-    ``epochs`` overrides ``cfg.epochs`` (the baseline uses :func:`matching_epochs`).
+    """Train the student on ``device``; with ``teacher=None`` it learns from hard labels alone
+    (the baseline). ``epochs`` overrides ``cfg.epochs`` (the baseline uses :func:`matching_epochs`).
+    The model comes back on the CPU (quantization and the pyfunc run there).
     """
     from training.trial import quiet_lightning
 
@@ -136,9 +138,9 @@ def train_student(
                     time.monotonic() - started,
                 )
 
-    trainer = pl.Trainer(max_epochs=max_epochs, callbacks=[Progress()], **quiet_trainer_kwargs())
+    trainer = pl.Trainer(max_epochs=max_epochs, callbacks=[Progress()], **quiet_trainer_kwargs(device))
     trainer.fit(module, loader, val_loader)
-    model.eval()
+    model.cpu().eval()
     return model, history
 
 

@@ -189,7 +189,7 @@ def search_stage(
     from training.cluster import dask_client
     from training.devices import device_for_cluster
     from training.scaling import log_volatile
-    from training.search import run_search, run_search_with_executor
+    from training.search import run_strategy_search
     from training.trial import TrialResult
 
     settings = settings or Settings.from_env()
@@ -233,10 +233,10 @@ def search_stage(
         with dask_client(
             settings.dask_address, settings.dask_workers, settings.accelerator, settings.trials_per_gpu
         ) as client:
-            device = device_for_cluster(client, settings.accelerator, settings.precision)  # type: ignore[arg-type]
+            device = device_for_cluster(client, settings.accelerator, settings.precision)
             log.info("search: training on %s (precision %s)", device.accelerator, device.precision)
             tracker.log_params(run_id, {"accelerator": device.accelerator, "precision": device.precision})
-            common = (
+            outcome = run_strategy_search(
                 cfg.search,
                 str(shard["manifest_uri"]),
                 study,
@@ -244,25 +244,11 @@ def search_stage(
                 settings.artifact_root,
                 client,
                 settings.storage_options,
+                on_trial_done=log_trial,
+                warm_start=warm,
+                min_complete=cfg.ensemble.top_k,
+                device=device,
             )
-            if cfg.search.strategy == "task":
-                outcome = run_search(
-                    *common,
-                    on_trial_done=log_trial,
-                    min_complete=cfg.ensemble.top_k,
-                    warm_start=warm,
-                    device=device,
-                )
-            else:
-                checkpoints = storage.join(settings.artifact_root, "checkpoints", study)
-                outcome = run_search_with_executor(
-                    *common,
-                    on_trial_done=log_trial,
-                    checkpoint_root=checkpoints,
-                    warm_start=warm,
-                    min_complete=cfg.ensemble.top_k,
-                    device=device,
-                )
         for result in outcome.results:  # trials finished by an earlier attempt but never logged
             log_trial(result)
         _log_mop_epochs(tracker, run_id, outcome.epoch_records)
@@ -483,6 +469,7 @@ def distill_stage(
     from compression.registry import log_bundle_model
     from training.bundle import ProbabilityEnsemble, load_bundle, save_bundle
     from training.data import load_manifest, load_split
+    from training.devices import local_device
 
     settings = settings or Settings.from_env()
     cfg = PipelineConfig.from_conf(conf)
@@ -519,6 +506,8 @@ def distill_stage(
             len(x_transfer) - len(x_train),
         )
         norm = manifest["normalization"]
+        device = local_device(settings.accelerator, settings.precision)
+        log.info("distill: training the student on %s (precision %s)", device.accelerator, device.precision)
         student, history = train_student(
             plan,
             dcfg,
@@ -530,6 +519,7 @@ def distill_stage(
             norm["std"],
             teacher,
             cfg.search.seed,
+            device=device,
         )
         # The baseline: same student, real data only, as many steps (same LR schedule).
         baseline_epochs = matching_epochs(dcfg.epochs, len(x_transfer), len(x_train))
@@ -549,6 +539,7 @@ def distill_stage(
             None,
             cfg.search.seed,
             epochs=baseline_epochs,
+            device=device,
         )
         quantized = quantize_int8(student)
         quantized_static = quantize_static_int8(student, x_train[:2048])

@@ -12,15 +12,17 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 
 class SettingsError(ValueError):
     """A setting has a value mopflow cannot use."""
 
 
-ACCELERATORS = ("auto", "cpu", "gpu")  # where training runs (training/devices.py resolves auto)
-PRECISIONS = ("32", "bf16-mixed")  # Lightning precisions mopflow trains with
+Accelerator = Literal["auto", "cpu", "gpu"]  # where training runs (training/devices.py resolves auto)
+Precision = Literal["32", "bf16-mixed"]  # Lightning precisions mopflow trains with
+ACCELERATORS: tuple[Accelerator, ...] = get_args(Accelerator)
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 
 def _default_home() -> Path:
@@ -120,9 +122,9 @@ class Settings:
     dask_workers: int
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     airflow_home: str = ""
-    accelerator: str = "auto"
+    accelerator: Accelerator = "auto"
     trials_per_gpu: int = 1
-    precision: str = "32"
+    precision: Precision = "32"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -165,9 +167,9 @@ class Settings:
             dask_workers=workers,
             storage_options=options,
             airflow_home=env.get("MOPFLOW_AIRFLOW_HOME") or str(home / "airflow"),
-            accelerator=accelerator,
+            accelerator=cast(Accelerator, accelerator),
             trials_per_gpu=int(per_gpu_raw),
-            precision=precision,
+            precision=cast(Precision, precision),
         )
 
     def describe(self) -> dict[str, str]:

@@ -19,3 +19,16 @@ def fixed_cnn_space(batch_size: int, lr: float = 0.01) -> dict[str, Any]:
             "batch_size": {"type": "categorical", "choices": [batch_size]},
         },
     }
+
+
+def cnn_8x2_space(common: dict[str, Any]) -> dict[str, Any]:
+    """A CNN of width 8 and depth 2 with ``common`` parameters (lr, batch size) as given."""
+    return {
+        "families": {
+            "cnn": {
+                "width": {"type": "categorical", "choices": [8]},
+                "depth": {"type": "categorical", "choices": [2]},
+            }
+        },
+        "common": common,
+    }

@@ -12,10 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from infra.settings import ACCELERATORS, PRECISIONS
+from infra.settings import ACCELERATORS, PRECISIONS, Accelerator, Precision
 
-Accelerator = Literal["auto", "cpu", "gpu"]
-Precision = Literal["32", "bf16-mixed"]
 GPU_RESOURCE = "GPU"  # the Dask worker resource a GPU worker declares (dask worker --resources GPU=1)
 
 
@@ -147,6 +145,12 @@ def gpu_workers(client: Any) -> int:
     """How many workers of a running cluster declare the GPU resource."""
     workers = client.scheduler_info().get("workers", {})
     return sum(1 for w in workers.values() if float((w.get("resources") or {}).get(GPU_RESOURCE, 0)) > 0)
+
+
+def local_device(accelerator: Accelerator, precision: Precision) -> DeviceSpec:
+    """Resolve the accelerator for training in this process (the distillation student): ``auto``
+    takes this process's GPU when one is visible."""
+    return resolve_device(accelerator, precision, len(visible_gpus()), bf16_supported())
 
 
 def device_for_cluster(client: Any, accelerator: Accelerator, precision: Precision) -> DeviceSpec:

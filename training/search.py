@@ -289,6 +289,15 @@ def checkpoint_folder(artifact_root: str, study_name: str, number: int) -> str:
     return storage.join(artifact_root, "checkpoints", study_name, f"trial-{number:04d}")
 
 
+def result_detail(result: TrialResult) -> str:
+    """A finished trial's figure for the log: its accuracy or error, and where it was pruned
+    (epochs counted from 1, as the logs count them)."""
+    detail = f"val_acc={result.value:.4f}" if result.value is not None else f"error={result.error}"
+    if result.pruned_epoch is not None:
+        detail += f" (pruned after epoch {result.pruned_epoch + 1})"
+    return detail
+
+
 def _tell(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -> bool:
     """Record a result on its trial; False when the trial had already been finished (failed for a
     stale heartbeat, its retry queued): the result is then dropped."""
@@ -524,16 +533,11 @@ def run_search(
                     asked -= 1  # it was failed for a stale heartbeat: its queued retry runs instead
                     continue
                 results.append(result)
-                detail = (
-                    f"val_acc={result.value:.4f}" if result.value is not None else f"error={result.error}"
-                )
-                if result.pruned_epoch is not None:
-                    detail += f" (pruned after epoch {result.pruned_epoch + 1})"
                 log.info(
                     "search: trial %d %s %s in %.1fs — %d/%d finished, %d running, %.0fs elapsed",
                     result.number,
                     result.state,
-                    detail,
+                    result_detail(result),
                     result.duration_s,
                     len(results),
                     cfg.n_trials,
@@ -680,14 +684,11 @@ def run_search_with_executor(
         if not _tell(study, controller.trials[outcome.spec.model_id], result):
             return
         results.append(result)
-        detail = f"val_acc={result.value:.4f}" if result.value is not None else f"error={result.error}"
-        if result.pruned_epoch is not None:
-            detail += f" (pruned after epoch {result.pruned_epoch + 1})"
         log.info(
             "search: trial %d %s %s after %d epochs (%s) — %d/%d finished",
             result.number,
             result.state,
-            detail,
+            result_detail(result),
             len(result.history),
             cfg.strategy,
             len(results),
@@ -741,6 +742,41 @@ def run_search_with_executor(
         sorted(results, key=lambda r: r.number),
         epoch_records,
         worker_rounds=tuple(scaling.history),
+    )
+
+
+def run_strategy_search(
+    cfg: SearchConfig,
+    manifest_uri: str,
+    study_name: str,
+    storage_url: str,
+    artifact_root: str,
+    client: Any,
+    storage_options: Mapping[str, Any] | None = None,
+    on_trial_done: Callable[[TrialResult], None] | None = None,
+    warm_start: WarmStart | None = None,
+    min_complete: int = 1,
+    device: DeviceSpec = CPU,
+) -> SearchOutcome:
+    """The search of ``cfg.strategy``, the one place a strategy is chosen: ``task`` trials on the
+    Dask workers (:func:`run_search`), ``mop`` and ``ddp`` through their executors
+    (:func:`run_search_with_executor`). Checkpoints go under ``<artifact_root>/checkpoints/<study>``."""
+    common = (cfg, manifest_uri, study_name, storage_url, artifact_root, client, storage_options)
+    if cfg.strategy == "task":
+        return run_search(
+            *common,
+            on_trial_done=on_trial_done,
+            min_complete=min_complete,
+            warm_start=warm_start,
+            device=device,
+        )
+    return run_search_with_executor(
+        *common,
+        on_trial_done=on_trial_done,
+        checkpoint_root=storage.join(artifact_root, "checkpoints", study_name),
+        warm_start=warm_start,
+        min_complete=min_complete,
+        device=device,
     )
 
 

@@ -147,21 +147,11 @@ def test_gpu_optimizer_state_is_on_the_device_after_a_hop(small_manifest: str) -
 
 @pytest.mark.gpu
 def test_gpu_task_trial_and_mop_sweep(small_manifest: str, tmp_path: Path) -> None:
+    from tests.spaces import fixed_cnn_space
     from training.config import SearchConfig
     from training.search import run_search, run_search_with_executor
 
-    space = {
-        "families": {
-            "cnn": {
-                "width": {"type": "categorical", "choices": [8]},
-                "depth": {"type": "categorical", "choices": [2]},
-            }
-        },
-        "common": {
-            "lr": {"type": "categorical", "choices": [0.01]},
-            "batch_size": {"type": "categorical", "choices": [32]},
-        },
-    }
+    space = fixed_cnn_space(batch_size=32, lr=0.01)
     with dask_client("", 1, accelerator="gpu") as client:
         device = device_for_cluster(client, "gpu", "32")
         task = SearchConfig(n_trials=1, epochs=2, space=space, pruner="none", sampler="random")
@@ -202,3 +192,33 @@ def test_gpu_ddp_trial_over_nccl(small_manifest: str) -> None:
             [ModelSpec("d", CNN, 0, GPU)], epochs=2
         )["d"]
     assert outcome.error is None and [r.epoch for r in outcome.history] == [0, 1]
+
+
+def test_the_student_s_device_resolves_in_its_own_process() -> None:
+    import torch
+
+    from training.devices import local_device
+
+    if torch.cuda.is_available():
+        assert local_device("auto", "32").accelerator == "gpu"
+    else:
+        assert local_device("auto", "32") == CPU
+        with pytest.raises(DeviceError, match="accelerator 'gpu'"):
+            local_device("gpu", "32")
+    assert local_device("cpu", "bf16-mixed") == DeviceSpec("cpu", "bf16-mixed")
+
+
+@pytest.mark.gpu
+def test_gpu_student_trains_on_the_gpu_and_comes_back_on_the_cpu() -> None:
+    import numpy as np
+
+    from compression.config import DistillConfig
+    from compression.distill import plan_student, train_student
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 40)).astype(np.float32)
+    y = rng.integers(0, 10, size=256).astype(np.int64)
+    cfg = DistillConfig(epochs=2)
+    plan = plan_student(cfg, 100_000, 40, 10)
+    model, history = train_student(plan, cfg, x, y, x, y, [0.0] * 40, [1.0] * 40, None, 0, device=GPU)
+    assert len(history) == 2 and next(model.parameters()).device.type == "cpu"

@@ -9,23 +9,18 @@ from typing import Any
 import optuna
 import pytest
 
+from tests.spaces import cnn_8x2_space
 from training.config import SearchConfig
 from training.search import run_search_with_executor
 from training.space import optuna_params_for
 
 GOOD_LR, BAD_LR = 0.02, 1e-7  # the bad rate leaves a model at chance (0.1) for every epoch
-SPACE = {
-    "families": {
-        "cnn": {
-            "width": {"type": "categorical", "choices": [8]},
-            "depth": {"type": "categorical", "choices": [2]},
-        }
-    },
-    "common": {
+SPACE = cnn_8x2_space(
+    {
         "lr": {"type": "categorical", "choices": [GOOD_LR, BAD_LR]},
         "batch_size": {"type": "categorical", "choices": [16]},
-    },
-}
+    }
+)
 
 
 class SpySampler(optuna.samplers.BaseSampler):
