@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from infra.settings import ACCELERATORS, PRECISIONS, Accelerator, Precision
+from infra.settings import Accelerator, Precision
 
 GPU_RESOURCE = "GPU"  # the Dask worker resource a GPU worker declares (dask worker --resources GPU=1)
 
@@ -52,22 +52,6 @@ class DeviceSpec:
 
 
 CPU = DeviceSpec()
-
-
-def parse_accelerator(raw: str) -> Accelerator:
-    """An accelerator setting, or a DeviceError naming the value and the choices."""
-    value = raw.strip().lower() or "auto"
-    if value not in ACCELERATORS:
-        raise DeviceError(f"accelerator {raw!r} is not one of {list(ACCELERATORS)}")
-    return value  # type: ignore[return-value]
-
-
-def parse_precision(raw: str) -> Precision:
-    """A precision setting, or a DeviceError naming the value and the choices."""
-    value = raw.strip() or "32"
-    if value not in PRECISIONS:
-        raise DeviceError(f"precision {raw!r} is not one of {list(PRECISIONS)}")
-    return value  # type: ignore[return-value]
 
 
 def resolve_device(
