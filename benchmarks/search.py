@@ -5,7 +5,7 @@ What is measured
 Two searches with the same total budget (``--trials`` trials of at most ``--epochs`` epochs,
 ``--workers`` trials at once on a real Dask LocalCluster) over the same wide search space (below:
 bad learning rates and tiny models are part of it, as in a real sweep), through mopflow's own
-``training.search.run_search``:
+``training.task_search.run_search``:
 
 * ``tpe+asha``: TPE sampler, asynchronous successive halving (min resource ``--min-resource``
   epochs, default 3, reduction factor 3: rungs at 3, 9 and 27, a ladder of factor 3 whose top
@@ -65,7 +65,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importa
 from training.cluster import dask_client  # noqa: E402
 from training.config import DataConfig, SearchConfig  # noqa: E402
 from training.data import shard_dataset  # noqa: E402
-from training.search import run_search  # noqa: E402
+from training.task_search import run_search  # noqa: E402
 from training.trial import TrialResult  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "search.json"

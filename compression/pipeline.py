@@ -188,8 +188,8 @@ def search_stage(
     """Stage 2: the Optuna study, trials trained in parallel on Dask; one nested MLflow run per trial."""
     from training.cluster import dask_client
     from training.devices import device_for_cluster
+    from training.executor_search import run_strategy_search
     from training.scaling import log_volatile
-    from training.search import run_strategy_search
     from training.trial import TrialResult
 
     settings = settings or Settings.from_env()

@@ -27,7 +27,8 @@ from infra.settings import Settings
 from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from training.config import SearchConfig
 from training.data import ShardIntegrityError, load_manifest
-from training.search import STALE_ATTR, run_search
+from training.search import STALE_ATTR
+from training.task_search import run_search
 
 CONF = {
     "num_samples": 600,

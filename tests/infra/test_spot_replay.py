@@ -76,7 +76,7 @@ def test_trace_is_read_from_an_fsspec_url(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bad_replay_input_fails_before_training(tmp_path: Path, small_manifest: str) -> None:
     from training.cluster import dask_client
-    from training.search import run_search
+    from training.task_search import run_search
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,oops\n")
@@ -107,7 +107,7 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     from infra.tracking import MlflowTracker
     from training.cluster import dask_client
     from training.scaling import log_volatile
-    from training.search import run_search
+    from training.task_search import run_search
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,0.8\n600,0.3\n100000,0.3\n")
@@ -187,8 +187,8 @@ def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
 
     from infra.tracking import MlflowTracker
     from training.cluster import dask_client
+    from training.executor_search import run_search_with_executor
     from training.scaling import log_volatile
-    from training.search import run_search_with_executor
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,0.8\n180,0.3\n100000,0.3\n")

@@ -11,7 +11,7 @@ import pytest
 
 from tests.spaces import cnn_8x2_space
 from training.config import SearchConfig
-from training.search import run_search_with_executor
+from training.executor_search import run_search_with_executor
 from training.space import optuna_params_for
 
 GOOD_LR, BAD_LR = 0.02, 1e-7  # the bad rate leaves a model at chance (0.1) for every epoch
@@ -167,7 +167,7 @@ class CoordinatorKilled(RuntimeError):
 def test_a_restarted_mop_coordinator_loses_at_most_the_sub_epochs_in_flight(
     small_manifest: str, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import training.search as search
+    import training.executor_search as search
 
     cfg = SearchConfig(
         n_trials=2, epochs=4, strategy="mop", model_slots=2, space=SPACE, sampler="random", pruner="none"

@@ -15,7 +15,8 @@ from tests.spaces import fixed_cnn_space
 from training.config import SearchConfig
 from training.data import load_manifest
 from training.preempt import lost_spans, redone_seconds
-from training.search import checkpoint_folder, register_preemption, run_search
+from training.search import checkpoint_folder, register_preemption
+from training.task_search import run_search
 from training.trial import CHECKPOINT_FILE
 
 CNN_PARAMS = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}

@@ -103,7 +103,7 @@ def test_mop_sweep_scales_the_cluster_per_round(
 ) -> None:
     """n_j = 1, 2, 2 workers in rounds 1-3: each round's units ran on exactly n_j workers, and every
     trial completed all its epochs."""
-    from training.search import run_search_with_executor
+    from training.executor_search import run_search_with_executor
 
     cfg = SearchConfig(
         n_trials=2, epochs=3, strategy="mop", model_slots=2, space=SPACE, pruner="none", worker_schedule=STEP
@@ -126,7 +126,7 @@ def test_mop_sweep_scales_the_cluster_per_round(
 def test_task_sweep_runs_rounds_of_n_j_trials(
     small_manifest: str, tmp_path: Path, cluster_client: object
 ) -> None:
-    from training.search import run_search
+    from training.task_search import run_search
 
     cfg = SearchConfig(n_trials=3, epochs=2, n_workers=1, space=SPACE, pruner="none", worker_schedule=STEP)
     outcome = run_search(

@@ -8,8 +8,9 @@ from optuna.trial import TrialState
 
 from infra.optuna_storage import StorageConfigError, make_storage
 from training.config import SearchConfig
-from training.search import STALE_ATTR, run_search
+from training.search import STALE_ATTR
 from training.space import parse_space, sample_params
+from training.task_search import run_search
 from training.trial import TrialSpec, train_trial
 
 TINY_SPACE = {

@@ -11,10 +11,10 @@ import pytest
 
 from infra.optuna_storage import make_storage
 from training.config import SearchConfig
+from training.executor_search import _SearchController
 from training.search import (
     WARM_START_ATTR,
     WarmStart,
-    _SearchController,
     enqueue_grid,
     grid_configurations,
     grid_search_space,

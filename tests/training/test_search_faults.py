@@ -18,8 +18,9 @@ from optuna.trial import TrialState
 
 from infra.optuna_storage import make_storage
 from training.config import SearchConfig
-from training.search import RESUME_ATTR, checkpoint_folder, fail_stale_heartbeats, retried_trial, run_search
+from training.search import RESUME_ATTR, checkpoint_folder, fail_stale_heartbeats, retried_trial
 from training.space import parse_space, sample_params
+from training.task_search import run_search
 from training.trial import CHECKPOINT_FILE, CHECKPOINT_META, _params_key
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from training.config import SearchConfig
-from training.search import SearchOutcome, checkpoint_folder, run_search, run_search_with_executor
+from training.executor_search import run_search_with_executor
+from training.search import SearchOutcome, checkpoint_folder
+from training.task_search import run_search
 from training.trial import CHECKPOINT_FILE
 
 SPACE = {
