@@ -120,17 +120,16 @@ def _replay(outcome: SearchOutcome, cfg: SearchConfig, manifest_uri: str) -> dic
 
     from training.data import load_manifest
     from training.executors import DataRef, ModelSpec
-    from training.executors.mop import partition_shards
+    from training.executors.mop import partition_rows, partition_shards
     from training.executors.units import clear_partitions, init_state, train_pass_and_validate
     from training.schedule import steps_per_epoch
 
     data = DataRef(manifest_uri, {})
-    entries = load_manifest(manifest_uri, {})["splits"]["train"]
-    shards = [e["name"] for e in entries]
-    rows = {e["name"]: int(e["rows"]) for e in entries}
+    manifest = load_manifest(manifest_uri, {})
+    shards = [e["name"] for e in manifest["splits"]["train"]]
     used = {r["partition"] for recs in outcome.epoch_records.values() for r in recs}
     partitions = partition_shards(shards, len(used))
-    partition_rows = [sum(rows[s] for s in names) for names in partitions.values()]
+    rows = partition_rows(manifest, partitions).values()
     assert set(partitions) == used
     accs: dict[int, list[float]] = {}
     # a unit sets 1 thread, as on a worker; the rest of the session keeps its own
@@ -153,7 +152,7 @@ def _replay(outcome: SearchOutcome, cfg: SearchConfig, manifest_uri: str) -> dic
                         int(partition[1:]),
                         {"visited": order[: i + 1], "partition": partition},
                         i == len(order) - 1,
-                        steps_per_epoch(partition_rows, int(spec.params["batch_size"])),
+                        steps_per_epoch(rows, int(spec.params["batch_size"])),
                     )
                 assert acc is not None
                 accs.setdefault(result.number, []).append(acc)

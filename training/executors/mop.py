@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from training.data import load_manifest
@@ -66,6 +66,12 @@ def partition_shards(shard_names: Sequence[str], n_partitions: int) -> dict[str,
     return groups
 
 
+def partition_rows(manifest: Mapping[str, Any], partitions: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    """Training rows of each partition, from the manifest's shard rows."""
+    rows = {e["name"]: int(e["rows"]) for e in manifest["splits"]["train"]}
+    return {p: sum(rows[name] for name in names) for p, names in partitions.items()}
+
+
 class MopExecutor(Executor):
     """Each model trains one sub-epoch per partition, on the worker that holds it, then hops."""
 
@@ -90,11 +96,8 @@ class MopExecutor(Executor):
             client.wait_for_workers(1, timeout=120)
             workers = sorted(client.scheduler_info()["workers"])
         self.partitions = partition_shards(shard_names, partitions or len(workers))
-        rows = {
-            e["name"]: int(e["rows"])
-            for e in load_manifest(data.manifest_uri, data.storage_options)["splits"]["train"]
-        }
-        self.partition_rows = {p: sum(rows[s] for s in names) for p, names in self.partitions.items()}
+        manifest = load_manifest(data.manifest_uri, data.storage_options)
+        self.partition_rows = partition_rows(manifest, self.partitions)
         self.before_round = before_round  # e.g. scale the cluster to n_j workers (training/scaling.py)
         self.scheduler = MopScheduler(round_robin(self.partitions, workers), seed=seed)
         # Model slots: models training at once (at least one per partition keeps every worker busy).
@@ -132,8 +135,11 @@ class MopExecutor(Executor):
         states: dict[str, bytes] = {}
         visited: dict[str, list[str]] = {}
         next_epoch: dict[str, int] = {}
-        joined = (self._admit(m, epochs, states, visited, next_epoch, outcomes, controller) for m in models)
-        active = {m.model_id: m for m, keep in zip(models, list(joined), strict=True) if keep}
+        active = {
+            m.model_id: m
+            for m in models
+            if self._admit(m, epochs, states, visited, next_epoch, outcomes, controller)
+        }
         round_index = len(self.epoch_records)  # a second run (more trials) goes on numbering rounds
         while active:
             if self.before_round is not None:  # the cluster may change size between rounds
