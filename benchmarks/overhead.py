@@ -5,24 +5,23 @@ What is measured
 Small models are where a framework's overhead shows, so both loops train the same small model,
 ``build_model(ArchSpec("cnn", 16, 3, 40, 10))`` (seeded, so every run starts from the same
 weights), on the same data: ``--rows`` rows (default 20,000) of MNIST-1D-like random data
-(40 float32 features, 10 classes whose labels come from a fixed random linear teacher), through
-the same ``DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)`` with a seeded
-generator, for ``--epochs`` epochs (default 3), with one torch thread.
+(40 float32 features, 10 classes whose labels come from a fixed random linear teacher), in the
+same batches of 64 (``training.unit.Batches`` in the unit's seeded per-epoch order), for
+``--epochs`` epochs (default 3), with one torch thread.
 
-* ``lightning``: ``training.lit.Classifier(model, lr=0.01, weight_decay=1e-5)`` fitted by
-  ``pl.Trainer(max_epochs=E, **quiet_trainer_kwargs())`` (no validation loader): AdamW and a
-  per-step ``OneCycleLR`` over ``trainer.estimated_stepping_batches`` steps, as in production
-  (the product module and Trainer settings that trials use: Lightning's fit loop, its batch
-  hooks, callbacks and step counting; manual optimization, which on one CPU device with no
-  backward/step hook in use takes the module's fast path, ``loss.backward()`` and the bare
-  optimizer's ``step()``, as trials do; under DDP it goes through ``manual_backward``).
-* ``plain``: the same AdamW and ``OneCycleLR`` (same total steps) in a bare loop:
-  ``zero_grad(set_to_none=True)``, forward, cross-entropy, backward, ``step``, scheduler ``step``.
+* ``lightning``: the product path, ``training.unit.TrainableUnit.train_pass`` once per epoch,
+  as every strategy trains (a Lightning ``Trainer`` per pass with the quiet settings, the
+  ``Classifier`` module with AdamW and the per-step one-cycle schedule positioned at the unit's
+  global step, the optimizer moments carried between passes; manual optimization, which on one
+  CPU device with no backward/step hook in use takes the module's fast path).
+* ``plain``: the same AdamW and ``OneCycleLR`` (same total steps) in a bare loop over the same
+  batches: ``zero_grad(set_to_none=True)``, forward, cross-entropy, backward, ``step``,
+  scheduler ``step``.
 * ``plain_checks`` (information): ``plain`` plus what ``Classifier.training_step`` adds on top of
   the maths (the ``torch.isfinite(loss)`` check in a Python ``if`` and ``float(loss.detach())``),
   to separate the module's own per-step work from the framework's.
 
-Each loop is timed end to end (``trainer.fit`` / the whole loop, including the Trainer's set-up,
+Each loop is timed end to end (every pass / the whole loop, including each Trainer's set-up,
 excluding the data creation), divided by the number of optimizer steps. The three loops are run
 interleaved ``--repeats`` times (default 3); the figure is the median time per step over the
 repeats. ``ratio`` = lightning / plain; target: <= 1.15x. The median per-iteration time
@@ -65,11 +64,10 @@ import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from training.lit import Classifier, quiet_trainer_kwargs  # noqa: E402
 from training.models import ArchSpec, build_model  # noqa: E402
 from training.trial import quiet_lightning  # noqa: E402
+from training.unit import Batches, ModelSpec, TrainableUnit, pass_order  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "overhead.json"
 ARCH = ArchSpec("cnn", 16, 3, 40, 10)
@@ -104,19 +102,22 @@ class Timing:
     cpu_per_step_ms: float = 0.0  # this process's CPU time per step (time lost to other processes excluded)
 
 
-def make_data(rows: int) -> TensorDataset:
+Data = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_data(rows: int) -> Data:
     """MNIST-1D-like data: 40 float32 features, labels from a fixed random linear teacher."""
     generator = torch.Generator().manual_seed(DATA_SEED)
     x = torch.randn(rows, ARCH.input_dim, generator=generator)
     teacher = torch.randn(ARCH.input_dim, ARCH.num_classes, generator=generator)
     noise = 0.5 * torch.randn(rows, ARCH.num_classes, generator=generator)
     y = (x @ teacher + noise).argmax(dim=1).to(torch.int64)
-    return TensorDataset(x, y)
+    return x, y
 
 
-def make_loader(dataset: TensorDataset, repeat: int) -> DataLoader[Any]:
-    generator = torch.Generator().manual_seed(DATA_SEED + repeat)
-    return DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, generator=generator)
+def make_batches(data: Data, epoch: int, repeat: int) -> Batches:
+    """The batches a unit trains on in ``epoch`` (its seeded order), for both loops."""
+    return Batches(data, pass_order(DATA_SEED + repeat, epoch, 0, len(data[0])), BATCH_SIZE)
 
 
 def make_model() -> nn.Module:
@@ -142,16 +143,18 @@ def _median_interval_ms(stamps: Sequence[float]) -> float:
     return 1000 * statistics.median(diffs) if diffs else float("nan")
 
 
-def run_lightning(dataset: TensorDataset, epochs: int, repeat: int) -> Timing:
-    model = make_model()
-    module = Classifier(model, lr=LR, weight_decay=WEIGHT_DECAY)
-    loader = make_loader(dataset, repeat)
+def run_lightning(data: Data, epochs: int, repeat: int) -> Timing:
+    """The product path: a trainable unit, one Lightning pass per epoch."""
+    params = {"lr": LR, "weight_decay": WEIGHT_DECAY, "batch_size": BATCH_SIZE}
+    unit = TrainableUnit(ModelSpec("bench", params, DATA_SEED + repeat), make_model(), 0)
+    unit.total_steps = epochs * len(make_batches(data, 0, repeat))
     clock = IterationClock()
     started, cpu_started = time.perf_counter(), time.process_time()
-    trainer = pl.Trainer(max_epochs=epochs, callbacks=[clock], **quiet_trainer_kwargs())
-    trainer.fit(module, loader)
+    record = None
+    for epoch in range(epochs):
+        record = unit.train_pass(data, epoch, callbacks=[clock])
     total, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    steps = int(trainer.global_step)
+    steps = unit.global_step
     return Timing(
         "lightning",
         repeat,
@@ -159,24 +162,23 @@ def run_lightning(dataset: TensorDataset, epochs: int, repeat: int) -> Timing:
         total,
         1000 * total / steps,
         _median_interval_ms(clock.stamps),
-        float(module.last_train_loss),
+        float(record.train_loss) if record else float("nan"),
         1000 * cpu / steps,
     )
 
 
-def run_plain(dataset: TensorDataset, epochs: int, repeat: int, checks: bool) -> Timing:
+def run_plain(data: Data, epochs: int, repeat: int, checks: bool) -> Timing:
     model = make_model()
-    loader = make_loader(dataset, repeat)
     stamps: list[float] = []
     last_loss = float("nan")
     started, cpu_started = time.perf_counter(), time.process_time()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    total_steps = epochs * len(loader)
+    total_steps = epochs * len(make_batches(data, 0, repeat))
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=LR, total_steps=max(total_steps, 1))
     model.train()
     steps = 0
-    for _ in range(epochs):
-        for x, y in loader:
+    for epoch in range(epochs):
+        for x, y in make_batches(data, epoch, repeat):
             stamps.append(time.perf_counter())
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
@@ -213,7 +215,7 @@ def run(settings: Settings, out: Path) -> int:
         "plain_checks": lambda r: run_plain(dataset, settings.epochs, r, checks=True),
     }
     # Warm-up (not timed): first-call costs of imports, allocator and kernels hit neither loop.
-    warm = TensorDataset(*dataset[: 4 * BATCH_SIZE])
+    warm = (dataset[0][: 4 * BATCH_SIZE], dataset[1][: 4 * BATCH_SIZE])
     run_lightning(warm, 1, -1)
     run_plain(warm, 1, -1, checks=False)
     load_before = list(os.getloadavg())

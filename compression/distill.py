@@ -10,12 +10,10 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from compression.config import DistillConfig
 from training.bundle import predict_proba
 from training.devices import CPU, DeviceSpec
-from training.lit import Classifier, quiet_trainer_kwargs
 from training.models import ArchSpec, build_model, count_params, largest_width_within
 
 log = logging.getLogger(__name__)
@@ -97,49 +95,36 @@ def train_student(
     The model comes back on the CPU (quantization and the pyfunc run there).
     """
     from training.trial import quiet_lightning
+    from training.unit import ModelSpec, TrainableUnit
 
     quiet_lightning()
     pl.seed_everything(seed, workers=False, verbose=False)
     model = build_model(plan.arch, mean, std)
     alpha = cfg.alpha if teacher is not None else 0.0
-    module = Classifier(model, lr=cfg.lr, weight_decay=1e-5, temperature=cfg.temperature, alpha=alpha)
     tensors = [torch.from_numpy(x_train), torch.from_numpy(y_train)]
     if teacher is not None:
         tensors.append(soft_targets(teacher, x_train, cfg.temperature))
-    loader = DataLoader(
-        TensorDataset(*tensors),
-        batch_size=cfg.batch_size,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    val_loader = DataLoader(TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)), batch_size=4096)
+    max_epochs = epochs if epochs is not None else cfg.epochs
+    params = {"lr": cfg.lr, "weight_decay": 1e-5, "batch_size": cfg.batch_size}
+    spec = ModelSpec("student", params, seed, device)
+    total_steps = max_epochs * -(-len(x_train) // cfg.batch_size)
+    unit = TrainableUnit(spec, model, total_steps, cfg.temperature, alpha, plan.arch)
+    x_val_t = torch.from_numpy(x_val)
     history: list[dict[str, float]] = []
     started = time.monotonic()
-    max_epochs = epochs if epochs is not None else cfg.epochs
-
-    class Progress(pl.Callback):
-        def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            epoch = trainer.current_epoch
-            acc = float(trainer.callback_metrics["val_acc"])
-            history.append(
-                {
-                    "epoch": epoch,
-                    "val_acc": acc,
-                    "train_loss": pl_module.epoch_train_loss(),  # type: ignore[operator]
-                }
+    for epoch in range(max_epochs):  # the same unit, one pass per epoch, as the trials train
+        record = unit.train_pass(tensors, epoch)
+        acc = unit.evaluate(x_val_t, y_val)
+        history.append({"epoch": epoch, "val_acc": acc, "train_loss": record.train_loss})
+        if (epoch + 1) % 10 == 0 or epoch + 1 == max_epochs:
+            log.info(
+                "distill: %s student epoch %d/%d val_acc=%.4f (%.0fs)",
+                "soft-target" if teacher is not None else "hard-label",
+                epoch + 1,
+                max_epochs,
+                acc,
+                time.monotonic() - started,
             )
-            if (epoch + 1) % 10 == 0 or epoch + 1 == max_epochs:
-                log.info(
-                    "distill: %s student epoch %d/%d val_acc=%.4f (%.0fs)",
-                    "soft-target" if teacher is not None else "hard-label",
-                    epoch + 1,
-                    max_epochs,
-                    acc,
-                    time.monotonic() - started,
-                )
-
-    trainer = pl.Trainer(max_epochs=max_epochs, callbacks=[Progress()], **quiet_trainer_kwargs(device))
-    trainer.fit(module, loader, val_loader)
     model.cpu().eval()
     return model, history
 

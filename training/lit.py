@@ -21,47 +21,6 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss became NaN or infinite; the run stops at that step."""
 
 
-class EpochShuffle(torch.utils.data.Sampler[int]):
-    """A permutation of ``n_rows`` per epoch drawn from ``(seed, epoch)`` alone (Lightning calls
-    ``set_epoch``), so any epoch's order is known without replaying the epochs before it.
-
-    ``resume_at(epoch, batches)`` makes the next permutation drawn that epoch's, less its first
-    ``batches`` batches (once): a run resumed from a checkpoint taken mid-epoch trains on exactly
-    the batches that epoch had left, and the epochs after it in the order an undisturbed run has.
-    ``len`` stays the full epoch (Lightning counts the epoch's batches from it; a resumed epoch's
-    iterator just ends early, where Lightning's count of batches already done ends it too).
-    """
-
-    def __init__(self, n_rows: int, seed: int, batch_size: int) -> None:
-        if n_rows <= 0 or batch_size <= 0:
-            raise ValueError(f"need rows and a batch size > 0, got n_rows={n_rows}, batch_size={batch_size}")
-        self.n_rows, self.seed, self.batch_size = n_rows, seed, batch_size
-        self.epoch = 0
-        self._skip_batches = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch whose permutation the next iteration draws."""
-        self.epoch = epoch
-
-    def resume_at(self, epoch: int, batches: int) -> None:
-        """The next iteration continues ``epoch`` after its first ``batches`` batches."""
-        if epoch < 0 or batches < 0:
-            raise ValueError(f"cannot resume at epoch {epoch}, batch {batches}")
-        self.epoch, self._skip_batches = epoch, batches
-
-    def permutation(self, epoch: int) -> torch.Tensor:
-        """The row order of ``epoch``."""
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.n_rows, generator=generator)
-
-    def __iter__(self) -> Any:
-        skip, self._skip_batches = self._skip_batches, 0
-        return iter(self.permutation(self.epoch)[skip * self.batch_size :].tolist())
-
-    def __len__(self) -> int:
-        return self.n_rows
-
-
 class Classifier(pl.LightningModule):
     """Cross-entropy (optionally plus a soft-target distillation term) with AdamW + one-cycle LR.
 

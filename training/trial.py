@@ -9,12 +9,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
@@ -96,7 +95,6 @@ class NullReporter:
 
 def shard_cache_dir() -> str:
     """Where a worker caches remote shards on its local disk (``MOPFLOW_SHARD_CACHE``)."""
-    import tempfile
 
     return os.environ.get("MOPFLOW_SHARD_CACHE") or os.path.join(tempfile.gettempdir(), "mopflow-shard-cache")
 
@@ -155,11 +153,13 @@ class TrialResult:
         return asdict(self)
 
 
-CHECKPOINT_FILE = "last.ckpt"
+CHECKPOINT_FILE = "last.safetensors"  # the unit's exported state (training/unit.py)
+CHECKPOINT_META = "checkpoint.json"
 
 
-def fetch_checkpoint(spec: TrialSpec, workdir: str) -> str | None:
-    """Copy the newest checkpoint of this trial (or of the attempt it retries) to local disk."""
+def fetch_checkpoint(spec: TrialSpec) -> bytes | None:
+    """The newest checkpoint of this trial (or of the attempt it retries), when it holds a run of
+    these params on this data."""
     from infra import storage
 
     for folder in (spec.checkpoint_uri, spec.resume_from):
@@ -169,14 +169,8 @@ def fetch_checkpoint(spec: TrialSpec, workdir: str) -> str | None:
                     "trial %d: checkpoint in %s is of other params; not resuming from it", spec.number, folder
                 )
                 continue
-            local = os.path.join(workdir, "resume.ckpt")
-            with open(local, "wb") as fh:
-                fh.write(storage.read_bytes(storage.join(folder, CHECKPOINT_FILE), spec.storage_options))
-            return local
+            return storage.read_bytes(storage.join(folder, CHECKPOINT_FILE), spec.storage_options)
     return None
-
-
-CHECKPOINT_META = "checkpoint.json"
 
 
 def _params_key(spec: TrialSpec) -> str:
@@ -198,19 +192,17 @@ def _checkpoint_matches(spec: TrialSpec, folder: str) -> bool:
     return bool(storage.read_json(meta_uri, spec.storage_options).get("params_key") == _params_key(spec))
 
 
-def save_checkpoint(trainer: Any, spec: TrialSpec, workdir: str) -> None:
-    """Write the trainer's state (weights, optimizer, schedule, loop, history) for this epoch,
-    atomically, so a killed worker leaves the previous epoch's checkpoint intact."""
+def save_checkpoint(spec: TrialSpec, state: bytes) -> None:
+    """Write the unit's state (weights, optimizer, schedule and pass position, history),
+    atomically, so a killed worker leaves the previous checkpoint intact."""
     from infra import storage
 
-    local = os.path.join(workdir, CHECKPOINT_FILE)
-    trainer.save_checkpoint(local)
-    with open(local, "rb") as fh:
-        data = fh.read()
     meta_uri = storage.join(spec.checkpoint_uri, CHECKPOINT_META)
     if not storage.exists(meta_uri, spec.storage_options):
         storage.write_json_atomic(meta_uri, {"params_key": _params_key(spec)}, spec.storage_options)
-    storage.write_bytes_atomic(storage.join(spec.checkpoint_uri, CHECKPOINT_FILE), data, spec.storage_options)
+    storage.write_bytes_atomic(
+        storage.join(spec.checkpoint_uri, CHECKPOINT_FILE), state, spec.storage_options
+    )
 
 
 @contextlib.contextmanager
@@ -227,205 +219,146 @@ def heartbeat(reporter: Reporter) -> Iterator[None]:
             thread.join()
 
 
+def _reporter(spec: TrialSpec, reporter: Reporter | None) -> Reporter:
+    if reporter is not None:
+        return reporter
+    if not spec.optuna_storage:
+        return NullReporter()
+    pruner = make_pruner(spec.pruner, spec.min_resource, spec.epochs)
+    return OptunaReporter(spec.optuna_storage, spec.study_name, spec.trial_id, pruner)
+
+
+@dataclass
+class _Progress:
+    """A trial's history and resumption facts, carried in its checkpoints across attempts."""
+
+    history: list[dict[str, float]] = field(default_factory=list)
+    saved_at: list[float] = field(default_factory=list)  # when each checkpoint was written
+    pruned_epoch: int | None = None
+    resumed_from_epoch: int | None = None
+    resumed_from_step: int | None = None
+    resumed_after_notice_at_step: int | None = None
+
+    def meta(self, preempted_at_step: int | None = None) -> dict[str, Any]:
+        return {
+            "history": [dict(h) for h in self.history],
+            "saved_at": list(self.saved_at),
+            "preempted_at_step": preempted_at_step,
+        }
+
+    def resume(self, meta: Mapping[str, Any], global_step: int) -> None:
+        self.history[:] = [dict(h) for h in meta.get("history", [])]
+        self.saved_at[:] = [float(t) for t in meta.get("saved_at", [])]
+        self.resumed_after_notice_at_step = meta.get("preempted_at_step")
+        self.resumed_from_step = global_step
+        if self.history:
+            self.resumed_from_epoch = int(self.history[-1]["epoch"])
+
+
 def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResult:
     """Train ``spec.params`` for up to ``spec.epochs`` epochs; never raises for a training failure.
 
-    A NaN/inf loss or any error ends the trial as FAIL with the reason; a pruning decision at
-    an epoch boundary ends it as PRUNED.
+    Each epoch is one pass of the trainable unit (``training/unit.py``) over every training
+    shard, then validation, a report, the pruner's decision and a checkpoint. A NaN/inf loss or
+    any error ends the trial as FAIL with the reason; a pruning decision ends it as PRUNED. A
+    spot notice checkpoints at the next batch boundary and hands the trial back to Dask.
     """
     started = time.monotonic()
     worker = f"{os.uname().nodename}:{os.getpid()}"
-    history: list[dict[str, float]] = []
-    saved_at: list[float] = []  # when each checkpoint was written (carried across attempts)
-    state: dict[str, int | None] = {
-        "pruned_epoch": None,
-        "resumed_from_epoch": None,
-        "resumed_from_step": None,
-        "preempted_at_step": None,
-        "resumed_after_notice_at_step": None,
-    }
+    progress = _Progress()
     if notice_received():  # this worker is going away: do not start here
         from distributed import Reschedule
 
         raise Reschedule()
-    workdir = tempfile.mkdtemp(prefix="mopflow-trial-")
     try:
-        import pytorch_lightning as pl
         import torch
-        from torch.utils.data import DataLoader, TensorDataset
 
         from training.bundle import save_bundle
-        from training.data import load_manifest, load_split
-        from training.lit import Classifier, EpochShuffle, quiet_trainer_kwargs
-        from training.models import ArchSpec, build_model, count_params
+        from training.data import load_manifest
+        from training.executors.units import load_eval_split, load_partition
+        from training.models import count_params
+        from training.schedule import steps_per_epoch
+        from training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
 
         torch.set_num_threads(spec.torch_threads)
         quiet_lightning()
-        log.setLevel(
-            logging.INFO
-        )  # worker processes default to WARNING; progress is forwarded to the task log
-        active: Reporter
-        if reporter is not None:
-            active = reporter
-        else:
-            active = (
-                OptunaReporter(
-                    spec.optuna_storage,
-                    spec.study_name,
-                    spec.trial_id,
-                    make_pruner(spec.pruner, spec.min_resource, spec.epochs),
-                )
-                if spec.optuna_storage
-                else NullReporter()
-            )
+        # worker processes default to WARNING; progress is forwarded to the task log
+        log.setLevel(logging.INFO)
+        active = _reporter(spec, reporter)
         manifest = load_manifest(spec.manifest_uri, spec.storage_options)
-        resume_path = fetch_checkpoint(spec, workdir)
-        cache = shard_cache_dir()
-        x_train, y_train = load_split(spec.manifest_uri, "train", spec.storage_options, cache_dir=cache)
-        x_val, y_val = load_split(spec.manifest_uri, "validation", spec.storage_options, cache_dir=cache)
-        arch = ArchSpec.from_params(spec.params, x_train.shape[1], int(manifest["num_classes"]))
-        norm = manifest["normalization"]
-        pl.seed_everything(spec.seed, workers=False, verbose=False)
-        model = build_model(arch, norm["mean"], norm["std"])
-        module = Classifier(
-            model, lr=float(spec.params["lr"]), weight_decay=float(spec.params["weight_decay"])
-        )
-        batch_size = int(spec.params["batch_size"])
-        steps_per_epoch = -(-len(x_train) // batch_size)
-        # each epoch's order from (seed, epoch): a resumed trial goes on with the batches it had left
-        shuffle = EpochShuffle(len(x_train), spec.seed, batch_size)
-        train_loader = DataLoader(
-            TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train)),
-            batch_size=batch_size,
-            sampler=shuffle,
-        )
-        val_loader = DataLoader(
-            TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)), batch_size=4096
-        )
+        data = DataRef(spec.manifest_uri, dict(spec.storage_options), shard_cache_dir())
+        shards = sorted(e["name"] for e in manifest["splits"]["train"])
+        x, y = load_partition(data, shards, str(spec.device.torch_device()))
+        x_val, y_val = load_eval_split(data, "validation")
+        model = ModelSpec(f"trial-{spec.number:04d}", spec.params, spec.seed, spec.device)
+        total_steps = spec.epochs * steps_per_epoch([len(x)], int(spec.params["batch_size"]))
+        unit = TrainableUnit.build(model, manifest, total_steps)
+        checkpoint = fetch_checkpoint(spec)
+        if checkpoint is not None:
+            progress.resume(unit.import_state(checkpoint), unit.global_step)
+            log.info("trial %d: resuming at step %d from its checkpoint", spec.number, unit.global_step)
+            for h in progress.history:  # a retry is a new Optuna trial: give it the epochs already done
+                active.report(float(h["val_acc"]), int(h["epoch"]))
 
-        class EpochReport(pl.Callback):
-            """Reports validation accuracy each epoch, stops the trainer when Optuna prunes, and
-            checkpoints each finished epoch (the history travels in the checkpoint)."""
+        def preempt_now() -> NoReturn:
+            """A spot notice: checkpoint where the unit is and hand the trial back."""
+            if spec.checkpoint_uri:
+                progress.saved_at.append(time.time())
+                save_checkpoint(spec, unit.export_state(progress.meta(preempted_at_step=unit.global_step)))
+            log.warning(
+                "trial %d: preempted at step %d; checkpointed, rescheduling", spec.number, unit.global_step
+            )
+            raise Preempted(spec.number)
 
-            def state_dict(self) -> dict[str, Any]:
-                return {
-                    "history": [dict(h) for h in history],
-                    "preempted_at_step": state["preempted_at_step"],
-                    "saved_at": list(saved_at),
-                }
-
-            def on_load_checkpoint(
-                self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-            ) -> None:
-                # before Lightning draws the first batch (when it sets up the data): the epoch and
-                # batch the checkpoint stopped at (one optimizer step per batch)
-                shuffle.resume_at(*divmod(int(checkpoint["global_step"]), steps_per_epoch))
-
-            def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-                history[:] = [dict(h) for h in state_dict.get("history", [])]
-                saved_at[:] = [float(t) for t in state_dict.get("saved_at", [])]
-                state["resumed_after_notice_at_step"] = state_dict.get("preempted_at_step")
-                if history:
-                    state["resumed_from_epoch"] = int(history[-1]["epoch"])
-                for h in history:  # a retry is a new Optuna trial: give it the epochs already done
-                    active.report(float(h["val_acc"]), int(h["epoch"]))
-
-            def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-                if resume_path:
-                    state["resumed_from_step"] = int(trainer.global_step)
-
-            def on_train_batch_end(
-                self,
-                trainer: pl.Trainer,
-                pl_module: pl.LightningModule,
-                outputs: Any,
-                batch: Any,
-                batch_idx: int,
-            ) -> None:
-                if not notice_received():
-                    return
-                if spec.checkpoint_uri and batch_idx + 1 >= trainer.num_training_batches:
-                    # The epoch's last batch: Lightning resumes a checkpoint taken here past the
-                    # epoch's end and skips its validation (the epoch would be missing from the
-                    # history and the pruner). Its validation comes next; stop after it instead.
-                    return
-                self._preempt(trainer)
-
-            def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-                if trainer.sanity_checking or not spec.checkpoint_uri or state["pruned_epoch"] is not None:
-                    return
-                if notice_received() and trainer.current_epoch + 1 < spec.epochs:
-                    self._preempt(trainer)  # the epoch is validated: its checkpoint resumes at the next
-                self._save(trainer)
-
-            def _save(self, trainer: pl.Trainer) -> None:
-                saved_at.append(time.time())
-                save_checkpoint(trainer, spec, workdir)
-
-            def _preempt(self, trainer: pl.Trainer) -> None:
-                """A spot notice: checkpoint this epoch's progress and hand the trial back."""
-                state["preempted_at_step"] = int(trainer.global_step)
-                if spec.checkpoint_uri:
-                    self._save(trainer)
-                log.warning(
-                    "trial %d: preempted at epoch %d step %d; checkpointed, rescheduling",
-                    spec.number,
-                    trainer.current_epoch,
-                    trainer.global_step,
-                )
-                raise Preempted(spec.number)
-
-            def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-                if trainer.sanity_checking:
-                    return
-                epoch = trainer.current_epoch
-                val_acc = float(trainer.callback_metrics["val_acc"])
-                train_loss = pl_module.epoch_train_loss()  # type: ignore[operator]
-                history.append({"epoch": epoch, "val_acc": val_acc, "train_loss": train_loss})
+        part = ",".join(shards)
+        with heartbeat(active):
+            for epoch in range(len(progress.history), spec.epochs):
+                try:
+                    record = unit.train_pass((x, y), epoch, 0, part, stop=notice_received)
+                except PassInterrupted:
+                    preempt_now()
+                val_acc = unit.evaluate(x_val, y_val)
+                progress.history.append({"epoch": epoch, "val_acc": val_acc, "train_loss": record.train_loss})
                 active.report(val_acc, epoch)
                 if epoch == 0 or (epoch + 1) % 10 == 0 or epoch + 1 == spec.epochs:
                     log.info(
                         "trial %d: epoch %d/%d val_acc=%.4f", spec.number, epoch + 1, spec.epochs, val_acc
                     )
                 if active.should_prune():
-                    state["pruned_epoch"] = epoch
-                    trainer.should_stop = True
-
-        trainer = pl.Trainer(
-            max_epochs=spec.epochs, callbacks=[EpochReport()], **quiet_trainer_kwargs(spec.device)
-        )
-        if resume_path:
-            log.info("trial %d: resuming from checkpoint %s", spec.number, resume_path)
-        with heartbeat(active):
-            # weights_only: a checkpoint is data, never code (a tampered file is refused)
-            trainer.fit(module, train_loader, val_loader, ckpt_path=resume_path, weights_only=True)
+                    progress.pruned_epoch = epoch
+                    break
+                if notice_received() and epoch + 1 < spec.epochs:
+                    preempt_now()  # the epoch is validated: its checkpoint resumes at the next
+                if spec.checkpoint_uri:
+                    progress.saved_at.append(time.time())
+                    save_checkpoint(spec, unit.export_state(progress.meta()))
         save_bundle(
             spec.bundle_uri,
-            [model],
-            [arch],
+            [unit.model],
+            [unit.arch],
             manifest["feature_columns"],
             extra={"trial": spec.number, "params": spec.params, "manifest_hash": manifest["manifest_hash"]},
             storage_options=spec.storage_options,
         )
-        value = history[-1]["val_acc"] if history else None
+        value = progress.history[-1]["val_acc"] if progress.history else None
         if value is None or not np.isfinite(value):
             raise RuntimeError("training produced no finite validation accuracy")
         return TrialResult(
             number=spec.number,
             trial_id=spec.trial_id,
             params=spec.params,
-            state="PRUNED" if state["pruned_epoch"] is not None else "COMPLETE",
+            state="PRUNED" if progress.pruned_epoch is not None else "COMPLETE",
             value=value,
-            history=history,
+            history=progress.history,
             bundle_uri=spec.bundle_uri,
-            pruned_epoch=state["pruned_epoch"],
+            pruned_epoch=progress.pruned_epoch,
             duration_s=time.monotonic() - started,
             worker=worker,
-            num_params=count_params(arch),
-            resumed_from_epoch=state["resumed_from_epoch"],
-            resumed_from_step=state["resumed_from_step"],
-            resumed_after_notice_at_step=state["resumed_after_notice_at_step"],
-            saved_at=list(saved_at),
+            num_params=count_params(unit.arch),
+            resumed_from_epoch=progress.resumed_from_epoch,
+            resumed_from_step=progress.resumed_from_step,
+            resumed_after_notice_at_step=progress.resumed_after_notice_at_step,
+            saved_at=list(progress.saved_at),
         )
     except Preempted as exc:
         from distributed import Reschedule
@@ -439,13 +372,11 @@ def train_trial(spec: TrialSpec, reporter: Reporter | None = None) -> TrialResul
             params=spec.params,
             state="FAIL",
             value=None,
-            history=history,
+            history=progress.history,
             bundle_uri=None,
             error=f"{type(exc).__name__}: {exc}",
             duration_s=time.monotonic() - started,
             worker=worker,
-            resumed_from_epoch=state["resumed_from_epoch"],
-            saved_at=list(saved_at),
+            resumed_from_epoch=progress.resumed_from_epoch,
+            saved_at=list(progress.saved_at),
         )
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)

@@ -128,17 +128,18 @@ def test_gpu_optimizer_state_is_on_the_device_after_a_hop(small_manifest: str) -
     import torch
 
     from training.data import load_manifest
-    from training.executors.units import _build, init_state, train_pass, unpack_state
+    from training.executors.units import init_state, train_pass
+    from training.unit import TrainableUnit
 
     spec = ModelSpec("m", CNN, 0, GPU)
     data = DataRef(small_manifest)
     manifest = load_manifest(small_manifest)
     shards = [e["name"] for e in manifest["splits"]["train"]][:1]  # one MOP partition
     state, _ = train_pass(spec, init_state(spec, data), data, shards, 0, 2, 0)
-    _, model = _build(spec, manifest)
-    model.to("cuda")
-    optimizer = torch.optim.AdamW(model.parameters())
-    unpack_state(state, model, optimizer)
+    unit = TrainableUnit.build(spec, manifest, 1)
+    unit.import_state(state)
+    optimizer = torch.optim.AdamW(unit.model.to("cuda").parameters())
+    unit.restore_moments(optimizer)
     moments = [s["exp_avg"] for s in optimizer.state.values()]
     assert moments and all(m.device.type == "cuda" for m in moments)
     again, _ = train_pass(spec, state, data, shards, 1, 2, 0)  # the next hop trains on from there

@@ -2,12 +2,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from training.lit import Classifier, EpochShuffle, quiet_trainer_kwargs
+from training.lit import Classifier, quiet_trainer_kwargs
 from training.models import ArchSpec, build_model
 
 ARCH = ArchSpec("mlp", 16, 1, 8, 3)
@@ -61,24 +60,3 @@ def test_fast_path_counts_steps_and_trains_exactly_like_lightnings_path() -> Non
         assert torch.equal(a, b)
     assert fast.last_train_loss == slow.last_train_loss
     assert fast._fast is None  # cleared at the end of the fit
-
-
-def test_epoch_shuffle_draws_each_epoch_from_seed_and_epoch_and_resumes_once() -> None:
-    """Each epoch is a permutation of every row, fixed by (seed, epoch) alone, different between
-    epochs and seeds; resume_at yields that epoch's order less its first batches, once."""
-    shuffle = EpochShuffle(10, seed=3, batch_size=4)
-    first = list(shuffle)
-    assert sorted(first) == list(range(10)) and len(shuffle) == 10
-    shuffle.set_epoch(2)
-    third = list(shuffle)
-    assert sorted(third) == list(range(10)) and third != first
-    assert list(EpochShuffle(10, seed=3, batch_size=4)) == first  # no state carried between epochs
-    assert list(EpochShuffle(10, seed=4, batch_size=4)) != first
-    resumed = EpochShuffle(10, seed=3, batch_size=4)
-    resumed.resume_at(2, 1)
-    assert list(resumed) == third[4:]
-    assert list(resumed) == third  # the skip applies to the resumed epoch only
-    with pytest.raises(ValueError, match="batch -1"):
-        resumed.resume_at(0, -1)
-    with pytest.raises(ValueError, match="batch_size=0"):
-        EpochShuffle(10, seed=0, batch_size=0)

@@ -1,7 +1,7 @@
 """Execution strategies for training many models: sequential, task, ddp, mop."""
 
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
-from training.executors.units import DataRef, ModelSpec
+from training.unit import DataRef, ModelSpec
 
 STRATEGIES = ("task", "ddp", "mop")
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from infra import storage
-from training.executors.units import DataRef, ModelSpec
+from training.unit import DataRef, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,6 @@ class Executor(ABC):
         if not storage.exists(uri, self.data.storage_options):
             return None
         data = storage.read_bytes(uri, self.data.storage_options)
-        from training.executors.units import read_meta
+        from training.unit import read_meta
 
         return data, read_meta(data)

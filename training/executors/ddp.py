@@ -21,7 +21,7 @@ from dataclasses import asdict
 from typing import Any
 
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
-from training.executors.units import DataRef, ModelSpec
+from training.unit import DataRef, ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -87,10 +87,10 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
 
     from infra import storage
     from training.data import load_manifest, load_split
-    from training.executors.units import DataRef, ModelSpec, _build, pack_state, unpack_state
     from training.lit import Classifier, quiet_trainer_kwargs
     from training.schedule import steps_per_epoch
     from training.trial import quiet_lightning
+    from training.unit import DataRef, ModelSpec, TrainableUnit
 
     torch.set_num_threads(1)
     quiet_lightning()
@@ -99,11 +99,6 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     data = DataRef(**job["data"])
     manifest = load_manifest(data.manifest_uri, data.storage_options)
     pl.seed_everything(spec.seed, workers=False, verbose=False)
-    _, model = _build(spec, manifest)
-    start_epoch = int(job.get("start_epoch", 0))
-    resume = storage.read_bytes(job["resume_uri"], data.storage_options) if job.get("resume_uri") else None
-    if resume is not None:  # safetensors: nothing unpickled
-        unpack_state(resume, model, None)
     x, y = load_split(data.manifest_uri, "train", data.storage_options)
     xv, yv = load_split(data.manifest_uri, "validation", data.storage_options)
     batch = int(job["batch_per_rank"])
@@ -111,17 +106,21 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     # its share of the rows (DistributedSampler pads to equal shares) in per-rank batches. A
     # resumed job continues the schedule and the optimizer moments where the checkpoint left them.
     epoch_steps = steps_per_epoch([math.ceil(len(x) / world)], batch)
+    unit = TrainableUnit.build(spec, manifest, int(job["epochs"]) * epoch_steps)
+    model = unit.model
+    start_epoch = int(job.get("start_epoch", 0))
+    if job.get("resume_uri"):  # safetensors: nothing unpickled
+        unit.import_state(storage.read_bytes(job["resume_uri"], data.storage_options))
 
     class RankModule(Classifier):
         def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-            if resume is not None:
-                unpack_state(resume, self.model, optimizer)
+            unit.restore_moments(optimizer)
 
     module = RankModule(
         model,
         lr=float(spec.params["lr"]),
         weight_decay=float(spec.params["weight_decay"]),
-        total_steps=int(job["epochs"]) * epoch_steps,
+        total_steps=unit.total_steps,
         start_step=start_epoch * epoch_steps,
     )
     train = DataLoader(
@@ -148,7 +147,8 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
                     "world_size": world,
                     "pid": os.getpid(),
                 }
-                state = pack_state(model, optimizer, {"epoch": epoch, "model_id": spec.model_id})
+                unit.capture(optimizer, (epoch + 1) * epoch_steps)
+                state = unit.export_state({"epoch": epoch})
                 last_state["state"] = state
                 if job.get("checkpoint_uri"):  # before the report: a report means a checkpoint
                     storage.write_bytes_atomic(job["checkpoint_uri"], state, data.storage_options)

@@ -18,17 +18,10 @@ from typing import Any
 from training.data import load_manifest
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
 from training.executors.scheduler import MopScheduler, Unit, round_robin
-from training.executors.units import (
-    DataRef,
-    ModelSpec,
-    evaluate_state,
-    init_state,
-    partial_meta,
-    read_meta,
-    train_pass_and_validate,
-)
+from training.executors.units import evaluate_state, init_state, train_pass_and_validate
 from training.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
 from training.schedule import steps_per_epoch
+from training.unit import DataRef, ModelSpec, partial_meta, read_meta
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,137 @@
+"""The trainable unit: one pass at a time, state in and out, the same model under every strategy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from training.data import load_manifest
+from training.executors.mop import MopExecutor
+from training.executors.task import TaskExecutor
+from training.executors.units import load_eval_split, load_partition, state_to_bundle
+from training.schedule import steps_per_epoch
+from training.trial import TrialSpec, train_trial
+from training.unit import DataRef, ModelSpec, PassInterrupted, StateFormatError, TrainableUnit, pass_order
+
+CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 1e-4, "batch_size": 32}
+
+
+def _weights(bundle_url: str) -> dict[str, torch.Tensor]:
+    from training.bundle import load_bundle
+
+    return {k: v.clone() for k, v in load_bundle(bundle_url).module.state_dict().items()}
+
+
+def _unit(manifest_uri: str, epochs: int, seed: int = 0) -> tuple[TrainableUnit, Any, Any]:
+    data = DataRef(manifest_uri)
+    manifest = load_manifest(manifest_uri)
+    x, y = load_partition(data, [e["name"] for e in manifest["splits"]["train"]])
+    unit = TrainableUnit.build(ModelSpec("m", CNN, seed), manifest, epochs * steps_per_epoch([len(x)], 32))
+    return unit, x, y
+
+
+def _assert_same_state(a: bytes, b: bytes) -> None:
+    """Weights, moments and global step equal (the caller's metadata may differ)."""
+    from safetensors.torch import load
+
+    from training.unit import global_step
+
+    ta, tb = load(a), load(b)
+    assert sorted(ta) == sorted(tb) and any(k.startswith("opt.") for k in ta)
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+    assert global_step(a) == global_step(b)
+
+
+def test_pass_order_is_a_function_of_seed_epoch_and_pass_alone() -> None:
+    first = pass_order(3, 1, 0, 50)
+    assert sorted(first.tolist()) == list(range(50))
+    assert torch.equal(first, pass_order(3, 1, 0, 50))
+    assert not torch.equal(first, pass_order(3, 2, 0, 50))
+    assert not torch.equal(first, pass_order(3, 1, 1, 50))
+    assert not torch.equal(first, pass_order(4, 1, 0, 50))
+
+
+def test_a_unit_exported_between_passes_trains_on_exactly_like_one_that_kept_going(
+    small_manifest: str,
+) -> None:
+    """Export after epoch 0, import into a fresh unit, train epoch 1: the same weights, optimizer
+    moments, global step and learning rate as the unit that never left memory."""
+    kept, x, y = _unit(small_manifest, epochs=2)
+    kept.train_pass((x, y), 0)
+    hopped, _, _ = _unit(small_manifest, epochs=2, seed=0)
+    meta = hopped.import_state(kept.export_state({"epoch": 0}))
+    assert meta["epoch"] == 0 and meta["global_step"] == kept.global_step > 0
+    a, b = kept.train_pass((x, y), 1), hopped.train_pass((x, y), 1)
+    assert a == b  # rows, steps, loss and the learning rate at the end
+    for (name, p), q in zip(kept.model.state_dict().items(), hopped.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    _assert_same_state(kept.export_state(), hopped.export_state())
+
+
+def test_a_pass_stopped_at_a_batch_goes_on_from_that_batch(small_manifest: str) -> None:
+    """``stop`` at batch 3 raises with the state there; importing it and running the same pass
+    again continues from batch 3 and ends with the weights and epoch loss of an unstopped pass."""
+    whole, x, y = _unit(small_manifest, epochs=1)
+    expected = whole.train_pass((x, y), 0, part="all")
+    calls = {"n": 0}
+
+    def stop() -> bool:
+        calls["n"] += 1
+        return calls["n"] == 3
+
+    stopped, _, _ = _unit(small_manifest, epochs=1)
+    with pytest.raises(PassInterrupted) as raised:
+        stopped.train_pass((x, y), 0, part="all", stop=stop)
+    assert raised.value.batches == 3
+    resumed, _, _ = _unit(small_manifest, epochs=1)
+    resumed.import_state(raised.value.state)
+    record = resumed.train_pass((x, y), 0, part="all")
+    assert record.resumed_at_batch == 3 and record.train_loss == expected.train_loss
+    _assert_same_state(resumed.export_state(), whole.export_state())
+
+
+def test_a_state_that_is_not_safetensors_is_refused(small_manifest: str) -> None:
+    unit, _, _ = _unit(small_manifest, epochs=1)
+    with pytest.raises(StateFormatError, match="not a safetensors blob"):
+        unit.import_state(b"PK\x03\x04 a zip file, e.g. torch.save")
+
+
+def test_validation_is_batched_and_matches_whole_split_accuracy(small_manifest: str) -> None:
+    unit, x, y = _unit(small_manifest, epochs=1)
+    unit.train_pass((x, y), 0)
+    xv, yv = load_eval_split(DataRef(small_manifest), "validation")
+    with torch.no_grad():
+        whole = float((unit.model.eval()(xv).argmax(dim=1).numpy() == yv).mean())
+    assert unit.evaluate(xv, yv) == pytest.approx(whole)
+
+
+@pytest.mark.slow
+def test_task_trial_task_executor_and_mop_on_one_partition_train_identical_weights(
+    small_manifest: str, dask_client: Any, tmp_path: Path
+) -> None:
+    """The same configuration and seed trained by a ``task`` trial (in this process), by the task
+    executor (an epoch per Dask task) and by MOP over a single partition (units on the Dask
+    workers): one unit, one schedule, one data order, so bit-identical weights."""
+    epochs, seed = 2, 7
+    trial = train_trial(TrialSpec(0, 0, CNN, epochs, seed, small_manifest, str(tmp_path / "task")))
+    assert trial.state == "COMPLETE", trial.error
+    data = DataRef(small_manifest)
+    shards = [e["name"] for e in load_manifest(small_manifest)["splits"]["train"]]
+    spec = ModelSpec("trial-0000", CNN, seed)
+    by_executor = TaskExecutor(dask_client, data, shards).run([spec], epochs)["trial-0000"]
+    mop = MopExecutor(dask_client, data, shards, partitions=1, slots=1).run([spec], epochs)["trial-0000"]
+    assert by_executor.state is not None and mop.state is not None
+    expected = _weights(trial.bundle_uri or "")
+    for name, outcome in (("task executor", by_executor), ("mop", mop)):
+        url = state_to_bundle(spec, outcome.state or b"", data, str(tmp_path / name))
+        got = _weights(url)
+        assert sorted(got) == sorted(expected)
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), (name, key)
+        assert [round(r.val_acc, 6) for r in outcome.history] == [
+            round(h["val_acc"], 6) for h in trial.history
+        ]

@@ -1,0 +1,389 @@
+"""The trainable unit: one model trained a pass at a time, the same way by every strategy.
+
+A unit is built from a model spec (params, seed, device), the data's shape (its manifest) and
+the length of its schedule in global steps. It trains one pass over the tensors it is given (an
+epoch over every shard for ``task``, a sub-epoch over one partition for ``mop``, an epoch of
+the transfer set for the distilled student), resuming mid-pass from a batch; evaluates in
+batches; and exports and imports its whole state (weights, AdamW moments, global step, the
+position inside a pass and the RNG there) as safetensors plus JSON, so it can hop between
+workers or be checkpointed, and loading it never unpickles.
+
+Each pass's row order is a function of (seed, epoch, pass index) alone and the learning rate a
+function of the global step alone (``training/schedule.py``): a configuration follows the same
+curve on the same batches wherever it trains and however often it was stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from training.devices import CPU, DeviceSpec
+
+EVAL_BATCH = 4096  # rows per evaluation batch: a split need not fit on the device at once
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A configuration to train (the search's trial params), its seed and the device it trains on."""
+
+    model_id: str
+    params: dict[str, Any]
+    seed: int = 0
+    device: DeviceSpec = CPU
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ModelSpec:
+        """Rebuild from ``dataclasses.asdict`` (a job file): the device comes back as a DeviceSpec."""
+        device = raw.get("device") or {}
+        return cls(**{**raw, "device": DeviceSpec(**device) if isinstance(device, Mapping) else device})
+
+
+@dataclass(frozen=True)
+class DataRef:
+    """Where the shards are (passed to workers; small)."""
+
+    manifest_uri: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str = ""
+
+
+def pass_order(seed: int, epoch: int, pass_index: int, n_rows: int) -> Any:
+    """The row order of one pass (a permutation of ``n_rows``), from (seed, epoch, pass) alone."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 1009 + pass_index)
+    return torch.randperm(n_rows, generator=generator)
+
+
+class Batches:
+    """The batches of one pass: rows of ``tensors`` in ``order``, ``batch_size`` at a time,
+    gathered by index (one gather per tensor and batch, on whatever device the tensors are)."""
+
+    def __init__(self, tensors: Sequence[Any], order: Any, batch_size: int) -> None:
+        self.tensors, self.batch_size = list(tensors), batch_size
+        self.order = order.to(self.tensors[0].device) if len(order) else order
+
+    def __len__(self) -> int:
+        return -(-len(self.order) // self.batch_size)
+
+    def __iter__(self) -> Any:
+        for start in range(0, len(self.order), self.batch_size):
+            index = self.order[start : start + self.batch_size]
+            yield [t[index] for t in self.tensors]
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did: rows seen, optimizer steps, mean loss, learning rate at its end."""
+
+    rows: int
+    steps: int
+    train_loss: float
+    lr_end: float
+    resumed_at_batch: int
+
+
+class PassInterrupted(Exception):  # noqa: N818 - a stop asked for, not an error
+    """A pass stopped at a batch boundary because ``stop()`` said so; ``state`` continues it."""
+
+    def __init__(self, state: bytes, batches: int, n_batches: int) -> None:
+        super().__init__(f"stopped at batch {batches}/{n_batches}")
+        self.state, self.batches, self.n_batches = state, batches, n_batches
+
+
+class StateFormatError(ValueError):
+    """Packed model state that is not a safetensors blob (truncated, or another format such as a
+    pickle): refused, never deserialized as code."""
+
+
+class TrainableUnit:
+    """One model with its optimizer moments, schedule position and pass position.
+
+    ``lr``, ``weight_decay`` and ``batch_size`` come from the spec's params; ``temperature`` and
+    ``alpha`` weigh a soft-target term when a pass's tensors carry soft targets (distillation).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model: Any,
+        total_steps: int,
+        temperature: float = 1.0,
+        alpha: float = 0.0,
+        arch: Any = None,
+    ) -> None:
+        self.spec, self.model, self.total_steps = spec, model, int(total_steps)
+        self.arch = arch  # the model's ArchSpec (bundles record it)
+        self.temperature, self.alpha = temperature, alpha
+        self.global_step = 0
+        self.meta: dict[str, Any] = {}  # the caller's facts carried in the state (epoch, visits)
+        self._moments: dict[int, dict[str, Any]] = {}
+        self._partial: dict[str, Any] | None = None  # where a stopped pass goes on
+        self._rng: Any = None
+
+    @classmethod
+    def build(
+        cls, spec: ModelSpec, manifest: Mapping[str, Any], total_steps: int, **loss: float
+    ) -> TrainableUnit:
+        """A fresh unit: the spec's architecture on the manifest's features, seeded by the spec."""
+        import torch
+
+        from training.models import ArchSpec, build_model
+
+        arch = ArchSpec.from_params(
+            spec.params, len(manifest["feature_columns"]), int(manifest["num_classes"])
+        )
+        norm = manifest["normalization"]
+        torch.manual_seed(spec.seed)
+        return cls(spec, build_model(arch, norm["mean"], norm["std"]), total_steps, arch=arch, **loss)
+
+    # ------------------------------------------------------------------------------ training
+
+    def train_pass(
+        self,
+        tensors: Sequence[Any],
+        epoch: int,
+        pass_index: int = 0,
+        part: str = "",
+        stop: Callable[[], bool] | None = None,
+        callbacks: Sequence[Any] = (),
+    ) -> PassRecord:
+        """Train one pass over ``tensors`` (``(x, y)`` or ``(x, y, soft_targets)``).
+
+        ``part`` names what the pass covers (e.g. its shards): a state stopped mid-pass goes on
+        only in the same (epoch, pass, part), from the batch it stopped at, with its RNG state.
+        ``stop`` is asked after every batch; when it says so (before the last batch) the pass
+        raises :class:`PassInterrupted` with the state at that batch boundary. ``callbacks`` are
+        extra Lightning callbacks for this pass (e.g. a clock).
+        """
+        import pytorch_lightning as pl
+        import torch
+
+        from training.lit import Classifier, quiet_trainer_kwargs
+
+        batch_size = int(self.spec.params["batch_size"])
+        n_rows = len(tensors[0])
+        n_batches = -(-n_rows // batch_size)
+        partial, self._partial = self._partial, None
+        resumed = partial is not None and (partial["epoch"], partial["pass_index"], partial["part"]) == (
+            epoch,
+            pass_index,
+            part,
+        )
+        skip = int(partial["batches"]) if resumed and partial is not None else 0
+        order = pass_order(self.spec.seed, epoch, pass_index, n_rows)[skip * batch_size :]
+        torch.manual_seed(self.spec.seed + epoch)
+        if resumed:
+            torch.set_rng_state(self._rng)
+        unit = self
+        holder: dict[str, Any] = {}
+
+        loss_so_far = list(partial.get("loss_so_far", [0.0, 0])) if resumed and partial is not None else None
+
+        class UnitModule(Classifier):
+            def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+                holder["optimizer"] = optimizer
+                unit.restore_moments(optimizer)
+
+            def on_train_epoch_start(self) -> None:
+                # a resumed pass's mean loss covers the batches done before the stop too
+                self._epoch_loss = [float(loss_so_far[0]), int(loss_so_far[1])] if loss_so_far else [0.0, 0]
+
+        module = UnitModule(
+            self.model,
+            lr=float(self.spec.params["lr"]),
+            weight_decay=float(self.spec.params["weight_decay"]),
+            temperature=self.temperature,
+            alpha=self.alpha,
+            total_steps=self.total_steps,
+            start_step=self.global_step,
+        )
+
+        class StopWatch(pl.Callback):
+            def on_train_batch_end(
+                self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+            ) -> None:
+                if stop is None or not stop():
+                    return
+                batches = skip + batch_idx + 1
+                if batches >= n_batches:  # the pass is done anyway
+                    return
+                unit.capture(holder["optimizer"], unit.global_step + trainer.global_step)
+                unit._partial = {
+                    "epoch": epoch,
+                    "pass_index": pass_index,
+                    "part": part,
+                    "batches": batches,
+                    "loss_so_far": list(pl_module._epoch_loss),
+                }
+                unit._rng = torch.get_rng_state()
+                raise PassInterrupted(unit.export_state(), batches, n_batches)
+
+        trainer = pl.Trainer(
+            max_epochs=1,
+            limit_val_batches=0,
+            callbacks=[StopWatch(), *callbacks],
+            **quiet_trainer_kwargs(self.spec.device),
+        )
+        batches = Batches([self._on_device(t) for t in tensors], order, batch_size)
+        trainer.fit(module, batches)
+        steps = int(trainer.global_step)
+        self.capture(holder["optimizer"], self.global_step + steps)
+        self.model.cpu()  # between passes the weights live on the host (packing, evaluation)
+        return PassRecord(
+            rows=n_rows,
+            steps=steps,
+            train_loss=float(module.last_train_loss),
+            lr_end=float(holder["optimizer"].param_groups[0]["lr"]),
+            resumed_at_batch=skip,
+        )
+
+    def capture(self, optimizer: Any, global_step: int) -> None:
+        """Take the optimizer's moments and the global step reached (what an export saves)."""
+        self.global_step = int(global_step)
+        self._moments = _moments(optimizer)
+
+    def restore_moments(self, optimizer: Any) -> None:
+        """Put the unit's optimizer moments into a new optimizer of its model's parameters."""
+        _load_moments(optimizer, self._moments)
+
+    def _on_device(self, tensor: Any) -> Any:
+        device = self.spec.device.torch_device()
+        return tensor if tensor.device == device else tensor.to(device)
+
+    def evaluate(self, x: Any, y: Any) -> float:
+        """Top-1 accuracy on ``(x, y)``, in batches, on the unit's device."""
+        import numpy as np
+        import torch
+
+        device = self.spec.device.torch_device()
+        self.model.to(device).eval()
+        preds = []
+        with torch.no_grad():
+            for start in range(0, len(x), EVAL_BATCH):
+                preds.append(self.model(x[start : start + EVAL_BATCH].to(device)).argmax(dim=1).cpu())
+        self.model.cpu().train()
+        pred = torch.cat(preds).numpy() if preds else np.zeros(0, dtype=np.int64)
+        return float(np.mean(pred == np.asarray(y))) if len(pred) else math.nan
+
+    # ------------------------------------------------------------------------ state in and out
+
+    def export_state(self, meta: Mapping[str, Any] | None = None) -> bytes:
+        """The whole state as safetensors bytes: weights, AdamW moments, the RNG of a stopped
+        pass, and JSON metadata (global step, the stopped pass's position, ``meta``)."""
+        from safetensors.torch import save
+
+        tensors = {
+            f"model.{k}": v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()
+        }
+        steps: dict[str, float] = {}
+        for index, moments in self._moments.items():
+            for name in ("exp_avg", "exp_avg_sq"):
+                tensors[f"opt.{index}.{name}"] = moments[name].detach().cpu().contiguous().clone()
+            steps[str(index)] = float(moments["step"])
+        if self._partial is not None and self._rng is not None:
+            tensors["extra.rng"] = self._rng.clone()
+        info = {
+            **self.meta,
+            **dict(meta or {}),
+            "model_id": self.spec.model_id,
+            "global_step": self.global_step,
+        }
+        if self._partial is not None:
+            info["partial"] = dict(self._partial)
+        return bytes(save(tensors, metadata={"meta": json.dumps(info), "steps": json.dumps(steps)}))
+
+    def import_state(self, data: bytes) -> dict[str, Any]:
+        """Load a state exported by any unit of the same spec; return its metadata."""
+        from safetensors.torch import load
+
+        metadata = state_metadata(data)
+        tensors = load(data)
+        self.model.load_state_dict(
+            {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True
+        )
+        steps = json.loads(metadata.get("steps", "{}"))
+        self._moments = {
+            int(index): {
+                "step": float(step),
+                "exp_avg": tensors[f"opt.{index}.exp_avg"],
+                "exp_avg_sq": tensors[f"opt.{index}.exp_avg_sq"],
+            }
+            for index, step in steps.items()
+        }
+        meta: dict[str, Any] = json.loads(metadata.get("meta", "{}"))
+        self.global_step = int(meta.pop("global_step", max((int(s) for s in steps.values()), default=0)))
+        partial = meta.pop("partial", None)
+        self._partial = dict(partial) if partial and "extra.rng" in tensors else None
+        self._rng = tensors.get("extra.rng")
+        meta.pop("model_id", None)
+        self.meta = meta
+        return {**meta, "global_step": self.global_step, **({"partial": partial} if partial else {})}
+
+
+def _moments(optimizer: Any) -> dict[int, dict[str, Any]]:
+    """AdamW's per-parameter state (first group), detached copies keyed by parameter index."""
+    out: dict[int, dict[str, Any]] = {}
+    for index, param in enumerate(optimizer.param_groups[0]["params"]):
+        state = optimizer.state.get(param, {})
+        if "exp_avg" in state:
+            out[index] = {
+                "step": float(state["step"]),
+                "exp_avg": state["exp_avg"].detach().clone(),
+                "exp_avg_sq": state["exp_avg_sq"].detach().clone(),
+            }
+    return out
+
+
+def _load_moments(optimizer: Any, moments: Mapping[int, Mapping[str, Any]]) -> None:
+    """Put saved moments into a new optimizer, on each parameter's device (after a hop the
+    parameters may sit on a GPU)."""
+    import torch
+
+    for index, param in enumerate(optimizer.param_groups[0]["params"]):
+        if index in moments:
+            saved = moments[index]
+            optimizer.state[param] = {
+                "step": torch.tensor(float(saved["step"])),
+                "exp_avg": saved["exp_avg"].to(param.device, copy=True),
+                "exp_avg_sq": saved["exp_avg_sq"].to(param.device, copy=True),
+            }
+
+
+def state_metadata(data: bytes) -> dict[str, str]:
+    """The safetensors header's ``__metadata__`` (the header is JSON after an 8-byte length)."""
+    size = int.from_bytes(data[:8], "little")
+    try:
+        if len(data) < 8 or not 0 < size <= len(data) - 8:
+            raise ValueError(f"header length {size} does not fit in {len(data)} bytes")
+        header = json.loads(data[8 : 8 + size])
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise StateFormatError(f"model state is not a safetensors blob ({exc}); refusing to load it") from exc
+    return dict(header.get("__metadata__", {}))
+
+
+def read_meta(data: bytes) -> dict[str, Any]:
+    """The metadata packed with a state (epoch, model id, global step, a stopped pass's position)."""
+    meta: dict[str, Any] = json.loads(state_metadata(data).get("meta", "{}"))
+    return meta
+
+
+def global_step(state: bytes | None) -> int:
+    """The optimizer steps a packed state has taken (0 for an initial state)."""
+    if state is None:
+        return 0
+    return int(read_meta(state).get("global_step", 0))
+
+
+def partial_meta(state: bytes | None) -> dict[str, Any] | None:
+    """The mid-pass position packed with a state stopped on a notice (None for a finished pass)."""
+    if state is None:
+        return None
+    partial = read_meta(state).get("partial")
+    return dict(partial) if partial else None
