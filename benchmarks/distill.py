@@ -7,8 +7,8 @@ What is measured
    ``LocalCluster`` (``training.cluster.dask_client("", 2)``).
 2. Teacher. ``--members`` CNN ensemble members (default 4) with fixed, known-good configurations
    (two architectures, two seeds each; see ``MEMBER_CONFIGS``) are trained for ``--epochs``
-   epochs (default 80) with ``training.trial.train_trial(spec, NullReporter())`` submitted to the
-   Dask workers (no Optuna storage). The COMPLETE members are combined with
+   epochs (default 80) by ``training.executors.task.TaskExecutor`` on the Dask workers (an epoch
+   per task, as the search's ``task`` strategy trains; no Optuna storage). The COMPLETE members are combined with
    ``compression.ensemble.build_ensemble`` into a ``ProbabilityEnsemble`` (equal weights); the
    cluster is closed before the students are trained.
 3. Students. ``plan_student(DistillConfig(epochs=...), ensemble_params, 40, 10)`` sizes a CNN
@@ -103,7 +103,7 @@ from training.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
 from training.cluster import dask_client  # noqa: E402
 from training.config import DataConfig  # noqa: E402
 from training.data import load_manifest, load_split, shard_dataset  # noqa: E402
-from training.trial import NullReporter, TrialResult, TrialSpec, train_trial  # noqa: E402
+from training.trial import TrialResult  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "distill.json"
 N_DASK_WORKERS = 2
@@ -175,36 +175,60 @@ def n_params(module: nn.Module) -> int:
 
 
 def train_members(settings: Settings, data_root: str) -> tuple[str, list[TrialResult], float, float]:
-    """Shard MNIST-1D and train the ensemble members on a 2-worker Dask LocalCluster."""
+    """Shard MNIST-1D and train the ensemble members on a 2-worker Dask LocalCluster with the
+    ``task`` executor (an epoch per Dask task, as the search trains trials)."""
+    from training.executors import DataRef, ModelSpec
+    from training.executors.task import TaskExecutor
+    from training.executors.units import state_to_bundle
+    from training.models import ArchSpec, count_params
+
     with dask_client("", N_DASK_WORKERS) as client:
         started = time.monotonic()
         shard = shard_dataset(DataConfig(), data_root, client)
         shard_s = time.monotonic() - started
         log.info("sharded MNIST-1D in %.1fs: %s", shard_s, shard.manifest_uri)
+        data = DataRef(shard.manifest_uri)
+        manifest = load_manifest(shard.manifest_uri)
+        shards = [e["name"] for e in manifest["splits"]["train"]]
         specs = [
-            TrialSpec(
-                number=i,
-                trial_id=i,
-                params=dict(params),
-                epochs=settings.epochs,
-                seed=seed,
-                manifest_uri=shard.manifest_uri,
-                bundle_uri=os.path.join(data_root, "bundles", f"member-{i}"),
-                torch_threads=1,
-            )
+            ModelSpec(f"member-{i}", dict(params), seed)
             for i, (params, seed) in enumerate(MEMBER_CONFIGS[: settings.members])
         ]
         started = time.monotonic()
-        futures = [client.submit(train_trial, spec, NullReporter(), pure=False) for spec in specs]
-        results: list[TrialResult] = client.gather(futures)
+        executor = TaskExecutor(client, data, shards)
+        outcomes = executor.run(specs, settings.epochs)
         train_s = time.monotonic() - started
+    results: list[TrialResult] = []
+    for i, spec in enumerate(specs):
+        outcome = outcomes[spec.model_id]
+        ok = outcome.error is None and outcome.state is not None and outcome.history
+        bundle = os.path.join(data_root, "bundles", spec.model_id)
+        arch = ArchSpec.from_params(
+            spec.params, len(manifest["feature_columns"]), int(manifest["num_classes"])
+        )
+        results.append(
+            TrialResult(
+                number=i,
+                trial_id=i,
+                params=dict(spec.params),
+                state="COMPLETE" if ok else "FAIL",
+                value=outcome.history[-1].val_acc if ok else None,
+                history=[{"epoch": r.epoch, "val_acc": r.val_acc} for r in outcome.history],
+                bundle_uri=state_to_bundle(spec, outcome.state or b"", data, bundle) if ok else None,
+                error=outcome.error,
+                duration_s=train_s,
+                worker=", ".join(
+                    sorted({str(r["worker"]) for r in executor.records if r["model"] == spec.model_id})
+                ),
+                num_params=count_params(arch),
+            )
+        )
     for r in results:
         log.info(
-            "member %d: %s val_acc=%s in %.1fs (%s)",
+            "member %d: %s val_acc=%s (%s)",
             r.number,
             r.state,
             f"{r.value:.4f}" if r.value is not None else "-",
-            r.duration_s,
             r.error or r.worker,
         )
     return shard.manifest_uri, results, shard_s, train_s

@@ -1,4 +1,4 @@
-"""The search over an executor (``mop``, ``ddp``), and the one place a strategy is chosen.
+"""The search over an executor (``task``, ``mop``, ``ddp``), the one place a strategy is chosen.
 
 Optuna stays in the coordinator behind the executor interface: every epoch report reaches the
 study when it happens, the pruner decides there, and a finished model is told at once, so the
@@ -28,8 +28,7 @@ from training.search import (
     tell_result,
 )
 from training.space import sample_params
-from training.task_search import run_search
-from training.trial import TrialResult
+from training.trial import TrialResult, shard_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +114,11 @@ def run_search_with_executor(
     min_complete: int = 1,
     device: DeviceSpec = CPU,
 ) -> SearchOutcome:
-    """The search over the ``ddp`` or ``mop`` executor: ask-and-tell in this process; the executor
+    """The search over the strategy's executor: ask-and-tell in this process; the executor
     reports every model's validation accuracy after each epoch, and each model is told to Optuna
     (its bundle written, ``on_trial_done`` called) the moment it finishes or is pruned; the freed
-    slot goes to a new trial sampled with that knowledge, which joins at the next epoch (MOP) or
-    starts at once (DDP).
+    slot goes to a new trial sampled with that knowledge, which starts at once (task, DDP) or joins
+    at the next round (MOP).
 
     If pruning left fewer than ``min_complete`` COMPLETE trials (the ensemble needs its members),
     extra trials run with pruning off until there are enough (at most ``2 * min_complete``).
@@ -131,10 +130,14 @@ def run_search_with_executor(
         cfg, manifest_uri, study_name, storage_url, storage_options, warm_start
     )
     budget = max(cfg.n_trials - len(already), 0)
-    data = DataRef(manifest_uri, dict(storage_options or {}))
+    data = DataRef(manifest_uri, dict(storage_options or {}), shard_cache_dir())
     shards = [e["name"] for e in load_manifest(manifest_uri, storage_options)["splits"]["train"]]
-    scaling = round_scaling(cfg, client)  # worker_schedule: n_j workers per MOP round
+    scaling = round_scaling(cfg, client)  # worker_schedule: n_j workers per round
     executor = _strategy_executor(cfg, client, data, shards, checkpoint_root, scaling)
+    try:  # show the workers' per-epoch progress in this (task) log
+        client.forward_logging("training", level=logging.INFO)
+    except Exception:  # an older scheduler without log forwarding still trains
+        log.debug("worker log forwarding unavailable")
     told: set[str] = set()
 
     def finish(controller: _SearchController, outcome: Any) -> None:
@@ -170,7 +173,8 @@ def run_search_with_executor(
             respect_deadline=respect_deadline,
             device=device,
         )
-        first = controller.ask(cfg.model_slots if cfg.strategy == "mop" else 1)
+        # task admits trials itself as slots free up; MOP starts with its slots, DDP with one job
+        first = controller.ask({"task": 0, "mop": cfg.model_slots}.get(cfg.strategy, 1))
         outcomes = executor.run(first, cfg.epochs, controller)
         for _, outcome in sorted(outcomes.items()):  # any model the executor did not report done
             finish(controller, outcome)
@@ -220,20 +224,16 @@ def run_strategy_search(
     min_complete: int = 1,
     device: DeviceSpec = CPU,
 ) -> SearchOutcome:
-    """The search of ``cfg.strategy``, the one place a strategy is chosen: ``task`` trials on the
-    Dask workers (:func:`run_search`), ``mop`` and ``ddp`` through their executors
-    (:func:`run_search_with_executor`). Checkpoints go under ``<artifact_root>/checkpoints/<study>``."""
-    common = (cfg, manifest_uri, study_name, storage_url, artifact_root, client, storage_options)
-    if cfg.strategy == "task":
-        return run_search(
-            *common,
-            on_trial_done=on_trial_done,
-            min_complete=min_complete,
-            warm_start=warm_start,
-            device=device,
-        )
+    """The search of ``cfg.strategy`` through its executor, with checkpoints under
+    ``<artifact_root>/checkpoints/<study>`` (one folder per model)."""
     return run_search_with_executor(
-        *common,
+        cfg,
+        manifest_uri,
+        study_name,
+        storage_url,
+        artifact_root,
+        client,
+        storage_options,
         on_trial_done=on_trial_done,
         checkpoint_root=storage.join(artifact_root, "checkpoints", study_name),
         warm_start=warm_start,
@@ -245,7 +245,12 @@ def run_strategy_search(
 def _strategy_executor(
     cfg: SearchConfig, client: Any, data: Any, shards: list[str], checkpoint_root: str, scaling: Any
 ) -> Any:
-    """The executor of ``cfg.strategy`` (``mop`` or ``ddp``)."""
+    """The executor of ``cfg.strategy`` (``task``, ``mop`` or ``ddp``)."""
+    if cfg.strategy == "task":
+        from training.executors.task import TaskExecutor
+
+        register_preemption(client)  # spot notices: epochs checkpoint mid-pass and move on
+        return TaskExecutor(client, data, shards, checkpoint_root, slots=cfg.n_workers, admission=scaling)
     if cfg.strategy == "mop":
         from training.executors.mop import MopExecutor
 
@@ -277,9 +282,18 @@ def _executor_result(
     executor: Any,
 ) -> TrialResult:
     """A finished model as a trial result; its bundle is written when it has a usable state."""
+    from training.data import load_manifest
     from training.executors.units import state_to_bundle
+    from training.models import ArchSpec, count_params
 
     model_id = outcome.spec.model_id
+    manifest = load_manifest(data.manifest_uri, data.storage_options)
+    arch = ArchSpec.from_params(
+        dict(outcome.spec.params), len(manifest["feature_columns"]), int(manifest["num_classes"])
+    )
+    resumed = getattr(executor, "resumed", {}).get(model_id, {})
+    records = [r for r in executor.records if r.get("model") == model_id]
+    started = getattr(executor, "started_at", {}).get(model_id)
     trial = controller.trials[model_id]
     history = [{"epoch": r.epoch, "val_acc": r.val_acc, "train_loss": r.train_loss} for r in outcome.history]
     bundle_uri = None
@@ -301,7 +315,12 @@ def _executor_result(
         bundle_uri=bundle_uri,
         pruned_epoch=controller.pruned.get(model_id),
         error=outcome.error,
-        worker=cfg.strategy,
+        duration_s=time.time() - started if started else 0.0,
+        worker=", ".join(sorted({str(r["worker"]) for r in records})) or cfg.strategy,
+        num_params=count_params(arch),
+        resumed_from_epoch=resumed.get("epoch"),
+        resumed_from_step=resumed.get("step"),
+        resumed_after_notice_at_step=resumed.get("step") if resumed.get("after_notice") else None,
         redone_s=sum(
             float(i["redone_s"]) for i in getattr(executor, "interruptions", []) if i["model"] == model_id
         ),

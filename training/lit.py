@@ -61,6 +61,8 @@ class Classifier(pl.LightningModule):
         self.start_step = start_step
         self.temperature = temperature
         self.alpha = alpha
+        # the epoch a one-pass fit belongs to (errors name it); None: the fit's own epoch count
+        self.epoch_label: int | None = None
         self.last_train_loss = math.nan
         # the epoch's loss sum and step count, in a plain list: two nn.Module.__setattr__ calls
         # per step avoided
@@ -105,7 +107,9 @@ class Classifier(pl.LightningModule):
         if not math.isfinite(value):
             # Stop at the first non-finite step: later steps would only spread NaN into the weights.
             raise NonFiniteLossError(
-                f"training loss became {value} at epoch {self.current_epoch}, step {self.global_step}"
+                f"training loss became {value} at epoch "
+                f"{self.current_epoch if self.epoch_label is None else self.epoch_label}, "
+                f"step {self.start_step + self.global_step}"
             )
         fast = self._fast
         if fast is not None:

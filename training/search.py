@@ -1,8 +1,8 @@
 """The Optuna study the coordinators share: samplers and the grid, warm start, stale-trial
 recovery, opening a study and telling it results.
 
-The coordinators: ``training/task_search.py`` (``task``: a trial per Dask worker) and
-``training/executor_search.py`` (``mop``, ``ddp``, and the one place a strategy is chosen).
+The coordinator is ``training/executor_search.py``: every strategy (``task``, ``mop``, ``ddp``)
+trains through its executor and is told to the study from there.
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ log = logging.getLogger(__name__)
 
 STALE_ATTR = "mopflow_stale_retried"
 RESUME_ATTR = "mopflow_resume_from"
-# mop/ddp: the executor's id of a trial's model, which keys its checkpoints; a retry keeps it, so
+# the executor's id of a trial's model, which keys its checkpoints; a retry keeps it, so
 # a restarted coordinator's retried trial resumes its model from the last sub-epoch or epoch.
 MODEL_ATTR = "mopflow_model_id"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-STALE_CHECK_S = 15.0  # how often the coordinator looks for trials whose heartbeat stopped
 
 
 @dataclass(frozen=True)
@@ -241,25 +240,6 @@ def retried_trial(trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> int |
         return RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
 
 
-def fail_stale_heartbeats(study: optuna.Study) -> set[int]:
-    """Fail RUNNING trials whose worker stopped beating (RDB storages with heartbeats); their params
-    are enqueued again by the storage's retry callback. Returns the numbers of the trials failed."""
-    from optuna.storages import fail_stale_trials
-
-    before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-    if not before:
-        return set()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        fail_stale_trials(study)
-    after = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-    for number in before - after:
-        log.warning(
-            "search: trial %d stopped sending heartbeats; it is retried from its last checkpoint", number
-        )
-    return before - after
-
-
 GRACE_ENV = "MOPFLOW_PREEMPT_GRACE_S"
 
 
@@ -282,7 +262,8 @@ def register_preemption(client: Any, environ: Mapping[str, str] | None = None) -
 
 
 def checkpoint_folder(artifact_root: str, study_name: str, number: int) -> str:
-    """Where a trial of the task strategy keeps its last epoch checkpoint."""
+    """Where trial ``number``'s model keeps its latest state (its model id is ``trial-NNNN``; a
+    retry keeps the first attempt's), under the search's checkpoint root."""
     return storage.join(artifact_root, "checkpoints", study_name, f"trial-{number:04d}")
 
 

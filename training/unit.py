@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,6 +203,7 @@ class TrainableUnit:
             total_steps=self.total_steps,
             start_step=self.global_step,
         )
+        module.epoch_label = epoch
 
         class StopWatch(pl.Callback):
             def on_train_batch_end(
@@ -230,7 +232,11 @@ class TrainableUnit:
             **quiet_trainer_kwargs(self.spec.device),
         )
         batches = Batches([self._on_device(t) for t in tensors], order, batch_size)
-        trainer.fit(module, batches)
+        with warnings.catch_warnings():  # a pass has no validation loader by design: evaluate() validates
+            warnings.filterwarnings(
+                "ignore", message=".*defined a `validation_step` but have no `val_dataloader`"
+            )
+            trainer.fit(module, batches)
         steps = int(trainer.global_step)
         self.capture(holder["optimizer"], self.global_step + steps)
         self.model.cpu()  # between passes the weights live on the host (packing, evaluation)

@@ -27,8 +27,8 @@ from infra.settings import Settings
 from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from training.config import SearchConfig
 from training.data import ShardIntegrityError, load_manifest
+from training.executor_search import run_strategy_search
 from training.search import STALE_ATTR
-from training.task_search import run_search
 
 CONF = {
     "num_samples": 600,
@@ -291,7 +291,7 @@ def test_postgresql_restart_mid_sweep_loses_and_duplicates_no_trial(
     restarter = threading.Thread(target=restart_when_training)
     restarter.start()
     try:
-        outcome = run_search(
+        outcome = run_strategy_search(
             cfg,
             small_manifest,
             "pgr",

@@ -76,7 +76,7 @@ def test_trace_is_read_from_an_fsspec_url(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bad_replay_input_fails_before_training(tmp_path: Path, small_manifest: str) -> None:
     from training.cluster import dask_client
-    from training.task_search import run_search
+    from training.executor_search import run_strategy_search
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,oops\n")
@@ -86,12 +86,12 @@ def test_bad_replay_input_fails_before_training(tmp_path: Path, small_manifest: 
             n_trials=1, epochs=1, n_workers=1, space=SPACE, spot_trace=str(csv), spot_bids=[1.0]
         )
         with pytest.raises(PriceError, match="line 3: price 'oops'"):
-            run_search(cfg, *args, client)
+            run_strategy_search(cfg, *args, client)
         csv.write_text("timestamp,price\n0,0.3\n60,0.5\n")
         with pytest.raises(PriceError, match="2 bid\\(s\\) for a LocalCluster of 1 worker"):
-            run_search(cfg.model_copy(update={"spot_bids": [1.0, 2.0]}), *args, client)
+            run_strategy_search(cfg.model_copy(update={"spot_bids": [1.0, 2.0]}), *args, client)
         with pytest.raises(PriceError, match="below the trace's lowest price"):
-            run_search(cfg.model_copy(update={"spot_bids": [0.1]}), *args, client)
+            run_strategy_search(cfg.model_copy(update={"spot_bids": [0.1]}), *args, client)
     assert not (tmp_path / "j.log").exists(), "no study was opened"
 
 
@@ -106,8 +106,8 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
 
     from infra.tracking import MlflowTracker
     from training.cluster import dask_client
+    from training.executor_search import run_strategy_search
     from training.scaling import log_volatile
-    from training.task_search import run_search
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,0.8\n600,0.3\n100000,0.3\n")
@@ -123,7 +123,7 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
         spot_speed=speed,
     )
     with dask_client("", 2) as client:
-        outcome = run_search(
+        outcome = run_strategy_search(
             cfg, small_manifest, "spot", str(tmp_path / "j.log"), str(tmp_path / "art"), client
         )
         after = len(client.scheduler_info()["workers"])

@@ -150,14 +150,13 @@ def test_gpu_optimizer_state_is_on_the_device_after_a_hop(small_manifest: str) -
 def test_gpu_task_trial_and_mop_sweep(small_manifest: str, tmp_path: Path) -> None:
     from tests.spaces import fixed_cnn_space
     from training.config import SearchConfig
-    from training.executor_search import run_search_with_executor
-    from training.task_search import run_search
+    from training.executor_search import run_search_with_executor, run_strategy_search
 
     space = fixed_cnn_space(batch_size=32, lr=0.01)
     with dask_client("", 1, accelerator="gpu") as client:
         device = device_for_cluster(client, "gpu", "32")
         task = SearchConfig(n_trials=1, epochs=2, space=space, pruner="none", sampler="random")
-        done = run_search(
+        done = run_strategy_search(
             task,
             small_manifest,
             "gpu-task",

@@ -1,5 +1,5 @@
-"""Spot notices on real Dask workers: SIGTERM makes the running trial checkpoint mid-epoch and
-hand itself back; it resumes from that batch on the restarted worker, not from the epoch start."""
+"""Spot notices on real Dask workers: SIGTERM makes the running pass stop at the next batch and
+hand its state back; it goes on from that batch on the restarted worker, not from the epoch start."""
 
 from __future__ import annotations
 
@@ -8,16 +8,19 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.spaces import fixed_cnn_space
 from training.config import SearchConfig
 from training.data import load_manifest
-from training.preempt import lost_spans, redone_seconds
+from training.executor_search import run_strategy_search
+from training.executors import DataRef, ModelSpec
+from training.executors.base import CHECKPOINT_FILE
+from training.preempt import UnitPreempted, lost_spans, redone_seconds
 from training.search import checkpoint_folder, register_preemption
-from training.task_search import run_search
-from training.trial import CHECKPOINT_FILE
+from training.unit import global_step
 
 CNN_PARAMS = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
 SPACE = fixed_cnn_space(batch_size=32)
@@ -46,14 +49,16 @@ def test_sigterm_checkpoints_mid_epoch_and_the_trial_resumes_there(
     on the restarted worker from the checkpoint written on the notice, with the full history."""
     from training.cluster import dask_client
 
-    storage_url, art, epochs = str(tmp_path / "journal.log"), str(tmp_path / "art"), 20
-    cfg = SearchConfig(n_trials=1, epochs=epochs, n_workers=1, space=SPACE, pruner="none")
+    storage_url, art, epochs = str(tmp_path / "journal.log"), str(tmp_path / "art"), 8
+    # batches of 4: an epoch is a pass of some 200 steps, long beside the gap between epoch tasks
+    space = fixed_cnn_space(batch_size=4)
+    cfg = SearchConfig(n_trials=1, epochs=epochs, n_workers=1, space=space, pruner="none")
     ckpt = Path(checkpoint_folder(art, "pre", 0)) / CHECKPOINT_FILE
     with dask_client("", 1) as client:
         outcome: dict[str, object] = {}
         runner = threading.Thread(
             target=lambda: outcome.update(
-                result=run_search(cfg, small_manifest, "pre", storage_url, art, client)
+                result=run_strategy_search(cfg, small_manifest, "pre", storage_url, art, client)
             )
         )
         runner.start()
@@ -61,7 +66,7 @@ def test_sigterm_checkpoints_mid_epoch_and_the_trial_resumes_there(
         while not ckpt.exists() and time.monotonic() < deadline and runner.is_alive():
             time.sleep(0.05)
         assert ckpt.exists(), "the trial should have finished an epoch"
-        time.sleep(0.15)  # somewhere inside a later epoch
+        time.sleep(0.2)  # somewhere inside the second epoch's pass
         (pid,) = client.run(os.getpid).values()
         os.kill(pid, signal.SIGTERM)
         runner.join(timeout=300)
@@ -71,10 +76,10 @@ def test_sigterm_checkpoints_mid_epoch_and_the_trial_resumes_there(
     (result,) = outcome["result"].results  # type: ignore[attr-defined]
     assert result.state == "COMPLETE" and result.number == 0
     train_rows = sum(e["rows"] for e in load_manifest(small_manifest)["splits"]["train"])
-    steps_per_epoch = -(-train_rows // 32)  # ceil(train rows / batch size)
-    # it resumed from the checkpoint written on the notice, at the step where it was stopped
-    assert result.resumed_from_step is not None and result.resumed_from_step >= steps_per_epoch
-    assert result.resumed_after_notice_at_step == result.resumed_from_step
+    steps_per_epoch = -(-train_rows // 4)  # ceil(train rows / batch size)
+    # it resumed from the state handed back on the notice, at the step where it was stopped
+    assert result.resumed_from_step is not None and result.resumed_from_step > steps_per_epoch
+    assert result.resumed_from_step % steps_per_epoch != 0  # mid-epoch, not at its start
     assert [h["epoch"] for h in result.history] == list(range(epochs))
 
 
@@ -93,42 +98,53 @@ class _NoticeAfter:
 def test_a_trial_stopped_by_a_notice_resumes_exactly_where_it_stopped(
     small_manifest: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fault: a spot notice lands mid-epoch, or on (or just around) the last batch of the first epoch.
-    Expected: the trial hands itself back (after that epoch's validation when the notice came on
-    its last batch: Lightning resumes a checkpoint taken there past the epoch's end and skips its
-    validation, which left the history [1, 2] and the pruner without that epoch), and resumed,
-    it ends exactly as an undisturbed trial: every epoch once, the same validation accuracies and
-    epoch losses (the resumed epoch goes on with the batches it had left, in the same order)."""
-    from distributed import Reschedule
-
+    """Fault: a spot notice lands mid-epoch, or on (or just around) the last batch of the first
+    epoch. Expected: the epoch hands itself back with its state at that batch (or whole, when the
+    notice came on its last batch), and continued from that state the model ends exactly as an
+    undisturbed one: every epoch once, the same validation accuracies and epoch losses."""
     from training import preempt
-    from training.trial import TrialSpec, train_trial
+    from training.executors.units import train_pass_and_validate
 
+    data = DataRef(small_manifest)
+    shards = sorted(e["name"] for e in load_manifest(small_manifest)["splits"]["train"])
+    spec = ModelSpec("trial-0000", CNN_PARAMS, seed=0)
     train_rows = sum(e["rows"] for e in load_manifest(small_manifest)["splits"]["train"])
     steps_per_epoch = -(-train_rows // 32)
     epochs = 3
 
-    def spec(name: str) -> TrialSpec:
-        return TrialSpec(
-            0, 0, CNN_PARAMS, epochs, 0, small_manifest, str(tmp_path / name / "b"), pruner="none",
-            checkpoint_uri=str(tmp_path / name / "ckpt"),
-        )  # fmt: skip
+    def train(state: bytes | None, start: int, history: list) -> tuple[Any, int]:
+        """Epochs from ``start``: the final state, or the notice and the epoch it stopped."""
+        for epoch in range(start, epochs):
+            try:
+                state, record, val_acc = train_pass_and_validate(
+                    spec, state, data, shards, epoch, epochs, validate=True
+                )
+            except UnitPreempted as stopped:
+                return stopped, epoch
+            history.append((val_acc, record["train_loss"]))
+        return state, epochs
 
-    calm = train_trial(spec("calm"))
-    assert [h["epoch"] for h in calm.history] == list(range(epochs))
-    # The flag is read once before training and after every batch (and validation): the 6th read
-    # is mid-epoch; the reads around the first epoch's end cover the second-to-last batch, the
-    # last one and the validation.
-    for n in [6, *range(steps_per_epoch - 1, steps_per_epoch + 3)]:
+    calm: list = []
+    calm_state, _ = train(None, 0, calm)
+    # The flag is read once before each pass and after every batch: the 6th read is mid-epoch;
+    # the others fall on the first epoch's second-to-last and last batch, and before the second.
+    for n in [6, *range(steps_per_epoch, steps_per_epoch + 3)]:
+        history: list = []
         monkeypatch.setattr(preempt, "NOTICE", _NoticeAfter(n))
-        with pytest.raises(Reschedule):
-            train_trial(spec(f"n{n}"))
+        stopped, at = train(None, 0, history)
         monkeypatch.undo()
-        result = train_trial(spec(f"n{n}"))
-        assert result.state == "COMPLETE", (n, result.error)
-        assert result.history == calm.history, n
-        assert result.resumed_after_notice_at_step == result.resumed_from_step, n
-        assert result.resumed_from_step is not None and 0 < result.resumed_from_step <= steps_per_epoch, n
+        assert isinstance(stopped, UnitPreempted) and stopped.state is not None, n
+        assert 0 < global_step(stopped.state) <= steps_per_epoch, n
+        final, _ = train(stopped.state, at, history)
+        assert history == calm, n
+        assert _same_weights(final, calm_state), n
+
+
+def _same_weights(a: bytes, b: bytes) -> bool:
+    from safetensors.torch import load
+
+    ta, tb = load(a), load(b)
+    return sorted(ta) == sorted(tb) and all(bool((ta[k] == tb[k]).all()) for k in ta)
 
 
 def test_unit_stopped_by_a_notice_continues_in_the_same_data_order(

@@ -7,11 +7,16 @@ import pytest
 from optuna.trial import TrialState
 
 from infra.optuna_storage import StorageConfigError, make_storage
+from tests.spaces import fixed_cnn_space
 from training.config import SearchConfig
+from training.data import load_manifest
+from training.executor_search import run_strategy_search
+from training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
+from training.executors.base import TrainAll
+from training.executors.task import TaskExecutor
 from training.search import STALE_ATTR
 from training.space import parse_space, sample_params
-from training.task_search import run_search
-from training.trial import TrialSpec, train_trial
+from training.trial import TrialResult
 
 TINY_SPACE = {
     "families": {
@@ -26,37 +31,51 @@ TINY_SPACE = {
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 64}
 
 
-class PruneAfter:
-    """A reporter that asks to prune once ``epochs`` values have been reported."""
+class StopAfter(TrainAll):
+    """A controller that stops a model once it has reported ``epochs`` epochs."""
 
     def __init__(self, epochs: int) -> None:
-        self.reported: list[tuple[int, float]] = []
+        self.reports: list[EpochReport] = []
+        self.done: list[ModelOutcome] = []
         self.epochs = epochs
 
-    def report(self, value: float, step: int) -> None:
-        self.reported.append((step, value))
+    def on_epoch_end(self, report: EpochReport) -> bool:
+        self.reports.append(report)
+        return len(self.reports) < self.epochs
 
-    def should_prune(self) -> bool:
-        return len(self.reported) >= self.epochs
-
-
-def _spec(manifest: str, tmp_path: Path, params: dict, epochs: int = 3) -> TrialSpec:
-    return TrialSpec(0, 0, params, epochs, 0, manifest, str(tmp_path / "bundle"))
+    def on_model_done(self, outcome: ModelOutcome) -> None:
+        self.done.append(outcome)
 
 
-def test_trial_reports_every_epoch_and_saves_its_model(small_manifest: str, tmp_path: Path) -> None:
-    reporter = PruneAfter(epochs=99)
-    result = train_trial(_spec(small_manifest, tmp_path, CNN, epochs=3), reporter)
-    assert result.state == "COMPLETE", result.error
-    assert [s for s, _ in reporter.reported] == [0, 1, 2]
-    assert result.value == reporter.reported[-1][1]
-    assert (tmp_path / "bundle" / "weights.safetensors").exists()
+def _train(manifest: str, client: object, epochs: int, controller: StopAfter) -> ModelOutcome:
+    data = DataRef(manifest)
+    shards = [e["name"] for e in load_manifest(manifest)["splits"]["train"]]
+    return TaskExecutor(client, data, shards).run([ModelSpec("m", CNN)], epochs, controller)["m"]
 
 
-def test_pruning_decision_stops_training_at_that_epoch(small_manifest: str, tmp_path: Path) -> None:
-    result = train_trial(_spec(small_manifest, tmp_path, CNN, epochs=6), PruneAfter(epochs=2))
-    assert result.state == "PRUNED"
-    assert result.pruned_epoch == 1 and len(result.history) == 2
+def test_a_task_trial_reports_every_epoch_and_saves_its_model(
+    small_manifest: str, tmp_path: Path, dask_client: object
+) -> None:
+    cfg = SearchConfig(n_trials=1, epochs=3, space=fixed_cnn_space(64), pruner="none", sampler="random")
+    seen: list[TrialResult] = []
+    outcome = run_strategy_search(
+        cfg, small_manifest, "one", str(tmp_path / "j.log"), str(tmp_path / "art"), dask_client,
+        on_trial_done=seen.append,
+    )  # fmt: skip
+    (result,) = outcome.results
+    assert seen == [result] and result.state == "COMPLETE", result.error
+    assert [h["epoch"] for h in result.history] == [0, 1, 2]
+    assert result.value == result.history[-1]["val_acc"] and result.num_params > 0
+    assert (Path(result.bundle_uri or "") / "weights.safetensors").exists()
+    trial = optuna.load_study(study_name="one", storage=make_storage(str(tmp_path / "j.log"))).trials[0]
+    assert trial.intermediate_values == {h["epoch"]: h["val_acc"] for h in result.history}
+
+
+def test_pruning_decision_stops_training_at_that_epoch(small_manifest: str, dask_client: object) -> None:
+    controller = StopAfter(epochs=2)
+    outcome = _train(small_manifest, dask_client, 6, controller)
+    assert outcome.stopped_early and outcome.epochs_done == 2 and outcome.state
+    assert controller.done == [outcome]
 
 
 def _poison_train_shard(manifest_uri: str, tmp_path: Path) -> str:
@@ -82,13 +101,14 @@ def _poison_train_shard(manifest_uri: str, tmp_path: Path) -> str:
     return str(dst / "manifest.json")
 
 
-def test_non_finite_loss_fails_the_trial_with_the_reason(small_manifest: str, tmp_path: Path) -> None:
+def test_non_finite_loss_fails_the_trial_with_the_reason(
+    small_manifest: str, tmp_path: Path, dask_client: object
+) -> None:
     poisoned = _poison_train_shard(small_manifest, tmp_path)
-    result = train_trial(_spec(poisoned, tmp_path, CNN, epochs=3), PruneAfter(epochs=99))
-    assert result.state == "FAIL"
-    assert "NonFiniteLossError" in (result.error or "") and "epoch 0" in (result.error or "")
-    assert result.history == []  # stopped at the first non-finite step, before any epoch ended
-    assert not (tmp_path / "bundle").exists()
+    controller = StopAfter(epochs=99)
+    outcome = _train(poisoned, dask_client, 3, controller)
+    assert "NonFiniteLossError" in (outcome.error or "") and "epoch 0" in (outcome.error or "")
+    assert outcome.history == [] and controller.done == [outcome]  # stopped at the first non-finite step
 
 
 def test_search_runs_trials_in_parallel_and_records_them(
@@ -97,7 +117,7 @@ def test_search_runs_trials_in_parallel_and_records_them(
     storage_url = str(tmp_path / "journal.log")
     cfg = SearchConfig(n_trials=4, epochs=2, n_workers=2, space=TINY_SPACE, min_resource=1)
     seen: list[int] = []
-    outcome = run_search(
+    outcome = run_strategy_search(
         cfg,
         small_manifest,
         "s1",
@@ -110,11 +130,12 @@ def test_search_runs_trials_in_parallel_and_records_them(
     study = optuna.load_study(study_name="s1", storage=make_storage(storage_url))
     finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     assert len(finished) == 4
-    assert {r.worker for r in outcome.results} and len({r.worker for r in outcome.results}) <= 2
+    workers = {w for r in outcome.results for w in r.worker.split(", ")}  # where their epochs ran
+    assert workers and len(workers) <= 2
     for trial in study.trials:
         assert trial.user_attrs["history"], "per-epoch history is stored on the trial"
     # Rerunning the same study is idempotent: no trial is added.
-    again = run_search(cfg, small_manifest, "s1", storage_url, str(tmp_path / "art"), dask_client)
+    again = run_strategy_search(cfg, small_manifest, "s1", storage_url, str(tmp_path / "art"), dask_client)
     assert len(again.results) == 4
     assert len(optuna.load_study(study_name="s1", storage=make_storage(storage_url)).trials) == 4
 
@@ -128,7 +149,7 @@ def test_trial_left_running_is_retried_with_the_same_params(
     study.enqueue_trial({"family": "mlp", "mlp_width": 9, "mlp_depth": 1, "lr": 0.01})
     killed = study.ask()  # the coordinator samples its params, then "dies": left RUNNING
     assert sample_params(parse_space(TINY_SPACE), killed)["width"] == 9
-    outcome = run_search(cfg, small_manifest, "s2", storage_url, str(tmp_path / "art"), dask_client)
+    outcome = run_strategy_search(cfg, small_manifest, "s2", storage_url, str(tmp_path / "art"), dask_client)
     trials = optuna.load_study(study_name="s2", storage=make_storage(storage_url)).trials
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     marked = [t for t in trials if t.user_attrs.get(STALE_ATTR)]
@@ -148,7 +169,7 @@ def test_search_adds_unpruned_trials_until_the_ensemble_has_its_members(
 ) -> None:
     # min_resource=1 with reduction 3 prunes most of 3 trials; 3 COMPLETE are still required.
     cfg = SearchConfig(n_trials=3, epochs=3, n_workers=2, space=TINY_SPACE, min_resource=1, sampler="random")
-    outcome = run_search(
+    outcome = run_strategy_search(
         cfg, small_manifest, "s3", str(tmp_path / "j.log"), str(tmp_path / "art"), dask_client, min_complete=3
     )
     assert len(outcome.complete()) >= 3

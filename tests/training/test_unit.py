@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,19 +9,12 @@ import torch
 
 from training.data import load_manifest
 from training.executors.mop import MopExecutor
-from training.executors.task import TaskExecutor
-from training.executors.units import load_eval_split, load_partition, state_to_bundle
+from training.executors.task import SequentialExecutor, TaskExecutor
+from training.executors.units import load_eval_split, load_partition
 from training.schedule import steps_per_epoch
-from training.trial import TrialSpec, train_trial
 from training.unit import DataRef, ModelSpec, PassInterrupted, StateFormatError, TrainableUnit, pass_order
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 1e-4, "batch_size": 32}
-
-
-def _weights(bundle_url: str) -> dict[str, torch.Tensor]:
-    from training.bundle import load_bundle
-
-    return {k: v.clone() for k, v in load_bundle(bundle_url).module.state_dict().items()}
 
 
 def _unit(manifest_uri: str, epochs: int, seed: int = 0) -> tuple[TrainableUnit, Any, Any]:
@@ -110,28 +102,29 @@ def test_validation_is_batched_and_matches_whole_split_accuracy(small_manifest: 
 
 
 @pytest.mark.slow
-def test_task_trial_task_executor_and_mop_on_one_partition_train_identical_weights(
-    small_manifest: str, dask_client: Any, tmp_path: Path
+def test_sequential_task_and_mop_on_one_partition_train_identical_weights(
+    small_manifest: str, dask_client: Any
 ) -> None:
-    """The same configuration and seed trained by a ``task`` trial (in this process), by the task
-    executor (an epoch per Dask task) and by MOP over a single partition (units on the Dask
-    workers): one unit, one schedule, one data order, so bit-identical weights."""
-    epochs, seed = 2, 7
-    trial = train_trial(TrialSpec(0, 0, CNN, epochs, seed, small_manifest, str(tmp_path / "task")))
-    assert trial.state == "COMPLETE", trial.error
+    """The same configuration and seed trained in this process (the sequential baseline), by the
+    ``task`` executor (an epoch per Dask task) and by MOP over a single partition (units on the
+    Dask workers): one unit, one schedule, one data order, so bit-identical weights."""
+    from safetensors.torch import load
+
+    epochs = 2
     data = DataRef(small_manifest)
     shards = [e["name"] for e in load_manifest(small_manifest)["splits"]["train"]]
-    spec = ModelSpec("trial-0000", CNN, seed)
-    by_executor = TaskExecutor(dask_client, data, shards).run([spec], epochs)["trial-0000"]
-    mop = MopExecutor(dask_client, data, shards, partitions=1, slots=1).run([spec], epochs)["trial-0000"]
-    assert by_executor.state is not None and mop.state is not None
-    expected = _weights(trial.bundle_uri or "")
-    for name, outcome in (("task executor", by_executor), ("mop", mop)):
-        url = state_to_bundle(spec, outcome.state or b"", data, str(tmp_path / name))
-        got = _weights(url)
-        assert sorted(got) == sorted(expected)
+    spec = ModelSpec("trial-0000", CNN, seed=7)
+    runs = {
+        "sequential": SequentialExecutor(data, shards).run([spec], epochs)["trial-0000"],
+        "task": TaskExecutor(dask_client, data, shards).run([spec], epochs)["trial-0000"],
+        "mop": MopExecutor(dask_client, data, shards, partitions=1, slots=1).run([spec], epochs)[
+            "trial-0000"
+        ],
+    }
+    expected = load(runs["sequential"].state or b"")
+    for name, outcome in runs.items():
+        got = load(outcome.state or b"")
+        assert sorted(got) == sorted(expected), name
         for key in expected:
             assert torch.equal(got[key], expected[key]), (name, key)
-        assert [round(r.val_acc, 6) for r in outcome.history] == [
-            round(h["val_acc"], 6) for h in trial.history
-        ]
+        assert [r.val_acc for r in outcome.history] == [r.val_acc for r in runs["sequential"].history]

@@ -17,6 +17,8 @@ from training.unit import DataRef, ModelSpec
 
 log = logging.getLogger(__name__)
 
+CHECKPOINT_FILE = "last.safetensors"  # a model's latest state (training/unit.py's export)
+
 
 @dataclass(frozen=True)
 class EpochReport:
@@ -110,7 +112,7 @@ class Executor(ABC):
     # -- checkpoints: the latest state of each model, written after every pass --------------
 
     def checkpoint_uri(self, model_id: str) -> str:
-        return storage.join(self.checkpoint_root, model_id, "last.safetensors")
+        return storage.join(self.checkpoint_root, model_id, CHECKPOINT_FILE)
 
     def save_checkpoint(self, model_id: str, state: bytes) -> str | None:
         if not self.checkpoint_root:

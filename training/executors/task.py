@@ -12,150 +12,99 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
-from training.executors.units import (
-    DataRef,
-    ModelSpec,
-    evaluate_state,
-    init_state,
-    train_pass,
-    train_pass_and_validate,
-)
+from training.executors.units import evaluate_state, init_state, train_pass, train_pass_and_validate
 from training.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
+from training.unit import DataRef, ModelSpec, StateFormatError, global_step, partial_meta
 
 log = logging.getLogger(__name__)
 
 
-class TaskExecutor(Executor):
-    """One Dask task per model-epoch over all training shards; at most one model per worker.
+class Admission(Protocol):
+    """Who decides when another model may start (``training/scaling.py``'s rounds of n_j)."""
 
-    Every worker that trains loads the full training set (its storage footprint is the data
-    times the number of workers), the cost MOP avoids.
+    def may_start(self, in_flight: int) -> bool: ...
+
+    def started(self) -> None: ...
+
+
+class TaskExecutor(Executor):
+    """Task parallelism: each model trains an epoch per Dask task over all training shards, one
+    model per worker at a time; the ``task`` strategy of the search.
+
+    At most ``slots`` models (default: the workers present) are active at once, or as many as
+    ``admission`` allows (worker rounds). A freed slot goes to the controller's next model at
+    once. Every worker that trains loads the full training set once (its storage footprint is
+    the data times the number of workers), the cost MOP avoids.
     """
 
     name = "task"
 
     def __init__(
-        self, client: Any, data: DataRef, shard_names: Sequence[str], checkpoint_root: str = ""
+        self,
+        client: Any,
+        data: DataRef,
+        shard_names: Sequence[str],
+        checkpoint_root: str = "",
+        slots: int | None = None,
+        admission: Admission | None = None,
     ) -> None:
         super().__init__(data, checkpoint_root)
         self.client = client
         self.shards = sorted(shard_names)
-        self.slots = len(client.scheduler_info()["workers"])
+        self.slots = slots or len(client.scheduler_info()["workers"]) or 1
+        self.admission = admission
         self.redone_unit_seconds = 0.0  # work lost with interrupted epochs, to be done again
         self.interruptions: list[dict[str, Any]] = []
+        self.resumed: dict[str, dict[str, Any]] = {}  # per model: where it resumed from a checkpoint
+        self.started_at: dict[str, float] = {}
+
+    def _may_start(self, active: int) -> bool:
+        if self.admission is not None:
+            return self.admission.may_start(active)
+        return active < self.slots
 
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
     ) -> dict[str, ModelOutcome]:
         from distributed import wait
 
-        controller = controller or TrainAll()
-        pending = list(models)
-        outcomes: dict[str, ModelOutcome] = {m.model_id: ModelOutcome(m) for m in models}
-        next_epoch: dict[str, int] = {}
-        states: dict[str, bytes] = {}
-        in_flight: dict[Any, str] = {}
-        specs = {m.model_id: m for m in models}
-        leaving: set[str] = set()  # workers that said they are being preempted
+        ctl = controller or TrainAll()
+        run = _TaskRun(self, epochs, ctl)
+        waiting = list(models)
 
-        def submit(mid: str) -> None:
-            spec = specs[mid]
-            epoch = next_epoch.get(mid, 0)
-            state = states.get(mid) or init_state(spec, self.data)
-            elsewhere: dict[str, Any] = {}
-            if leaving:  # keep off workers on their way out (loosely: any worker if none else)
-                others = sorted(set(self.client.scheduler_info()["workers"]) - leaving)
-                elsewhere = {"workers": others, "allow_other_workers": True} if others else {}
-            future = self.client.submit(
-                _train_and_validate,
-                spec,
-                state,
-                self.data,
-                self.shards,
-                epoch,
-                epochs,
-                pure=False,
-                key=f"task-{mid}-e{epoch}-{time.monotonic_ns()}",
-                resources=spec.device.resources() or None,
-                **elsewhere,
-            )
-            in_flight[future] = mid
+        def admit() -> None:
+            while True:
+                if not waiting and not run.active:
+                    # ask before admitting: with nothing active, admission may open a new round
+                    # of workers, which only a model to start should do
+                    waiting.extend(ctl.new_models(1))
+                    if not waiting:
+                        return
+                if not self._may_start(len(run.active)):
+                    return
+                spec = waiting.pop(0) if waiting else next(iter(ctl.new_models(1)), None)
+                if spec is None:
+                    return
+                if self.admission is not None:
+                    self.admission.started()
+                run.start(spec)
 
-        for spec in pending:
-            found = self.load_checkpoint(spec.model_id)
-            if found is not None:
-                states[spec.model_id], meta = found
-                next_epoch[spec.model_id] = int(meta.get("epoch", -1)) + 1
-                log.info(
-                    "task: %s resumes at epoch %d from its checkpoint",
-                    spec.model_id,
-                    next_epoch[spec.model_id] + 1,
-                )
-        queue = [m.model_id for m in pending if next_epoch.get(m.model_id, 0) < epochs]
-        while queue or in_flight:
-            while queue and len(in_flight) < self.slots:
-                submit(queue.pop(0))
-            done, _ = wait(list(in_flight), return_when="FIRST_COMPLETED")
+        admit()
+        while run.in_flight:
+            done, _ = wait(list(run.in_flight), return_when="FIRST_COMPLETED")
             for future in done:
-                mid = in_flight.pop(future)
-                try:
-                    state, record, val_acc = future.result()
-                except UnitPreempted as exc:  # a spot notice: the epoch goes on from its batch
-                    if exc.state is not None:
-                        states[mid] = exc.state
-                    worker = str(exc.record.get("worker", ""))
-                    leaving.add(worker)  # forgotten when the restarted worker takes a new address
-                    redone = max(0.0, float(exc.record["end"]) - float(exc.record["saved_at"]))
-                    self._account(mid, next_epoch.get(mid, 0), worker, "notice", redone)
-                    queue.insert(0, mid)
-                    continue
-                except Exception as exc:
-                    log.warning("task: %s failed at epoch %d: %s", mid, next_epoch.get(mid, 0) + 1, exc)
-                    outcomes[mid].error = f"{type(exc).__name__}: {exc}"
-                    outcomes[mid].state = states.get(mid)
-                    controller.on_model_done(outcomes[mid])
-                    queue += self._refill(controller, specs, outcomes, epochs, len(queue) + len(in_flight))
-                    continue
-                finally:  # the result is here now: the worker need not keep it (nor hand it off)
-                    future.release()
-                epoch = next_epoch.get(mid, 0)
-                lost = redone_seconds(lost_spans(task_story(self.client, str(future.key))))
-                if lost > 0:  # its worker died: Dask ran the epoch again from its start
-                    self._account(mid, epoch, "", "killed", lost)
-                states[mid] = state
-                self.records.append(record)
-                self.save_checkpoint(mid, state)
-                report = EpochReport(
-                    mid, epoch, val_acc, float(record["train_loss"]), float(record["lr_end"])
-                )
-                outcomes[mid].history.append(report)
-                next_epoch[mid] = epoch + 1
-                keep = controller.on_epoch_end(report)
-                log.info(
-                    "task: %s epoch %d/%d val_acc=%.4f on %s",
-                    mid,
-                    epoch + 1,
-                    epochs,
-                    val_acc,
-                    record["worker"],
-                )
-                if keep and epoch + 1 < epochs:
-                    queue.append(mid)
-                else:
-                    outcomes[mid].stopped_early = not keep
-                    outcomes[mid].state = state
-                    outcomes[mid].checkpoint_uri = self.checkpoint_uri(mid) if self.checkpoint_root else None
-                    controller.on_model_done(outcomes[mid])
-                    queue += self._refill(controller, specs, outcomes, epochs, len(queue) + len(in_flight))
-        for mid, outcome in outcomes.items():
-            outcome.state = states.get(mid)
+                run.collect(future)
+            admit()
+        for mid, outcome in run.outcomes.items():
+            outcome.state = run.states.get(mid, outcome.state)
             outcome.checkpoint_uri = self.checkpoint_uri(mid) if self.checkpoint_root else None
-        return outcomes
+        return run.outcomes
 
-    def _account(self, mid: str, epoch: int, worker: str, kind: str, redone: float) -> None:
+    def account(self, mid: str, epoch: int, worker: str, kind: str, redone: float) -> None:
+        """Record work lost with an interrupted epoch (a notice or a killed worker)."""
         self.redone_unit_seconds += redone
         self.interruptions.append(
             {
@@ -177,19 +126,147 @@ class TaskExecutor(Executor):
             self.redone_unit_seconds,
         )
 
-    def _refill(
-        self,
-        controller: Controller,
-        specs: dict[str, ModelSpec],
-        outcomes: dict[str, ModelOutcome],
-        epochs: int,
-        busy: int,
-    ) -> list[str]:
-        added = controller.new_models(max(0, self.slots - busy))
-        for spec in added:
-            specs[spec.model_id] = spec
-            outcomes[spec.model_id] = ModelOutcome(spec)
-        return [s.model_id for s in added]
+
+class _TaskRun:
+    """The bookkeeping of one :meth:`TaskExecutor.run`: active models, their states and epochs."""
+
+    def __init__(self, executor: TaskExecutor, epochs: int, controller: Controller) -> None:
+        self.x, self.epochs, self.controller = executor, epochs, controller
+        self.outcomes: dict[str, ModelOutcome] = {}
+        self.specs: dict[str, ModelSpec] = {}
+        self.states: dict[str, bytes] = {}
+        self.next_epoch: dict[str, int] = {}
+        self.active: set[str] = set()
+        self.in_flight: dict[Any, str] = {}
+        self.leaving: set[str] = set()  # workers that said they are being preempted
+
+    def start(self, spec: ModelSpec) -> None:
+        """Take a model in: from its checkpoint when it has one (a restarted coordinator's retried
+        trial, its finished epochs handed to the controller again), then its next epoch."""
+        mid = spec.model_id
+        self.specs[mid], self.outcomes[mid] = spec, ModelOutcome(spec)
+        self.x.started_at[mid] = time.time()
+        keep = True
+        try:
+            found = self.x.load_checkpoint(mid)
+        except StateFormatError as exc:  # a damaged or tampered checkpoint: never loaded
+            self.fail(mid, f"{type(exc).__name__}: {exc}")
+            return
+        if found is not None:
+            state, meta = found
+            stopped_mid_epoch = partial_meta(state) is not None
+            epoch = int(meta.get("epoch", -1)) + (0 if stopped_mid_epoch else 1)
+            self.states[mid], self.next_epoch[mid] = state, epoch
+            self.x.resumed[mid] = {"epoch": epoch - 1, "step": global_step(state)}
+            log.info(
+                "task: %s resumes at epoch %d (step %d) from its checkpoint",
+                mid,
+                epoch + 1,
+                global_step(state),
+            )
+            for report in self.x.load_history(mid, epoch - 1):
+                self.outcomes[mid].history.append(report)
+                keep = self.controller.on_epoch_end(report) and keep
+        self.active.add(mid)
+        if keep and self.next_epoch.get(mid, 0) < self.epochs:
+            self.submit(mid)
+        else:
+            self.finish(mid, stopped_early=not keep)
+
+    def submit(self, mid: str) -> None:
+        spec = self.specs[mid]
+        epoch = self.next_epoch.get(mid, 0)
+        state = self.states.get(mid) or init_state(spec, self.x.data)
+        elsewhere: dict[str, Any] = {}
+        if self.leaving:  # keep off workers on their way out (loosely: any worker if none else)
+            others = sorted(set(self.x.client.scheduler_info()["workers"]) - self.leaving)
+            elsewhere = {"workers": others, "allow_other_workers": True} if others else {}
+        future = self.x.client.submit(
+            _train_and_validate,
+            spec,
+            state,
+            self.x.data,
+            self.x.shards,
+            epoch,
+            self.epochs,
+            pure=False,
+            key=f"task-{mid}-e{epoch}-{time.monotonic_ns()}",
+            resources=spec.device.resources() or None,
+            **elsewhere,
+        )
+        self.in_flight[future] = mid
+
+    def collect(self, future: Any) -> None:
+        """Take in one finished epoch task: report it, then the model's next epoch or its end."""
+        mid = self.in_flight.pop(future)
+        epoch = self.next_epoch.get(mid, 0)
+        try:
+            state, record, val_acc = future.result()
+        except UnitPreempted as exc:  # a spot notice: the epoch goes on from its batch elsewhere
+            if exc.state is not None:
+                self.states[mid] = exc.state
+                self.x.save_checkpoint(mid, exc.state)
+                self.x.resumed[mid] = {
+                    "epoch": epoch - 1,
+                    "step": global_step(exc.state),
+                    "after_notice": True,
+                }
+            worker = str(exc.record.get("worker", ""))
+            self.leaving.add(worker)  # forgotten when the restarted worker takes a new address
+            self.x.account(
+                mid,
+                epoch,
+                worker,
+                "notice",
+                max(0.0, float(exc.record["end"]) - float(exc.record["saved_at"])),
+            )
+            self.submit(mid)
+            return
+        except Exception as exc:
+            log.warning("task: %s failed at epoch %d: %s", mid, epoch + 1, exc)
+            self.fail(mid, f"{type(exc).__name__}: {exc}")
+            return
+        finally:  # the result is here now: the worker need not keep it (nor hand it off)
+            future.release()
+        lost = redone_seconds(lost_spans(task_story(self.x.client, str(future.key))))
+        if lost > 0:  # its worker died: Dask ran the epoch again from its start
+            self.x.account(mid, epoch, "", "killed", lost)
+            self.x.resumed[mid] = {"epoch": epoch - 1, "step": global_step(self.states.get(mid))}
+        self.states[mid] = state
+        self.x.records.append(record)
+        self.x.save_checkpoint(mid, state)
+        report = EpochReport(mid, epoch, val_acc, float(record["train_loss"]), float(record["lr_end"]))
+        history = self.outcomes[mid].history
+        history.append(report)
+        self.x.save_history(mid, history)
+        self.next_epoch[mid] = epoch + 1
+        keep = self.controller.on_epoch_end(report)
+        if epoch == 0 or (epoch + 1) % 10 == 0 or epoch + 1 == self.epochs:
+            log.info(
+                "task: %s epoch %d/%d val_acc=%.4f on %s",
+                mid,
+                epoch + 1,
+                self.epochs,
+                val_acc,
+                record["worker"],
+            )
+        if keep and epoch + 1 < self.epochs:
+            self.submit(mid)
+        else:
+            self.finish(mid, stopped_early=not keep)
+
+    def fail(self, mid: str, error: str) -> None:
+        self.outcomes[mid].error = error
+        self.finish(mid, stopped_early=False)
+
+    def finish(self, mid: str, stopped_early: bool) -> None:
+        """The model is done: its outcome to the controller (which may add a model in its slot)."""
+        self.active.discard(mid)
+        outcome = self.outcomes[mid]
+        outcome.stopped_early = stopped_early
+        outcome.state = self.states.get(mid)
+        outcome.checkpoint_uri = self.x.checkpoint_uri(mid) if self.x.checkpoint_root else None
+        self.controller.on_model_done(outcome)
 
 
 def _train_and_validate(
