@@ -6,12 +6,11 @@ import functools
 import logging
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 
 log = logging.getLogger(__name__)
@@ -49,45 +48,9 @@ def make_storage(url: str, n_workers: int = 1) -> BaseStorage:
         path = Path(journal_path(url)).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(os.fspath(path)))
-    heartbeat = heartbeat_seconds()
-    with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.9, stable in use
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return _rdb(url, heartbeat)
-
-
-def _rdb(url: str, heartbeat: int | None) -> RDBStorage:
-    return _retrying("connect", lambda: _new_rdb(url, heartbeat))
-
-
-def _new_rdb(url: str, heartbeat: int | None) -> RDBStorage:
-    return ResilientRDBStorage(
-        url,
-        engine_kwargs={"pool_pre_ping": True},
-        heartbeat_interval=heartbeat,
-        grace_period=heartbeat * 3 if heartbeat else None,
-        # A trial whose worker stopped beating is failed and enqueued again with the same params;
-        # mopflow resumes it from the failed trial's last checkpoint (see training.search).
-        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2) if heartbeat else None,
-    )
-
-
-HEARTBEAT_ENV = "MOPFLOW_OPTUNA_HEARTBEAT_S"
-
-
-def heartbeat_seconds() -> int | None:
-    """Heartbeat interval of RDB-stored trials (``MOPFLOW_OPTUNA_HEARTBEAT_S``, default 30; 0 = off).
-
-    Only RDB storages keep heartbeats; with a journal file the single coordinator recovers trials
-    left RUNNING when it restarts.
-    """
-    raw = os.environ.get(HEARTBEAT_ENV, "30").strip()
-    try:
-        value = int(raw)
-    except ValueError:
-        raise StorageConfigError(f"{HEARTBEAT_ENV}={raw!r} is not a whole number of seconds") from None
-    if value < 0:
-        raise StorageConfigError(f"{HEARTBEAT_ENV}={value} must be >= 0")
-    return value or None
+    # No heartbeats: trials report from the one coordinator, which recovers the trials a dead
+    # coordinator left RUNNING when it restarts (training.search.retry_stale_trials).
+    return _retrying("connect", lambda: ResilientRDBStorage(url, engine_kwargs={"pool_pre_ping": True}))
 
 
 def redact_url(url: str) -> str:
@@ -131,8 +94,6 @@ _RETRIED_METHODS = (  # the entry points Optuna's cache layer calls on its RDB b
     "_get_trials",
     "_get_best_trial_id",
     "get_trial_id_from_study_id_trial_number",
-    "record_heartbeat",
-    "_get_stale_trial_ids",
 )
 
 

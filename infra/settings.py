@@ -80,7 +80,6 @@ RUNTIME_ENV: dict[str, str] = {
     "MOPFLOW_TASK_RETRIES": "Retries of every pipeline task (default 2)",
     "MOPFLOW_RETRY_DELAY_S": "First retry delay in seconds, doubling per retry up to 10 min (default 30)",
     "MOPFLOW_TRAINING_POOL_SLOTS": "Slots of the Airflow pool mopflow_training (default 1)",
-    "MOPFLOW_OPTUNA_HEARTBEAT_S": "Heartbeat interval of RDB-stored Optuna trials in seconds (default 30; 0 = off)",
     "MOPFLOW_PREEMPT_GRACE_S": "Seconds a worker given a spot notice (SIGTERM) has to checkpoint and leave (default 30)",
     "MOPFLOW_SHARD_CACHE": "Local folder where workers cache remote shards (default a temp folder)",
     "MOPFLOW_MLFLOW_UI_URL": "MLflow UI address the Sweeps page links to",

@@ -8,7 +8,6 @@ trains through its executor and is told to the study from there.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -191,7 +190,7 @@ def retry_stale_trials(study: optuna.Study) -> int:
     """Fail trials left RUNNING by a dead coordinator and enqueue their params again.
 
     Only one coordinator drives a study (the search task), so at its start every RUNNING
-    trial is stale. Journal storage has no heartbeats; this is how we recover.
+    trial is stale; the retry keeps the model id, so its model resumes from its checkpoint.
     """
     stale = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
     for t in stale:
@@ -224,20 +223,9 @@ def fail_orphans(study: optuna.Study) -> int:
 
 
 def retried_trial(trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> int | None:
-    """The number of the trial this one retries (after a dead coordinator or a stale heartbeat)."""
-    from optuna.storages import RetryHeartbeatStaleTrialCallback
-
-    attrs = trial.user_attrs
-    if RESUME_ATTR in attrs:
-        return int(attrs[RESUME_ATTR])
-    frozen = (
-        trial
-        if isinstance(trial, optuna.trial.FrozenTrial)
-        else trial.study._storage.get_trial(trial._trial_id)
-    )
-    with warnings.catch_warnings():  # experimental in Optuna, stable in use since 2.8
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+    """The number of the trial this one retries (after a dead coordinator), if any."""
+    value = trial.user_attrs.get(RESUME_ATTR)
+    return None if value is None else int(value)
 
 
 GRACE_ENV = "MOPFLOW_PREEMPT_GRACE_S"
@@ -277,8 +265,8 @@ def result_detail(result: TrialResult) -> str:
 
 
 def tell_result(study: optuna.Study, trial: optuna.trial.Trial, result: TrialResult) -> bool:
-    """Record a result on its trial; False when the trial had already been finished (failed for a
-    stale heartbeat, its retry queued): the result is then dropped."""
+    """Record a result on its trial; False when the trial had already been finished (failed as
+    stale, its retry queued): the result is then dropped."""
     attrs: dict[str, Any] = {
         "bundle_uri": result.bundle_uri,
         "history": result.history,
@@ -301,7 +289,7 @@ def tell_result(study: optuna.Study, trial: optuna.trial.Trial, result: TrialRes
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
     except optuna.exceptions.UpdateFinishedTrialError:
-        log.warning("search: trial %d was already finished (stale heartbeat); result dropped", result.number)
+        log.warning("search: trial %d was already finished (stale); result dropped", result.number)
         return False
     try:
         if result.state == "COMPLETE":

@@ -56,7 +56,6 @@ DAG_LEVEL_ENV = {
     "MOPFLOW_RETRAIN_SCHEDULE",
     "MOPFLOW_TASK_RETRIES",
     "MOPFLOW_RETRY_DELAY_S",
-    "MOPFLOW_OPTUNA_HEARTBEAT_S",
     "MOPFLOW_TRAINING_POOL_SLOTS",
 }
 CODE_DIRS = ("training", "compression", "infra", "dags", "plugins")
