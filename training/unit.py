@@ -152,6 +152,8 @@ class TrainableUnit:
         part: str = "",
         stop: Callable[[], bool] | None = None,
         callbacks: Sequence[Any] = (),
+        shard: tuple[int, int] = (0, 1),
+        trainer_kwargs: Mapping[str, Any] | None = None,
     ) -> PassRecord:
         """Train one pass over ``tensors`` (``(x, y)`` or ``(x, y, soft_targets)``).
 
@@ -159,7 +161,10 @@ class TrainableUnit:
         only in the same (epoch, pass, part), from the batch it stopped at, with its RNG state.
         ``stop`` is asked after every batch; when it says so (before the last batch) the pass
         raises :class:`PassInterrupted` with the state at that batch boundary. ``callbacks`` are
-        extra Lightning callbacks for this pass (e.g. a clock).
+        extra Lightning callbacks for this pass (e.g. a clock). ``shard = (rank, world)`` trains
+        rank ``rank``'s share of the pass's order (every ``world``-th row, the order padded from
+        its start to a multiple of ``world``, as DDP's sampler does) and ``trainer_kwargs`` adds to
+        the Trainer's settings (a DDP strategy and its node count).
         """
         import pytorch_lightning as pl
         import torch
@@ -167,7 +172,8 @@ class TrainableUnit:
         from training.lit import Classifier, quiet_trainer_kwargs
 
         batch_size = int(self.spec.params["batch_size"])
-        n_rows = len(tensors[0])
+        order = _rank_share(pass_order(self.spec.seed, epoch, pass_index, len(tensors[0])), *shard)
+        n_rows = len(order)
         n_batches = -(-n_rows // batch_size)
         partial, self._partial = self._partial, None
         resumed = partial is not None and (partial["epoch"], partial["pass_index"], partial["part"]) == (
@@ -176,7 +182,7 @@ class TrainableUnit:
             part,
         )
         skip = int(partial["batches"]) if resumed and partial is not None else 0
-        order = pass_order(self.spec.seed, epoch, pass_index, n_rows)[skip * batch_size :]
+        order = order[skip * batch_size :]
         torch.manual_seed(self.spec.seed + epoch)
         if resumed:
             torch.set_rng_state(self._rng)
@@ -229,7 +235,7 @@ class TrainableUnit:
             max_epochs=1,
             limit_val_batches=0,
             callbacks=[StopWatch(), *callbacks],
-            **quiet_trainer_kwargs(self.spec.device),
+            **{**quiet_trainer_kwargs(self.spec.device), **dict(trainer_kwargs or {})},
         )
         batches = Batches([self._on_device(t) for t in tensors], order, batch_size)
         with warnings.catch_warnings():  # a pass has no validation loader by design: evaluate() validates
@@ -329,6 +335,18 @@ class TrainableUnit:
         meta.pop("model_id", None)
         self.meta = meta
         return {**meta, "global_step": self.global_step, **({"partial": partial} if partial else {})}
+
+
+def _rank_share(order: Any, rank: int, world: int) -> Any:
+    """Rank ``rank``'s rows of ``order`` among ``world`` ranks: padded from its start to a
+    multiple of ``world``, then every ``world``-th row (each rank takes as many steps)."""
+    if world <= 1:
+        return order
+    import torch
+
+    padding = (-len(order)) % world
+    padded = torch.cat([order, order[:padding]]) if padding else order
+    return padded[rank::world]
 
 
 def _moments(optimizer: Any) -> dict[int, dict[str, Any]]:

@@ -2,10 +2,12 @@
 
 A trial's W ranks are W tasks on W distinct workers (those with the resources the trial needs);
 they form their own process group with a rendezvous at rank 0's worker (``main_address`` and a
-port that worker picked). Lightning trains through :class:`DaskRankEnvironment`, which tells it
-the processes exist already (nothing is launched). Rank 0 alone reports each epoch (a Dask
-``Queue`` the coordinator reads), writes the epoch checkpoint and reads the coordinator's stop
-decision (a Dask ``Event``), which it broadcasts, so every rank stops at the same epoch boundary.
+port that worker picked). Each epoch is one pass of the trainable unit (``training/unit.py``) over the rank's share of the
+rows, under Lightning's DDP strategy with :class:`DaskRankEnvironment`, which tells it the
+processes exist already (nothing is launched; the process group made for the first epoch serves
+the rest). Rank 0 alone validates, reports each epoch (a Dask ``Queue`` the coordinator reads),
+writes the epoch checkpoint and reads the coordinator's stop decision (a Dask ``Event``), which
+it broadcasts, so every rank stops at the same epoch boundary.
 A collective that waits longer than ``collective_timeout_s`` (a rank died) fails the rank.
 """
 
@@ -15,6 +17,7 @@ import json
 import logging
 import math
 import socket
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -75,121 +78,81 @@ def free_port() -> tuple[str, int]:
 
 
 def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[str, Any]:
-    """Train ``job``'s model as rank ``rank`` of ``job["world_size"]``; rank 0 returns the final
-    state and its reports, the others an empty result."""
+    """Train ``job``'s model as rank ``rank`` of ``job["world_size"]``: the trainable unit, one
+    pass per epoch over this rank's share of the data under a DDP strategy; rank 0 returns the
+    final state and its reports, the others an empty result."""
     import os
 
     import pytorch_lightning as pl
     import torch
     from distributed import Event, Queue
     from pytorch_lightning.strategies import DDPStrategy
-    from torch.utils.data import DataLoader, TensorDataset
 
     from infra import storage
     from training.data import load_manifest, load_split
-    from training.lit import Classifier, quiet_trainer_kwargs
     from training.schedule import steps_per_epoch
     from training.trial import quiet_lightning
     from training.unit import DataRef, ModelSpec, TrainableUnit
 
     torch.set_num_threads(1)
     quiet_lightning()
-    world = int(job["world_size"])
+    world, epochs = int(job["world_size"]), int(job["epochs"])
     spec = ModelSpec.from_dict(job["spec"])
+    # a rank's batches are its share of the trial's batch (the global batch stays batch_size)
+    spec = replace(spec, params={**spec.params, "batch_size": int(job["batch_per_rank"])})
     data = DataRef(**job["data"])
     manifest = load_manifest(data.manifest_uri, data.storage_options)
-    pl.seed_everything(spec.seed, workers=False, verbose=False)
     x, y = load_split(data.manifest_uri, "train", data.storage_options)
     xv, yv = load_split(data.manifest_uri, "validation", data.storage_options)
-    batch = int(job["batch_per_rank"])
+    tensors = (torch.from_numpy(x), torch.from_numpy(y))
     # One-cycle over the whole training in global steps (training/schedule.py); a rank's epoch is
-    # its share of the rows (DistributedSampler pads to equal shares) in per-rank batches. A
-    # resumed job continues the schedule and the optimizer moments where the checkpoint left them.
-    epoch_steps = steps_per_epoch([math.ceil(len(x) / world)], batch)
-    unit = TrainableUnit.build(spec, manifest, int(job["epochs"]) * epoch_steps)
-    model = unit.model
+    # its share of the rows (padded to equal shares) in per-rank batches. A resumed job continues
+    # the schedule and the optimizer moments where the checkpoint left them.
+    epoch_steps = steps_per_epoch([math.ceil(len(x) / world)], int(spec.params["batch_size"]))
+    unit = TrainableUnit.build(spec, manifest, epochs * epoch_steps)
     start_epoch = int(job.get("start_epoch", 0))
     if job.get("resume_uri"):  # safetensors: nothing unpickled
         unit.import_state(storage.read_bytes(job["resume_uri"], data.storage_options))
-
-    class RankModule(Classifier):
-        def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-            unit.restore_moments(optimizer)
-
-    module = RankModule(
-        model,
-        lr=float(spec.params["lr"]),
-        weight_decay=float(spec.params["weight_decay"]),
-        total_steps=unit.total_steps,
-        start_step=start_epoch * epoch_steps,
-    )
-    train = DataLoader(
-        TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=batch, shuffle=True
-    )
-    val = DataLoader(TensorDataset(torch.from_numpy(xv), torch.from_numpy(yv)), batch_size=4096)
     reports: list[dict[str, Any]] = []
     last_state: dict[str, bytes] = {}
-
-    class Report(pl.Callback):
-        def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-            if trainer.sanity_checking:
-                return
-            stop = False
-            if trainer.is_global_zero:
-                epoch = start_epoch + trainer.current_epoch
-                optimizer = trainer.optimizers[0]
-                record = {
+    comm = _CommHook(bool(job.get("bf16_compress")))
+    timeout = timedelta(seconds=float(job.get("collective_timeout_s", 120)))
+    try:
+        for epoch in range(start_epoch, epochs):
+            strategy = DDPStrategy(
+                cluster_environment=DaskRankEnvironment(address, port, rank, world),
+                process_group_backend=spec.device.ddp_backend(),  # nccl between GPUs, gloo on CPU
+                timeout=timeout,
+            )
+            record = unit.train_pass(
+                tensors,
+                epoch,
+                callbacks=[comm.callback(pl)],
+                shard=(rank, world),
+                trainer_kwargs={"strategy": strategy, "num_nodes": world, "use_distributed_sampler": False},
+            )
+            loss = torch.tensor([record.train_loss], dtype=torch.float64)
+            torch.distributed.all_reduce(loss)  # the epoch's loss over every rank's rows
+            stop = [False]
+            if rank == 0:  # validates the whole split, checkpoints, reports, reads the decision
+                report = {
                     "model_id": spec.model_id,
                     "epoch": epoch,
-                    "val_acc": float(trainer.callback_metrics["val_acc"]),
-                    "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
-                    "lr": float(optimizer.param_groups[0]["lr"]),
+                    "val_acc": unit.evaluate(torch.from_numpy(xv), yv),
+                    "train_loss": float(loss.item() / world),
+                    "lr": record.lr_end,
                     "world_size": world,
                     "pid": os.getpid(),
                 }
-                unit.capture(optimizer, (epoch + 1) * epoch_steps)
-                state = unit.export_state({"epoch": epoch})
-                last_state["state"] = state
+                state = last_state["state"] = unit.export_state({"epoch": epoch})
                 if job.get("checkpoint_uri"):  # before the report: a report means a checkpoint
                     storage.write_bytes_atomic(job["checkpoint_uri"], state, data.storage_options)
-                reports.append(record)
-                Queue(job["queue"]).put(json.dumps(record))
-                stop = Event(job["stop_event"]).is_set()
-            if trainer.strategy.broadcast(stop, src=0):
-                trainer.should_stop = True
-
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    reduced = {"bytes": 0}
-    compress = bool(job.get("bf16_compress"))
-    inner = default_hooks.bf16_compress_hook if compress else default_hooks.allreduce_hook
-
-    def hook(state, bucket):  # type: ignore[no-untyped-def]  # torch checks the hook's annotations
-        """DDP's gradient all-reduce (bf16-compressed or not), counting the bytes it sends."""
-        reduced["bytes"] += bucket.buffer().numel() * (2 if compress else bucket.buffer().element_size())
-        return inner(state, bucket)
-
-    class CommHook(pl.Callback):
-        """Register the hook on the wrapped model before the first backward, on any device
-        (Lightning's ``ddp_comm_hook`` argument registers it on CUDA only)."""
-
-        def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-            trainer.strategy.model.register_comm_hook(None, hook)  # type: ignore[union-attr,operator]
-
-    strategy = DDPStrategy(
-        cluster_environment=DaskRankEnvironment(address, port, rank, world),
-        process_group_backend=spec.device.ddp_backend(),  # nccl between GPUs, gloo on CPU
-        timeout=timedelta(seconds=float(job.get("collective_timeout_s", 120))),
-    )
-    trainer = pl.Trainer(
-        max_epochs=int(job["epochs"]) - start_epoch,
-        strategy=strategy,
-        num_nodes=world,
-        callbacks=[CommHook(), Report()],
-        **quiet_trainer_kwargs(spec.device),
-    )
-    try:
-        trainer.fit(module, train, val)
+                reports.append(report)
+                Queue(job["queue"]).put(json.dumps(report))
+                stop = [Event(job["stop_event"]).is_set()]
+            torch.distributed.broadcast_object_list(stop, src=0)
+            if stop[0]:
+                break
     finally:
         if torch.distributed.is_initialized():  # the worker trains other ranks and trials later
             torch.distributed.destroy_process_group()
@@ -198,5 +161,31 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
         "pid": os.getpid(),
         "state": last_state.get("state"),
         "reports": reports,
-        "allreduce_bytes": reduced["bytes"],
+        "allreduce_bytes": comm.bytes,
     }
+
+
+class _CommHook:
+    """DDP's gradient all-reduce (bf16-compressed or not), counting the bytes it sends."""
+
+    def __init__(self, compress: bool) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.compress, self.bytes = compress, 0
+        self.inner = default_hooks.bf16_compress_hook if compress else default_hooks.allreduce_hook
+
+    def callback(self, pl: Any) -> Any:
+        """A Lightning callback registering the hook on the wrapped model before the first
+        backward, on any device (Lightning's ``ddp_comm_hook`` argument does so on CUDA only)."""
+        counter = self
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # torch checks the hook's annotations
+            buffer = bucket.buffer()
+            counter.bytes += buffer.numel() * (2 if counter.compress else buffer.element_size())
+            return counter.inner(state, bucket)
+
+        class Register(pl.Callback):  # type: ignore[misc,name-defined]
+            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+                trainer.strategy.model.register_comm_hook(None, hook)
+
+        return Register()
