@@ -245,6 +245,40 @@ def _fast_step(module: Classifier) -> _FastStep | None:
     return _FastStep(optimizers, schedulers, progress)
 
 
+CALLBACK_FACTORY_GROUP = "pytorch_lightning.callbacks_factory"
+_factory_lookup: list[Any] = []  # the loaded factories, once the lookup is cached
+
+
+def cache_callback_factories() -> None:
+    """Look Lightning's external callback factories up once per process.
+
+    Every ``Trainer`` scans the entry points of every installed distribution for the group
+    ``pytorch_lightning.callbacks_factory`` (about 11 ms here); the trainable unit builds a
+    Trainer per pass, so the lookup is done once and its factories kept. They are still called
+    for every Trainer, so each gets its own callbacks, as without the cache.
+    """
+    if _factory_lookup:
+        return
+    from importlib.metadata import entry_points
+
+    from pytorch_lightning.trainer.connectors import callback_connector
+
+    original = callback_connector._load_external_callbacks
+    factories = [entry.load() for entry in entry_points(group=CALLBACK_FACTORY_GROUP)]
+
+    def load(group: str) -> list[Any]:
+        if group != CALLBACK_FACTORY_GROUP:
+            return list(original(group))
+        made: list[Any] = []
+        for factory in factories:
+            callbacks = factory()
+            made.extend(callbacks if isinstance(callbacks, list) else [callbacks])
+        return made
+
+    callback_connector._load_external_callbacks = load
+    _factory_lookup.append(load)
+
+
 def quiet_trainer_kwargs(device: DeviceSpec = CPU) -> dict[str, Any]:
     """Trainer settings for non-interactive runs on one device (CPU by default): no progress
     bars, no summaries, no default logger."""

@@ -169,7 +169,9 @@ class TrainableUnit:
         import pytorch_lightning as pl
         import torch
 
-        from training.lit import Classifier, quiet_trainer_kwargs
+        from training.lit import Classifier, cache_callback_factories, quiet_trainer_kwargs
+
+        cache_callback_factories()
 
         batch_size = int(self.spec.params["batch_size"])
         order = _rank_share(pass_order(self.spec.seed, epoch, pass_index, len(tensors[0])), *shard)

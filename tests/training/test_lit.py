@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -60,3 +61,40 @@ def test_fast_path_counts_steps_and_trains_exactly_like_lightnings_path() -> Non
         assert torch.equal(a, b)
     assert fast.last_train_loss == slow.last_train_loss
     assert fast._fast is None  # cleared at the end of the fit
+
+
+def test_callback_factories_are_looked_up_once_and_called_for_every_trainer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The entry-point scan runs once per process; each Trainer still gets its own callbacks."""
+    from pytorch_lightning.trainer.connectors import callback_connector
+
+    from training import lit
+
+    class Marker(pl.Callback):
+        pass
+
+    class Entry:
+        name = "marker"
+
+        def load(self) -> object:
+            return lambda: [Marker()]
+
+    scans: list[str] = []
+
+    def entry_points(group: str) -> list[Entry]:
+        scans.append(group)
+        return [Entry()]
+
+    monkeypatch.setattr("importlib.metadata.entry_points", entry_points)
+    monkeypatch.setattr(lit, "_factory_lookup", [])
+    monkeypatch.setattr(
+        callback_connector, "_load_external_callbacks", callback_connector._load_external_callbacks
+    )
+    lit.cache_callback_factories()
+    lit.cache_callback_factories()
+    first = pl.Trainer(max_epochs=1, **quiet_trainer_kwargs())
+    second = pl.Trainer(max_epochs=1, **quiet_trainer_kwargs())
+    assert scans == [lit.CALLBACK_FACTORY_GROUP]
+    mine = [[c for c in t.callbacks if isinstance(c, Marker)] for t in (first, second)]
+    assert len(mine[0]) == len(mine[1]) == 1 and mine[0][0] is not mine[1][0]
