@@ -217,7 +217,7 @@ class TrainableUnit:
             def on_train_batch_end(
                 self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
             ) -> None:
-                if stop is None or not stop():
+                if stop is None or not stop():  # (never None here: the watch is only added with one)
                     return
                 batches = skip + batch_idx + 1
                 if batches >= n_batches:  # the pass is done anyway
@@ -236,7 +236,8 @@ class TrainableUnit:
         trainer = pl.Trainer(
             max_epochs=1,
             limit_val_batches=0,
-            callbacks=[StopWatch(), *callbacks],
+            # the watch only when asked: a callback costs every batch a hook call
+            callbacks=[*([StopWatch()] if stop is not None else []), *callbacks],
             **{**quiet_trainer_kwargs(self.spec.device), **dict(trainer_kwargs or {})},
         )
         batches = Batches([self._on_device(t) for t in tensors], order, batch_size)
