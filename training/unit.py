@@ -245,6 +245,11 @@ class TrainableUnit:
             warnings.filterwarnings(
                 "ignore", message=".*defined a `validation_step` but have no `val_dataloader`"
             )
+            # Lightning 2.6's own use of a torch pytree API that torch 2.13 deprecates, raised at
+            # every fit: nothing a user can act on
+            warnings.filterwarnings(
+                "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
+            )
             trainer.fit(module, batches)
         steps = int(trainer.global_step)
         self.capture(holder["optimizer"], self.global_step + steps)
