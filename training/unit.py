@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training.devices import CPU, DeviceSpec
+from training.unit_state import load_moments, moments_of, state_metadata
 
 EVAL_BATCH = 4096  # rows per evaluation batch: a split need not fit on the device at once
 
@@ -94,11 +95,6 @@ class PassInterrupted(Exception):  # noqa: N818 - a stop asked for, not an error
     def __init__(self, state: bytes, batches: int, n_batches: int) -> None:
         super().__init__(f"stopped at batch {batches}/{n_batches}")
         self.state, self.batches, self.n_batches = state, batches, n_batches
-
-
-class StateFormatError(ValueError):
-    """Packed model state that is not a safetensors blob (truncated, or another format such as a
-    pickle): refused, never deserialized as code."""
 
 
 class TrainableUnit:
@@ -265,11 +261,11 @@ class TrainableUnit:
     def capture(self, optimizer: Any, global_step: int) -> None:
         """Take the optimizer's moments and the global step reached (what an export saves)."""
         self.global_step = int(global_step)
-        self._moments = _moments(optimizer)
+        self._moments = moments_of(optimizer)
 
     def restore_moments(self, optimizer: Any) -> None:
         """Put the unit's optimizer moments into a new optimizer of its model's parameters."""
-        _load_moments(optimizer, self._moments)
+        load_moments(optimizer, self._moments)
 
     def _on_device(self, tensor: Any) -> Any:
         device = self.spec.device.torch_device()
@@ -355,67 +351,3 @@ def _rank_share(order: Any, rank: int, world: int) -> Any:
     padding = (-len(order)) % world
     padded = torch.cat([order, order[:padding]]) if padding else order
     return padded[rank::world]
-
-
-def _moments(optimizer: Any) -> dict[int, dict[str, Any]]:
-    """AdamW's per-parameter state (first group), detached copies keyed by parameter index."""
-    out: dict[int, dict[str, Any]] = {}
-    for index, param in enumerate(optimizer.param_groups[0]["params"]):
-        state = optimizer.state.get(param, {})
-        if "exp_avg" in state:
-            out[index] = {
-                "step": float(state["step"]),
-                "exp_avg": state["exp_avg"].detach().clone(),
-                "exp_avg_sq": state["exp_avg_sq"].detach().clone(),
-            }
-    return out
-
-
-def _load_moments(optimizer: Any, moments: Mapping[int, Mapping[str, Any]]) -> None:
-    """Put saved moments into a new optimizer, on each parameter's device (after a hop the
-    parameters may sit on a GPU)."""
-    import torch
-
-    for index, param in enumerate(optimizer.param_groups[0]["params"]):
-        if index in moments:
-            saved = moments[index]
-            optimizer.state[param] = {
-                "step": torch.tensor(float(saved["step"])),
-                "exp_avg": saved["exp_avg"].to(param.device, copy=True),
-                "exp_avg_sq": saved["exp_avg_sq"].to(param.device, copy=True),
-            }
-
-
-def state_metadata(data: bytes) -> dict[str, str]:
-    """The safetensors header's ``__metadata__`` (the header is JSON after an 8-byte length)."""
-    size = int.from_bytes(data[:8], "little")
-    try:
-        if len(data) < 8 or not 0 < size <= len(data) - 8:
-            raise ValueError(f"header length {size} does not fit in {len(data)} bytes")
-        header = json.loads(data[8 : 8 + size])
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise StateFormatError(f"model state is not a safetensors blob ({exc}); refusing to load it") from exc
-    return dict(header.get("__metadata__", {}))
-
-
-def read_meta(data: bytes) -> dict[str, Any]:
-    """The metadata packed with a state (epoch, model id, global step, a stopped pass's position)."""
-    meta: dict[str, Any] = json.loads(state_metadata(data).get("meta", "{}"))
-    return meta
-
-
-def global_step(state: bytes | None) -> int:
-    """The optimizer steps a packed state has taken (0 for an initial state)."""
-    if state is None:
-        return 0
-    return int(read_meta(state).get("global_step", 0))
-
-
-def partial_meta(state: bytes | None) -> dict[str, Any] | None:
-    """The mid-pass position packed with a state stopped on a notice (None for a finished pass)."""
-    if state is None:
-        return None
-    partial = read_meta(state).get("partial")
-    return dict(partial) if partial else None

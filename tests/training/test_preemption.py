@@ -20,7 +20,7 @@ from training.executors import DataRef, ModelSpec
 from training.executors.base import CHECKPOINT_FILE
 from training.preempt import UnitPreempted, lost_spans, redone_seconds
 from training.search import checkpoint_folder, register_preemption
-from training.unit import global_step
+from training.unit_state import global_step
 
 CNN_PARAMS = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
 SPACE = fixed_cnn_space(batch_size=32)
@@ -158,7 +158,7 @@ def test_unit_stopped_by_a_notice_continues_in_the_same_data_order(
     from training import preempt
     from training.executors.units import DataRef, ModelSpec, init_state, train_pass
     from training.preempt import UnitPreempted
-    from training.unit import partial_meta
+    from training.unit_state import partial_meta
 
     data = DataRef(small_manifest)
     shards = sorted(e["name"] for e in load_manifest(small_manifest)["splits"]["train"])[:1]

@@ -181,7 +181,7 @@ def test_search_on_postgresql_storage(
 
 @pytest.mark.slow
 def test_trial_whose_dask_worker_is_killed_resumes_on_the_restarted_worker(
-    small_manifest: str, tmp_path: Path
+    small_manifest: str, tmp_path: Path, recwarn: pytest.WarningsRecorder
 ) -> None:
     """Fault: the Dask worker process training a trial is SIGKILLed (a spot VM gone, no notice).
     Expected: Dask runs the lost epoch again on the restarted worker from the state it started
@@ -217,3 +217,5 @@ def test_trial_whose_dask_worker_is_killed_resumes_on_the_restarted_worker(
     assert result.resumed_from_epoch is not None and 0 <= result.resumed_from_epoch < epochs - 1
     assert result.redone_s > 0  # the epoch lost with the worker, done again
     assert [h["epoch"] for h in result.history] == list(range(epochs))
+    # each epoch reaches Optuna once: the redone epoch is not reported twice
+    assert not [w for w in recwarn if "already reported" in str(w.message)]

@@ -146,6 +146,6 @@ class Executor(ABC):
         if not storage.exists(uri, self.data.storage_options):
             return None
         data = storage.read_bytes(uri, self.data.storage_options)
-        from training.unit import read_meta
+        from training.unit_state import read_meta
 
         return data, read_meta(data)

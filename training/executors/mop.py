@@ -21,7 +21,8 @@ from training.executors.scheduler import MopScheduler, Unit, round_robin
 from training.executors.units import evaluate_state, init_state, train_pass_and_validate
 from training.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
 from training.schedule import steps_per_epoch
-from training.unit import DataRef, ModelSpec, partial_meta, read_meta
+from training.unit import DataRef, ModelSpec
+from training.unit_state import partial_meta, read_meta
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
 from training.executors.units import evaluate_state, init_state, train_pass, train_pass_and_validate
 from training.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
-from training.unit import DataRef, ModelSpec, StateFormatError, global_step, partial_meta
+from training.unit import DataRef, ModelSpec
+from training.unit_state import StateFormatError, global_step, partial_meta
 
 log = logging.getLogger(__name__)
 
