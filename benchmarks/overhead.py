@@ -3,7 +3,7 @@
 What is measured
 ----------------
 Small models are where a framework's overhead shows, so both loops train the same small model,
-``build_model(ArchSpec("cnn", 16, 3, 40, 10))`` (seeded, so every run starts from the same
+``build_model(ArchSpec("cnn", {"width": 16, "depth": 3}, 40, 10))`` (seeded, so every run starts from the same
 weights), on the same data: ``--rows`` rows (default 20,000) of MNIST-1D-like random data
 (40 float32 features, 10 classes whose labels come from a fixed random linear teacher), in the
 same batches of 64 (``training.unit.Batches`` in the unit's seeded per-epoch order), for
@@ -70,7 +70,7 @@ from training.trial import quiet_lightning  # noqa: E402
 from training.unit import Batches, ModelSpec, TrainableUnit, pass_order  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "overhead.json"
-ARCH = ArchSpec("cnn", 16, 3, 40, 10)
+ARCH = ArchSpec("cnn", {"width": 16, "depth": 3}, 40, 10)
 BATCH_SIZE = 64
 LR = 0.01
 WEIGHT_DECAY = 1e-5

@@ -147,26 +147,35 @@ STAGE_MODELS: dict[str, type[StageConfig]] = {
 
 
 def max_member_params(space: SearchSpace, input_dim: int = 40, num_classes: int = 10) -> int:
-    """The most parameters one trial's model can have in this space (an upper bound for budgets)."""
+    """The most parameters one trial's model can have in this space (an upper bound for budgets):
+    every family at each combination of its parameters' candidate values (categorical choices,
+    every integer of a short range, else both ends)."""
+    from itertools import product
+
     from training.models import ArchSpec, count_params  # torch: imported only when validating
 
     best = 0
-    for family in space.families:
-        width = space.max_value(family, "width")
-        depth_spec = space.families[family]["depth"]
-        depths = (
-            [int(c) for c in depth_spec.choices]  # type: ignore[union-attr]
-            if depth_spec.type == "categorical"
-            else range(int(depth_spec.low), int(depth_spec.high) + 1)  # type: ignore[union-attr]
-        )
-        for depth in depths:
+    for family, params in space.families.items():
+        names = sorted(params)
+        for values in product(*(_candidates(params[name]) for name in names)):
             try:
                 best = max(
-                    best, count_params(ArchSpec(family, min(width, 4096), int(depth), input_dim, num_classes))
+                    best,
+                    count_params(
+                        ArchSpec(family, dict(zip(names, values, strict=True)), input_dim, num_classes)
+                    ),
                 )
             except ValueError:
-                continue  # a depth that does not fit the input cannot be trained either
+                continue  # a combination that does not fit the input cannot be trained either
     return best
+
+
+def _candidates(spec: Any) -> list[Any]:
+    if spec.type == "categorical":
+        return list(spec.choices)
+    if spec.type == "int" and spec.high - spec.low <= 16:
+        return list(range(int(spec.low), int(spec.high) + 1))
+    return [spec.low, spec.high]
 
 
 class PipelineConfig(BaseModel):
@@ -192,7 +201,9 @@ class PipelineConfig(BaseModel):
             from training.models import ArchSpec, count_params
 
             student = count_params(
-                ArchSpec(self.distill.family, self.distill.width, self.distill.depth, 40, 10)
+                ArchSpec(
+                    self.distill.family, {"width": self.distill.width, "depth": self.distill.depth}, 40, 10
+                )
             )
             ceiling = int(self.distill.max_param_ratio * self.ensemble.top_k * max_member_params(space))
             if student > ceiling:

@@ -14,7 +14,7 @@ from torch import nn
 from compression.config import DistillConfig
 from training.bundle import predict_proba
 from training.devices import CPU, DeviceSpec
-from training.models import ArchSpec, build_model, count_params, largest_width_within
+from training.models import ArchSpec, build_model, count_params, largest_size_within
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +37,13 @@ def plan_student(cfg: DistillConfig, ensemble_params: int, input_dim: int, num_c
     budget = int(cfg.max_param_ratio * ensemble_params)
     width = cfg.width
     if width is None:
-        width = largest_width_within(cfg.family, cfg.depth, input_dim, num_classes, budget)
+        width = largest_size_within(cfg.family, {"depth": cfg.depth}, input_dim, num_classes, budget)
         if width is None:
             raise StudentBudgetError(
                 f"no {cfg.family} student of depth {cfg.depth} fits in {budget} parameters "
                 f"({cfg.max_param_ratio} x ensemble's {ensemble_params})"
             )
-    arch = ArchSpec(cfg.family, width, cfg.depth, input_dim, num_classes)
+    arch = ArchSpec(cfg.family, {"width": width, "depth": cfg.depth}, input_dim, num_classes)
     n = count_params(arch)
     if n > budget:
         raise StudentBudgetError(

@@ -111,7 +111,7 @@ def build_ensemble(
         if bundle.feature_columns != columns:
             raise ValueError(f"trial {member.number} was trained on different feature columns")
     modules = [mod for b in bundles for mod in b.module.members]
-    archs = [ArchSpec(**arch) for b in bundles for arch in b.spec["members"]]
+    archs = [ArchSpec.from_dict(arch) for b in bundles for arch in b.spec["members"]]
     return ProbabilityEnsemble(modules, weights), archs, columns
 
 

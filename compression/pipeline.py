@@ -490,10 +490,9 @@ def distill_stage(
         x_test, y_test = load_split(manifest_uri, "test", so)
         plan = plan_student(dcfg, teacher_bundle.num_params(), x_train.shape[1], int(manifest["num_classes"]))
         log.info(
-            "distill: student %s width=%d depth=%d, %d params (budget %d, ensemble %d)",
+            "distill: student %s %s, %d params (budget %d, ensemble %d)",
             plan.arch.family,
-            plan.arch.width,
-            plan.arch.depth,
+            plan.arch.params,
             plan.num_params,
             plan.budget,
             teacher_bundle.num_params(),
@@ -590,7 +589,7 @@ def distill_stage(
             run_id,
             dcfg.model_dump()
             | {
-                "student_width_used": plan.arch.width,
+                "student_width_used": plan.arch.params.get("width"),
                 "hard_label_epochs": baseline_epochs,
                 "teacher_form": type(teacher).__name__,
                 "teacher_form_ms": {k: round(v, 3) for k, v in form_ms.items()},

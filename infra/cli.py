@@ -139,6 +139,12 @@ def ui_hints(settings: Any, summary: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
+def _arch_params(arch: dict[str, Any]) -> str:
+    """A model's family params as ``name=value`` pairs (the width/depth form of older summaries too)."""
+    params = arch.get("params") or {k: arch[k] for k in ("width", "depth") if k in arch}
+    return " ".join(f"{k}={v}" for k, v in sorted(params.items()))
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The human-readable summary that `mopflow run` prints."""
     best = summary["best_trial"]
@@ -154,7 +160,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"best trial       : #{best['number']} {best['params']}",
         f"                   val_acc={best['val_acc']:.4f}  test_acc={best['test_acc']:.4f}",
         f"ensemble         : trials {ens['members']}  test_acc={ens['test_acc']:.4f}  params={ens['num_params']}",
-        f"student          : {stu['arch']['family']} width={stu['arch']['width']} depth={stu['arch']['depth']}"
+        f"student          : {stu['arch']['family']} {_arch_params(stu['arch'])}"
         f"  test_acc={stu['test_acc']:.4f}  params={stu['num_params']}"
         f" ({100 * stu['param_ratio']:.1f}% of the ensemble's {ens['num_params']})",
         f"registered model : {reg['name']} version {reg['version']} aliases {reg['aliases']}",

@@ -80,6 +80,7 @@ RUNTIME_ENV: dict[str, str] = {
     "MOPFLOW_TASK_RETRIES": "Retries of every pipeline task (default 2)",
     "MOPFLOW_RETRY_DELAY_S": "First retry delay in seconds, doubling per retry up to 10 min (default 30)",
     "MOPFLOW_TRAINING_POOL_SLOTS": "Slots of the Airflow pool mopflow_training (default 1)",
+    "MOPFLOW_MODEL_MODULES": "Comma-separated modules of a local project defining MODEL_FAMILIES (extra model families)",
     "MOPFLOW_PREEMPT_GRACE_S": "Seconds a worker given a spot notice (SIGTERM) has to checkpoint and leave (default 30)",
     "MOPFLOW_SHARD_CACHE": "Local folder where workers cache remote shards (default a temp folder)",
     "MOPFLOW_MLFLOW_UI_URL": "MLflow UI address the Sweeps page links to",

@@ -155,7 +155,7 @@ def load_bundle(url: str, storage_options: Mapping[str, Any] | None = None) -> B
         raise BundleError(f"weights at {url} are not valid safetensors: {exc}") from exc
     members: list[nn.Module] = []
     for i, arch_dict in enumerate(spec["members"]):
-        arch = ArchSpec(**arch_dict)
+        arch = ArchSpec.from_dict(arch_dict)
         model = build_model(arch)
         prefix = f"m{i}."
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}

@@ -1,4 +1,7 @@
-"""Model families (1-D CNN, MLP) built from plain configuration dicts.
+"""The built-in model families (1-D CNN, MLP) and models built from any registered family.
+
+The families register through the ``mopflow.models`` entry points (``pyproject.toml``), as a
+user's do (``training/families.py``).
 
 Every model starts with a :class:`Standardize` layer holding the training set's feature
 mean/std as buffers, so a saved model takes raw features and needs nothing else.
@@ -13,48 +16,53 @@ from typing import Any
 import torch
 from torch import nn
 
-FAMILIES = ("cnn", "mlp")
+from training.families import DataSpec, FamilyError, ModelFamily, get_family
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """Architecture of one classifier (what is needed to rebuild it before loading weights)."""
+    """Architecture of one classifier: a registered family, its params and the data's shape (what
+    is needed to rebuild it before loading weights). Refused at construction when the family is
+    not registered, the params do not fit its specs, or it cannot build for the data."""
 
     family: str
-    width: int
-    depth: int
+    params: Mapping[str, Any]
     input_dim: int
     num_classes: int
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"unknown model family {self.family!r}; expected one of {list(FAMILIES)}")
-        if not 1 <= self.width <= 4096:
-            raise ValueError(f"width={self.width} must be between 1 and 4096")
-        if not 1 <= self.depth <= 8:
-            raise ValueError(f"depth={self.depth} must be between 1 and 8")
-        if self.input_dim < 1 or self.num_classes < 2:
-            raise ValueError(
-                f"input_dim={self.input_dim} must be >= 1 and num_classes={self.num_classes} >= 2"
-            )
-        if self.family == "cnn" and _conv_out_len(self.input_dim, self.depth) < 1:
-            raise ValueError(
-                f"a CNN of depth {self.depth} does not fit an input of {self.input_dim} features"
-            )
+        object.__setattr__(self, "params", dict(self.params))
+        get_family(self.family).validate(self.params, self.data)
+
+    def __hash__(self) -> int:
+        return hash((self.family, tuple(sorted(self.params.items())), self.input_dim, self.num_classes))
+
+    @property
+    def data(self) -> DataSpec:
+        return DataSpec(self.input_dim, self.num_classes)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "family": self.family,
-            "width": self.width,
-            "depth": self.depth,
+            "params": dict(self.params),
             "input_dim": self.input_dim,
             "num_classes": self.num_classes,
         }
 
     @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ArchSpec:
+        """Rebuild from :meth:`to_dict` (or the width/depth form of bundles written before
+        families had their own params)."""
+        params = raw.get("params")
+        if params is None:
+            params = {k: raw[k] for k in ("width", "depth") if k in raw}
+        return cls(str(raw["family"]), dict(params), int(raw["input_dim"]), int(raw["num_classes"]))
+
+    @classmethod
     def from_params(cls, params: Mapping[str, Any], input_dim: int, num_classes: int) -> ArchSpec:
-        """Take the architecture part of a trial's params."""
-        return cls(str(params["family"]), int(params["width"]), int(params["depth"]), input_dim, num_classes)
+        """Take the architecture part of a trial's params (the family's own parameters)."""
+        family = get_family(str(params["family"]))
+        return cls(family.name, {k: params[k] for k in family.params if k in params}, input_dim, num_classes)
 
 
 class Standardize(nn.Module):
@@ -125,11 +133,7 @@ def build_model(
         raise ValueError(
             f"normalisation stats have {len(mean)}/{len(std)} entries; expected {arch.input_dim}"
         )
-    backbone: nn.Module
-    if arch.family == "cnn":
-        backbone = CNN1D(arch.input_dim, arch.num_classes, arch.width, arch.depth)
-    else:
-        backbone = MLP(arch.input_dim, arch.num_classes, arch.width, arch.depth)
+    backbone = get_family(arch.family).build(arch.params, arch.data)
     return nn.Sequential(Standardize(mean, std), backbone)
 
 
@@ -139,15 +143,49 @@ def count_params(arch: ArchSpec) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def largest_width_within(
-    family: str, depth: int, input_dim: int, num_classes: int, max_params: int
+def largest_size_within(
+    family: str, params: Mapping[str, Any], input_dim: int, num_classes: int, max_params: int
 ) -> int | None:
-    """The largest width whose model has at most ``max_params`` parameters (None if even width 1 is too big)."""
-    lo, hi, best = 1, 4096, None
+    """The largest value of the family's ``size_param`` (the others fixed at ``params``) whose
+    model has at most ``max_params`` parameters; None if even the smallest is too big."""
+    spec = get_family(family)
+    if spec.size_param is None:
+        raise FamilyError(f"family {family!r} has no size parameter: it cannot be sized to a budget")
+    bounds = spec.params[spec.size_param]
+    lo, hi, best = int(bounds["low"]), int(bounds["high"]), None
     while lo <= hi:
         mid = (lo + hi) // 2
-        if count_params(ArchSpec(family, mid, depth, input_dim, num_classes)) <= max_params:
+        arch = ArchSpec(family, {**params, spec.size_param: mid}, input_dim, num_classes)
+        if count_params(arch) <= max_params:
             best, lo = mid, mid + 1
         else:
             hi = mid - 1
     return best
+
+
+def _cnn_check(params: Mapping[str, Any], data: DataSpec) -> None:
+    if _conv_out_len(data.input_dim, int(params["depth"])) < 1:
+        raise ValueError(
+            f"a CNN of depth {params['depth']} does not fit an input of {data.input_dim} features"
+        )
+
+
+CNN_FAMILY = ModelFamily(
+    name="cnn",
+    params={"width": {"type": "int", "low": 1, "high": 4096}, "depth": {"type": "int", "low": 1, "high": 8}},
+    build=lambda p, d: CNN1D(d.input_dim, d.num_classes, int(p["width"]), int(p["depth"])),
+    check=_cnn_check,
+    can_be_student=True,
+    quantizable=True,
+    size_param="width",
+    description="1-D CNN (the MNIST-1D paper's baseline): depth x (conv k5 s2, ReLU), linear head",
+)
+MLP_FAMILY = ModelFamily(
+    name="mlp",
+    params={"width": {"type": "int", "low": 1, "high": 4096}, "depth": {"type": "int", "low": 1, "high": 8}},
+    build=lambda p, d: MLP(d.input_dim, d.num_classes, int(p["width"]), int(p["depth"])),
+    can_be_student=True,
+    quantizable=True,
+    size_param="width",
+    description="ReLU MLP with depth hidden layers of width units",
+)

@@ -17,10 +17,6 @@ MAX_ABS_VALUE = 1e9
 MAX_CHOICES = 64
 MAX_SPEC_BYTES = 64 * 1024
 
-FAMILY_PARAMS: dict[str, frozenset[str]] = {
-    "cnn": frozenset({"width", "depth"}),
-    "mlp": frozenset({"width", "depth"}),
-}
 COMMON_PARAMS = frozenset({"lr", "weight_decay", "batch_size"})
 
 
@@ -99,6 +95,43 @@ class CategoricalParam(_Strict):
 ParamSpec = Annotated[IntParam | FloatParam | CategoricalParam, Field(discriminator="type")]
 
 
+def _family_params(family: str) -> Mapping[str, Mapping[str, Any]]:
+    """The registered family's parameter specs (an unknown family is refused naming the
+    registered ones)."""
+    from training.families import FamilyError, get_family
+
+    try:
+        return get_family(family).params
+    except FamilyError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _within(what: str, spec: IntParam | FloatParam | CategoricalParam, declared: Mapping[str, Any]) -> None:
+    """A space's range for a family parameter must lie inside the family's own spec."""
+    kind = declared["type"]
+    if kind == "categorical":
+        outside = [
+            c
+            for c in (spec.choices if isinstance(spec, CategoricalParam) else [])
+            if c not in declared["choices"]
+        ]
+        if not isinstance(spec, CategoricalParam) or outside:
+            raise ValueError(f"{what}: must be categorical among {declared['choices']}")
+        return
+    values = list(spec.choices) if isinstance(spec, CategoricalParam) else [spec.low, spec.high]
+    if kind == "int" and (
+        isinstance(spec, FloatParam)
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    ):
+        raise ValueError(f"{what} must be an int or categorical of ints")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{what}: choices must be numbers")
+    if min(values) < declared["low"] or max(values) > declared["high"]:
+        raise ValueError(
+            f"{what}: values must lie within [{declared['low']}, {declared['high']}], got {values}"
+        )
+
+
 class SearchSpace(_Strict):
     """Model families with their own params, plus params common to every family."""
 
@@ -108,26 +141,17 @@ class SearchSpace(_Strict):
     @model_validator(mode="after")
     def _check_names(self) -> SearchSpace:
         for family, params in self.families.items():
-            if family not in FAMILY_PARAMS:
-                raise ValueError(f"unknown model family {family!r}; expected one of {sorted(FAMILY_PARAMS)}")
-            unknown = set(params) - FAMILY_PARAMS[family]
+            declared = _family_params(family)
+            unknown = set(params) - set(declared)
             if unknown:
                 raise ValueError(
-                    f"unknown parameter(s) {sorted(unknown)} for family {family!r}; "
-                    f"expected {sorted(FAMILY_PARAMS[family])}"
+                    f"unknown parameter(s) {sorted(unknown)} for family {family!r}; expected {sorted(declared)}"
                 )
-            missing = FAMILY_PARAMS[family] - set(params)
+            missing = set(declared) - set(params)
             if missing:
                 raise ValueError(f"family {family!r} is missing parameter(s) {sorted(missing)}")
             for name, spec in params.items():
-                if isinstance(spec, CategoricalParam) and not all(
-                    isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in spec.choices
-                ):
-                    raise ValueError(f"{family}.{name}: choices must be positive integers")
-                if isinstance(spec, FloatParam):
-                    raise ValueError(f"{family}.{name} must be an int or categorical of ints")
-                if isinstance(spec, IntParam) and spec.low < 1:
-                    raise ValueError(f"{family}.{name}: low must be >= 1, got {spec.low}")
+                _within(f"{family}.{name}", spec, declared[name])
         unknown_common = set(self.common) - COMMON_PARAMS
         if unknown_common:
             raise ValueError(
@@ -229,9 +253,11 @@ def sample_params(space: SearchSpace, trial: Suggester) -> dict[str, Any]:
 
 def params_from_optuna(optuna_params: Mapping[str, Any]) -> dict[str, Any]:
     """Turn a trial's Optuna param names back into a model configuration."""
+    from training.families import registered_families
+
     family = str(optuna_params.get("family", ""))
     if not family:
-        prefixed = [k.split("_", 1)[0] for k in optuna_params if k.split("_", 1)[0] in FAMILY_PARAMS]
+        prefixed = [f for f in sorted(registered_families()) for k in optuna_params if k.startswith(f"{f}_")]
         family = prefixed[0] if prefixed else "cnn"
     params: dict[str, Any] = {"family": family}
     for key, value in optuna_params.items():

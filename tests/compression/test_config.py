@@ -21,6 +21,12 @@ from compression.config import CONF_FIELDS, ConfigError, PipelineConfig, conf_js
             {"search_space": '{"families": {"cnn": {"width": {"type": "int", "low": 5, "high": 1}}}}'},
             ["search_space"],
         ),
+        (  # a conf names families; only registered ones are taken, and it never names code
+            {
+                "search_space": '{"families": {"my.module:Evil": {"width": {"type": "int", "low": 1, "high": 2}}}}'
+            },
+            ["search_space", "unknown model family 'my.module:Evil'", "registered: ['cnn', 'mlp'"],
+        ),
         # the volatile-worker keys
         ({"worker_schedule": "exp:2:4"}, ["worker_schedule", "'exp:2:4'", "exponential:<eta>:<n_max>"]),
         ({"worker_schedule": "exponential:0.5:4"}, ["worker_schedule", "eta=0.5"]),

@@ -22,7 +22,7 @@ from training.models import ArchSpec, build_model, count_params
 def test_auto_sized_student_is_the_largest_within_budget() -> None:
     plan = plan_student(DistillConfig(), ensemble_params=100_000, input_dim=40, num_classes=10)
     assert plan.num_params <= 10_000 == plan.budget
-    bigger = ArchSpec(plan.arch.family, plan.arch.width + 1, plan.arch.depth, 40, 10)
+    bigger = ArchSpec(plan.arch.family, {**plan.arch.params, "width": plan.arch.params["width"] + 1}, 40, 10)
     assert count_params(bigger) > plan.budget
 
 
@@ -33,7 +33,9 @@ def test_configured_student_over_budget_is_refused() -> None:
 
 def test_soft_targets_are_distributions_that_flatten_with_temperature() -> None:
     torch.manual_seed(0)
-    teacher = ProbabilityEnsemble([build_model(ArchSpec("mlp", 16, 1, 40, 10)) for _ in range(2)])
+    teacher = ProbabilityEnsemble(
+        [build_model(ArchSpec("mlp", {"width": 16, "depth": 1}, 40, 10)) for _ in range(2)]
+    )
     x = np.random.default_rng(0).normal(size=(32, 40)).astype(np.float32) * 5
     cold, hot = soft_targets(teacher, x, 1.0), soft_targets(teacher, x, 8.0)
     assert torch.allclose(cold.sum(1), torch.ones(32), atol=1e-5)
@@ -46,7 +48,7 @@ def test_student_learns_from_soft_targets_on_a_separable_problem() -> None:
     y = rng.integers(0, 3, size=600)
     x = (centers[y] + rng.normal(size=(600, 40))).astype(np.float32)
     torch.manual_seed(0)
-    teacher_model = build_model(ArchSpec("mlp", 32, 1, 40, 3))
+    teacher_model = build_model(ArchSpec("mlp", {"width": 32, "depth": 1}, 40, 3))
     opt = torch.optim.Adam(teacher_model.parameters(), lr=0.01)
     for _ in range(200):
         loss = torch.nn.functional.cross_entropy(teacher_model(torch.from_numpy(x)), torch.from_numpy(y))

@@ -16,7 +16,7 @@ COLUMNS = [f"x{i:03d}" for i in range(40)]
 
 def _save_member(path: Path, family: str, seed: int) -> str:
     torch.manual_seed(seed)
-    arch = ArchSpec(family, 8, 2, 40, 10)
+    arch = ArchSpec(family, {"width": 8, "depth": 2}, 40, 10)
     model = build_model(arch, [0.1] * 40, [1.5] * 40)
     return save_bundle(str(path), [model], [arch], COLUMNS)
 
@@ -50,7 +50,9 @@ def test_ensemble_averages_member_probabilities(tmp_path: Path) -> None:
 def test_bundle_round_trip_gives_identical_predictions(tmp_path: Path) -> None:
     uri = _save_member(tmp_path / "m", "cnn", 3)
     torch.manual_seed(3)
-    original = ProbabilityEnsemble([build_model(ArchSpec("cnn", 8, 2, 40, 10), [0.1] * 40, [1.5] * 40)])
+    original = ProbabilityEnsemble(
+        [build_model(ArchSpec("cnn", {"width": 8, "depth": 2}, 40, 10), [0.1] * 40, [1.5] * 40)]
+    )
     x = torch.randn(5, 40)
     assert torch.allclose(predict_proba(original, x), predict_proba(load_bundle(uri).module, x))
 

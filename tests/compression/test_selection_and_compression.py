@@ -32,8 +32,11 @@ def test_greedy_selection_picks_complementary_models_with_replacement() -> None:
 
 def test_stacked_ensemble_is_the_same_function_as_the_loop() -> None:
     torch.manual_seed(0)
-    members = [build_model(ArchSpec("cnn", 8, 3, 40, 10), [0.2] * 40, [1.5] * 40) for _ in range(3)]
-    members.append(build_model(ArchSpec("mlp", 12, 2, 40, 10)))
+    members = [
+        build_model(ArchSpec("cnn", {"width": 8, "depth": 3}, 40, 10), [0.2] * 40, [1.5] * 40)
+        for _ in range(3)
+    ]
+    members.append(build_model(ArchSpec("mlp", {"width": 12, "depth": 2}, 40, 10)))
     loop = ProbabilityEnsemble(members, [2.0, 1.0, 1.0, 3.0]).eval()
     stacked = StackedEnsemble(loop)
     assert sorted(stacked.group_sizes) == [1, 3]
@@ -46,15 +49,19 @@ def test_stacked_ensemble_is_the_same_function_as_the_loop() -> None:
 
 def test_faster_form_picks_by_measured_time_and_keeps_the_function() -> None:
     torch.manual_seed(1)
-    shared = [build_model(ArchSpec("cnn", 8, 3, 40, 10)) for _ in range(2)]
-    loop = ProbabilityEnsemble([*shared, build_model(ArchSpec("mlp", 12, 2, 40, 10))]).eval()
+    shared = [build_model(ArchSpec("cnn", {"width": 8, "depth": 3}, 40, 10)) for _ in range(2)]
+    loop = ProbabilityEnsemble(
+        [*shared, build_model(ArchSpec("mlp", {"width": 12, "depth": 2}, 40, 10))]
+    ).eval()
     chosen, ms = faster_form(loop, 40, batches=(1, 32), repeats=2)
     assert ms["loop_ms"] > 0 and ms["stacked_ms"] > 0
     assert isinstance(chosen, StackedEnsemble) == (ms["stacked_ms"] < ms["loop_ms"])
     x = torch.randn(16, 40)
     assert torch.allclose(predict_proba(chosen, x), predict_proba(loop, x), atol=1e-6)
     # No architecture shared by two members: nothing to vectorise, the loop is kept unmeasured.
-    distinct = ProbabilityEnsemble([shared[0], build_model(ArchSpec("mlp", 12, 2, 40, 10))])
+    distinct = ProbabilityEnsemble(
+        [shared[0], build_model(ArchSpec("mlp", {"width": 12, "depth": 2}, 40, 10))]
+    )
     assert faster_form(distinct, 40) == (distinct, {"loop_ms": 0.0, "stacked_ms": 0.0})
     with pytest.raises(ValueError, match="batches"):
         faster_form(loop, 40, batches=(0,))
@@ -81,7 +88,7 @@ def test_int8_student_keeps_its_accuracy_and_report_has_every_row() -> None:
     centers = rng.normal(0, 3, size=(3, 40))
     y = rng.integers(0, 3, size=300)
     x = (centers[y] + rng.normal(size=(300, 40))).astype(np.float32)
-    model = build_model(ArchSpec("mlp", 32, 1, 40, 3))
+    model = build_model(ArchSpec("mlp", {"width": 32, "depth": 1}, 40, 3))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for _ in range(150):
         loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
@@ -123,7 +130,9 @@ def test_static_int8_quantizes_the_convolutions_and_keeps_accuracy() -> None:
     y = rng.integers(0, 3, size=400)
     x = (centers[y] + rng.normal(size=(400, 40))).astype(np.float32)
     torch.manual_seed(0)
-    model = build_model(ArchSpec("cnn", 8, 3, 40, 3), x.mean(0).tolist(), x.std(0).tolist())
+    model = build_model(
+        ArchSpec("cnn", {"width": 8, "depth": 3}, 40, 3), x.mean(0).tolist(), x.std(0).tolist()
+    )
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for _ in range(100):
         loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))

@@ -21,7 +21,7 @@ from training.growing import (
 from training.models import ArchSpec, build_model
 from training.volatile import WorkerSchedule, schedule_values
 
-ARCH = ArchSpec("mlp", 8, 1, 6, 3)
+ARCH = ArchSpec("mlp", {"width": 8, "depth": 1}, 6, 3)
 
 
 def _data(rows: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ def test_workers_follow_the_schedule_and_worker_iterations_add_up() -> None:
 
 def test_averaged_worker_gradients_equal_the_concatenated_batch_gradient() -> None:
     torch.manual_seed(0)
-    model = build_model(ArchSpec("cnn", 4, 2, 20, 3))
+    model = build_model(ArchSpec("cnn", {"width": 4, "depth": 2}, 20, 3))
     x = torch.randn(5 * 7, 20)
     y = torch.randint(0, 3, (5 * 7,))
     micro = [(x[i * 7 : (i + 1) * 7], y[i * 7 : (i + 1) * 7]) for i in range(5)]

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from training.lit import Classifier, quiet_trainer_kwargs
 from training.models import ArchSpec, build_model
 
-ARCH = ArchSpec("mlp", 16, 1, 8, 3)
+ARCH = ArchSpec("mlp", {"width": 16, "depth": 1}, 8, 3)
 ROWS, BATCH, EPOCHS = 96, 16, 2
 STEPS = EPOCHS * ROWS // BATCH
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.models import ArchSpec, build_model, count_params, largest_width_within
+from training.models import ArchSpec, build_model, count_params, largest_size_within
 
 
 @pytest.mark.parametrize(("family", "depth"), [("cnn", 2), ("cnn", 4), ("mlp", 1), ("mlp", 3)])
 def test_models_give_logits_per_class(family: str, depth: int) -> None:
-    arch = ArchSpec(family, 16, depth, 40, 10)
+    arch = ArchSpec(family, {"width": 16, "depth": depth}, 40, 10)
     model = build_model(arch, [0.5] * 40, [2.0] * 40)
     out = model(torch.randn(7, 40))
     assert out.shape == (7, 10)
@@ -16,7 +16,7 @@ def test_models_give_logits_per_class(family: str, depth: int) -> None:
 
 
 def test_standardize_is_saved_with_the_weights() -> None:
-    model = build_model(ArchSpec("mlp", 4, 1, 3, 2), [1.0, 2.0, 3.0], [1.0, 1.0, 2.0])
+    model = build_model(ArchSpec("mlp", {"width": 4, "depth": 1}, 3, 2), [1.0, 2.0, 3.0], [1.0, 1.0, 2.0])
     state = model.state_dict()
     assert torch.equal(state["0.mean"], torch.tensor([1.0, 2.0, 3.0]))
     assert torch.equal(state["0.std"], torch.tensor([1.0, 1.0, 2.0]))
@@ -33,14 +33,24 @@ def test_standardize_is_saved_with_the_weights() -> None:
 )
 def test_arch_spec_rejects_bad_values(kwargs: dict, needle: str) -> None:
     base = {"family": "mlp", "width": 8, "depth": 2, "input_dim": 40, "num_classes": 10} | kwargs
+    params = {"width": base["width"], "depth": base["depth"]}
     with pytest.raises(ValueError, match=needle):
-        ArchSpec(**base)
+        ArchSpec(base["family"], params, base["input_dim"], base["num_classes"])
 
 
-def test_largest_width_within_is_the_largest_that_fits() -> None:
+def test_arch_spec_round_trips_and_reads_the_width_depth_form() -> None:
+    arch = ArchSpec("cnn", {"width": 8, "depth": 2}, 40, 10)
+    assert ArchSpec.from_dict(arch.to_dict()) == arch
+    legacy = {"family": "cnn", "width": 8, "depth": 2, "input_dim": 40, "num_classes": 10}
+    assert ArchSpec.from_dict(legacy) == arch
+    assert ArchSpec.from_params({"family": "cnn", "width": 8, "depth": 2, "lr": 0.1}, 40, 10) == arch
+    assert len({arch, ArchSpec.from_dict(legacy)}) == 1
+
+
+def test_largest_size_within_is_the_largest_that_fits() -> None:
     budget = 5000
-    width = largest_width_within("cnn", 3, 40, 10, budget)
+    width = largest_size_within("cnn", {"depth": 3}, 40, 10, budget)
     assert width is not None
-    assert count_params(ArchSpec("cnn", width, 3, 40, 10)) <= budget
-    assert count_params(ArchSpec("cnn", width + 1, 3, 40, 10)) > budget
-    assert largest_width_within("mlp", 2, 40, 10, 10) is None
+    assert count_params(ArchSpec("cnn", {"width": width, "depth": 3}, 40, 10)) <= budget
+    assert count_params(ArchSpec("cnn", {"width": width + 1, "depth": 3}, 40, 10)) > budget
+    assert largest_size_within("mlp", {"depth": 2}, 40, 10, 10) is None
