@@ -11,7 +11,7 @@ What is measured
    per task, as the search's ``task`` strategy trains; no Optuna storage). The COMPLETE members are combined with
    ``compression.ensemble.build_ensemble`` into a ``ProbabilityEnsemble`` (equal weights); the
    cluster is closed before the students are trained.
-3. Students. ``plan_student(DistillConfig(epochs=...), ensemble_params, 40, 10)`` sizes a CNN
+3. Students. ``plan_student(DistillConfig(epochs=...), ensemble_params, DataSpec(40, 10))`` sizes a CNN
    student to at most 10% of the ensemble's parameters (the pipeline's ``DistillConfig``
    defaults otherwise: T, alpha, MUNGE multiplier, lr, batch size). The teacher is the ensemble
    in the form ``compression.ensemble.faster_form`` picks (member loop or ``StackedEnsemble``,
@@ -103,6 +103,7 @@ from training.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
 from training.cluster import dask_client  # noqa: E402
 from training.config import DataConfig  # noqa: E402
 from training.data import load_manifest, load_split, shard_dataset  # noqa: E402
+from training.families import DataSpec  # noqa: E402
 from training.trial import TrialResult  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "distill.json"
@@ -203,9 +204,7 @@ def train_members(settings: Settings, data_root: str) -> tuple[str, list[TrialRe
         outcome = outcomes[spec.model_id]
         ok = outcome.error is None and outcome.state is not None and outcome.history
         bundle = os.path.join(data_root, "bundles", spec.model_id)
-        arch = ArchSpec.from_params(
-            spec.params, len(manifest["feature_columns"]), int(manifest["num_classes"])
-        )
+        arch = ArchSpec.from_params(spec.params, DataSpec.from_manifest(manifest))
         results.append(
             TrialResult(
                 number=i,
@@ -368,7 +367,7 @@ def run(settings: Settings, results_path: Path) -> int:
         )
 
         dcfg = DistillConfig(epochs=settings.student_epochs)
-        plan = plan_student(dcfg, ensemble_params, n_features, num_classes)
+        plan = plan_student(dcfg, ensemble_params, DataSpec(n_features, num_classes))
         log.info(
             "student: %s width=%d depth=%d, %d params (budget %d)",
             plan.arch.family,

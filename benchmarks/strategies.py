@@ -320,6 +320,7 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
             result["idle_fraction_all_records"] = idle_fraction(executor.records)
     elif name == "ddp":
         from training.executors.ddp import DDPExecutor
+        from training.families import DataSpec
         from training.models import ArchSpec, count_params
 
         world = DDP_WORLD_SIZE
@@ -348,7 +349,7 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
         steps_total = 0
         per_model: dict[str, Any] = {}
         for spec in specs:
-            arch = ArchSpec.from_params(spec.params, N_FEATURES, 10)
+            arch = ArchSpec.from_params(spec.params, DataSpec(N_FEATURES, 10))
             n_params = count_params(arch)
             per_rank_batch = max(1, int(spec.params["batch_size"]) // DDP_WORLD_SIZE)
             rank_rows = math.ceil(train_rows / DDP_WORLD_SIZE)  # ranks take equal (padded) shares

@@ -21,8 +21,9 @@ from training.config import (
     StageConfig,
     check_name,
     format_worker_schedule,
+    known_data_spec,
 )
-from training.space import SearchSpace, SpaceError, parse_space
+from training.space import SearchSpace, SpaceError, check_space_fits, parse_space
 
 MAX_CONF_BYTES = 128 * 1024
 
@@ -43,26 +44,90 @@ class EnsembleConfig(StageConfig):
 class DistillConfig(StageConfig):
     """The student and its training on the ensemble's soft targets."""
 
-    family: Literal["cnn", "mlp"] = Field("cnn", description="Student model family")
-    width: int | None = Field(
-        None, ge=1, le=4096, description="Student width; None = largest within the budget"
+    family: str = Field(
+        "auto",
+        min_length=1,
+        max_length=32,
+        description="Student model family: a registered family that can be a student (cnn, cnn2d, mlp, ...); "
+        "auto = cnn for tables and sequences, cnn2d for images",
     )
-    depth: int = Field(3, ge=1, le=8, description="Student depth")
+    width: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Student size (the family's size parameter, e.g. width); None = largest within the budget",
+    )
+    depth: int = Field(3, ge=1, le=8, description="Student depth (families with a depth parameter)")
     max_param_ratio: float = Field(0.1, gt=0, le=1.0, description="Student params <= ratio x ensemble params")
     temperature: float = Field(4.0, gt=0, le=100, description="Softmax temperature of the soft targets")
     alpha: float = Field(
         0.9, ge=0, le=1, description="Weight of the soft-target loss (1 - alpha on hard labels)"
     )
     epochs: int = Field(
-        48, ge=1, le=1000, description="Student training epochs over the transfer set (real + MUNGE rows)"
+        48, ge=1, le=1000, description="Student training epochs over the transfer set (real + synthetic rows)"
     )
     lr: float = Field(0.01, gt=0, le=1.0, description="Student peak learning rate")
     batch_size: int = Field(64, ge=1, le=65536, description="Student batch size")
+    transfer: Literal["auto", "munge", "mixup"] = Field(
+        "auto",
+        description="Synthetic transfer points: munge (tables), mixup of shifted examples (images, "
+        "sequences); auto = munge for tables, mixup otherwise",
+    )
     munge_multiplier: int = Field(
-        4, ge=0, le=20, description="MUNGE synthetic points per training example (0 = off)"
+        4,
+        ge=0,
+        le=20,
+        description="Synthetic transfer points (MUNGE or mixup) per training example (0 = off)",
     )
     munge_swap_prob: float = Field(0.5, gt=0, le=1, description="MUNGE: probability of swapping an attribute")
     munge_spread: float = Field(1.0, gt=0, le=100, description="MUNGE: perturbation width divisor s")
+    mixup_alpha: float = Field(0.4, gt=0, le=10, description="mixup: Beta(alpha, alpha) mixing weights")
+    mixup_shift: int = Field(
+        2, ge=0, le=64, description="mixup: random shift of up to this many pixels/steps"
+    )
+
+    @field_validator("family")
+    @classmethod
+    def _student_family(cls, value: str) -> str:
+        from training.families import FamilyError, registered_families
+
+        if value == "auto":
+            return value
+        families = registered_families()
+        students = sorted(name for name, family in families.items() if family.can_be_student)
+        if value not in families:
+            raise ValueError(f"unknown model family {value!r}; student families: {students}")
+        if value not in students:
+            raise ValueError(f"family {value!r} cannot be a student; student families: {students}")
+        if families[value].size_param is None:
+            raise FamilyError(f"student family {value!r} has no size parameter to fit the budget")
+        return value
+
+    def resolved(self, modality: str) -> DistillConfig:
+        """This config with ``auto`` choices made for data of ``modality``."""
+        update: dict[str, Any] = {}
+        if self.family == "auto":
+            update["family"] = AUTO_STUDENT[modality]
+        if self.transfer == "auto":
+            update["transfer"] = "munge" if modality == "table" else "mixup"
+        return self.model_copy(update=update)
+
+    def student_params(self, size: int | None = None) -> dict[str, Any]:
+        """The student's family params: the family's defaults, ``depth`` where it has one, and
+        ``size`` (else ``width``) as its size parameter (when given)."""
+        from training.families import get_family
+
+        family = get_family(self.family)
+        params = family.default_params()
+        if "depth" in family.params:
+            params["depth"] = self.depth
+        chosen = size if size is not None else self.width
+        if chosen is not None and family.size_param is not None:
+            params[family.size_param] = chosen
+        return params
+
+
+AUTO_STUDENT = {"table": "cnn", "sequence": "cnn", "image": "cnn2d"}  # student_family=auto
 
 
 class RegistryConfig(StageConfig):
@@ -98,6 +163,9 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "partition_rows": ("data", "partition_rows"),
     "nan_policy": ("data", "nan_policy"),
     "stratify": ("data", "stratify"),
+    "image_size": ("data", "image_size"),
+    "tensor_column": ("data", "tensor_column"),
+    "num_classes": ("data", "num_classes"),
     "n_trials": ("search", "n_trials"),
     "epochs": ("search", "epochs"),
     "n_workers": ("search", "n_workers"),
@@ -129,9 +197,12 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "distill_epochs": ("distill", "epochs"),
     "distill_lr": ("distill", "lr"),
     "distill_batch_size": ("distill", "batch_size"),
+    "transfer_set": ("distill", "transfer"),
     "munge_multiplier": ("distill", "munge_multiplier"),
     "munge_swap_prob": ("distill", "munge_swap_prob"),
     "munge_spread": ("distill", "munge_spread"),
+    "mixup_alpha": ("distill", "mixup_alpha"),
+    "mixup_shift": ("distill", "mixup_shift"),
     "model_name": ("registry", "model_name"),
     "promotion": ("registry", "promotion"),
     "max_gap_to_ensemble": ("registry", "max_gap_to_ensemble"),
@@ -146,7 +217,7 @@ STAGE_MODELS: dict[str, type[StageConfig]] = {
 }
 
 
-def max_member_params(space: SearchSpace, input_dim: int = 40, num_classes: int = 10) -> int:
+def max_member_params(space: SearchSpace, data: Any) -> int:
     """The most parameters one trial's model can have in this space (an upper bound for budgets):
     every family at each combination of its parameters' candidate values (categorical choices,
     every integer of a short range, else both ends)."""
@@ -161,9 +232,7 @@ def max_member_params(space: SearchSpace, input_dim: int = 40, num_classes: int 
             try:
                 best = max(
                     best,
-                    count_params(
-                        ArchSpec(family, dict(zip(names, values, strict=True)), input_dim, num_classes)
-                    ),
+                    count_params(ArchSpec.of(family, dict(zip(names, values, strict=True)), data)),
                 )
             except ValueError:
                 continue  # a combination that does not fit the input cannot be trained either
@@ -196,16 +265,30 @@ class PipelineConfig(BaseModel):
                 f"top_k={self.ensemble.top_k} is larger than n_trials={self.search.n_trials}: "
                 "the ensemble cannot have more members than there are trials"
             )
-        space = self.search.search_space()
-        if self.distill.width is not None:
+        data = known_data_spec(self.data)
+        space = self.search.search_space(data.modality if data is not None else "table")
+        if data is not None:
+            check_space_fits(space, data)
+        if data is not None:
+            from training.families import get_family
+
+            student_family = get_family(self.distill.resolved(data.modality).family)
+            if not student_family.fits(data):
+                raise ValueError(
+                    f"student_family={student_family.name!r} takes {sorted(student_family.modalities)} data; "
+                    f"the dataset is {data.modality!r}"
+                )
+        if self.distill.width is not None and data is not None:
             from training.models import ArchSpec, count_params
 
-            student = count_params(
-                ArchSpec(
-                    self.distill.family, {"width": self.distill.width, "depth": self.distill.depth}, 40, 10
-                )
-            )
-            ceiling = int(self.distill.max_param_ratio * self.ensemble.top_k * max_member_params(space))
+            distill = self.distill.resolved(data.modality)
+            try:
+                student = count_params(ArchSpec.of(distill.family, distill.student_params(), data))
+            except ValueError as exc:
+                raise ValueError(
+                    f"student_width={self.distill.width} does not fit the student: {exc}"
+                ) from exc
+            ceiling = int(self.distill.max_param_ratio * self.ensemble.top_k * max_member_params(space, data))
             if student > ceiling:
                 raise ValueError(
                     f"student_width={self.distill.width} gives a student of {student} parameters, larger than the "
@@ -311,6 +394,22 @@ def conf_json_schema() -> dict[str, dict[str, Any]]:
             schema["description"] = info.description or key
         out[key] = schema
     return out
+
+
+def conf_markdown_table() -> str:
+    """The config keys as a Markdown table (key, default, meaning), from the same definitions as
+    the Params' JSON schema: the table in docs/user-guide/configuration.md is this output."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, schema in conf_json_schema().items():
+        default = schema.get("default")
+        shown = (
+            "none"
+            if default in (None, "")
+            else f"`{default if isinstance(default, str) else json.dumps(default)}`"
+        )
+        meaning = str(schema.get("description", "")).replace("|", "\\|")
+        lines.append(f"| `{key}` | {shown} | {meaning} |")
+    return "\n".join(lines)
 
 
 def validate_conf(conf: Mapping[str, Any] | None) -> PipelineConfig:

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from compression.config import DistillConfig
+from infra import progress
 from training.bundle import predict_proba
 from training.devices import CPU, DeviceSpec
+from training.families import DataSpec
 from training.models import ArchSpec, build_model, count_params, largest_size_within
 
 log = logging.getLogger(__name__)
@@ -32,18 +34,20 @@ class StudentPlan:
     budget: int
 
 
-def plan_student(cfg: DistillConfig, ensemble_params: int, input_dim: int, num_classes: int) -> StudentPlan:
-    """Size the student: the configured width, or the largest width within ``ratio x ensemble``."""
+def plan_student(cfg: DistillConfig, ensemble_params: int, data: DataSpec) -> StudentPlan:
+    """Size the student: the configured size, or the largest size within ``ratio x ensemble``
+    (the family's size parameter; its other parameters at their defaults, ``depth`` as set)."""
+    cfg = cfg.resolved(data.modality)
     budget = int(cfg.max_param_ratio * ensemble_params)
     width = cfg.width
     if width is None:
-        width = largest_size_within(cfg.family, {"depth": cfg.depth}, input_dim, num_classes, budget)
+        width = largest_size_within(cfg.family, cfg.student_params(), data, budget)
         if width is None:
             raise StudentBudgetError(
                 f"no {cfg.family} student of depth {cfg.depth} fits in {budget} parameters "
                 f"({cfg.max_param_ratio} x ensemble's {ensemble_params})"
             )
-    arch = ArchSpec(cfg.family, {"width": width, "depth": cfg.depth}, input_dim, num_classes)
+    arch = ArchSpec.of(cfg.family, cfg.student_params(width), data)
     n = count_params(arch)
     if n > budget:
         raise StudentBudgetError(
@@ -116,6 +120,7 @@ def train_student(
         record = unit.train_pass(tensors, epoch)
         acc = unit.evaluate(x_val_t, y_val)
         history.append({"epoch": epoch, "val_acc": acc, "train_loss": record.train_loss})
+        progress.publish("distill_epoch", epoch=epoch + 1, epochs=max_epochs)
         if (epoch + 1) % 10 == 0 or epoch + 1 == max_epochs:
             log.info(
                 "distill: %s student epoch %d/%d val_acc=%.4f (%.0fs)",
@@ -130,14 +135,36 @@ def train_student(
 
 
 def transfer_set(
-    x_train: np.ndarray, y_train: np.ndarray, teacher: nn.Module, cfg: DistillConfig, seed: int
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    teacher: nn.Module,
+    cfg: DistillConfig,
+    seed: int,
+    data: DataSpec | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The training data plus ``cfg.munge_multiplier`` MUNGE points per example (Bucilua et al.
-    2006), the synthetic points labelled with the teacher's class; the soft targets of every
-    point come from the teacher later (:func:`soft_targets`)."""
+    """The training data plus ``cfg.munge_multiplier`` synthetic points per example, labelled
+    with the teacher's class (the soft targets of every point come from the teacher later,
+    :func:`soft_targets`): MUNGE points (Bucilua et al. 2006) for tables, mixup of shifted
+    examples for images and sequences (``cfg.transfer``; ``data`` gives the shape)."""
+    from compression.augment import mixup_points
     from compression.munge import munge
 
-    synthetic = munge(x_train, cfg.munge_multiplier, cfg.munge_swap_prob, cfg.munge_spread, seed)
+    data = data or DataSpec(x_train.shape[1], int(y_train.max()) + 1)
+    cfg = cfg.resolved(data.modality)
+    if cfg.transfer == "munge":
+        synthetic = munge(
+            x_train, cfg.munge_multiplier, cfg.munge_swap_prob, cfg.munge_spread, seed, labels=y_train
+        )
+    else:
+        synthetic = mixup_points(
+            x_train,
+            data.input_shape,
+            data.modality,
+            cfg.munge_multiplier,
+            cfg.mixup_alpha,
+            cfg.mixup_shift,
+            seed,
+        )
     if not len(synthetic):
         return x_train, y_train
     labels = soft_targets(teacher, synthetic, 1.0).argmax(dim=1).numpy().astype(y_train.dtype)

@@ -167,6 +167,9 @@ def faster_form(
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(b, n_features, generator=generator) for b in batches]
     loop_ms = sum(_median_ms(ensemble, x, repeats) for x in inputs)
-    stacked_ms = sum(_median_ms(stacked, x, repeats) for x in inputs)
+    try:
+        stacked_ms = sum(_median_ms(stacked, x, repeats) for x in inputs)
+    except RuntimeError:  # a member whose layers vmap cannot batch (e.g. a recurrent one): the loop
+        return ensemble, {"loop_ms": loop_ms, "stacked_ms": 0.0}
     chosen: nn.Module = stacked if stacked_ms < loop_ms else ensemble
     return chosen, {"loop_ms": loop_ms, "stacked_ms": stacked_ms}

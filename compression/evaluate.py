@@ -104,31 +104,23 @@ class _StaticInt8(nn.Module):
         super().__init__()
         from torch.ao.quantization import DeQuantStub, QuantStub
 
-        from training.models import CNN1D, MLP
-
         standardize, backbone = model[0], model[1]  # type: ignore[index]
+        if not all(hasattr(backbone, name) for name in ("reshape", "features", "head")):
+            raise TypeError(
+                f"static quantization needs a backbone with reshape/features/head (the quantizable "
+                f"families' layout), not {type(backbone).__name__}"
+            )
         self.standardize = standardize
+        self.reshape = backbone.reshape
         self.quant = QuantStub()
         self.dequant = DeQuantStub()
-        self.is_cnn = isinstance(backbone, CNN1D)
-        self.body: nn.Module
-        self.head: nn.Module
-        if isinstance(backbone, CNN1D):
-            self.body = backbone.features
-            self.head = backbone.head
-        elif isinstance(backbone, MLP):
-            self.body = backbone.net[:-1]
-            self.head = backbone.net[-1]
-        else:
-            raise TypeError(
-                f"static quantization supports the CNN and MLP families, not {type(backbone).__name__}"
-            )
+        self.body: nn.Module = backbone.features
+        self.head: nn.Module = backbone.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.standardize(x)
-        h = self.quant(h.unsqueeze(1) if self.is_cnn else h)
+        h = self.quant(self.reshape(self.standardize(x)))
         h = self.body(h)
-        return self.dequant(self.head(h.flatten(1) if self.is_cnn else h))
+        return self.dequant(self.head(h.flatten(1)))
 
 
 def static_int8_engine() -> str:

@@ -18,15 +18,22 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from compression.config import PipelineConfig
-from infra import storage
+from infra import progress, storage
+from infra.memory import measured_stage
 from infra.optuna_storage import redact_url
 from infra.settings import Settings
+from infra.stopping import PipelineStopped, ended_status, raise_if_stopped
 from infra.tracking import MlflowTracker
 from infra.version import code_version
+from training.families import DataSpec, get_family
 
 log = logging.getLogger(__name__)
 
 STAGE_TAG = "mopflow.stage"
+
+
+class PipelineFailed(RuntimeError):
+    """A pipeline run ended without its summary (an upstream stage failed)."""
 
 
 def permanent_errors() -> tuple[type[BaseException], ...]:
@@ -38,6 +45,8 @@ def permanent_errors() -> tuple[type[BaseException], ...]:
     from training.space import SpaceError
 
     return (
+        PipelineStopped,
+        PipelineFailed,
         ConfigError,
         SpaceError,
         ShardIntegrityError,
@@ -81,8 +90,40 @@ def _tracker(settings: Settings) -> MlflowTracker:
 def _stage_run(
     tracker: MlflowTracker, ctx: RunContext, stage: str, extra: Mapping[str, str] | None = None
 ) -> str:
+    raise_if_stopped()  # a stage does not start in a run asked to stop (its retry neither)
+    progress.publish("stage", stage=stage)
     tags = {**ctx.tags(), STAGE_TAG: stage, **(extra or {})}
     return tracker.get_or_start_run(stage, tags, parent_run_id=ctx.parent_run_id)
+
+
+FAILURE_FILE = "failure.json"
+
+
+def _stage_failed(
+    tracker: MlflowTracker, settings: Settings, ctx: RunContext, run_id: str, stage: str, exc: Exception
+) -> None:
+    """End a failed stage's MLflow run (KILLED when the run was stopped) and record the error as
+    the run's root cause (``failure.json`` in the run's folder; a stage's last attempt writes
+    it, and no stage runs after a failed one), so the end of the run can name it."""
+    tracker.end_run(run_id, ended_status())
+    failure = {
+        "stage": stage,
+        "error": type(exc).__name__,
+        "message": str(exc)[:4000],
+        "permanent": isinstance(exc, permanent_errors()),
+    }
+    storage.write_json_atomic(
+        storage.join(_run_dir(settings, ctx), FAILURE_FILE), failure, settings.storage_options
+    )
+
+
+def read_failure(settings: Settings, run_key: str) -> dict[str, Any] | None:
+    """The root cause recorded for a failed pipeline run (None if none was recorded)."""
+    uri = storage.join(settings.artifact_root, "runs", run_key, FAILURE_FILE)
+    if not storage.exists(uri, settings.storage_options):
+        return None
+    failure: dict[str, Any] = storage.read_json(uri, settings.storage_options)
+    return failure
 
 
 def _run_dir(settings: Settings, ctx: RunContext) -> str:
@@ -119,6 +160,7 @@ def start_pipeline(
     return asdict(RunContext(dag_id, airflow_run_id, key, parent))
 
 
+@measured_stage("shard")
 def shard_stage(
     conf: Mapping[str, Any] | None, ctx_dict: Mapping[str, Any], settings: Settings | None = None
 ) -> dict[str, Any]:
@@ -148,8 +190,8 @@ def shard_stage(
         )
         tracker.log_dict(run_id, manifest, "manifest.json")
         tracker.end_run(run_id)
-    except Exception:
-        tracker.end_run(run_id, "FAILED")
+    except Exception as exc:
+        _stage_failed(tracker, settings, ctx, run_id, "shard", exc)
         raise
     return {
         "manifest_uri": result.manifest_uri,
@@ -179,6 +221,7 @@ def champion_warm_start(client: Any, cfg: PipelineConfig) -> Any:
     return WarmStart(params=json.loads(raw), source=f"{name} v{champion.version} ({CHAMPION})")
 
 
+@measured_stage("search")
 def search_stage(
     conf: Mapping[str, Any] | None,
     ctx_dict: Mapping[str, Any],
@@ -187,10 +230,11 @@ def search_stage(
 ) -> dict[str, Any]:
     """Stage 2: the Optuna study, trials trained in parallel on Dask; one nested MLflow run per trial."""
     from training.cluster import dask_client
+    from training.data import load_manifest
     from training.devices import device_for_cluster
     from training.executor_search import run_strategy_search
-    from training.scaling import log_volatile
     from training.trial import TrialResult
+    from training.volatile.scaling import log_volatile
 
     settings = settings or Settings.from_env()
     cfg = PipelineConfig.from_conf(conf)
@@ -202,7 +246,10 @@ def search_stage(
     params = {k: v for k, v in cfg.search.model_dump().items() if k != "space"}
     params["worker_schedule"] = cfg.to_conf()["worker_schedule"]  # its spec, as the conf gives it
     tracker.log_params(run_id, params)
-    tracker.log_dict(run_id, cfg.search.search_space().model_dump(), "search_space.json")
+    modality = DataSpec.from_manifest(
+        load_manifest(str(shard["manifest_uri"]), settings.storage_options)
+    ).modality
+    tracker.log_dict(run_id, cfg.search.search_space(modality).model_dump(), "search_space.json")
 
     def log_trial(result: TrialResult) -> None:
         tags = {**ctx.tags(), **lineage, STAGE_TAG: "trial", "mopflow.trial": str(result.number)}
@@ -274,8 +321,8 @@ def search_stage(
             raise RuntimeError(f"study {study} finished with no COMPLETE trial ({counts})")
         tracker.log_metrics(run_id, {"best_val_acc": best[0].value or 0.0})
         tracker.end_run(run_id)
-    except Exception:
-        tracker.end_run(run_id, "FAILED")
+    except Exception as exc:
+        _stage_failed(tracker, settings, ctx, run_id, "search", exc)
         raise
     log.info(
         "search: study %s done: %s; best trial %d val_acc=%.4f", study, counts, best[0].number, best[0].value
@@ -336,15 +383,21 @@ def _load_candidates(search: Mapping[str, Any], storage_url: str) -> list[Any]:
 
 
 def _example_frame(manifest_uri: str, storage_options: Mapping[str, Any]) -> Any:
+    """A few validation examples as the model's input example: a frame of a table's columns, or
+    an array of tensors ``(n, *shape)`` for images and sequences."""
     import pandas as pd
 
     from training.data import load_manifest, load_split
 
     manifest = load_manifest(manifest_uri, storage_options)
     x, _ = load_split(manifest_uri, "validation", storage_options)
+    data = DataSpec.from_manifest(manifest)
+    if data.modality != "table":  # a tensor of examples: the signature is a TensorSpec
+        return x[:5].reshape(-1, *data.input_shape)
     return pd.DataFrame(x[:5], columns=manifest["feature_columns"])
 
 
+@measured_stage("ensemble")
 def ensemble_stage(
     conf: Mapping[str, Any] | None,
     ctx_dict: Mapping[str, Any],
@@ -411,8 +464,8 @@ def ensemble_stage(
         tracker.log_metrics(run_id, metrics)
         model_uri = log_bundle_model(run_id, "ensemble", bundle_uri, _example_frame(manifest_uri, so), so)
         tracker.end_run(run_id)
-    except Exception:
-        tracker.end_run(run_id, "FAILED")
+    except Exception as exc:
+        _stage_failed(tracker, settings, ctx, run_id, "ensemble", exc)
         raise
     log.info(
         "ensemble: members %s val_acc=%.4f test_acc=%.4f (%d params)",
@@ -439,6 +492,7 @@ def ensemble_stage(
     }
 
 
+@measured_stage("distill")
 def distill_stage(
     conf: Mapping[str, Any] | None,
     ctx_dict: Mapping[str, Any],
@@ -488,7 +542,9 @@ def distill_stage(
         x_train, y_train = load_split(manifest_uri, "train", so)
         x_val, y_val = load_split(manifest_uri, "validation", so)
         x_test, y_test = load_split(manifest_uri, "test", so)
-        plan = plan_student(dcfg, teacher_bundle.num_params(), x_train.shape[1], int(manifest["num_classes"]))
+        data = DataSpec.from_manifest(manifest)
+        dcfg = dcfg.resolved(data.modality)
+        plan = plan_student(dcfg, teacher_bundle.num_params(), data)
         log.info(
             "distill: student %s %s, %d params (budget %d, ensemble %d)",
             plan.arch.family,
@@ -497,12 +553,13 @@ def distill_stage(
             plan.budget,
             teacher_bundle.num_params(),
         )
-        # Transfer set: the training data, plus MUNGE points near it labelled by the ensemble.
-        x_transfer, y_transfer = transfer_set(x_train, y_train, teacher, dcfg, cfg.search.seed)
+        # Transfer set: the training data, plus synthetic points near it labelled by the ensemble.
+        x_transfer, y_transfer = transfer_set(x_train, y_train, teacher, dcfg, cfg.search.seed, data)
         log.info(
-            "distill: transfer set has %d real + %d MUNGE points",
+            "distill: transfer set has %d real + %d %s points",
             len(x_train),
             len(x_transfer) - len(x_train),
+            dcfg.transfer,
         )
         norm = manifest["normalization"]
         device = local_device(settings.accelerator, settings.precision)
@@ -541,7 +598,12 @@ def distill_stage(
             device=device,
         )
         quantized = quantize_int8(student)
-        quantized_static = quantize_static_int8(student, x_train[:2048])
+        # static INT8 needs the quantizable families' layout (conv-ReLU pairs); others skip it
+        quantized_static = (
+            quantize_static_int8(student, x_train[:2048])
+            if get_family(plan.arch.family).quantizable
+            else None
+        )
         metrics = {
             "val_acc": student_accuracy(student, x_val, y_val),
             "test_acc": student_accuracy(student, x_test, y_test),
@@ -549,8 +611,9 @@ def distill_stage(
             "param_ratio": plan.num_params / teacher_bundle.num_params(),
             "hard_label_test_acc": student_accuracy(baseline, x_test, y_test),
             "int8_test_acc": student_accuracy(quantized, x_test, y_test),
-            "int8_static_test_acc": student_accuracy(quantized_static, x_test, y_test),
         }
+        if quantized_static is not None:
+            metrics["int8_static_test_acc"] = student_accuracy(quantized_static, x_test, y_test)
         bundle_uri = storage.join(_run_dir(settings, ctx), "student")
         save_bundle(
             bundle_uri,
@@ -573,9 +636,14 @@ def distill_stage(
             "ensemble": (teacher, teacher_bundle.num_params(), serialized_bytes(teacher_bundle.module)),
             "student": (student_probs, plan.num_params, serialized_bytes(student)),
             "student int8 (dynamic)": (quantized, plan.num_params, serialized_bytes(quantized)),
-            "student int8 (static)": (quantized_static, plan.num_params, serialized_bytes(quantized_static)),
-            "hard-label student": (baseline_probs, plan.num_params, serialized_bytes(baseline)),
         }
+        if quantized_static is not None:
+            models["student int8 (static)"] = (
+                quantized_static,
+                plan.num_params,
+                serialized_bytes(quantized_static),
+            )
+        models["hard-label student"] = (baseline_probs, plan.num_params, serialized_bytes(baseline))
         report = evaluate(models, x_test, y_test)
         table = format_table(report)
         log.info("distill: evaluation report (test set, CPU, 1 thread)\n%s", table)
@@ -601,8 +669,8 @@ def distill_stage(
         tracker.log_metrics(run_id, {k: v for k, v in metrics.items() if np.isfinite(v)})
         model_uri = log_bundle_model(run_id, "student", bundle_uri, _example_frame(manifest_uri, so), so)
         tracker.end_run(run_id)
-    except Exception:
-        tracker.end_run(run_id, "FAILED")
+    except Exception as exc:
+        _stage_failed(tracker, settings, ctx, run_id, "distill", exc)
         raise
     log.info(
         "distill: student test_acc=%.4f (hard-label %.4f, int8 %.4f) with %d params (%.1f%% of the ensemble)",
@@ -623,6 +691,7 @@ def distill_stage(
     }
 
 
+@measured_stage("register")
 def register_stage(
     conf: Mapping[str, Any] | None,
     ctx_dict: Mapping[str, Any],
@@ -761,8 +830,8 @@ def register_stage(
         tracker.log_dict(ctx.parent_run_id, summary, "summary.json")
         storage.write_json_atomic(storage.join(_run_dir(settings, ctx), "summary.json"), summary, so)
         tracker.end_run(run_id)
-    except Exception:
-        tracker.end_run(run_id, "FAILED")
+    except Exception as exc:
+        _stage_failed(tracker, settings, ctx, run_id, "register", exc)
         raise
     return summary
 
@@ -782,14 +851,20 @@ def finalize_pipeline(ctx_dict: Mapping[str, Any], settings: Settings | None = N
         for r in tracker.find_runs({"mopflow.run_key": ctx.run_key})
         if r.info.status == "RUNNING" and r.info.run_id != ctx.parent_run_id
     ]
+    status = ended_status()  # KILLED when the run was asked to stop
     for run in leftovers:
         log.warning(
-            "finalize: run %s (%s) was left RUNNING; marking it FAILED", run.info.run_id, run.info.run_name
+            "finalize: run %s (%s) was left RUNNING; marking it %s",
+            run.info.run_id,
+            run.info.run_name,
+            status,
         )
-        tracker.end_run(run.info.run_id, "FAILED")
-    tracker.end_run(ctx.parent_run_id, "FINISHED" if succeeded else "FAILED")
+        tracker.end_run(run.info.run_id, status)
+    tracker.end_run(ctx.parent_run_id, "FINISHED" if succeeded else status)
     if not succeeded:
-        raise RuntimeError(f"pipeline run {ctx.run_key} did not complete (no summary at {summary_uri})")
+        raise_if_stopped()  # stopped: a permanent error, the task is not retried
+        # the verdict on the run, not a fault: retrying finalize cannot change it
+        raise PipelineFailed(f"pipeline run {ctx.run_key} did not complete (no summary at {summary_uri})")
     summary: dict[str, Any] = storage.read_json(summary_uri, settings.storage_options)
     summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return {"summary_uri": summary_uri, "run_key": ctx.run_key}

@@ -15,7 +15,9 @@ from mlflow.pyfunc import PythonModel
 
 
 class BundleProbabilities(PythonModel):
-    """Input: a table with the bundle's feature columns. Output: one ``prob_<class>`` column per class."""
+    """Input: a table with the bundle's feature columns, or a tensor of examples ``(n, *shape)``
+    (images ``(n, channels, height, width)``, sequences ``(n, steps, features)``; MLflow's
+    ``TensorSpec``). Output: one ``prob_<class>`` column per class."""
 
     def load_context(self, context: Any) -> None:
         from compression.ensemble import faster_form
@@ -37,6 +39,11 @@ class BundleProbabilities(PythonModel):
             x = model_input[columns].to_numpy(dtype=np.float32)
         else:
             x = np.asarray(model_input, dtype=np.float32)
+            shape = tuple(self.bundle.input_shape)
+            if x.ndim == len(shape) + 1:
+                if tuple(x.shape[1:]) != shape:
+                    raise ValueError(f"expected examples of shape {list(shape)}, got {list(x.shape[1:])}")
+                x = x.reshape(len(x), -1)
         if x.ndim != 2 or x.shape[1] != len(columns):
             raise ValueError(f"expected {len(columns)} features per row, got shape {x.shape}")
         probs = predict_proba(self.forward, x).numpy()

@@ -75,7 +75,7 @@ def log_bundle_model(
     run_id: str,
     name: str,
     bundle_uri: str,
-    example: pd.DataFrame,
+    example: pd.DataFrame | Any,
     storage_options: Mapping[str, Any] | None = None,
 ) -> str:
     """Log a bundle as a pyfunc model (models-from-code) in ``run_id``; return its model URI."""

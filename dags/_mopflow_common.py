@@ -21,13 +21,12 @@ from typing import Any
 from airflow.sdk import Asset, AssetAlias, Param, task
 
 from compression.config import conf_json_schema
+from infra.airflow_home import TRAINING_POOL  # created by `mopflow up` / `mopflow run`
 
 # The sharded dataset: an event means "a sweep sharded data nobody had sharded before".
 SHARDED_DATASET = Asset("mopflow_sharded_dataset")
 # Sweeps publish through this alias so that an event is emitted only when shards are new.
 NEW_SHARDS = AssetAlias("mopflow_new_shards")
-# Limits how many training tasks (search, distill) run at once; created by `mopflow up` / `mopflow run`.
-TRAINING_POOL = "mopflow_training"
 
 # Trigger-form order: the keys a sweep is usually tuned by come first, the rest are grouped.
 FORM_KEYS = (
@@ -93,13 +92,33 @@ def _call(stage: str, *args: Any) -> Any:
     from compression import pipeline
 
     context = get_current_context()
-    params = dict(context["params"])
     try:
+        params = _run_conf(context)
         if stage == "start_pipeline":
             return pipeline.start_pipeline(params, context["dag"].dag_id, context["run_id"])
+        if stage == "finalize_pipeline":  # the only stage that needs no conf
+            return pipeline.finalize_pipeline(*args)
         return getattr(pipeline, stage)(params, *args)
     except pipeline.permanent_errors() as exc:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _run_conf(context: Any) -> dict[str, Any]:
+    """The run's Params; in a run triggered by new shards, with the data and model the event carries."""
+    from compression.data_events import conf_with_data_events
+
+    events = (context.get("triggering_asset_events") or {}).get(SHARDED_DATASET, [])
+    extras = [dict(event.extra or {}) for event in sorted(events, key=lambda event: event.timestamp)]
+    return conf_with_data_events(dict(context["params"]), extras)
+
+
+def retrain_defaults() -> dict[str, Any]:
+    """mopflow_retrain's Param defaults: ``warm_start`` and the keys of ``MOPFLOW_RETRAIN_CONFIG`` (a
+    YAML file of config keys, validated when the DAG file is parsed)."""
+    from compression.data_events import read_conf_file
+
+    path = os.environ.get("MOPFLOW_RETRAIN_CONFIG", "").strip()
+    return {"warm_start": True, **(read_conf_file(path) if path else {})}
 
 
 def pipeline_tasks(publish_new_shards: bool = False) -> None:
@@ -123,6 +142,8 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     def shard(ctx: Ref) -> dict[str, Any]:
         from airflow.sdk import get_current_context
 
+        from compression.data_events import EVENT_CONF_KEY, event_conf
+
         result: dict[str, Any] = _call("shard_stage", ctx)
         if publish_new_shards and not result.get("reused"):
             context = get_current_context()
@@ -130,6 +151,7 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
                 "manifest_uri": result["manifest_uri"],
                 "manifest_hash": result["manifest_hash"],
                 "dataset": str(context["params"].get("dataset")),
+                EVENT_CONF_KEY: event_conf(_run_conf(context)),  # what the retrain it triggers trains on
             }
             context["outlet_events"][NEW_SHARDS].add(SHARDED_DATASET, extra=extra)
         return result
@@ -164,9 +186,8 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     # Runs whatever happened upstream: closes MLflow runs, fails the DAG run without a summary.
     @task(trigger_rule="all_done", retries=1, execution_timeout=timedelta(minutes=10))
     def finalize(ctx: Ref) -> dict[str, Any]:
-        from compression.pipeline import finalize_pipeline
-
-        return finalize_pipeline(ctx)
+        result: dict[str, Any] = _call("finalize_pipeline", ctx)
+        return result
 
     ctx = start()
     shards = shard(ctx)

@@ -4,7 +4,9 @@ Runs ``start → shard → search → ensemble → distill → register → fina
 ``_mopflow_common``; each task makes one call into ``compression.pipeline``). It runs on its
 timetable (``MOPFLOW_RETRAIN_SCHEDULE``, default ``@weekly``; ``none`` = only on data events)
 *and* whenever the ``mopflow_sharded_dataset`` Asset gets an event, i.e. when a sweep sharded
-new data. Its own shard task publishes no event, so a retrain never triggers another one.
+new data; such a run trains on the data (and registers the model) the event names, with its
+own Params for the rest. ``MOPFLOW_RETRAIN_CONFIG`` (a YAML file of config keys) sets those Params'
+defaults. Its own shard task publishes no event, so a retrain never triggers another one.
 The search enqueues the current champion's params as its first trial (``warm_start``); the
 register task is the promotion gate (challenger, and champion when it passes).
 """
@@ -21,7 +23,13 @@ from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag
 # DagBag and `mopflow run` load DAG files by path without the dags folder on sys.path.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _mopflow_common import SHARDED_DATASET, conf_params, pipeline_tasks, retry_args  # noqa: E402
+from _mopflow_common import (  # noqa: E402
+    SHARDED_DATASET,
+    conf_params,
+    pipeline_tasks,
+    retrain_defaults,
+    retry_args,
+)
 
 SCHEDULE_ENV = os.environ.get("MOPFLOW_RETRAIN_SCHEDULE", "@weekly").strip()
 
@@ -41,7 +49,7 @@ def _schedule(cron: str) -> Any:
     catchup=False,
     max_active_runs=1,
     tags=["mopflow"],
-    params=conf_params({"warm_start": True}),
+    params=conf_params(retrain_defaults()),
     default_args={**retry_args()},
     doc_md=__doc__,
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -10,10 +11,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from infra import airflow_home
+from infra.airflow_home import embedded_airflow_env
+from infra.local_runs import RunEnded
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = Path(__file__).with_name("configs") / "default.yaml"
@@ -61,14 +67,8 @@ def load_config_file(path: str | None) -> dict[str, Any]:
 
 
 def airflow_env(airflow_home: str) -> dict[str, str]:
-    """Environment for an embedded Airflow: SQLite metadata in ``airflow_home``, this repo's dags/ and plugins/."""
-    env = {
-        "AIRFLOW_HOME": airflow_home,
-        "AIRFLOW__CORE__DAGS_FOLDER": os.environ.get("MOPFLOW_DAGS_FOLDER", str(REPO / "dags")),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-    }
+    """Environment for the embedded Airflow of ``mopflow run`` (the venv's scripts on PATH)."""
+    env = embedded_airflow_env(airflow_home, os.environ)
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         env["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
@@ -77,26 +77,32 @@ def airflow_env(airflow_home: str) -> dict[str, str]:
 
 def migrate_airflow_db(env: Mapping[str, str]) -> None:
     """``airflow db migrate`` (idempotent) so that dag.test() has its metadata DB."""
-    Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
-    airflow_bin = Path(sys.executable).with_name("airflow")
-    cmd = [str(airflow_bin) if airflow_bin.exists() else "airflow", "db", "migrate"]
-    log.info("airflow: migrating metadata DB in %s", env["AIRFLOW_HOME"])
-    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise CliError(f"`airflow db migrate` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    try:
+        airflow_home.migrate_airflow_db(env, str(Path(sys.executable).parent))
+    except airflow_home.AirflowSetupError as exc:
+        raise CliError(str(exc)) from exc
 
 
-def run_pipeline(conf: Mapping[str, Any]) -> dict[str, Any]:
-    """Run the retraining DAG once through ``dag.test()`` (the product path) and return its summary."""
+def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bool = True) -> dict[str, Any]:
+    """Run the retraining DAG once through ``dag.test()`` (the product path) and return its summary.
+
+    ``resume`` (a run key, or ``""`` for the latest unfinished run) runs an earlier run again
+    with its conf instead. SIGINT/SIGTERM stop the run (:mod:`infra.local_runs`): ``RunStopped``.
+    Unless ``verbose``, the logs go to ``$MOPFLOW_HOME/logs/<run key>.log`` and the terminal
+    shows the run's progress (:mod:`infra.progress`).
+    """
     from compression.config import ConfigError, PipelineConfig
-    from infra import storage
+    from infra import local_runs, progress, stopping, storage
     from infra.settings import Settings
 
+    settings = Settings.from_env()
+    record = local_runs.find_resumable(settings.home, resume or None) if resume is not None else None
+    conf = dict(record.conf) if record is not None else dict(conf)
     try:
         PipelineConfig.from_conf(conf)  # refuse bad input before anything starts
     except ConfigError as exc:
         raise CliError(f"invalid config: {exc}") from exc
-    settings = Settings.from_env()
+    timeout_s = local_runs.stop_timeout_s()
     env = airflow_env(settings.airflow_home)
     os.environ.update(env)
     migrate_airflow_db(env)
@@ -110,21 +116,82 @@ def run_pipeline(conf: Mapping[str, Any]) -> dict[str, Any]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     dag = next(v for v in vars(module).values() if getattr(v, "dag_id", None) == DAG_ID)
+    if record is None:
+        record = local_runs.started_record(DAG_ID, conf)
+    else:
+        local_runs.forget_dag_run(DAG_ID, record.airflow_run_id)  # dag.test makes it again, same id
+        record.resumed += 1
+        record.state, record.ended_at, record.message = "running", "", ""
+        log.info("mopflow run: resuming run %s (attempt %d)", record.run_key, record.resumed + 1)
+    local_runs.save_record(settings.home, record)
+    stopping.reset()
+    tracking = (settings.tracking_uri, settings.experiment_name)
+    first, second = local_runs.stopping_handlers(record, settings.home, tracking, timeout_s)
     started = time.monotonic()
-    log.info("mopflow run: running DAG %s once (dag.test) with %d config keys", DAG_ID, len(conf))
-    dag_run = dag.test(run_conf=dict(conf))
+    when = datetime.fromisoformat(record.logical_date)
+    dag_run = None
+    log_file = local_runs.log_file_of(settings.home, record.run_key)
+    if not verbose:
+        print(
+            f"mopflow run: run key {record.run_key}; full log: {log_file} (--verbose streams it)", flush=True
+        )
+    try:
+        with (
+            local_runs.run_output(log_file, verbose) as terminal,
+            progress.ProgressView(terminal, live=terminal.isatty())
+            if not verbose
+            else contextlib.nullcontext(),
+            local_runs.owned_signals(first, second),
+        ):
+            log.info("mopflow run: running DAG %s once (dag.test), run key %s", DAG_ID, record.run_key)
+            dag_run = dag.test(run_conf=conf, logical_date=when, run_after=when)
+    except stopping.PipelineStopped:
+        pass  # between tasks: the DAG run is closed below
     wall = time.monotonic() - started
+    if stopping.stop_requested():
+        raise _stopped(record, settings, tracking)
     state = str(getattr(dag_run, "state", "unknown"))
-    from compression.pipeline import make_run_key
-
-    key = make_run_key(DAG_ID, dag_run.run_id)
-    summary_uri = storage.join(settings.artifact_root, "runs", key, "summary.json")
+    summary_uri = storage.join(settings.artifact_root, "runs", record.run_key, "summary.json")
     if not state.endswith("success") or not storage.exists(summary_uri, settings.storage_options):
-        raise CliError(f"DAG run {dag_run.run_id} ended in state {state}; see the task logs above")
+        from compression.pipeline import read_failure
+
+        failure = read_failure(settings, record.run_key)
+        record.state, record.ended_at = "failed", local_runs.now_iso()
+        record.message = f"{failure['stage']}: {failure['error']}" if failure else f"DAG run {state}"
+        local_runs.save_record(settings.home, record)
+        permanent = bool(failure and failure.get("permanent"))
+        message = local_runs.failure_message(record.run_key, failure, state)
+        if not verbose:
+            message += f"\nfull log: {log_file}"
+        raise local_runs.RunFailed(message, 2 if permanent else 1)
+    record.state, record.ended_at = "succeeded", local_runs.now_iso()
+    local_runs.save_record(settings.home, record)
     summary: dict[str, Any] = storage.read_json(summary_uri, settings.storage_options)
     summary["wall_time_s"] = round(wall, 1)
     summary["how_to_open"] = ui_hints(settings, summary)
+    summary["resumed"] = record.resumed
+    summary["log_file"] = "" if verbose else str(log_file)
     return summary
+
+
+def _stopped(record: Any, settings: Any, tracking: tuple[str, str]) -> Exception:
+    """Close a stopped run: DAG run failed, MLflow runs KILLED, children ended, record stopped."""
+    import signal
+
+    from infra import local_runs, stopping
+
+    signum = stopping.stop_signal() or signal.SIGINT
+    local_runs.fail_dag_run(DAG_ID, record.airflow_run_id)
+    killed = local_runs.kill_leftover_runs(*tracking, record.run_key)
+    local_runs.end_child_processes()
+    record.state, record.ended_at = "stopped", local_runs.now_iso()
+    record.message = f"stopped by {signal.Signals(signum).name}"
+    local_runs.save_record(settings.home, record)
+    log.info("mopflow run: run %s stopped; %d MLflow run(s) marked KILLED", record.run_key, killed)
+    return local_runs.RunStopped(
+        f"run {record.run_key} stopped by {signal.Signals(signum).name}; {local_runs.resume_hint(record)}",
+        local_runs.exit_code(signum),
+    )
 
 
 def ui_hints(settings: Any, summary: Mapping[str, Any]) -> dict[str, str]:
@@ -172,24 +239,71 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     hints = summary.get("how_to_open", {})
     if hints:
         lines += [f"open MLflow UI   : {hints['mlflow']}", f"open Optuna UI   : {hints['optuna']}"]
+    if summary.get("resumed"):
+        lines.append(
+            f"resumed          : {summary['resumed']} time(s): shards reused, finished trials kept, "
+            "interrupted ones continued from their checkpoints"
+        )
+    if summary.get("log_file"):
+        lines.append(f"full log         : {summary['log_file']}")
     if "wall_time_s" in summary:
         lines.append(f"wall time        : {summary['wall_time_s']:.1f} s")
     return "\n".join(lines)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.resume is not None and (args.config or args.set):
+        raise CliError("--resume continues a run with its own config; drop --config and --set")
     conf = load_config_file(args.config)
     for item in args.set or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise CliError(f"--set expects KEY=VALUE, got {item!r}")
         conf[key] = yaml.safe_load(value)
-    summary = run_pipeline(conf)
+    summary = run_pipeline(conf, args.resume, verbose=args.verbose)
     print(format_summary(summary))
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary_json).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
         print(f"summary JSON     : {args.summary_json}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve models:/<model>@champion (MLflow's scoring protocol), reloading when the alias moves."""
+    from infra.serve import NoChampion, serve
+    from infra.settings import Settings
+
+    if not 0.5 <= args.poll_s <= 3600:
+        raise CliError(f"--poll-s {args.poll_s} must be between 0.5 and 3600 seconds")
+    if not 1 <= args.port <= 65535:
+        raise CliError(f"--port {args.port} is not a TCP port (1-65535)")
+    settings = Settings.from_env()
+    try:
+        serve(settings.tracking_uri, args.model, args.host, args.port, args.poll_s, wait=args.wait)
+    except NoChampion as exc:
+        raise CliError(
+            f"cannot serve {args.model}@champion from {settings.tracking_uri}: {exc} "
+            "(register one with `mopflow run`, promote a version with `mopflow promote`, or pass --wait)"
+        ) from exc
+    except Exception as exc:
+        from mlflow.exceptions import MlflowException
+
+        if isinstance(exc, MlflowException):
+            raise CliError(
+                f"cannot serve {args.model}@champion from {settings.tracking_uri}: {exc.message} "
+                "(register one with `mopflow run` or promote a version with `mopflow promote`)"
+            ) from exc
+        raise
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """List the runs `mopflow run` started on this machine, newest first."""
+    from infra import local_runs
+    from infra.settings import Settings
+
+    print(local_runs.format_runs(local_runs.load_records(Settings.from_env().home)))
     return 0
 
 
@@ -261,7 +375,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 def _spot_prices(args: argparse.Namespace) -> Any:
     """The price distribution named by the plan-spot flags (a trace gives its empirical distribution)."""
-    from infra.cost import GaussianPrices, UniformPrices, empirical_prices, load_price_trace
+    from training.volatile.cost import GaussianPrices, UniformPrices, empirical_prices, load_price_trace
 
     if args.trace:
         return empirical_prices(load_price_trace(args.trace))
@@ -277,8 +391,14 @@ def _spot_prices(args: argparse.Namespace) -> Any:
 def cmd_plan_spot(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from infra.cost import PriceError
-    from infra.spot_plan import PlanError, SpotPlanConfig, format_report, plan_spot, report_as_dict
+    from training.volatile.cost import PriceError
+    from training.volatile.spot_plan import (
+        PlanError,
+        SpotPlanConfig,
+        format_report,
+        plan_spot,
+        report_as_dict,
+    )
 
     constants: dict[str, Any] = {}
     for item in args.convergence or []:
@@ -420,9 +540,41 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", metavar="KEY=VALUE", help="override one config key (repeatable)"
     )
     run.add_argument("--summary-json", help="also write the summary as JSON to this file")
+    run.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        metavar="RUN_KEY",
+        help="continue a stopped or failed run (default: the latest unfinished one) with its config",
+    )
+    run.add_argument(
+        "--verbose",
+        action="store_true",
+        help="stream Airflow's, Dask's and the stages' logs instead of the progress view",
+    )
     run.set_defaults(func=cmd_run)
+    srv = sub.add_parser("serve", help="serve the champion over HTTP, following its alias as it moves")
+    srv.add_argument(
+        "--model", default="mopflow-student", help="registered model name (default mopflow-student)"
+    )
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=5001)
+    srv.add_argument("--poll-s", type=float, default=5.0, help="seconds between checks of the champion alias")
+    srv.add_argument(
+        "--wait",
+        action="store_true",
+        help="start even without a champion and serve it once the alias exists (as `mopflow up` does)",
+    )
+    srv.set_defaults(func=cmd_serve)
+    runs = sub.add_parser("runs", help="list recent `mopflow run` runs with their state and key")
+    runs.set_defaults(func=cmd_runs)
     show = sub.add_parser("settings", help="show the effective settings and their environment variables")
     show.set_defaults(func=cmd_settings)
+    keys = sub.add_parser(
+        "config-keys",
+        help="print the pipeline config keys as a Markdown table (docs/user-guide/configuration.md)",
+    )
+    keys.set_defaults(func=cmd_config_keys)
     dash = sub.add_parser("dashboard", help="open optuna-dashboard on the study storage")
     dash.add_argument("--port", type=int, default=8081)
     dash.set_defaults(func=cmd_dashboard)
@@ -467,6 +619,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cmd_config_keys(args: argparse.Namespace) -> int:
+    """Print every pipeline config key with its default and meaning (the table in
+    docs/user-guide/configuration.md)."""
+    from compression.config import conf_markdown_table
+
+    print(conf_markdown_table())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mopflow`` command."""
     args = build_parser().parse_args(argv)
@@ -484,6 +645,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"mopflow: {exc}", file=sys.stderr)
         return 2
+    except RunEnded as exc:  # stopped (130/143) or failed (2: bad input, 1: otherwise)
+        print(f"mopflow: {exc}", file=sys.stderr)
+        return exc.code
     except Exception as exc:
         from compression.config import ConfigError
 

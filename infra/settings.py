@@ -30,7 +30,7 @@ def _default_home() -> Path:
 
 
 # name -> (environment variable, help text). Defaults depending on MOPFLOW_HOME are filled in
-# from_env; this table is what the README documents and what the deployment files must pass.
+# from_env; this table is what docs/user-guide/configuration.md documents and what the deployment files must pass.
 SETTING_ENV: dict[str, tuple[str, str]] = {
     "home": ("MOPFLOW_HOME", "Root folder for everything local (default ~/.mopflow)"),
     "data_root": ("MOPFLOW_DATA_ROOT", "fsspec URL where shards and manifests are written"),
@@ -77,12 +77,15 @@ SETTING_ENV: dict[str, tuple[str, str]] = {
 # PORT_ENV / STACK_ENV), or when a deployment file does not pass one of the first two through.
 RUNTIME_ENV: dict[str, str] = {
     "MOPFLOW_RETRAIN_SCHEDULE": "Timetable of mopflow_retrain (default @weekly; none = only on new shards)",
+    "MOPFLOW_RETRAIN_CONFIG": "YAML file of config keys: the defaults of mopflow_retrain's Params (validated at parse)",
     "MOPFLOW_TASK_RETRIES": "Retries of every pipeline task (default 2)",
     "MOPFLOW_RETRY_DELAY_S": "First retry delay in seconds, doubling per retry up to 10 min (default 30)",
     "MOPFLOW_TRAINING_POOL_SLOTS": "Slots of the Airflow pool mopflow_training (default 1)",
     "MOPFLOW_MODEL_MODULES": "Comma-separated modules of a local project defining MODEL_FAMILIES (extra model families)",
     "MOPFLOW_PREEMPT_GRACE_S": "Seconds a worker given a spot notice (SIGTERM) has to checkpoint and leave (default 30)",
     "MOPFLOW_SHARD_CACHE": "Local folder where workers cache remote shards (default a temp folder)",
+    "MOPFLOW_TRAIN_MEMORY_MB": "Training rows a worker process holds in memory; a larger partition streams (default 2048)",
+    "MOPFLOW_SHUFFLE_BUFFER_ROWS": "Rows of the shuffle buffer of a streamed pass (default 65536)",
     "MOPFLOW_MLFLOW_UI_URL": "MLflow UI address the Sweeps page links to",
     "MOPFLOW_OPTUNA_DASHBOARD_URL": "optuna-dashboard address the Sweeps page links to",
 }
@@ -91,6 +94,7 @@ RUNTIME_ENV: dict[str, str] = {
 LOCAL_ENV: frozenset[str] = frozenset(
     {
         "MOPFLOW_DAGS_FOLDER",
+        "MOPFLOW_STOP_TIMEOUT_S",  # how long `mopflow run` may take to stop on SIGINT/SIGTERM
         "MOPFLOW_PROFILE",  # infra/profile.py fills the environment before anything else runs
         "MOPFLOW_MLFLOW_BACKEND_STORE",  # the backend store `mopflow up` gives its MLflow server
         "MOPFLOW_MLFLOW_ARTIFACTS_DESTINATION",  # and its artifact destination

@@ -46,12 +46,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from infra import airflow_home
+from infra.airflow_home import TRAINING_POOL, embedded_airflow_env
 from infra.optuna_storage import journal_path, storage_kind
 from infra.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"  # every server binds loopback (but Airflow's log servers: hard-coded to all)
-TRAINING_POOL = "mopflow_training"
 STATE_VERSION = 1
 
 # port name -> (environment variable, default). Defaults keep optuna-dashboard off Airflow's 8080.
@@ -59,13 +60,14 @@ PORT_ENV: dict[str, tuple[str, int]] = {
     "airflow": ("MOPFLOW_AIRFLOW_PORT", 8080),
     "mlflow": ("MOPFLOW_MLFLOW_PORT", 5000),
     "optuna": ("MOPFLOW_OPTUNA_PORT", 8081),
+    "serve": ("MOPFLOW_SERVE_PORT", 5001),
     "dask_scheduler": ("MOPFLOW_DASK_PORT", 8786),
     "dask_dashboard": ("MOPFLOW_DASK_DASHBOARD_PORT", 8787),
     # Airflow's scheduler and triggerer each serve their task logs on a port of their own.
     "airflow_worker_logs": ("MOPFLOW_AIRFLOW_WORKER_LOG_PORT", 8793),
     "airflow_trigger_logs": ("MOPFLOW_AIRFLOW_TRIGGER_LOG_PORT", 8794),
 }
-# Other knobs of the stack, documented in the README.
+# Other knobs of the stack, documented in docs/operations/local-stack.md.
 STACK_ENV: dict[str, tuple[str, str]] = {
     "free_ports": (
         "MOPFLOW_STACK_FREE_PORTS",
@@ -80,12 +82,16 @@ STACK_ENV: dict[str, tuple[str, str]] = {
         "MOPFLOW_STACK_GRACE_S",
         "seconds `mopflow down` waits after SIGTERM before SIGKILL (default 20)",
     ),
+    "serve_model": (
+        "MOPFLOW_SERVE_MODEL",
+        "registered model whose champion `mopflow up` serves (default mopflow-student)",
+    ),
     "mlflow_auth": (
         "MOPFLOW_STACK_AUTH",
         "1 = MLflow's basic-auth app (admin password generated under <home>/stack)",
     ),
 }
-SERVICE_ORDER = ("mlflow", "dask-scheduler", "dask-workers", "optuna-dashboard", "airflow")
+SERVICE_ORDER = ("mlflow", "dask-scheduler", "dask-workers", "optuna-dashboard", "serve", "airflow")
 # With the CeleryExecutor the Airflow components run as services of their own ("airflow" is then
 # the api-server); they start after it and stop before it.
 CELERY_SERVICES = ("airflow-scheduler", "airflow-dag-processor", "airflow-triggerer", "airflow-celery-worker")
@@ -104,6 +110,7 @@ class StackPorts(BaseModel):
     airflow: int = Field(ge=1024, le=65535)
     mlflow: int = Field(ge=1024, le=65535)
     optuna: int = Field(ge=1024, le=65535)
+    serve: int = Field(5001, ge=1024, le=65535)
     dask_scheduler: int = Field(ge=1024, le=65535)
     dask_dashboard: int = Field(ge=1024, le=65535)
     airflow_worker_logs: int = Field(ge=1024, le=65535)
@@ -132,6 +139,7 @@ class StackConfig(BaseModel):
     timeout_s: float = Field(300.0, gt=0, le=3600)
     grace_s: float = Field(20.0, ge=0, le=600)
     mlflow_auth: bool = False
+    serve_model: str = Field("mopflow-student", min_length=1, max_length=256, pattern=r"^[\w.-]+$")
 
 
 class MlflowAuth(BaseModel):
@@ -149,12 +157,13 @@ class MlflowAuth(BaseModel):
 
 class HealthCheck(BaseModel):
     """One probe: an HTTP GET answering 200 (``http``), a TCP connect (``tcp``), Airflow's
-    health JSON with a healthy metadata DB and scheduler (``airflow``), or a Dask scheduler
-    with at least ``min_workers`` workers (``dask_workers``)."""
+    health JSON with a healthy metadata DB and scheduler (``airflow``), a Dask scheduler
+    with at least ``min_workers`` workers (``dask_workers``), or ``mopflow serve``'s health JSON
+    (``serve``: up, with or without a champion yet; the detail says which version it serves)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["http", "tcp", "airflow", "dask_workers"]
+    kind: Literal["http", "tcp", "airflow", "dask_workers", "serve"]
     url: str
     min_workers: int = 0
 
@@ -290,6 +299,7 @@ def config_from_env(
             timeout_s=_env_number(environ, "MOPFLOW_STACK_TIMEOUT_S", float, 300.0),
             grace_s=_env_number(environ, "MOPFLOW_STACK_GRACE_S", float, 20.0),
             mlflow_auth=auth,
+            serve_model=environ.get("MOPFLOW_SERVE_MODEL", "").strip() or "mopflow-student",
         )
     except ValidationError as exc:
         raise StackError(_validation_message(exc)) from exc
@@ -406,11 +416,7 @@ def airflow_env(
     the api-server (and the Execution API the tasks call) on the stack's port."""
     api = f"http://{HOST}:{ports.airflow}"
     env = {
-        "AIRFLOW_HOME": settings.airflow_home,
-        "AIRFLOW__CORE__DAGS_FOLDER": environ.get("MOPFLOW_DAGS_FOLDER") or str(repo / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(repo / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+        **embedded_airflow_env(settings.airflow_home, environ, repo),
         "AIRFLOW__API__HOST": HOST,
         "AIRFLOW__API__PORT": str(ports.airflow),
         # Without these, every task tries the Execution API on localhost:8080 and fails.
@@ -440,7 +446,7 @@ def build_specs(
     repo: Path = REPO,
     auth: MlflowAuth | None = None,
 ) -> list[ServiceSpec]:
-    """The five services' command lines, environments and health checks (nothing is started).
+    """The services' command lines, environments and health checks (nothing is started).
 
     With ``auth`` the MLflow server runs its basic-auth app and every client (tasks, workers, the
     Airflow plugin) gets the admin's credentials through ``MLFLOW_TRACKING_USERNAME/PASSWORD``."""
@@ -564,6 +570,26 @@ def build_specs(
             checks=(HealthCheck(kind="http", url=f"http://{HOST}:{p.optuna}/"),),
             ports=(p.optuna,),
         ),
+        ServiceSpec(
+            name="serve",
+            # Starts before any model exists: it answers /health at once and /ping (200) once the
+            # champion alias points at a version, which it then follows.
+            argv=(
+                exe("mopflow"),
+                "serve",
+                "--model",
+                config.serve_model,
+                "--host",
+                HOST,
+                "--port",
+                str(p.serve),
+                "--wait",
+            ),
+            env=common,
+            url=f"http://{HOST}:{p.serve}",
+            checks=(HealthCheck(kind="serve", url=f"http://{HOST}:{p.serve}/health"),),
+            ports=(p.serve,),
+        ),
         *airflow_specs(executor, {**common, **airflow_env(settings, p, repo, environ)}, p, bin_dir),
     ]
 
@@ -637,10 +663,10 @@ def create_optuna_tables(url: str) -> None:
 
 def migrate_airflow_db(env: Mapping[str, str], bin_dir: str) -> None:
     """Create or upgrade Airflow's metadata tables (standalone does it itself; separate components don't)."""
-    cmd = [str(Path(bin_dir) / "airflow"), "db", "migrate"]
-    proc = subprocess.run(cmd, env=dict(env), cwd=REPO, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise StackError(f"`airflow db migrate` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    try:
+        airflow_home.migrate_airflow_db(env, bin_dir, inherit=False)
+    except airflow_home.AirflowSetupError as exc:
+        raise StackError(str(exc)) from exc
 
 
 def dask_dashboard_url(port: int, has_bokeh: bool) -> str:
@@ -671,6 +697,7 @@ def format_up_summary(state: StackState) -> str:
             else []
         ),
         f"Optuna dashboard      : {urls.get('optuna-dashboard', '')}",
+        f"champion server       : {urls.get('serve', '')}/invocations   (MLflow scoring protocol)",
         f"Dask scheduler        : tcp://{HOST}:{p.dask_scheduler}   dashboard {state.dask_dashboard}",
         f"logs                  : {state.logs}",
         "stop with             : mopflow down    (status: mopflow status)",
@@ -685,7 +712,7 @@ def format_status(state: StackState, health: Mapping[str, tuple[bool, bool, str]
     for rec in state.services:
         running, healthy, detail = health.get(rec.name, (False, False, "unknown"))
         word = "healthy" if healthy else ("unhealthy" if running else "stopped")
-        extra = f"  ({detail})" if detail and not healthy else ""
+        extra = f"  ({detail})" if detail else ""
         lines.append(f"{rec.name:18} {rec.pid:>8}  {word:9} {rec.url}{extra}")
     return "\n".join(lines)
 
@@ -854,18 +881,28 @@ def probe(check: HealthCheck, timeout: float = 3.0) -> tuple[bool, str]:
             workers = int(json.loads(body).get("workers", 0))
             ok = workers >= check.min_workers
             return ok, "" if ok else f"{workers}/{check.min_workers} workers connected"
+        if check.kind == "serve":
+            info = json.loads(body)
+            version = info.get("version")
+            return (
+                True,
+                f"{info.get('model')} v{version}" if version else f"no {info.get('model')}@champion yet",
+            )
         return True, ""
     except (OSError, ValueError) as exc:
         return False, f"{check.url}: {type(exc).__name__}: {exc}"
 
 
 def probe_all(checks: Sequence[HealthCheck], timeout: float = 3.0) -> tuple[bool, str]:
-    """All checks of one service: healthy when every one is; the first failure's detail."""
+    """All checks of one service: healthy when every one is; the first failure's detail, else
+    what the healthy checks said (``mopflow serve``'s version)."""
+    said = []
     for check in checks:
         ok, detail = probe(check, timeout)
         if not ok:
             return False, detail
-    return True, ""
+        said.append(detail)
+    return True, "; ".join(d for d in said if d)
 
 
 # ---------------------------------------------------------------------------- edges: processes

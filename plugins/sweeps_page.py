@@ -315,16 +315,18 @@ def render_promotion(promoted: str | None, reason: str | None) -> str:
 
 
 def render_leaderboard(rows: Sequence[TrialRow]) -> str:
-    """The leaderboard table (escaped). Epochs count from 1, as the task logs do."""
+    """The leaderboard table (escaped): each trial's model family in its own column, the rest
+    of its params beside it. Epochs count from 1, as the task logs do."""
     head = (
         "<tr><th>trial</th><th>state</th><th>validation accuracy</th>"
-        "<th>pruned after epoch</th><th>params</th></tr>"
+        "<th>pruned after epoch</th><th>family</th><th>params</th></tr>"
     )
     body = "".join(
         "<tr>"
         f"<td>{_e(r.trial)}</td><td>{_e(r.state)}</td><td>{_e(_fmt_acc(r.val_acc))}</td>"
         f"<td>{_e(r.pruned_epoch + 1 if r.pruned_epoch is not None else '-')}</td>"
-        f"<td>{render_params(r.params)}</td>"
+        f'<td class="family">{_e(r.params.get("family", "-"))}</td>'
+        f"<td>{render_params({k: v for k, v in r.params.items() if k != 'family'})}</td>"
         "</tr>"
         for r in rows
     )

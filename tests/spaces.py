@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 
-def fixed_cnn_space(batch_size: int, lr: float = 0.01) -> dict[str, Any]:
-    """A space with a single point: a CNN of width 8 and depth 2 at one learning rate and batch size."""
+def fixed_cnn_space(batch_size: int, lr: float = 0.01, width: int = 8, depth: int = 2) -> dict[str, Any]:
+    """A space with a single point: a CNN (width 8 and depth 2 unless given) at one learning rate
+    and batch size."""
     return {
         "families": {
             "cnn": {
-                "width": {"type": "categorical", "choices": [8]},
-                "depth": {"type": "categorical", "choices": [2]},
+                "width": {"type": "categorical", "choices": [width]},
+                "depth": {"type": "categorical", "choices": [depth]},
             }
         },
         "common": {

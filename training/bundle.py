@@ -107,6 +107,15 @@ class Bundle:
     def num_classes(self) -> int:
         return int(self.spec["members"][0]["num_classes"])
 
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One example's shape (``(n_features,)`` for a table)."""
+        return ArchSpec.from_dict(self.spec["members"][0]).input_shape
+
+    @property
+    def modality(self) -> str:
+        return str(self.spec["members"][0].get("modality", "table"))
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
 

@@ -7,10 +7,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from training.algorithms import PrunerName, SamplerName, StrategyName
 from training.space import SearchSpace, default_space, parse_space
-from training.volatile import WorkerSchedule
+from training.volatile.workers import WorkerSchedule
 
-KNOWN_DATASETS = ("mnist1d",)
+KNOWN_DATASETS = ("mnist1d", "shapes")
 
 
 class StageConfig(BaseModel):
@@ -23,7 +24,25 @@ class DataConfig(StageConfig):
     """What to shard and how: a generated dataset by name, or a user table by fsspec URL."""
 
     dataset: str = Field(
-        "mnist1d", description="Dataset: a name (mnist1d) or a parquet/CSV URL (file, folder, s3://)"
+        "mnist1d",
+        description="Dataset: a generated one by name (mnist1d, shapes), or a URL (file, folder, s3://) of "
+        "parquet/CSV, an image folder (root/<class>/*.png|jpg) or a folder with x.npy and y.npy",
+    )
+    image_size: list[int] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="Image folders: resize every image to [height, width]; None = all must have one size",
+    )
+    tensor_column: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="Parquet: the column holding each example as an Arrow fixed-shape tensor or as an encoded "
+        "image (PNG/JPEG bytes); None = numeric feature columns",
+    )
+    num_classes: int | None = Field(
+        None, ge=2, le=100_000, description="Number of classes; a label outside 0..num_classes-1 is refused"
     )
     label_column: str = Field(
         "label", min_length=1, max_length=128, description="Label column of a user table"
@@ -66,6 +85,13 @@ class DataConfig(StageConfig):
             "(a path or s3://... ending in .parquet or .csv, or a folder of them)"
         )
 
+    @field_validator("image_size")
+    @classmethod
+    def _image_size(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not all(1 <= n <= 4096 for n in value):
+            raise ValueError(f"image_size {value} must be two sizes between 1 and 4096 ([height, width])")
+        return value
+
     @field_validator("feature_columns")
     @classmethod
     def _columns(cls, value: list[str] | None) -> list[str] | None:
@@ -75,6 +101,21 @@ class DataConfig(StageConfig):
             if len(set(value)) != len(value):
                 raise ValueError("feature_columns has duplicates")
         return value
+
+
+def known_data_spec(cfg: DataConfig) -> Any:
+    """The :class:`~training.families.DataSpec` of a generated dataset (known before sharding);
+    None for a user's data, whose shape is known once it is read."""
+    from training.families import DataSpec
+
+    if cfg.dataset == "mnist1d":
+        return DataSpec(40, 10)  # a table of 40 features (the signal's samples), 10 classes
+    if cfg.dataset == "shapes":
+        from training.sources import shapes_data_spec
+
+        shape, classes = shapes_data_spec()
+        return DataSpec(shape[0] * shape[1] * shape[2], classes, shape, "image")
+    return None
 
 
 def is_table_url(value: str) -> bool:
@@ -95,10 +136,10 @@ class SearchConfig(StageConfig):
     epochs: int = Field(80, ge=1, le=1000, description="Training epochs per trial")
     n_workers: int = Field(2, ge=1, le=256, description="Trials trained at once (Dask workers)")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Sampler and training seed")
-    sampler: Literal["tpe", "random", "grid", "gp", "cmaes"] = Field(
+    sampler: SamplerName = Field(
         "tpe", description="Optuna sampler, seeded: tpe, random, grid, gp (Gaussian process), cmaes"
     )
-    pruner: Literal["asha", "successive_halving", "hyperband", "median", "none"] = Field(
+    pruner: PrunerName = Field(
         "asha",
         description="Pruner at epoch boundaries: asha (= successive_halving, asynchronous), hyperband, "
         "median, none",
@@ -109,7 +150,7 @@ class SearchConfig(StageConfig):
     min_resource: int = Field(15, ge=1, le=1000, description="Epochs before the first pruning decision")
     timeout_minutes: float | None = Field(None, gt=0, le=7 * 24 * 60, description="Wall-clock budget")
     space: dict[str, Any] | None = Field(None, description="Search space spec; None = the packaged default")
-    strategy: Literal["task", "ddp", "mop"] = Field(
+    strategy: StrategyName = Field(
         "task", description="task: a trial per worker; ddp: each trial on W DDP processes; mop: model hopper"
     )
     ddp_world_size: int = Field(2, ge=1, le=64, description="DDP processes per trial (strategy=ddp)")
@@ -197,9 +238,9 @@ class SearchConfig(StageConfig):
                 )
         return self
 
-    def search_space(self) -> SearchSpace:
-        """The validated search space."""
-        return default_space() if self.space is None else parse_space(self.space)
+    def search_space(self, modality: str = "table") -> SearchSpace:
+        """The validated search space (``None``: the default space of the data's modality)."""
+        return default_space(modality) if self.space is None else parse_space(self.space)
 
 
 _SCHEDULE_ARGS: dict[str, tuple[tuple[str, ...], int]] = {  # kind -> (positional fields, how many required)

@@ -35,7 +35,8 @@ SPLITS = ("train", "validation", "test")
 # Parquet writer options of every shard: dictionary encoding for the label only. On continuous
 # float features pyarrow first builds a dictionary, finds it too large and falls back to plain
 # pages: writing took ten times as long and the files came out half again as large.
-PARQUET_WRITE_OPTIONS: dict[str, Any] = {"use_dictionary": [LABEL_COLUMN]}
+# row groups of 32,768 rows: the blocks a partition over the memory budget streams (training.streaming)
+PARQUET_WRITE_OPTIONS: dict[str, Any] = {"use_dictionary": [LABEL_COLUMN], "row_group_size": 32_768}
 
 
 class ShardIntegrityError(RuntimeError):
@@ -352,6 +353,12 @@ def validate_stats(
         raise DataValidationError(
             f"all {split_rows.get(DROPPED, 0)} rows of {cfg.dataset!r} have NaN/inf features"
         )
+    if cfg.num_classes is not None and classes and max(classes) >= cfg.num_classes:
+        outside = sorted(label for label in classes if label >= cfg.num_classes)
+        raise DataValidationError(
+            f"label(s) {outside[:5]} ({sum(classes[c] for c in outside)} row(s)) lie outside the "
+            f"{cfg.num_classes} classes 0..{cfg.num_classes - 1} (num_classes={cfg.num_classes})"
+        )
     if len(classes) < 2:
         raise DataValidationError(
             f"label column {cfg.label_column!r} has {len(classes)} class(es) {sorted(classes)}; at least 2 are needed"
@@ -577,10 +584,24 @@ class SourceInfo:
     fingerprint: dict[str, Any]
     features: list[str]
     table: Any = None  # the lazy Dask DataFrame of a user table
+    modality: str = "table"
+    input_shape: tuple[int, ...] = ()  # one example's shape; () = (number of features,)
+    kind: str = "table"  # mnist1d, shapes, images, npy or table
+    classes: list[str] | None = None  # class names (image folders)
+    detail: Any = None  # what the kind's partitions need (an image listing, .npy headers)
+    storage_options: Any = None  # the source's (its partitions read it on the workers)
 
 
-def describe_source(cfg: DataConfig, storage_options: Mapping[str, Any] | None) -> SourceInfo:
-    """Fingerprint and columns of the source; a user table's columns are validated here, from metadata."""
+def describe_source(
+    cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any = None
+) -> SourceInfo:
+    """Fingerprint and columns of the source; a user table's columns are validated here, from
+    metadata (images: their headers, read on the workers of ``client``)."""
+    from training import source_kinds
+
+    other = source_kinds.describe(cfg, storage_options, client)
+    if other is not None:
+        return other
     if cfg.dataset == "mnist1d":
         fingerprint = {
             "dataset": "mnist1d",
@@ -590,7 +611,7 @@ def describe_source(cfg: DataConfig, storage_options: Mapping[str, Any] | None) 
             "val_fraction": cfg.val_fraction,
             "generator": "mnist1d-0.0.2",
         }
-        return SourceInfo(fingerprint, feature_columns(40))
+        return SourceInfo(fingerprint, feature_columns(40), kind="mnist1d")
     fingerprint = table_fingerprint(cfg.dataset, storage_options)
     ddf = read_table(cfg.dataset, storage_options)
     features = check_columns(dict(ddf.dtypes.items()), cfg.label_column, cfg.feature_columns)
@@ -602,6 +623,10 @@ def source_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[An
     """The source's prepared partitions (the rows stay on the workers): futures, or for
     MNIST-1D functions ``submit(worker)`` that start generating partition ``i`` on ``worker``
     (``_per_partition_as_done`` hands them out as workers free up)."""
+    from training import source_kinds
+
+    if info.kind in source_kinds.KINDS:
+        return source_kinds.partitions(cfg, info, client)
     if cfg.dataset == "mnist1d":
         n_parts = max(1, -(-cfg.num_samples // cfg.partition_rows))
 
@@ -660,11 +685,11 @@ def shard_dataset(
         log.info("shard: generating mnist1d (%d samples, seed %d) on Dask", cfg.num_samples, cfg.seed)
     else:
         log.info("shard: reading %s on Dask", cfg.dataset)
-    info = describe_source(cfg, storage_options)
+    info = describe_source(cfg, storage_options, client)
     features, source = info.features, info.fingerprint
-    n_classes_hint = 10 if cfg.dataset == "mnist1d" else 0
+    n_classes_hint = 10 if cfg.dataset == "mnist1d" else len(info.classes or ()) or (cfg.num_classes or 0)
     key = shard_key(source, cfg)
-    name = cfg.dataset if cfg.dataset == "mnist1d" else "table"
+    name = info.kind
     out_dir = storage.join(data_root, "datasets", f"{name}-{key}")
     manifest_uri = storage.join(out_dir, MANIFEST_NAME)
     if storage.exists(manifest_uri, storage_options):
@@ -747,6 +772,17 @@ def shard_dataset(
         raise
     del held, partitions, futures  # released: the workers drop the rows
     mean, std = combine_stats(results["train"])
+    normalization: dict[str, Any] = {"mean": mean, "std": std}
+    if info.modality == "image":  # per channel: every pixel of a channel shares its statistics
+        from training.sources import channel_normalization, expand_channels
+
+        channel_mean, channel_std = channel_normalization(mean, std, info.input_shape)
+        normalization = {
+            "mean": expand_channels(channel_mean, info.input_shape),
+            "std": expand_channels(channel_std, info.input_shape),
+            "channel_mean": channel_mean,
+            "channel_std": channel_std,
+        }
     num_classes = max(n_classes_hint, max(totals["classes"]) + 1)
     manifest: dict[str, Any] = {
         "version": MANIFEST_VERSION,
@@ -754,11 +790,14 @@ def shard_dataset(
         "source": source,
         "config": cfg.model_dump(),
         "feature_columns": list(features),
+        "modality": info.modality,
+        "input_shape": list(info.input_shape or (len(features),)),
         "label_column": LABEL_COLUMN,
         "num_classes": int(num_classes),
         "schema": results["train"][0]["schema"],
         "dropped_rows": int(totals["dropped"]),
-        "normalization": {"mean": mean, "std": std},
+        "normalization": normalization,
+        "classes": info.classes,
         "splits": {
             split: [
                 {k: v for k, v in r.items() if k not in {"sum", "sumsq", "schema"}} | {"name": n}
@@ -1125,15 +1164,64 @@ def load_split(
     entries = [e for e in manifest["splits"][split] if shard_names is None or e["name"] in shard_names]
     frames = [read_shard(manifest_uri, manifest, e, storage_options, cache_dir) for e in entries]
     frame = pd.concat(frames, ignore_index=True)
-    x = frame[manifest["feature_columns"]].to_numpy(dtype=np.float32)
-    y = frame[manifest["label_column"]].to_numpy(dtype=np.int64)
+    # writable and C-ordered (torch takes it without a copy; a read-only view of Arrow's buffers is copied)
+    x = np.require(frame[manifest["feature_columns"]].to_numpy(dtype=np.float32), requirements=["C", "W"])
+    y = np.require(frame[manifest["label_column"]].to_numpy(dtype=np.int64), requirements=["W"])
     return x, y
 
 
-def verify_manifest(manifest_uri: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Check every shard of a manifest before any training starts; raise naming the first bad shard."""
+def shard_problem(
+    manifest_uri: str,
+    entry: Mapping[str, Any],
+    schema: Mapping[str, str],
+    storage_options: Mapping[str, Any] | None = None,
+) -> str | None:
+    """What is wrong with one shard (missing, corrupt, another schema), or None. The bytes are
+    hashed as they stream (1 MiB at a time) and only the parquet footer is decoded, so the memory
+    it takes does not grow with the shard."""
+    import pyarrow.parquet as pq
+
+    url = storage.join(_manifest_dir(manifest_uri), str(entry["name"]))
+    try:
+        digest = storage.sha256_url(url, storage_options)
+    except FileNotFoundError:
+        return f"shard {entry['name']} is missing ({url})"
+    if digest != entry["sha256"]:
+        return (
+            f"shard {entry['name']} is corrupt: sha256 {digest[:12]}… does not match the manifest's "
+            f"{str(entry['sha256'])[:12]}…"
+        )
+    fs, path = storage.filesystem(url, storage_options)
+    with fs.open(path, "rb") as handle:
+        found = {c: str(t) for c, t in pq.read_schema(handle).empty_table().to_pandas().dtypes.items()}
+    if found != dict(schema):
+        return f"shard {entry['name']} has schema {found}, expected {dict(schema)}"
+    return None
+
+
+def verify_manifest(
+    manifest_uri: str, storage_options: Mapping[str, Any] | None = None, client: Any = None
+) -> dict[str, Any]:
+    """Check every shard of a manifest before any training starts; raise naming the first bad
+    shard. With a Dask ``client`` the shards are checked on the workers (one task per shard, the
+    answers are short strings), else here; either way each is hashed as it streams."""
     manifest = load_manifest(manifest_uri, storage_options)
-    for split in SPLITS:
-        for entry in manifest["splits"][split]:
-            read_shard(manifest_uri, manifest, entry, storage_options)
+    entries = [entry for split in SPLITS for entry in manifest["splits"][split]]
+    schema, options = manifest["schema"], dict(storage_options or {})
+    if client is None:
+        problems = [shard_problem(manifest_uri, e, schema, options) for e in entries]
+    else:
+        futures = client.map(
+            shard_problem,
+            [manifest_uri] * len(entries),
+            entries,
+            [schema] * len(entries),
+            [options] * len(entries),
+            pure=False,
+            key=[f"verify-{e['name'].replace('/', '-')}-{time.monotonic_ns()}" for e in entries],
+        )
+        problems = client.gather(futures)
+    for problem in problems:
+        if problem is not None:
+            raise ShardIntegrityError(problem)
     return manifest

@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, get_args
 
 import optuna
 
-from infra import storage
+from infra import progress, storage
+from training.algorithms import StrategyName
 from training.config import SearchConfig
 from training.devices import CPU, DeviceSpec
-from training.scaling import round_scaling, with_spot_replay
 from training.search import (
     MODEL_ATTR,
     SearchOutcome,
@@ -29,6 +29,7 @@ from training.search import (
 )
 from training.space import sample_params
 from training.trial import TrialResult, shard_cache_dir
+from training.volatile.scaling import round_scaling, with_spot_replay
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class _SearchController:
         self.on_done = on_done
         self.trials: dict[str, optuna.trial.Trial] = {}
         self.pruned: dict[str, int] = {}
+        self.reported: dict[str, set[int]] = {}  # epochs each model's trial has had reported
         minutes = cfg.timeout_minutes if respect_deadline else None
         self.deadline = time.monotonic() + minutes * 60 if minutes else None
 
@@ -85,7 +87,11 @@ class _SearchController:
 
     def on_epoch_end(self, report: Any) -> bool:
         trial = self.trials[report.model_id]
-        trial.report(report.val_acc, report.epoch)
+        progress.publish("epoch", model=report.model_id, epoch=report.epoch, epochs=self.cfg.epochs)
+        reported = self.reported.setdefault(report.model_id, set())
+        if report.epoch not in reported:  # an epoch trained again after a lost worker: told once
+            trial.report(report.val_acc, report.epoch)
+            reported.add(report.epoch)
         if self.prune and trial.should_prune():
             self.pruned[report.model_id] = report.epoch
             return False
@@ -127,9 +133,10 @@ def run_search_with_executor(
     from training.executors import DataRef
 
     study, space, already, results = open_study(
-        cfg, manifest_uri, study_name, storage_url, storage_options, warm_start
+        cfg, manifest_uri, study_name, storage_url, storage_options, warm_start, client
     )
     budget = max(cfg.n_trials - len(already), 0)
+    progress.publish("search", total=cfg.n_trials, finished=len(already))
     data = DataRef(manifest_uri, dict(storage_options or {}), shard_cache_dir())
     shards = [e["name"] for e in load_manifest(manifest_uri, storage_options)["splits"]["train"]]
     scaling = round_scaling(cfg, client)  # worker_schedule: n_j workers per round
@@ -158,6 +165,15 @@ def run_search_with_executor(
             cfg.strategy,
             len(results),
             cfg.n_trials,
+        )
+        progress.publish(
+            "trial",
+            model=outcome.spec.model_id,
+            number=result.number,
+            state=result.state,
+            value=result.value,
+            finished=len(results),
+            total=cfg.n_trials,
         )
         if on_trial_done is not None:
             on_trial_done(result)
@@ -242,34 +258,56 @@ def run_strategy_search(
     )
 
 
+def _task_executor(
+    cfg: SearchConfig, client: Any, data: Any, shards: list[str], checkpoint_root: str, scaling: Any
+) -> Any:
+    from training.executors.task import TaskExecutor
+
+    register_preemption(client)  # spot notices: epochs checkpoint mid-pass and move on
+    return TaskExecutor(client, data, shards, checkpoint_root, slots=cfg.n_workers, admission=scaling)
+
+
+def _mop_executor(
+    cfg: SearchConfig, client: Any, data: Any, shards: list[str], checkpoint_root: str, scaling: Any
+) -> Any:
+    from training.executors.mop import MopExecutor
+
+    register_preemption(client)  # spot notices: units checkpoint mid-pass and move on
+    return MopExecutor(
+        client,
+        data,
+        shards,
+        checkpoint_root,
+        seed=cfg.seed,
+        slots=cfg.model_slots,
+        partitions=scaling.partitions(),
+        before_round=scaling.round_hook(),
+    )
+
+
+def _ddp_executor(
+    cfg: SearchConfig, client: Any, data: Any, shards: list[str], checkpoint_root: str, scaling: Any
+) -> Any:
+    from training.executors.ddp import DDPExecutor
+
+    return DDPExecutor(client, data, cfg.ddp_world_size, checkpoint_root, bf16_compress=cfg.bf16_compress)
+
+
+# strategy name -> the executor that trains its models (names: training.algorithms.StrategyName)
+STRATEGY_EXECUTORS: dict[str, Callable[..., Any]] = {
+    "task": _task_executor,
+    "mop": _mop_executor,
+    "ddp": _ddp_executor,
+}
+if set(STRATEGY_EXECUTORS) != set(get_args(StrategyName)):
+    raise ImportError("training.executor_search: STRATEGY_EXECUTORS and StrategyName disagree")
+
+
 def _strategy_executor(
     cfg: SearchConfig, client: Any, data: Any, shards: list[str], checkpoint_root: str, scaling: Any
 ) -> Any:
-    """The executor of ``cfg.strategy`` (``task``, ``mop`` or ``ddp``)."""
-    if cfg.strategy == "task":
-        from training.executors.task import TaskExecutor
-
-        register_preemption(client)  # spot notices: epochs checkpoint mid-pass and move on
-        return TaskExecutor(client, data, shards, checkpoint_root, slots=cfg.n_workers, admission=scaling)
-    if cfg.strategy == "mop":
-        from training.executors.mop import MopExecutor
-
-        register_preemption(client)  # spot notices: units checkpoint mid-pass and move on
-        return MopExecutor(
-            client,
-            data,
-            shards,
-            checkpoint_root,
-            seed=cfg.seed,
-            slots=cfg.model_slots,
-            partitions=scaling.partitions(),
-            before_round=scaling.round_hook(),
-        )
-    if cfg.strategy == "ddp":
-        from training.executors.ddp import DDPExecutor
-
-        return DDPExecutor(client, data, cfg.ddp_world_size, checkpoint_root, bf16_compress=cfg.bf16_compress)
-    raise ValueError(f"strategy {cfg.strategy!r} does not run through an executor here")
+    """The executor of ``cfg.strategy`` (from :data:`STRATEGY_EXECUTORS`)."""
+    return STRATEGY_EXECUTORS[cfg.strategy](cfg, client, data, shards, checkpoint_root, scaling)
 
 
 def _executor_result(
@@ -284,13 +322,12 @@ def _executor_result(
     """A finished model as a trial result; its bundle is written when it has a usable state."""
     from training.data import load_manifest
     from training.executors.units import state_to_bundle
+    from training.families import DataSpec
     from training.models import ArchSpec, count_params
 
     model_id = outcome.spec.model_id
     manifest = load_manifest(data.manifest_uri, data.storage_options)
-    arch = ArchSpec.from_params(
-        dict(outcome.spec.params), len(manifest["feature_columns"]), int(manifest["num_classes"])
-    )
+    arch = ArchSpec.from_params(dict(outcome.spec.params), DataSpec.from_manifest(manifest))
     resumed = getattr(executor, "resumed", {}).get(model_id, {})
     records = [r for r in executor.records if r.get("model") == model_id]
     started = getattr(executor, "started_at", {}).get(model_id)

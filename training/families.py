@@ -36,12 +36,45 @@ class FamilyError(ValueError):
     """A family that is not registered, is registered twice, or refuses its params or data."""
 
 
+MODALITIES = ("table", "sequence", "image")
+
+
 @dataclass(frozen=True)
 class DataSpec:
-    """What a builder needs to know of the data: features per example and classes."""
+    """What a builder needs to know of the data.
+
+    A model always takes a batch of flat feature vectors ``(n, input_dim)`` (the shards' rows);
+    ``input_shape`` is the shape of one example (``(input_dim,)`` for a table, ``(steps,
+    features)`` for a sequence, ``(channels, height, width)`` for an image), which a builder
+    reshapes to.
+    """
 
     input_dim: int
     num_classes: int
+    input_shape: tuple[int, ...] = ()
+    modality: str = "table"
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(n) for n in self.input_shape) or (self.input_dim,)
+        object.__setattr__(self, "input_shape", shape)
+        if self.modality not in MODALITIES:
+            raise FamilyError(f"modality {self.modality!r} is not one of {list(MODALITIES)}")
+        size = 1
+        for n in shape:
+            size *= n
+        if size != self.input_dim or min(shape) < 1:
+            raise FamilyError(f"input_shape {list(shape)} does not hold input_dim={self.input_dim} features")
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any]) -> DataSpec:
+        """The data spec of a shard manifest (manifests of tables carry no shape: ``(n_features,)``)."""
+        n_features = len(manifest["feature_columns"])
+        return cls(
+            n_features,
+            int(manifest["num_classes"]),
+            tuple(manifest.get("input_shape") or (n_features,)),
+            str(manifest.get("modality", "table")),
+        )
 
 
 @dataclass(frozen=True)
@@ -78,6 +111,17 @@ class ModelFamily:
                 f"family {self.name!r}: size_param {self.size_param!r} must be an int parameter"
             )
 
+    def default_params(self) -> dict[str, Any]:
+        """Each parameter's ``default`` (else its low end, or its first choice)."""
+        return {
+            name: spec.get("default", spec["choices"][0] if spec["type"] == "categorical" else spec["low"])
+            for name, spec in self.params.items()
+        }
+
+    def fits(self, data: DataSpec) -> bool:
+        """Whether the family takes data of this modality."""
+        return data.modality in self.modalities
+
     def validate(self, params: Mapping[str, Any], data: DataSpec) -> None:
         """Refuse params that are missing, unknown or outside the family's specs, or that the
         family cannot build for ``data`` (its own reason)."""
@@ -113,12 +157,17 @@ class ModelFamily:
             raise FamilyError(
                 f"input_dim={data.input_dim} must be >= 1 and num_classes={data.num_classes} >= 2"
             )
+        if not self.fits(data):
+            raise FamilyError(
+                f"family {self.name!r} takes {sorted(self.modalities)} data, not {data.modality!r}"
+            )
         if self.check is not None:
             try:
                 self.check(params, data)
             except ValueError as exc:
                 raise FamilyError(
-                    f"family {self.name!r} cannot take {dict(params)} on {data}: {exc}"
+                    f"family {self.name!r} cannot take {dict(params)} on {data.modality} data of shape "
+                    f"{list(data.input_shape)}: {exc}"
                 ) from exc
 
 

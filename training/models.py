@@ -29,17 +29,29 @@ class ArchSpec:
     params: Mapping[str, Any]
     input_dim: int
     num_classes: int
+    input_shape: tuple[int, ...] = ()
+    modality: str = "table"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", dict(self.params))
+        object.__setattr__(self, "input_shape", self.data.input_shape)
         get_family(self.family).validate(self.params, self.data)
 
     def __hash__(self) -> int:
-        return hash((self.family, tuple(sorted(self.params.items())), self.input_dim, self.num_classes))
+        return hash(
+            (
+                self.family,
+                tuple(sorted(self.params.items())),
+                self.input_dim,
+                self.num_classes,
+                self.input_shape,
+                self.modality,
+            )
+        )
 
     @property
     def data(self) -> DataSpec:
-        return DataSpec(self.input_dim, self.num_classes)
+        return DataSpec(self.input_dim, self.num_classes, tuple(self.input_shape), self.modality)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +59,8 @@ class ArchSpec:
             "params": dict(self.params),
             "input_dim": self.input_dim,
             "num_classes": self.num_classes,
+            "input_shape": list(self.input_shape),
+            "modality": self.modality,
         }
 
     @classmethod
@@ -56,13 +70,25 @@ class ArchSpec:
         params = raw.get("params")
         if params is None:
             params = {k: raw[k] for k in ("width", "depth") if k in raw}
-        return cls(str(raw["family"]), dict(params), int(raw["input_dim"]), int(raw["num_classes"]))
+        return cls(
+            str(raw["family"]),
+            dict(params),
+            int(raw["input_dim"]),
+            int(raw["num_classes"]),
+            tuple(raw.get("input_shape") or ()),
+            str(raw.get("modality", "table")),
+        )
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any], input_dim: int, num_classes: int) -> ArchSpec:
+    def of(cls, family: str, params: Mapping[str, Any], data: DataSpec) -> ArchSpec:
+        """The architecture of ``family`` with ``params`` on ``data``."""
+        return cls(family, params, data.input_dim, data.num_classes, data.input_shape, data.modality)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], data: DataSpec) -> ArchSpec:
         """Take the architecture part of a trial's params (the family's own parameters)."""
         family = get_family(str(params["family"]))
-        return cls(family.name, {k: params[k] for k in family.params if k in params}, input_dim, num_classes)
+        return cls.of(family.name, {k: params[k] for k in family.params if k in params}, data)
 
 
 class Standardize(nn.Module):
@@ -87,21 +113,35 @@ def _conv_out_len(length: int, depth: int) -> int:
     return length
 
 
+def _signal_shape(data: DataSpec) -> tuple[int, int]:
+    """(channels, length) of a table row (one channel) or a sequence (a channel per feature)."""
+    if len(data.input_shape) == 1:
+        return 1, data.input_shape[0]
+    return data.input_dim // data.input_shape[0], data.input_shape[0]
+
+
 class CNN1D(nn.Module):
     """The MNIST-1D paper's convolutional baseline, generalised in width and depth."""
 
-    def __init__(self, input_dim: int, num_classes: int, width: int, depth: int) -> None:
+    def __init__(self, data: DataSpec, width: int, depth: int) -> None:
         super().__init__()
+        self.shape = data.input_shape
+        channels, length = _signal_shape(data)
         layers: list[nn.Module] = []
-        channels = 1
         for _ in range(depth):
             layers += [nn.Conv1d(channels, width, kernel_size=5, stride=2, padding=1), nn.ReLU()]
             channels = width
         self.features = nn.Sequential(*layers)
-        self.head = nn.Linear(width * _conv_out_len(input_dim, depth), num_classes)
+        self.head = nn.Linear(width * _conv_out_len(length, depth), data.num_classes)
+
+    def reshape(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows as (n, channels, length)."""
+        if len(self.shape) == 1:
+            return x.unsqueeze(1)
+        return x.view(len(x), self.shape[0], -1).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.features(x.unsqueeze(1))
+        h = self.features(self.reshape(x))
         return self.head(h.flatten(1))
 
 
@@ -117,6 +157,17 @@ class MLP(nn.Module):
             prev = width
         layers.append(nn.Linear(prev, num_classes))
         self.net = nn.Sequential(*layers)
+
+    @property
+    def features(self) -> nn.Module:
+        return self.net[:-1]
+
+    @property
+    def head(self) -> nn.Module:
+        return self.net[-1]
+
+    def reshape(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.net(x)
@@ -144,7 +195,7 @@ def count_params(arch: ArchSpec) -> int:
 
 
 def largest_size_within(
-    family: str, params: Mapping[str, Any], input_dim: int, num_classes: int, max_params: int
+    family: str, params: Mapping[str, Any], data: DataSpec, max_params: int
 ) -> int | None:
     """The largest value of the family's ``size_param`` (the others fixed at ``params``) whose
     model has at most ``max_params`` parameters; None if even the smallest is too big."""
@@ -155,7 +206,7 @@ def largest_size_within(
     lo, hi, best = int(bounds["low"]), int(bounds["high"]), None
     while lo <= hi:
         mid = (lo + hi) // 2
-        arch = ArchSpec(family, {**params, spec.size_param: mid}, input_dim, num_classes)
+        arch = ArchSpec.of(family, {**params, spec.size_param: mid}, data)
         if count_params(arch) <= max_params:
             best, lo = mid, mid + 1
         else:
@@ -164,20 +215,22 @@ def largest_size_within(
 
 
 def _cnn_check(params: Mapping[str, Any], data: DataSpec) -> None:
-    if _conv_out_len(data.input_dim, int(params["depth"])) < 1:
-        raise ValueError(
-            f"a CNN of depth {params['depth']} does not fit an input of {data.input_dim} features"
-        )
+    if len(data.input_shape) > 2:
+        raise ValueError(f"a 1-D CNN takes rows or sequences, not shape {list(data.input_shape)}")
+    length = _signal_shape(data)[1]
+    if _conv_out_len(length, int(params["depth"])) < 1:
+        raise ValueError(f"a CNN of depth {params['depth']} does not fit an input of length {length}")
 
 
 CNN_FAMILY = ModelFamily(
     name="cnn",
     params={"width": {"type": "int", "low": 1, "high": 4096}, "depth": {"type": "int", "low": 1, "high": 8}},
-    build=lambda p, d: CNN1D(d.input_dim, d.num_classes, int(p["width"]), int(p["depth"])),
+    build=lambda p, d: CNN1D(d, int(p["width"]), int(p["depth"])),
     check=_cnn_check,
     can_be_student=True,
     quantizable=True,
     size_param="width",
+    modalities=frozenset({"table", "sequence"}),
     description="1-D CNN (the MNIST-1D paper's baseline): depth x (conv k5 s2, ReLU), linear head",
 )
 MLP_FAMILY = ModelFamily(
@@ -187,5 +240,6 @@ MLP_FAMILY = ModelFamily(
     can_be_student=True,
     quantizable=True,
     size_param="width",
+    modalities=frozenset({"table", "sequence", "image"}),
     description="ReLU MLP with depth hidden layers of width units",
 )

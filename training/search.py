@@ -17,14 +17,15 @@ from optuna.trial import TrialState
 
 from infra import storage
 from infra.optuna_storage import make_storage, quiet_optuna
+from training.algorithms import make_pruner, make_sampler
 from training.config import SearchConfig
 from training.data import verify_manifest
-from training.scaling import RoundScale
 from training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
-from training.trial import TrialResult, make_pruner
+from training.trial import TrialResult
+from training.volatile.scaling import RoundScale
 
 if TYPE_CHECKING:
-    from infra.spot_replay import SpotReport
+    from training.volatile.spot_replay import SpotReport
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,9 @@ class SearchOutcome:
     storage_url: str
     results: list[TrialResult]
     epoch_records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # MOP units per epoch
-    worker_rounds: tuple[RoundScale, ...] = ()  # worker_schedule: n_j per round (training/scaling.py)
+    worker_rounds: tuple[
+        RoundScale, ...
+    ] = ()  # worker_schedule: n_j per round (training/volatile/scaling.py)
     spot: SpotReport | None = None  # spot_trace: the replay's record and cost account
 
     @property
@@ -134,31 +137,6 @@ def enqueue_grid(study: optuna.Study, cfg: SearchConfig, space: SearchSpace) -> 
     return min(len(configs), cfg.n_trials)
 
 
-def make_sampler(cfg: SearchConfig, space: SearchSpace | None = None) -> optuna.samplers.BaseSampler:
-    """Seeded sampler from the config."""
-    startup = max(2, min(10, cfg.n_trials // 3))
-    if cfg.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=cfg.seed)
-    if cfg.sampler == "grid":
-        # The grid points are enqueued (``enqueue_grid``); past them, seeded random sampling.
-        return optuna.samplers.RandomSampler(seed=cfg.seed)
-    if cfg.sampler == "gp":
-        # Categorical and family-specific params outside the shared space are sampled independently.
-        return optuna.samplers.GPSampler(
-            seed=cfg.seed, n_startup_trials=startup, warn_independent_sampling=False
-        )
-    if cfg.sampler == "cmaes":
-        # CMA-ES models the continuous params; categoricals (family, batch size) are sampled at random.
-        return optuna.samplers.CmaEsSampler(
-            seed=cfg.seed,
-            n_startup_trials=startup,
-            warn_independent_sampling=False,
-            independent_sampler=optuna.samplers.RandomSampler(seed=cfg.seed),
-        )
-    # group=True: the space is conditional (each family has its own params).
-    return optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=startup, multivariate=True, group=True)
-
-
 def result_from_frozen(trial: optuna.trial.FrozenTrial) -> TrialResult:
     """Rebuild a result from what the storage recorded (for trials finished by an earlier attempt)."""
     attrs = trial.user_attrs
@@ -236,7 +214,7 @@ def register_preemption(client: Any, environ: Mapping[str, str] | None = None) -
     the grace period (``MOPFLOW_PREEMPT_GRACE_S``, default 30 s)."""
     import os
 
-    from training.preempt import DEFAULT_GRACE_S, PreemptionPlugin
+    from training.volatile.preempt import DEFAULT_GRACE_S, PreemptionPlugin
 
     raw = (os.environ if environ is None else environ).get(GRACE_ENV, "") or str(DEFAULT_GRACE_S)
     try:
@@ -338,12 +316,18 @@ def open_study(
     storage_url: str,
     storage_options: Mapping[str, Any] | None,
     warm_start: WarmStart | None = None,
+    client: Any = None,
 ) -> tuple[optuna.Study, Any, list[optuna.trial.FrozenTrial], list[TrialResult]]:
-    """Verify the shards, then create or resume the study (stale trials retried); return it, the
+    """Verify the shards (on the Dask workers of ``client`` when given), then create or resume the study (stale trials retried); return it, the
     space, the trials that already count towards the budget and their results."""
+    from training.families import DataSpec
+    from training.space import check_space_fits
+
     quiet_optuna()
-    space = cfg.search_space()
-    verify_manifest(manifest_uri, storage_options)  # a bad shard fails here, before any training
+    # a bad shard, or a family that cannot take the data, fails here, before any training
+    data = DataSpec.from_manifest(verify_manifest(manifest_uri, storage_options, client))
+    space = cfg.search_space(data.modality)
+    check_space_fits(space, data)
     study = optuna.create_study(
         study_name=study_name,
         storage=make_storage(storage_url, cfg.n_workers),

@@ -204,10 +204,44 @@ def parse_space(spec: str | Mapping[str, Any]) -> SearchSpace:
         raise SpaceError(format_validation_error("search space", exc)) from exc
 
 
-def default_space() -> SearchSpace:
-    """The packaged default space: 1-D CNN and MLP families."""
-    text = resources.files("training").joinpath("spaces/default.json").read_text()
+# the packaged default space of each modality: the families that fit it
+DEFAULT_SPACE_FILES = {"table": "default.json", "sequence": "sequence.json", "image": "image.json"}
+
+
+def default_space(modality: str = "table") -> SearchSpace:
+    """The packaged default space for data of ``modality`` (the families that fit it)."""
+    if modality not in DEFAULT_SPACE_FILES:
+        raise SpaceError(
+            f"no default search space for modality {modality!r}; expected {sorted(DEFAULT_SPACE_FILES)}"
+        )
+    text = resources.files("training").joinpath(f"spaces/{DEFAULT_SPACE_FILES[modality]}").read_text()
     return parse_space(text)
+
+
+def check_space_fits(space: SearchSpace, data: Any) -> None:
+    """Refuse, before any training, a family of the space that does not take the data (its
+    modality, or its own check or builder on the data's shape at the space's smallest values),
+    with the family's own error."""
+    from training.families import FamilyError, get_family
+
+    for name, params in sorted(space.families.items()):
+        family = get_family(name)
+        if not family.fits(data):
+            raise SpaceError(
+                f"family {name!r} takes {sorted(family.modalities)} data; the dataset is {data.modality!r} "
+                f"of shape {list(data.input_shape)}"
+            )
+        smallest = {
+            key: spec.choices[0] if isinstance(spec, CategoricalParam) else spec.low
+            for key, spec in params.items()
+        }
+        try:
+            family.validate(smallest, data)
+            family.build(smallest, data)
+        except (FamilyError, ValueError, RuntimeError, TypeError) as exc:
+            raise SpaceError(
+                f"family {name!r} cannot be built for data of shape {list(data.input_shape)}: {exc}"
+            ) from exc
 
 
 def format_validation_error(what: str, exc: ValidationError) -> str:

@@ -16,33 +16,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-PRUNERS = ("asha", "successive_halving", "hyperband", "median", "none")
-
-
-def make_pruner(name: str, min_resource: int, max_resource: int | None = None) -> Any:
-    """The study's pruner (it decides in the coordinator, where every epoch is reported).
-
-    ``asha`` and ``successive_halving`` are the same: Optuna's successive halving is asynchronous
-    (ASHA, Li et al. 2020): a trial is compared with those that reached the same rung, without
-    waiting for a full bracket. ``max_resource`` (the epoch budget) is needed by ``hyperband``.
-    """
-    import optuna
-
-    if name == "none":
-        return optuna.pruners.NopPruner()
-    if name in ("asha", "successive_halving"):
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=min_resource, reduction_factor=3)
-    if name == "hyperband":
-        top = max_resource if max_resource is not None else "auto"
-        if isinstance(top, int) and top <= min_resource:
-            # A single rung: Hyperband degenerates to successive halving at min_resource.
-            return optuna.pruners.SuccessiveHalvingPruner(min_resource=min_resource, reduction_factor=3)
-        return optuna.pruners.HyperbandPruner(min_resource=min_resource, max_resource=top, reduction_factor=3)
-    if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=max(min_resource - 1, 0))
-    raise ValueError(f"unknown pruner {name!r}; expected one of {list(PRUNERS)}")
-
-
 def shard_cache_dir() -> str:
     """Where a worker caches remote shards on its local disk (``MOPFLOW_SHARD_CACHE``)."""
     return os.environ.get("MOPFLOW_SHARD_CACHE") or os.path.join(tempfile.gettempdir(), "mopflow-shard-cache")

@@ -129,11 +129,10 @@ class TrainableUnit:
         """A fresh unit: the spec's architecture on the manifest's features, seeded by the spec."""
         import torch
 
+        from training.families import DataSpec
         from training.models import ArchSpec, build_model
 
-        arch = ArchSpec.from_params(
-            spec.params, len(manifest["feature_columns"]), int(manifest["num_classes"])
-        )
+        arch = ArchSpec.from_params(spec.params, DataSpec.from_manifest(manifest))
         norm = manifest["normalization"]
         torch.manual_seed(spec.seed)
         return cls(spec, build_model(arch, norm["mean"], norm["std"]), total_steps, arch=arch, **loss)
@@ -169,9 +168,15 @@ class TrainableUnit:
 
         cache_callback_factories()
 
+        from training.streaming import StreamedRows
+
         batch_size = int(self.spec.params["batch_size"])
-        order = _rank_share(pass_order(self.spec.seed, epoch, pass_index, len(tensors[0])), *shard)
-        n_rows = len(order)
+        streamed = tensors if isinstance(tensors, StreamedRows) else None
+        if streamed is not None:  # read pass by pass from the shards (a partition over the budget)
+            n_rows = streamed.n_rows // shard[1] if shard[1] > 1 else streamed.n_rows
+        else:
+            order = _rank_share(pass_order(self.spec.seed, epoch, pass_index, len(tensors[0])), *shard)
+            n_rows = len(order)
         n_batches = -(-n_rows // batch_size)
         partial, self._partial = self._partial, None
         resumed = partial is not None and (partial["epoch"], partial["pass_index"], partial["part"]) == (
@@ -180,7 +185,6 @@ class TrainableUnit:
             part,
         )
         skip = int(partial["batches"]) if resumed and partial is not None else 0
-        order = order[skip * batch_size :]
         torch.manual_seed(self.spec.seed + epoch)
         if resumed:
             torch.set_rng_state(self._rng)
@@ -236,7 +240,12 @@ class TrainableUnit:
             callbacks=[*([StopWatch()] if stop is not None else []), *callbacks],
             **{**quiet_trainer_kwargs(self.spec.device), **dict(trainer_kwargs or {})},
         )
-        batches = Batches([self._on_device(t) for t in tensors], order, batch_size)
+        batches: Any
+        if streamed is not None:
+            device = str(self.spec.device.torch_device())
+            batches = streamed.batches(self.spec.seed, epoch, pass_index, batch_size, skip, shard, device)
+        else:
+            batches = Batches([self._on_device(t) for t in tensors], order[skip * batch_size :], batch_size)
         with warnings.catch_warnings():  # a pass has no validation loader by design: evaluate() validates
             warnings.filterwarnings(
                 "ignore", message=".*defined a `validation_step` but have no `val_dataloader`"

@@ -25,7 +25,11 @@ from compression.config import CONF_FIELDS, ConfigError, PipelineConfig, conf_js
             {
                 "search_space": '{"families": {"my.module:Evil": {"width": {"type": "int", "low": 1, "high": 2}}}}'
             },
-            ["search_space", "unknown model family 'my.module:Evil'", "registered: ['cnn', 'mlp'"],
+            [
+                "search_space",
+                "unknown model family 'my.module:Evil'",
+                "registered: ['cnn', 'cnn2d', 'gru', 'mlp'",
+            ],
         ),
         # the volatile-worker keys
         ({"worker_schedule": "exp:2:4"}, ["worker_schedule", "'exp:2:4'", "exponential:<eta>:<n_max>"]),
@@ -138,3 +142,16 @@ def test_volatile_keys_in_the_trigger_form_schema() -> None:
         jsonschema.validate({"bid": 1}, schema["spot_bids"])
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(0, schema["spot_speed"])
+
+
+def test_docs_config_table_is_the_generated_one() -> None:
+    from pathlib import Path
+
+    from compression.config import CONF_FIELDS, conf_markdown_table
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "user-guide" / "configuration.md"
+    text = page.read_text()
+    start = text.index("<!-- config-keys:")
+    block = text[text.index("\n", start) + 1 : text.index("\n<!-- /config-keys -->")]
+    assert block == conf_markdown_table(), f"{page.name}'s config table is stale: paste `mopflow config-keys`"
+    assert all(f"| `{key}` |" in block for key in CONF_FIELDS)

@@ -16,11 +16,12 @@ from compression.distill import (
 )
 from compression.registry import decide_promotion
 from training.bundle import ProbabilityEnsemble
+from training.families import DataSpec
 from training.models import ArchSpec, build_model, count_params
 
 
 def test_auto_sized_student_is_the_largest_within_budget() -> None:
-    plan = plan_student(DistillConfig(), ensemble_params=100_000, input_dim=40, num_classes=10)
+    plan = plan_student(DistillConfig(), ensemble_params=100_000, data=DataSpec(40, 10))
     assert plan.num_params <= 10_000 == plan.budget
     bigger = ArchSpec(plan.arch.family, {**plan.arch.params, "width": plan.arch.params["width"] + 1}, 40, 10)
     assert count_params(bigger) > plan.budget
@@ -28,7 +29,7 @@ def test_auto_sized_student_is_the_largest_within_budget() -> None:
 
 def test_configured_student_over_budget_is_refused() -> None:
     with pytest.raises(StudentBudgetError, match="student_width=64"):
-        plan_student(DistillConfig(width=64), ensemble_params=20_000, input_dim=40, num_classes=10)
+        plan_student(DistillConfig(width=64), ensemble_params=20_000, data=DataSpec(40, 10))
 
 
 def test_soft_targets_are_distributions_that_flatten_with_temperature() -> None:
@@ -57,7 +58,7 @@ def test_student_learns_from_soft_targets_on_a_separable_problem() -> None:
         opt.step()
     teacher = ProbabilityEnsemble([teacher_model])
     cfg = DistillConfig(family="mlp", depth=1, epochs=5, max_param_ratio=1.0, batch_size=32)
-    plan = plan_student(cfg, 10_000, 40, 3)
+    plan = plan_student(cfg, 10_000, DataSpec(40, 3))
     student, history = train_student(
         plan, cfg, x[:500], y[:500], x[500:], y[500:], [0.0] * 40, [1.0] * 40, teacher, 0
     )

@@ -24,6 +24,7 @@ CONF = {
     "top_k": 2,
     "distill_epochs": 1,
     "model_name": "idem",
+    "promotion": "always",  # the warm-start test below needs a champion, whatever the accuracies
 }
 
 
@@ -137,3 +138,41 @@ def test_ddp_strategy_runs_the_search_on_the_dask_workers(tmp_path: Path) -> Non
     for trial in study.trials:
         assert [h["epoch"] for h in trial.user_attrs["history"]] == [0, 1]
         assert Path(trial.user_attrs["bundle_uri"], "weights.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_student_without_static_int8_is_distilled_and_reported_without_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``rescnn`` (residual, BatchNorm) is no quantizable family: the distill stage skips the
+    static INT8 form for it instead of failing, and reports the other models."""
+    conf = {
+        **CONF,
+        "search_space": json.dumps(
+            {
+                "families": {
+                    "rescnn": {
+                        "width": {"type": "int", "low": 8, "high": 12},
+                        "depth": {"type": "int", "low": 1, "high": 2},
+                        "shift": {"type": "int", "low": 0, "high": 2},
+                    }
+                }
+            }
+        ),
+        "student_family": "rescnn",
+        "student_depth": 1,
+        "munge_multiplier": 1,
+        "model_name": "rescnn-student",
+    }
+    settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path_factory.mktemp("rescnn"))})
+    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "manual__rescnn", settings)
+    shard = pipeline.shard_stage(conf, ctx, settings)
+    search = pipeline.search_stage(conf, ctx, shard, settings)
+    ens = pipeline.ensemble_stage(conf, ctx, shard, search, settings)
+    student = pipeline.distill_stage(conf, ctx, shard, ens, settings)
+    assert student["arch"]["family"] == "rescnn"
+    assert student["param_ratio"] <= 0.1
+    assert "int8_static_test_acc" not in student and student["int8_test_acc"] is not None
+    rows = [row["model"] for row in student["evaluation"]]
+    assert "student int8 (static)" not in rows
+    assert {"ensemble", "student", "student int8 (dynamic)", "hard-label student"} <= set(rows)

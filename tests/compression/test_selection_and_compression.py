@@ -6,7 +6,7 @@ import torch
 
 from compression.ensemble import faster_form, greedy_selection
 from compression.evaluate import evaluate, format_table, quantize_int8
-from compression.munge import munge, nearest_neighbours
+from compression.munge import munge, munge_chunks, nearest_neighbours
 from compression.registry import decide_promotion
 from training.bundle import ProbabilityEnsemble, StackedEnsemble, predict_proba
 from training.models import ArchSpec, build_model
@@ -81,6 +81,52 @@ def test_munge_points_are_near_the_data_and_reproducible() -> None:
     distance_to_data = np.abs(points[:, None, :] - x[None, :, :]).sum(-1).min(1)
     assert np.median(distance_to_data) < 1.0  # near the data, not between the clusters
     assert munge(x, 0).shape == (0, 4)
+
+
+def test_tree_neighbours_match_brute_force_and_respect_classes_and_duplicates() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(400, 6)).astype(np.float32)
+    z = (x - x.mean(0)) / (x.std(0) + 1e-8)
+    distances = np.linalg.norm(z[:, None] - z[None], axis=-1)
+    np.fill_diagonal(distances, np.inf)
+    assert np.array_equal(nearest_neighbours(x), distances.argmin(1))
+    labels = rng.integers(0, 3, size=400)
+    same = nearest_neighbours(x, labels)
+    assert (labels[same] == labels).all() and (same != np.arange(400)).all()
+    twins = np.concatenate([x[:10], x[:10]])  # an identical row is the nearest one
+    assert np.array_equal(nearest_neighbours(twins), np.r_[np.arange(10, 20), np.arange(10)])
+    alone = nearest_neighbours(x[:3], np.array([0, 1, 1]))
+    assert alone[0] == 0 and alone[1] == 2 and alone[2] == 1  # a class of one is its own
+
+
+def test_large_groups_are_searched_in_bounded_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import compression.munge as munge_module
+
+    x = np.random.default_rng(1).normal(size=(1000, 3)).astype(np.float32)
+    exact = nearest_neighbours(x)
+    monkeypatch.setattr(munge_module, "TREE_ROWS", 100)
+    blocks = munge_module._blocks(np.arange(1000))
+    assert len(blocks) == 10 and max(len(b) for b in blocks) <= 100
+    assert np.array_equal(np.sort(np.concatenate(blocks)), np.arange(1000))  # every row in one block
+    approx = nearest_neighbours(x)
+    block_of = np.empty(1000, dtype=int)
+    for i, block in enumerate(blocks):
+        block_of[block] = i
+    assert (block_of[approx] == block_of).all() and (approx != np.arange(1000)).all()
+    # within its block it is the nearest: never nearer than the exact neighbour over all rows
+    z = munge_module.tree_coordinates(x)
+    assert (np.linalg.norm(z[approx] - z, axis=1) >= np.linalg.norm(z[exact] - z, axis=1) - 1e-6).all()
+
+
+def test_munge_in_chunks_is_bounded_and_deterministic() -> None:
+    x = np.random.default_rng(0).normal(size=(1000, 5)).astype(np.float32)
+    chunks = list(munge_chunks(x, 3, seed=2, chunk_rows=128))
+    assert max(len(c) for c in chunks) == 3 * 128 and sum(len(c) for c in chunks) == 3000
+    assert np.array_equal(
+        np.concatenate(chunks), np.concatenate(list(munge_chunks(x, 3, seed=2, chunk_rows=128)))
+    )
+    with pytest.raises(ValueError, match="chunk_rows"):
+        list(munge_chunks(x, 1, chunk_rows=0))
 
 
 def test_int8_student_keeps_its_accuracy_and_report_has_every_row() -> None:

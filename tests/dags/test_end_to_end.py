@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dags.serving import invoke, served
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = {
     "num_samples": 1000,
@@ -137,7 +139,7 @@ def test_runs_carry_lineage_and_match_the_study(pipeline_run: tuple[Path, dict])
     [
         ("dataset=imagenet", "imagenet"),
         ("n_trials=0", "n_trials"),
-        ("top_k=25", "top_k=25"),
+        ("top_k=40", "top_k=40"),
         ("student_width=3000", "student_width=3000"),
     ],
 )
@@ -149,73 +151,14 @@ def test_bad_input_fails_before_any_training(tmp_path: Path, override: str, need
     assert not (home / "optuna").exists() and not (home / "data").exists() and not (home / "mlflow").exists()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_mlflow_models_serve_answers_with_probabilities(pipeline_run: tuple[Path, dict]) -> None:
-    import signal
-    import time
-    import urllib.request
-
     home, _ = pipeline_run
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "MOPFLOW_"))}
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    mlflow_bin = str(Path(sys.executable).with_name("mlflow"))
-    server = subprocess.Popen(
-        [
-            mlflow_bin,
-            "models",
-            "serve",
-            "-m",
-            "models:/e2e-student@champion",
-            "--env-manager",
-            "local",
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "-w",
-            "1",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None, server.stdout.read().decode()[-3000:] if server.stdout else ""
-            assert time.monotonic() < deadline, "model server did not answer /ping within 120 s"
-            time.sleep(1)
+    with served(home, "models:/e2e-student@champion") as url:
         columns = [f"x{i:03d}" for i in range(40)]
-        body = json.dumps(
-            {"dataframe_split": {"columns": columns, "data": [[0.1 * i for i in range(40)]] * 3}}
+        answer = invoke(
+            url, {"dataframe_split": {"columns": columns, "data": [[0.1 * i for i in range(40)]] * 3}}
         )
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/invocations",
-            data=body.encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            answer = json.loads(response.read())
-        rows = answer["predictions"]
-        assert len(rows) == 3 and len(rows[0]) == 10
-        assert abs(sum(rows[0].values()) - 1.0) < 1e-4
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+    rows = answer["predictions"]
+    assert len(rows) == 3 and len(rows[0]) == 10
+    assert abs(sum(rows[0].values()) - 1.0) < 1e-4

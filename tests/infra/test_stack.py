@@ -316,10 +316,15 @@ def test_dask_dashboard_url_depends_on_bokeh() -> None:
 
 def test_status_table_says_healthy_unhealthy_or_stopped(tmp_path: Path) -> None:
     state = _state(tmp_path)
-    health = {"mlflow": (True, True, ""), "airflow": (True, False, "scheduler unhealthy")}
+    health = {
+        "mlflow": (True, True, ""),
+        "airflow": (True, False, "scheduler unhealthy"),
+        "serve": (True, True, "m-student v2"),
+    }
     lines = stack.format_status(state, health).splitlines()
     row = {line.split()[0]: line for line in lines[2:]}
     assert "healthy" in row["mlflow"].split()
+    assert "healthy" in row["serve"].split() and row["serve"].endswith("(m-student v2)")  # what it serves
     assert "unhealthy" in row["airflow"] and "scheduler unhealthy" in row["airflow"]
     assert "stopped" in row["optuna-dashboard"]
 
@@ -461,10 +466,24 @@ TINY: dict[str, Any] = {
 }
 
 
+RETRAIN_DAG_ID = "mopflow_retrain"
+# The retrain's own Params (MOPFLOW_RETRAIN_CONFIG): as small as TINY; the data and the model name
+# come from the sweep's new-shards event. "always" promotes it, so the served champion moves.
+RETRAIN_CONFIG = {
+    key: TINY[key]
+    for key in ("n_trials", "epochs", "min_resource", "top_k", "distill_epochs", "munge_multiplier")
+} | {"promotion": "always"}
+
+
 def _env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    retrain_config = home.parent / "retrain.yaml"
+    retrain_config.write_text(json.dumps(RETRAIN_CONFIG))  # JSON is YAML
     env.update(
         MOPFLOW_HOME=str(home),
+        MOPFLOW_RETRAIN_SCHEDULE="none",  # only data events start a retrain
+        MOPFLOW_RETRAIN_CONFIG=str(retrain_config),
+        MOPFLOW_SERVE_MODEL=f"{TINY['model_name']}-student",
         MOPFLOW_RETRY_DELAY_S="1",
         MOPFLOW_STACK_FREE_PORTS="1",
         MOPFLOW_STACK_GRACE_S="15",
@@ -495,6 +514,7 @@ class Stack:
         urls = {s.name: s.url for s in state.services}
         self.airflow = urls["airflow"]
         self.mlflow = urls["mlflow"]
+        self.serve = urls["serve"]
         self.password = json.loads(Path(state.airflow_password_file).read_text())["admin"]
         status, answer = request_json(
             "POST", f"{self.airflow}/auth/token", {"username": "admin", "password": self.password}
@@ -513,18 +533,18 @@ class Stack:
         return list(answer["dag_runs"])
 
 
-def _wait_for_run(s: Stack, run_id: str, timeout_s: float = 420) -> dict[str, Any]:
-    """Wait until a run of DAG_ID succeeds; fail with the failed tasks' logs otherwise."""
+def _wait_for_run(s: Stack, run_id: str, timeout_s: float = 420, dag_id: str = DAG_ID) -> dict[str, Any]:
+    """Wait until a run of ``dag_id`` succeeds; fail with the failed tasks' logs otherwise."""
     quoted = urllib.parse.quote(run_id, safe="")
     deadline = time.monotonic() + timeout_s
     while True:
-        status, run = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{quoted}")
+        status, run = s.api("GET", f"/dags/{dag_id}/dagRuns/{quoted}")
         assert status == 200, run
         if run["state"] in ("success", "failed"):
             break
         assert time.monotonic() < deadline, f"run {run_id} still {run['state']} after {timeout_s} s"
         time.sleep(3)
-    _, tis = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{quoted}/taskInstances")
+    _, tis = s.api("GET", f"/dags/{dag_id}/dagRuns/{quoted}/taskInstances")
     states = {t["task_id"]: t["state"] for t in tis["task_instances"]}
     assert run["state"] == "success", f"{states}\n{_failed_task_logs(s.home, states)}"
     assert set(states.values()) == {"success"}, states
@@ -600,6 +620,8 @@ def test_sweep_triggered_over_rest_registers_a_champion(running_stack: Stack) ->
         assert time.monotonic() < deadline, f"{DAG_ID} never appeared: {found}"
         time.sleep(2)
     assert s.api("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})[0] == 200
+    _wait_for_dag(s, RETRAIN_DAG_ID)  # unpaused before the sweep: its new shards will start a retrain
+    assert s.api("PATCH", f"/dags/{RETRAIN_DAG_ID}", {"is_paused": False})[0] == 200
     status, run = s.api("POST", f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": TINY})
     assert status == 200, run
     run = _wait_for_run(s, run["dag_run_id"])
@@ -622,6 +644,49 @@ def test_sweep_triggered_over_rest_registers_a_champion(running_stack: Stack) ->
     status, mlrun = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={version['run_id']}")
     assert status == 200 and mlrun["run"]["data"], mlrun
     s.sweep = {"airflow_run_id": run["dag_run_id"], "model": name, "version": str(version["version"])}
+
+
+def _serve_version(s: Stack) -> str | None:
+    """The version `mopflow serve` in the stack serves (None: no champion yet)."""
+    status, health = request_json("GET", f"{s.serve}/health")
+    assert status == 200, health
+    return health["version"]
+
+
+@pytest.mark.slow
+def test_new_shards_start_a_retrain_that_registers_a_version_the_server_then_serves(
+    running_stack: Stack,
+) -> None:
+    s = running_stack
+    sweep = _finished_sweep(s)
+    deadline = time.monotonic() + 120
+    while not (runs := _run_ids(s, RETRAIN_DAG_ID)):  # the scheduler turns the event into a run
+        assert time.monotonic() < deadline, "no mopflow_retrain run followed the sweep's new shards"
+        time.sleep(2)
+    assert len(runs) == 1, runs  # one event, one run (the retrain publishes none of its own)
+    run_id = runs.pop()
+    run = _wait_for_run(s, run_id, timeout_s=600, dag_id=RETRAIN_DAG_ID)
+    assert run["run_type"] == "asset_triggered", run
+    # It trained on the sweep's data and registered the sweep's model, with its own small search.
+    model = sweep["model"]
+    query = urllib.parse.urlencode({"filter": f"name='{model}'"})
+    status, answer = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/model-versions/search?{query}")
+    assert status == 200, answer
+    versions = sorted(int(v["version"]) for v in answer["model_versions"])
+    assert versions == [int(sweep["version"]), int(sweep["version"]) + 1], versions
+    query = urllib.parse.urlencode({"name": model, "alias": "champion"})
+    status, alias = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/alias?{query}")
+    assert status == 200 and alias["model_version"]["version"] == str(versions[-1]), alias
+    # The stack's champion server follows the alias to the new version and answers with it.
+    deadline = time.monotonic() + 120
+    while _serve_version(s) != str(versions[-1]):
+        assert time.monotonic() < deadline, f"mopflow serve still serves {_serve_version(s)}"
+        time.sleep(2)
+    with urllib.request.urlopen(f"{s.serve}/ping", timeout=10) as response:
+        assert response.status == 200 and response.headers["X-Model-Version"] == str(versions[-1])
+    status_out = _mopflow(s.home, "status", timeout=120)
+    assert f"{model} v{versions[-1]}" in status_out.stdout, status_out.stdout
+    s.sweep["version"] = str(versions[-1])  # the champion the MLflow UI test looks for
 
 
 # ---------------------------------------------------------------------------- the UIs in a browser (slow)
@@ -981,6 +1046,7 @@ def test_trigger_guard_covers_the_ui_call_other_dags_and_backfills(running_stack
     assert _run_ids(s, "mopflow_promote") == before_promote | {run["dag_run_id"]}
     # A backfill's dag_run_conf of the scheduled DAG.
     _wait_for_dag(s, "mopflow_retrain")
+    before_retrain = _run_ids(s, "mopflow_retrain")  # the data-triggered retrain of the sweep test
     backfill = {
         "dag_id": "mopflow_retrain",
         "from_date": "2026-01-01T00:00:00Z",
@@ -994,7 +1060,7 @@ def test_trigger_guard_covers_the_ui_call_other_dags_and_backfills(running_stack
     )
     code, listed = s.api("GET", "/backfills?dag_id=mopflow_retrain")
     assert code == 200 and listed["total_entries"] == 0, listed
-    assert _run_ids(s, "mopflow_retrain") == set()
+    assert _run_ids(s, "mopflow_retrain") == before_retrain
 
 
 @pytest.mark.slow

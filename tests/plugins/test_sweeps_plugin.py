@@ -41,7 +41,7 @@ def _log_pipeline_run(tracker: Any, key: str, dag_id: str, finished: bool, tmp: 
                 "state": "COMPLETE",
                 "val_acc": 0.91,
                 "pruned_epoch": None,
-                "params": {"lr": 0.0123456789, "width": 1024},
+                "params": {"family": "resnet", "lr": 0.0123456789, "width": 1024},
             },
             {"trial": 0, "state": "PRUNED", "val_acc": 0.42, "pruned_epoch": 3, "params": {"family": EVIL}},
         ]
@@ -141,6 +141,9 @@ def test_sweeps_page_renders_the_leaderboards(client: Any, store: dict[str, Any]
     assert "<th>pruned after epoch</th>" in page and "<td>4</td>" in page and "<td>3</td>" not in page
     # params: a key/value list, floats rounded, no item wraps inside a number
     assert "<li><code>lr</code> 0.01235</li><li><code>width</code> 1024</li>" in page
+    # each trial's family has its own column
+    assert "<th>family</th>" in page and '<td class="family">resnet</td>' in page
+    assert "<li><code>family</code>" not in page
     assert "break-all" not in page and "ul.params li{display:inline-block;white-space:nowrap" in page
     # the running search shows its trial runs
     assert "0.5500" in page and "still running" in page and "<li><code>width</code> 64</li>" in page

@@ -24,6 +24,7 @@ from training.data import (
     generate_mnist1d_partition,
     load_manifest,
     load_split,
+    manifest_hash,
     parquet_bytes,
     row_unit_interval,
     shard_dataset,
@@ -134,11 +135,30 @@ def test_corrupt_or_missing_shard_is_named(tmp_path: Path, dask_client: object) 
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(ShardIntegrityError, match="train-00001.parquet is corrupt"):
-        verify_manifest(result.manifest_uri)
+    for client in (None, dask_client):  # here, and on the workers
+        with pytest.raises(ShardIntegrityError, match="train-00001.parquet is corrupt"):
+            verify_manifest(result.manifest_uri, client=client)
     shard.unlink()
     with pytest.raises(ShardIntegrityError, match="train-00001.parquet is missing"):
+        verify_manifest(result.manifest_uri, client=dask_client)
+    with pytest.raises(ShardIntegrityError, match="train-00001.parquet is missing"):
         load_split(result.manifest_uri, "train")
+
+
+def test_a_shard_of_another_schema_is_named(tmp_path: Path, dask_client: object) -> None:
+    result = shard_dataset(DataConfig(num_samples=400, n_shards=2), str(tmp_path), dask_client)
+    assert verify_manifest(result.manifest_uri, client=dask_client)["manifest_hash"] == result.manifest_hash
+    manifest = storage.read_json(result.manifest_uri)
+    entry = manifest["splits"]["test"][0]
+    shard = Path(result.manifest_uri).parent / entry["name"]
+    frame = pd.read_parquet(shard)
+    frame["x000"] = frame["x000"].astype("float64")  # same columns, another type
+    frame.to_parquet(shard)
+    entry["sha256"] = storage.sha256_url(str(shard))  # a consistent manifest: only the schema differs
+    manifest["manifest_hash"] = manifest_hash(manifest)
+    storage.write_json_atomic(result.manifest_uri, manifest)
+    with pytest.raises(ShardIntegrityError, match=f"{entry['name']} has schema .*'x000': 'float64'"):
+        verify_manifest(result.manifest_uri, client=dask_client)
 
 
 def test_edited_manifest_is_refused(tmp_path: Path, dask_client: object) -> None:

@@ -215,11 +215,12 @@ def test_gpu_student_trains_on_the_gpu_and_comes_back_on_the_cpu() -> None:
 
     from compression.config import DistillConfig
     from compression.distill import plan_student, train_student
+    from training.families import DataSpec
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 40)).astype(np.float32)
     y = rng.integers(0, 10, size=256).astype(np.int64)
     cfg = DistillConfig(epochs=2)
-    plan = plan_student(cfg, 100_000, 40, 10)
+    plan = plan_student(cfg, 100_000, DataSpec(40, 10))
     model, history = train_student(plan, cfg, x, y, x, y, [0.0] * 40, [1.0] * 40, None, 0, device=GPU)
     assert len(history) == 2 and next(model.parameters()).device.type == "cpu"

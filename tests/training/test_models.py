@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from training.families import DataSpec
 from training.models import ArchSpec, build_model, count_params, largest_size_within
 
 
@@ -43,14 +44,16 @@ def test_arch_spec_round_trips_and_reads_the_width_depth_form() -> None:
     assert ArchSpec.from_dict(arch.to_dict()) == arch
     legacy = {"family": "cnn", "width": 8, "depth": 2, "input_dim": 40, "num_classes": 10}
     assert ArchSpec.from_dict(legacy) == arch
-    assert ArchSpec.from_params({"family": "cnn", "width": 8, "depth": 2, "lr": 0.1}, 40, 10) == arch
+    assert (
+        ArchSpec.from_params({"family": "cnn", "width": 8, "depth": 2, "lr": 0.1}, DataSpec(40, 10)) == arch
+    )
     assert len({arch, ArchSpec.from_dict(legacy)}) == 1
 
 
 def test_largest_size_within_is_the_largest_that_fits() -> None:
     budget = 5000
-    width = largest_size_within("cnn", {"depth": 3}, 40, 10, budget)
+    width = largest_size_within("cnn", {"depth": 3}, DataSpec(40, 10), budget)
     assert width is not None
     assert count_params(ArchSpec("cnn", {"width": width, "depth": 3}, 40, 10)) <= budget
     assert count_params(ArchSpec("cnn", {"width": width + 1, "depth": 3}, 40, 10)) > budget
-    assert largest_size_within("mlp", {"depth": 2}, 40, 10, 10) is None
+    assert largest_size_within("mlp", {"depth": 2}, DataSpec(40, 10), 10) is None

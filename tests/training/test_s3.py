@@ -64,6 +64,31 @@ def test_shards_round_trip_through_s3(s3_options: dict, dask_client: object, tmp
         verify_manifest(result.manifest_uri, s3_options)
 
 
+def test_a_partition_over_the_budget_streams_from_its_local_copies(
+    s3_options: dict, dask_client: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training.executors.units import clear_partitions, training_rows
+    from training.streaming import StreamedRows
+    from training.unit import DataRef
+
+    result = shard_dataset(
+        DataConfig(num_samples=700, n_shards=2), "s3://mopflow-test/stream", dask_client, s3_options
+    )
+    manifest = load_manifest(result.manifest_uri, s3_options)
+    names = [e["name"] for e in manifest["splits"]["train"]]
+    monkeypatch.setenv("MOPFLOW_TRAIN_MEMORY_MB", "0.01")
+    clear_partitions()
+    rows = training_rows(DataRef(result.manifest_uri, s3_options, str(tmp_path / "cache")), names)
+    assert isinstance(rows, StreamedRows)
+    copies = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert copies == sorted(f"{e['sha256']}.parquet" for e in manifest["splits"]["train"])
+    streamed = np.concatenate([b[0].numpy() for b in rows.batches(0, 0, 0, 64)])
+    x, _ = load_split(result.manifest_uri, "train", s3_options)
+    assert streamed.shape == x.shape
+    assert np.array_equal(np.sort(streamed, axis=0), np.sort(x, axis=0))  # the same rows, reordered
+    clear_partitions()
+
+
 def test_user_csv_on_s3(s3_options: dict, dask_client: object) -> None:
     import s3fs
 

@@ -10,6 +10,7 @@ import optuna
 import pytest
 
 from infra.optuna_storage import make_storage
+from training.algorithms import make_pruner
 from training.config import SearchConfig
 from training.executor_search import _SearchController
 from training.search import (
@@ -22,7 +23,6 @@ from training.search import (
     warm_start_study,
 )
 from training.space import SpaceError, default_space, optuna_params_for, parse_space, sample_params
-from training.trial import make_pruner
 
 SPACE = {
     "families": {
@@ -227,3 +227,34 @@ def test_executor_search_prunes_in_the_coordinator() -> None:
             break
     assert stopped_at is not None and stopped_at >= 1  # not judged at once, stopped past min_resource
     assert controller.pruned[bad.model_id] == stopped_at
+
+
+def test_an_epoch_trained_again_is_reported_to_optuna_once(recwarn: pytest.WarningsRecorder) -> None:
+    from training.executors import EpochReport
+
+    cfg = SearchConfig(n_trials=2, space=SPACE, pruner="none")
+    study = optuna.create_study(direction="maximize")
+    controller = _SearchController(study, cfg.search_space(), cfg, budget=2)
+    (spec,) = controller.ask(1)
+    for epoch, value in [(0, 0.5), (1, 0.6), (1, 0.61), (2, 0.7)]:  # epoch 1 redone after a lost worker
+        assert controller.on_epoch_end(EpochReport(spec.model_id, epoch, value, 1.0))
+    trial = study.trials[0]
+    assert trial.intermediate_values == {0: 0.5, 1: 0.6, 2: 0.7}
+    assert not [w for w in recwarn if "already reported" in str(w.message)]
+
+
+def test_the_registries_are_the_configs_choices_and_each_entry_builds() -> None:
+    from training.algorithms import PRUNERS, SAMPLERS
+    from training.config import SearchConfig
+    from training.executor_search import STRATEGY_EXECUTORS
+
+    properties = SearchConfig.model_json_schema()["properties"]
+    assert set(properties["sampler"]["enum"]) == set(SAMPLERS)
+    assert set(properties["pruner"]["enum"]) == set(PRUNERS)
+    assert set(properties["strategy"]["enum"]) == set(STRATEGY_EXECUTORS)
+    for name in SAMPLERS:
+        assert isinstance(make_sampler(SearchConfig(sampler=name)), optuna.samplers.BaseSampler)
+    for name in PRUNERS:
+        assert isinstance(make_pruner(name, 2, 9), optuna.pruners.BasePruner)
+    with pytest.raises(ValueError, match=r"unknown pruner 'bogus'; expected one of \['asha'"):
+        make_pruner("bogus", 1)

@@ -18,6 +18,7 @@ import pytest
 from optuna.trial import TrialState
 
 from infra.optuna_storage import make_storage
+from tests.dask_waits import wait_until_executing
 from training.config import SearchConfig
 from training.executor_search import run_strategy_search
 from training.executors.base import CHECKPOINT_FILE
@@ -206,7 +207,8 @@ def test_trial_whose_dask_worker_is_killed_resumes_on_the_restarted_worker(
         while not ckpt.exists() and time.monotonic() < deadline and runner.is_alive():
             time.sleep(0.05)
         assert ckpt.exists(), "the trial should have checkpointed an epoch"
-        time.sleep(0.3)
+        # killed while an epoch runs: a finished epoch's result is fetched, not redone
+        assert wait_until_executing(client, runner.is_alive), "the next epoch should be running"
         (pid,) = client.run(os.getpid).values()
         os.kill(pid, signal.SIGKILL)  # the nanny restarts the worker; the scheduler reschedules
         runner.join(timeout=300)

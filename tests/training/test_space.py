@@ -2,10 +2,19 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import optuna
 import pytest
 
-from training.space import SpaceError, default_space, params_from_optuna, parse_space, sample_params
+from training.families import DataSpec
+from training.space import (
+    SpaceError,
+    check_space_fits,
+    default_space,
+    params_from_optuna,
+    parse_space,
+    sample_params,
+)
 
 VALID = {
     "families": {
@@ -24,10 +33,12 @@ def _with(path: list[str], value: object) -> dict:
     return spec
 
 
-def test_default_space_has_both_families() -> None:
+def test_default_space_has_the_residual_cnn_and_the_mlp_for_tables() -> None:
     space = default_space()
-    assert set(space.families) == {"cnn", "mlp"}
+    assert set(space.families) == {"rescnn", "mlp"}
+    assert set(space.families["rescnn"]) == {"width", "depth", "shift"}
     assert {"lr", "weight_decay", "batch_size"} <= set(space.common)
+    check_space_fits(space, DataSpec(40, 10))  # every family builds at the space's smallest values
 
 
 @pytest.mark.parametrize(
@@ -82,3 +93,43 @@ def test_sampled_params_respect_bounds_and_round_trip() -> None:
         assert params["batch_size"] == 128  # default when the space has no batch_size
         assert params_from_optuna(trial.params) == params
         study.tell(trial, 0.5)
+
+
+def test_families_that_cannot_take_the_data_are_refused_before_training() -> None:
+    from training.families import DataSpec
+    from training.space import check_space_fits, default_space
+
+    image = DataSpec(3 * 8 * 8, 4, (3, 8, 8), "image")
+    with pytest.raises(
+        SpaceError, match=r"family 'rescnn' takes \['sequence', 'table'\] data; the dataset is 'image'"
+    ):
+        check_space_fits(default_space("table"), image)
+    check_space_fits(default_space("image"), image)
+    deep = parse_space(
+        {
+            "families": {
+                "cnn": {
+                    "width": {"type": "int", "low": 4, "high": 8},
+                    "depth": {"type": "int", "low": 6, "high": 8},
+                }
+            }
+        }
+    )
+    with pytest.raises(SpaceError, match="a CNN of depth 6 does not fit an input of length 40"):
+        check_space_fits(deep, DataSpec(40, 10))
+    assert {"cnn2d", "resnet"} == set(default_space("image").families)
+    with pytest.raises(SpaceError, match="no default search space for modality 'audio'"):
+        default_space("audio")
+
+
+def test_each_modality_s_default_space_offers_the_families_that_fit_it() -> None:
+    from training.families import DataSpec, get_family
+    from training.space import check_space_fits
+
+    shapes = {"table": (40,), "sequence": (20, 2), "image": (3, 16, 16)}
+    for modality, shape in shapes.items():
+        data = DataSpec(int(np.prod(shape)), 5, shape, modality)
+        space = default_space(modality)
+        check_space_fits(space, data)
+        assert all(get_family(name).fits(data) for name in space.families)
+    assert "gru" in default_space("sequence").families

@@ -3,10 +3,7 @@
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
 from training.unit import DataRef, ModelSpec
 
-STRATEGIES = ("task", "ddp", "mop")
-
 __all__ = [
-    "STRATEGIES",
     "Controller",
     "DataRef",
     "EpochReport",

@@ -89,7 +89,8 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     from pytorch_lightning.strategies import DDPStrategy
 
     from infra import storage
-    from training.data import load_manifest, load_split
+    from training.data import load_manifest
+    from training.executors.units import load_eval_split, training_rows
     from training.schedule import steps_per_epoch
     from training.trial import quiet_lightning
     from training.unit import DataRef, ModelSpec, TrainableUnit
@@ -102,13 +103,16 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     spec = replace(spec, params={**spec.params, "batch_size": int(job["batch_per_rank"])})
     data = DataRef(**job["data"])
     manifest = load_manifest(data.manifest_uri, data.storage_options)
-    x, y = load_split(data.manifest_uri, "train", data.storage_options)
-    xv, yv = load_split(data.manifest_uri, "validation", data.storage_options)
-    tensors = (torch.from_numpy(x), torch.from_numpy(y))
+    # in memory when within the worker's budget, else streamed (every rank reads its share)
+    tensors = training_rows(data, [e["name"] for e in manifest["splits"]["train"]])
+    streamed = not isinstance(tensors, tuple)
+    n_rows = len(tensors) if streamed else len(tensors[0])
     # One-cycle over the whole training in global steps (training/schedule.py); a rank's epoch is
-    # its share of the rows (padded to equal shares) in per-rank batches. A resumed job continues
-    # the schedule and the optimizer moments where the checkpoint left them.
-    epoch_steps = steps_per_epoch([math.ceil(len(x) / world)], int(spec.params["batch_size"]))
+    # its share of the rows (padded to equal shares in memory, cut to them when streamed) in
+    # per-rank batches. A resumed job continues the schedule and the optimizer moments where the
+    # checkpoint left them.
+    share = n_rows // world if streamed else math.ceil(n_rows / world)
+    epoch_steps = steps_per_epoch([share], int(spec.params["batch_size"]))
     unit = TrainableUnit.build(spec, manifest, epochs * epoch_steps)
     start_epoch = int(job.get("start_epoch", 0))
     if job.get("resume_uri"):  # safetensors: nothing unpickled
@@ -138,7 +142,7 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
                 report = {
                     "model_id": spec.model_id,
                     "epoch": epoch,
-                    "val_acc": unit.evaluate(torch.from_numpy(xv), yv),
+                    "val_acc": unit.evaluate(*load_eval_split(data, "validation")),
                     "train_loss": float(loss.item() / world),
                     "lr": record.lr_end,
                     "world_size": world,

@@ -15,14 +15,22 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from infra import stopping
 from training.data import load_manifest
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
 from training.executors.scheduler import MopScheduler, Unit, round_robin
 from training.executors.units import evaluate_state, init_state, train_pass_and_validate
-from training.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
 from training.schedule import steps_per_epoch
 from training.unit import DataRef, ModelSpec
 from training.unit_state import partial_meta, read_meta
+from training.volatile.preempt import (
+    UnitPreempted,
+    clear_notice,
+    lost_spans,
+    raise_notice,
+    redone_seconds,
+    task_story,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +100,9 @@ class MopExecutor(Executor):
         self.partitions = partition_shards(shard_names, partitions or len(workers))
         manifest = load_manifest(data.manifest_uri, data.storage_options)
         self.partition_rows = partition_rows(manifest, self.partitions)
-        self.before_round = before_round  # e.g. scale the cluster to n_j workers (training/scaling.py)
+        self.before_round = (
+            before_round  # e.g. scale the cluster to n_j workers (training/volatile/scaling.py)
+        )
         self.scheduler = MopScheduler(round_robin(self.partitions, workers), seed=seed)
         # Model slots: models training at once (at least one per partition keeps every worker busy).
         self.slots = slots or len(self.partitions)
@@ -102,6 +112,7 @@ class MopExecutor(Executor):
         self._leaving: set[str] = set()  # workers that said they are being preempted
         self._missing_since: dict[str, float] = {}
         self._no_worker_since: float | None = None
+        self._stopping = False  # asked to stop: the units in flight were given the notice
 
     def epoch_steps(self, spec: ModelSpec) -> int:
         """A model's optimizer steps in one epoch over every partition (its schedule's unit)."""
@@ -122,9 +133,14 @@ class MopExecutor(Executor):
         A model trains ``epochs`` epochs whenever it joined; models added by the controller
         join at the next round, in the slots that stopped or finished models freed.
         """
+        with stopping.stops_cooperatively():  # a stop lets the units in flight checkpoint first
+            return self._run(models, epochs, controller or TrainAll())
+
+    def _run(
+        self, models: Sequence[ModelSpec], epochs: int, controller: Controller
+    ) -> dict[str, ModelOutcome]:
         from distributed import wait
 
-        controller = controller or TrainAll()
         outcomes: dict[str, ModelOutcome] = {}
         states: dict[str, bytes] = {}
         visited: dict[str, list[str]] = {}
@@ -194,9 +210,12 @@ class MopExecutor(Executor):
                     )
 
             while not self.scheduler.epoch_finished:
+                if stopping.stop_requested():  # the units in flight checkpoint at their next batch
+                    self._stop_units(in_flight)
                 connected = self._connected()
                 alive = self._reconcile(connected)
-                submit_ready(alive)
+                if not stopping.stop_requested():
+                    submit_ready(alive)
                 if not in_flight:
                     self._wait_for_a_worker(alive)
                     time.sleep(0.05)
@@ -216,6 +235,8 @@ class MopExecutor(Executor):
                         if exc.state is not None:
                             states[unit.model] = exc.state
                             self.save_checkpoint(unit.model, exc.state)
+                        if stopping.stop_requested():  # the run stops: the unit waits in its checkpoint
+                            continue
                         redone = max(0.0, float(exc.record["end"]) - float(exc.record["saved_at"]))
                         self._account(unit, worker, "notice", redone, batches=exc.record.get("batches", 0))
                         self._leaving.add(worker)
@@ -260,7 +281,7 @@ class MopExecutor(Executor):
                         len(records),
                         total_units,
                     )
-                if finished:  # the freed workers get their next units first, then the checkpoints
+                if finished and not stopping.stop_requested():  # the freed workers get their next units first
                     submit_ready(self._alive())
                 for mid in finished:
                     self.save_checkpoint(mid, states[mid])
@@ -275,6 +296,18 @@ class MopExecutor(Executor):
             outcomes[mid].state = state
             outcomes[mid].checkpoint_uri = self.checkpoint_uri(mid) if self.checkpoint_root else None
         return outcomes
+
+    def _stop_units(self, in_flight: dict[Any, tuple[str, Unit]]) -> None:
+        """Asked to stop: give the workers the notice once (their units save their state at the
+        next batch and come back); once none is in flight, withdraw it and stop."""
+        if not self._stopping:
+            self._stopping = True
+            log.warning("mop: stopping; %d unit(s) in flight checkpoint at their next batch", len(in_flight))
+            self.client.run(raise_notice)
+        if not in_flight:
+            self.client.run(clear_notice)
+            self._stopping = False
+            stopping.raise_if_stopped()
 
     def _reconcile(self, connected: set[str]) -> list[str]:
         """Follow the cluster: partitions of workers gone while idle move to survivors; a new

@@ -9,22 +9,35 @@ lost (the scheduler's record of the spans that never finished, less what a notic
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from infra import stopping
 from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
 from training.executors.units import evaluate_state, init_state, train_pass, train_pass_and_validate
-from training.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
 from training.unit import DataRef, ModelSpec
 from training.unit_state import StateFormatError, global_step, partial_meta
+from training.volatile.preempt import (
+    UnitPreempted,
+    clear_notice,
+    lost_spans,
+    raise_notice,
+    redone_seconds,
+    task_story,
+)
+
+# How long an epoch handed back by a spot notice waits for its worker to leave before it is
+# submitted anyway (the worker leaves within its grace period, MOPFLOW_PREEMPT_GRACE_S).
+LEAVE_WAIT_S = 60.0
 
 log = logging.getLogger(__name__)
 
 
 class Admission(Protocol):
-    """Who decides when another model may start (``training/scaling.py``'s rounds of n_j)."""
+    """Who decides when another model may start (``training/volatile/scaling.py``'s rounds of n_j)."""
 
     def may_start(self, in_flight: int) -> bool: ...
 
@@ -93,12 +106,34 @@ class TaskExecutor(Executor):
                     self.admission.started()
                 run.start(spec)
 
-        admit()
-        while run.in_flight:
-            done, _ = wait(list(run.in_flight), return_when="FIRST_COMPLETED")
-            for future in done:
-                run.collect(future)
+        noticed = False
+        with stopping.stops_cooperatively():
             admit()
+            while run.in_flight or run.deferred:
+                done = set()
+                if not run.in_flight:  # only epochs waiting for a leaving worker to go
+                    time.sleep(0.5)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        done, _ = wait(list(run.in_flight), timeout=0.5, return_when="FIRST_COMPLETED")
+                if stopping.stop_requested() and not noticed:
+                    # asked to stop: the epochs in flight checkpoint at their next batch and come back
+                    noticed = True
+                    log.warning(
+                        "task: stopping; %d epoch(s) in flight checkpoint at their next batch",
+                        len(run.in_flight),
+                    )
+                    self.client.run(raise_notice)
+                for future in done:
+                    run.collect(future)
+                if stopping.stop_requested():
+                    run.deferred.clear()  # they wait in their checkpoints for the resume
+                else:
+                    run.submit_deferred()
+                    admit()
+            if noticed:
+                self.client.run(clear_notice)
+        stopping.raise_if_stopped()
         for mid, outcome in run.outcomes.items():
             outcome.state = run.states.get(mid, outcome.state)
             outcome.checkpoint_uri = self.checkpoint_uri(mid) if self.checkpoint_root else None
@@ -140,6 +175,7 @@ class _TaskRun:
         self.active: set[str] = set()
         self.in_flight: dict[Any, str] = {}
         self.leaving: set[str] = set()  # workers that said they are being preempted
+        self.deferred: dict[str, float] = {}  # model -> deadline: waiting for a leaving worker to go
 
     def start(self, spec: ModelSpec) -> None:
         """Take a model in: from its checkpoint when it has one (a restarted coordinator's retried
@@ -175,13 +211,35 @@ class _TaskRun:
             self.finish(mid, stopped_early=not keep)
 
     def submit(self, mid: str) -> None:
+        """Submit the model's next epoch; while a worker given a spot notice is still connected, the
+        epoch waits (:meth:`submit_deferred`) so that it does not land on that worker. (Restricting
+        it to the other workers instead can strand it: when those die too, Dask keeps a task
+        restricted to workers that are gone unrunnable, even with loose restrictions.)"""
+        if self._leaving_still_here():
+            self.deferred.setdefault(mid, time.monotonic() + LEAVE_WAIT_S)
+            return
+        self._submit_now(mid)
+
+    def _leaving_still_here(self) -> bool:
+        if not self.leaving:
+            return False
+        self.leaving &= set(self.x.client.scheduler_info()["workers"])  # the gone ones are forgotten
+        return bool(self.leaving)
+
+    def submit_deferred(self) -> None:
+        """Submit the deferred epochs once the leaving workers are gone (or waited long enough)."""
+        if not self.deferred:
+            return
+        gone = not self._leaving_still_here()
+        for mid, deadline in list(self.deferred.items()):
+            if gone or time.monotonic() > deadline:
+                del self.deferred[mid]
+                self._submit_now(mid)
+
+    def _submit_now(self, mid: str) -> None:
         spec = self.specs[mid]
         epoch = self.next_epoch.get(mid, 0)
         state = self.states.get(mid) or init_state(spec, self.x.data)
-        elsewhere: dict[str, Any] = {}
-        if self.leaving:  # keep off workers on their way out (loosely: any worker if none else)
-            others = sorted(set(self.x.client.scheduler_info()["workers"]) - self.leaving)
-            elsewhere = {"workers": others, "allow_other_workers": True} if others else {}
         future = self.x.client.submit(
             _train_and_validate,
             spec,
@@ -193,7 +251,6 @@ class _TaskRun:
             pure=False,
             key=f"task-{mid}-e{epoch}-{time.monotonic_ns()}",
             resources=spec.device.resources() or None,
-            **elsewhere,
         )
         self.in_flight[future] = mid
 
@@ -212,8 +269,16 @@ class _TaskRun:
                     "step": global_step(exc.state),
                     "after_notice": True,
                 }
+            if stopping.stop_requested():  # the run stops: the model waits in its checkpoint
+                log.info(
+                    "task: %s saved at batch %d of epoch %d",
+                    mid,
+                    int(exc.record.get("batches", 0)),
+                    epoch + 1,
+                )
+                return
             worker = str(exc.record.get("worker", ""))
-            self.leaving.add(worker)  # forgotten when the restarted worker takes a new address
+            self.leaving.add(worker)  # forgotten once it has left (a restarted one has a new address)
             self.x.account(
                 mid,
                 epoch,
@@ -252,6 +317,8 @@ class _TaskRun:
                 record["worker"],
             )
         if keep and epoch + 1 < self.epochs:
+            if stopping.stop_requested():  # the run stops: the next epoch starts on resume
+                return
             self.submit(mid)
         else:
             self.finish(mid, stopped_early=not keep)

@@ -13,10 +13,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from training import preempt
-from training.preempt import UnitPreempted, notice_received
 from training.schedule import steps_per_epoch
 from training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
+from training.volatile import preempt
+from training.volatile.preempt import UnitPreempted, notice_received
 
 __all__ = ["DataRef", "ModelSpec", "train_pass", "train_pass_and_validate", "init_state", "evaluate_state"]
 
@@ -25,8 +25,51 @@ log = logging.getLogger(__name__)
 # Worker-process cache of loaded partitions, on the device they train on: each worker loads its
 # shards once and keeps them there across units.
 _PARTITIONS: dict[tuple[str, tuple[str, ...], str], tuple[Any, Any]] = {}
+# Partitions over the memory budget: read from their shards pass by pass (training.streaming).
+_STREAMED: dict[tuple[str, tuple[str, ...]], Any] = {}
 # The same for the evaluation splits (validated after every epoch: read and verified once).
 _EVAL_SPLITS: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+
+def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu") -> Any:
+    """The training rows of these shards: ``(x, y)`` tensors held on ``device``
+    (:func:`load_partition`) when they fit the worker's memory budget (``MOPFLOW_TRAIN_MEMORY_MB``),
+    else a :class:`~training.streaming.StreamedRows` that reads them from the shards each pass."""
+    from training.data import load_manifest
+    from training.streaming import (
+        StreamedRows,
+        block_reader,
+        cache_shards,
+        shard_blocks,
+        shuffle_buffer_rows,
+        train_memory_bytes,
+    )
+
+    names = tuple(sorted(shard_names))
+    if (data.manifest_uri, names, device) in _PARTITIONS:
+        return _PARTITIONS[(data.manifest_uri, names, device)]
+    if (data.manifest_uri, names) not in _STREAMED:
+        manifest = load_manifest(data.manifest_uri, data.storage_options)
+        rows = sum(int(e["rows"]) for e in manifest["splits"]["train"] if e["name"] in names)
+        held = rows * (4 * len(manifest["feature_columns"]) + 8)  # float32 features, int64 label
+        budget = train_memory_bytes()
+        if held <= budget:
+            return load_partition(data, names, device)
+        log.info(
+            "training data: %d rows (%.0f MB) exceed the %.0f MB budget: streaming them from %d shard(s)",
+            rows,
+            held / 2**20,
+            budget / 2**20,
+            len(names),
+        )
+        options = dict(data.storage_options)
+        local = cache_shards(data.manifest_uri, manifest, names, options, data.cache_dir)  # remote ones
+        _STREAMED[(data.manifest_uri, names)] = StreamedRows(
+            shard_blocks(data.manifest_uri, manifest, names, options),
+            block_reader(data.manifest_uri, manifest, options, local),
+            shuffle_buffer_rows(),
+        )
+    return _STREAMED[(data.manifest_uri, names)]
 
 
 def load_partition(data: DataRef, shard_names: Sequence[str], device: str = "cpu") -> tuple[Any, Any]:
@@ -63,6 +106,7 @@ def cached_bytes() -> int:
 def clear_partitions() -> None:
     """Forget the cached partitions (between benchmark runs)."""
     _PARTITIONS.clear()
+    _STREAMED.clear()
     _EVAL_SPLITS.clear()
 
 
@@ -120,16 +164,17 @@ def train_pass(
         raise UnitPreempted(spec.model_id, state, here)
     torch.set_num_threads(1)
     quiet_lightning()
-    x, y = load_partition(data, shard_names, str(spec.device.torch_device()))
+    rows = training_rows(data, shard_names, str(spec.device.torch_device()))
     loaded = time.time()
+    n_rows = len(rows[0]) if isinstance(rows, tuple) else len(rows)
     steps = (
-        epoch_steps if epoch_steps is not None else steps_per_epoch([len(x)], int(spec.params["batch_size"]))
+        epoch_steps if epoch_steps is not None else steps_per_epoch([n_rows], int(spec.params["batch_size"]))
     )
     unit = _unit(spec, data, state, total_epochs * steps)
     unit.meta |= {"epoch": epoch, **dict(meta or {})}
     part = ",".join(sorted(shard_names))
     try:
-        record = unit.train_pass((x, y), epoch, pass_index, part, stop=lambda: preempt.NOTICE.is_set())
+        record = unit.train_pass(rows, epoch, pass_index, part, stop=lambda: preempt.NOTICE.is_set())
     except PassInterrupted as stopped:
         log.warning(
             "%s: spot notice; stopped epoch %d pass %d at batch %d/%d",

@@ -1,0 +1,68 @@
+"""`mlflow models serve` of a registered model on a free local port, for the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def served(home: Path, model_uri: str, extra_env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """Serve ``model_uri`` from ``home``'s MLflow registry; yield the server's base URL."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "MOPFLOW_"))}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.update(extra_env or {})
+    mlflow_bin = str(Path(sys.executable).with_name("mlflow"))
+    command = [mlflow_bin, "models", "serve", "-m", model_uri, "--env-manager", "local"]
+    server = subprocess.Popen(
+        [*command, "-h", "127.0.0.1", "-p", str(port), "-w", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, server.stdout.read().decode()[-3000:] if server.stdout else ""
+            assert time.monotonic() < deadline, "model server did not answer /ping within 120 s"
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+def invoke(base_url: str, payload: Any) -> Any:
+    """POST ``payload`` to the server's /invocations; the parsed answer."""
+    request = urllib.request.Request(
+        f"{base_url}/invocations",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())

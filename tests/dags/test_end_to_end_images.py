@@ -1,0 +1,80 @@
+"""The image demo config end to end (generated shapes, 2-D families, cnn2d student, mixup
+transfer set), then the served model queried with a tensor payload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.dags.serving import invoke, served
+from tests.dags.test_end_to_end import REPO, _mopflow
+
+TINY_IMAGES = [
+    "num_samples=800",
+    "n_trials=3",
+    "epochs=2",
+    "min_resource=1",
+    "top_k=2",
+    "distill_epochs=2",
+    "munge_multiplier=1",
+    "model_name=e2e-images",
+    "max_gap_to_ensemble=100",
+]
+
+
+@pytest.fixture(scope="module")
+def images_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    home = tmp_path_factory.mktemp("e2e-images") / "home"
+    summary_file = home.parent / "summary.json"
+    overrides = [arg for item in TINY_IMAGES for arg in ("--set", item)]
+    proc = _mopflow(
+        home,
+        "run",
+        "--config",
+        str(REPO / "infra" / "configs" / "images.yaml"),
+        *overrides,
+        "--summary-json",
+        str(summary_file),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return home, json.loads(summary_file.read_text())
+
+
+@pytest.mark.slow
+def test_images_go_through_every_stage(images_run: tuple[Path, dict]) -> None:
+    home, summary = images_run
+    from mlflow import MlflowClient
+    from mlflow.models import get_model_info
+
+    assert summary["student"]["arch"]["family"] == "cnn2d"
+    assert summary["student"]["arch"]["input_shape"] == [3, 16, 16]
+    assert summary["best_trial"]["params"]["family"] in {"resnet", "cnn2d"}
+    assert summary["student"]["num_params"] <= 0.1 * summary["ensemble"]["num_params"]
+    assert "student int8 (static)" in {row["model"] for row in summary["evaluation"]}
+    uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    version = client.get_model_version_by_alias("e2e-images-student", "champion")
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    (spec,) = get_model_info(version.source).signature.inputs.to_dict()
+    assert spec["type"] == "tensor" and spec["tensor-spec"]["dtype"] == "float32"
+    assert list(spec["tensor-spec"]["shape"]) == [-1, 3, 16, 16]
+
+
+@pytest.mark.slow
+def test_served_image_model_answers_a_tensor_payload(images_run: tuple[Path, dict]) -> None:
+    home, _ = images_run
+    from training.sources import generate_shapes
+
+    x, _ = generate_shapes(3, seed=7)
+    with served(home, "models:/e2e-images-student@champion") as url:
+        answer = invoke(url, {"inputs": x.reshape(3, 3, 16, 16).tolist()})
+        rows = answer["predictions"]
+        assert len(rows) == 3 and len(rows[0]) == 8
+        assert np.allclose([sum(r.values()) for r in rows], 1.0, atol=1e-4)
+        with pytest.raises(Exception, match="400|Bad Request"):
+            invoke(url, {"inputs": x.reshape(3, 768).tolist()})  # flat rows are not images

@@ -1,0 +1,309 @@
+"""`mopflow run` stops on SIGINT/SIGTERM and resumes where it stopped (real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from infra import local_runs, stopping
+from infra.cli import CliError
+from tests.dags.test_end_to_end import REPO, _env
+
+STOP_BOUND_S = 30.0
+CONF = {
+    "num_samples": 4000,  # epochs of a few seconds: a stop lands inside one
+    "n_shards": 2,
+    "n_trials": 3,
+    "n_workers": 2,
+    "epochs": 4,
+    "min_resource": 4,  # no pruning: every trial trains all its epochs
+    "top_k": 2,
+    "student_family": "cnn",
+    "distill_epochs": 2,
+    "model_name": "stop",
+    "max_gap_to_ensemble": 100,
+}
+
+
+def _start(home: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
+    log = home.parent / f"run-{time.monotonic_ns()}.log"
+    handle = log.open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infra.cli", "run", "--verbose", *args],
+        cwd=REPO,
+        env=_env(home),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, log
+
+
+def _wait_for(log: Path, needle: str, proc: subprocess.Popen[str], timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in log.read_text():
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"{needle!r} not seen in {timeout} s"
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen[str], signum: int) -> tuple[int, float, list[int]]:
+    """Send ``signum``; the exit code, the seconds it took, and the children still alive after."""
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "the run has started its Dask workers"
+    started = time.monotonic()
+    proc.send_signal(signum)
+    code = proc.wait(timeout=STOP_BOUND_S + 30)
+    took = time.monotonic() - started
+    alive = [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    return code, took, alive
+
+
+def _mlflow_runs(home: Path, run_key: str) -> dict[str, tuple[str, str]]:
+    from infra.tracking import MlflowTracker
+
+    tracker = MlflowTracker(f"sqlite:///{home / 'mlflow' / 'mlflow.db'}", "mopflow")
+    return {
+        r.info.run_name: (r.info.run_id, r.info.status)
+        for r in tracker.find_runs({"mopflow.run_key": run_key})
+    }
+
+
+def _record(home: Path) -> local_runs.RunRecord:
+    (record,) = local_runs.load_records(str(home))
+    return record
+
+
+def _resume(home: Path, summary: Path) -> tuple[dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "run", "--resume", "--verbose", "--summary-json", str(summary)],
+        cwd=REPO,
+        env=_env(home),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "resumed          : 1 time(s)" in proc.stdout
+    return dict(json.loads(summary.read_text())), proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_sigint_mid_search_stops_cleanly_and_resume_finishes_the_same_study(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    config = tmp_path / "conf.json"
+    config.write_text(json.dumps(CONF))
+    proc, log = _start(home, "--config", str(config))
+    _wait_for(log, "search: trial 0 COMPLETE", proc)
+    code, took, alive = _stop(proc, signal.SIGINT)
+    output = log.read_text()
+    assert code == 130, output[-3000:]
+    assert took < STOP_BOUND_S, took
+    assert alive == []
+    record = _record(home)
+    assert record.state == "stopped" and f"mopflow run --resume {record.run_key}" in output
+    # the epochs in flight checkpointed at their next batch before the workers closed
+    # the epochs in flight were told to checkpoint at their next batch (an epoch that reached its
+    # end first comes back whole)
+    assert re.search(r"task: stopping; [1-9]\d* epoch\(s\) in flight checkpoint at their next batch", output)
+    saved = re.findall(r"task: (trial-\d+) saved at batch \d+ of epoch (\d+)", output)
+    before = _mlflow_runs(home, record.run_key)
+    assert all(status != "RUNNING" for _, status in before.values()), before
+    assert before[f"pipeline-{record.run_key}"][1] == "KILLED" and before["search"][1] == "KILLED"
+
+    summary, output = _resume(home, tmp_path / "summary.json")
+    after = _mlflow_runs(home, record.run_key)
+    # the trials in flight at the stop are retried from their checkpoints, not started afresh
+    assert "was left RUNNING by an earlier attempt; retrying its params from its last checkpoint" in output
+    for model, epoch in saved:  # it goes on inside the epoch it stopped in, not at its start
+        assert re.search(rf"task: {model} resumes at epoch {epoch} \(step \d+\)", output), (model, epoch)
+    assert summary["run_key"] == record.run_key and summary["resumed"] == 1
+    assert summary["trials"]["COMPLETE"] + summary["trials"]["PRUNED"] == CONF["n_trials"]
+    # trials finished before the stop keep their MLflow runs; nothing is left RUNNING
+    for name, (run_id, _) in before.items():
+        if name.startswith("trial-"):
+            assert after[name] == (run_id, "FINISHED")
+    assert all(status == "FINISHED" for _, status in after.values()), after
+    assert after[f"pipeline-{record.run_key}"][0] == before[f"pipeline-{record.run_key}"][0]
+    assert summary["registered"]["version"] == "1" and _record(home).state == "succeeded"
+    import optuna
+
+    from infra.optuna_storage import make_storage
+
+    study = optuna.load_study(
+        study_name=summary["optuna"]["study_name"], storage=make_storage(str(home / "optuna" / "journal.log"))
+    )
+    finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
+    assert len(finished) == CONF["n_trials"]
+
+
+@pytest.mark.slow
+def test_sigterm_mid_distill_stops_cleanly_and_resumes(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    config = tmp_path / "conf.json"
+    config.write_text(
+        json.dumps(
+            CONF | {"num_samples": 1000, "n_trials": 2, "epochs": 2, "min_resource": 2, "distill_epochs": 24}
+        )
+    )
+    proc, log = _start(home, "--config", str(config))
+    _wait_for(log, "distill: training the student", proc)
+    time.sleep(1.0)
+    code, took, alive = _stop(proc, signal.SIGTERM)
+    assert code == 143, log.read_text()[-3000:]
+    assert took < STOP_BOUND_S and alive == []
+    record = _record(home)
+    runs = _mlflow_runs(home, record.run_key)
+    assert runs["distill"][1] == "KILLED" and runs["ensemble"][1] == "FINISHED"
+    assert all(status != "RUNNING" for _, status in runs.values()), runs
+    summary, _ = _resume(home, tmp_path / "summary.json")
+    assert summary["run_key"] == record.run_key
+    assert summary["trials"]["COMPLETE"] == 2
+    assert summary["registered"]["aliases"]
+
+
+def test_our_handler_stays_while_others_try_to_replace_it() -> None:
+    seen: list[tuple[str, int]] = []
+    stopping.reset()
+    before = signal.getsignal(signal.SIGTERM)
+
+    def first(signum: int) -> None:
+        stopping.request_stop(signum)
+        seen.append(("first", signum))
+
+    with local_runs.owned_signals(first, lambda signum: seen.append(("second", signum))):
+        signal.signal(signal.SIGTERM, lambda *_: seen.append(("intruder", 0)))  # as a task runner does
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+    assert seen == [("first", signal.SIGTERM), ("second", signal.SIGTERM)]
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert stopping.ended_status() == "KILLED" and stopping.stop_signal() == signal.SIGTERM
+    with pytest.raises(stopping.PipelineStopped, match="stopped by SIGTERM"):
+        stopping.raise_if_stopped()
+    stopping.reset()
+    assert stopping.ended_status() == "FAILED"
+
+
+def test_run_records_and_what_can_be_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = str(tmp_path)
+    with pytest.raises(CliError, match="no unfinished run to resume"):
+        local_runs.find_resumable(home, None)
+    done = local_runs.RunRecord(
+        "aaa", "d", "r1", "2026-01-01T00:00:00+00:00", {}, "succeeded", "2026-01-01T00:00:00Z"
+    )
+    stopped = local_runs.RunRecord(
+        "bbb", "d", "r2", "2026-01-02T00:00:00+00:00", {"epochs": 3}, "stopped", "2026-01-02T00:00:00Z"
+    )
+    for record in (done, stopped):
+        local_runs.save_record(home, record)
+    assert local_runs.find_resumable(home, None).run_key == "bbb"
+    with pytest.raises(CliError, match="run aaa already succeeded"):
+        local_runs.find_resumable(home, "aaa")
+    with pytest.raises(CliError, match=r"no run with key 'zzz'.*recent: \['bbb', 'aaa'\]"):
+        local_runs.find_resumable(home, "zzz")
+    table = local_runs.format_runs(local_runs.load_records(home))
+    assert table.index("bbb") < table.index("aaa") and "stopped" in table
+    assert local_runs.exit_code(signal.SIGINT) == 130 and local_runs.exit_code(signal.SIGTERM) == 143
+    monkeypatch.setenv(local_runs.STOP_TIMEOUT_ENV, "0")
+    with pytest.raises(
+        CliError, match="MOPFLOW_STOP_TIMEOUT_S='0' must be a number of seconds between 1 and 3600"
+    ):
+        local_runs.stop_timeout_s()
+
+
+def test_resume_refuses_a_new_config(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "run", "--resume", "--set", "epochs=3"],
+        cwd=REPO,
+        env=_env(tmp_path / "home"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--resume continues a run with its own config" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_failed_run_names_its_root_cause_and_exits_2_for_bad_input(tmp_path: Path) -> None:
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    table = pd.DataFrame(rng.normal(size=(300, 4)), columns=[f"px{i}" for i in range(4)])
+    table["label"] = rng.integers(0, 3, 300)
+    table.loc[7, "px2"] = np.nan
+    table.to_csv(tmp_path / "nan.csv", index=False)
+    home = tmp_path / "home"
+    proc = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "run", "--set", f"dataset={tmp_path / 'nan.csv'}"],
+        cwd=REPO,
+        env=_env(home) | {"MOPFLOW_RETRY_DELAY_S": "30"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-3:]
+    assert last[0].startswith("mopflow: run ")
+    assert "the shard stage failed: DataValidationError: 1 row(s) have NaN/inf" in last[0]
+    assert "{'px2': 1}" in last[0] and "mopflow run --resume" in last[1]
+    record = _record(home)
+    log_file = home / "logs" / f"{record.run_key}.log"
+    assert last[2] == f"full log: {log_file}"
+    # the terminal shows the progress view; the logs went to the run's log file
+    assert "[00:" in proc.stdout and "shard" in proc.stdout and "DAG TEST" not in proc.stdout + proc.stderr
+    output = log_file.read_text()
+    # neither the shard nor finalize is retried: a retry cannot fix bad data
+    assert output.count("starting task_id=shard ") == 1 and output.count("starting task_id=finalize ") == 1
+    assert record.state == "failed" and record.message == "shard: DataValidationError"
+
+
+@pytest.mark.slow
+def test_sigint_under_mop_checkpoints_the_units_in_flight_and_resumes(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    config = tmp_path / "conf.json"
+    conf = CONF | {"num_samples": 2000, "strategy": "mop", "n_trials": 3, "epochs": 3, "min_resource": 3}
+    config.write_text(json.dumps(conf))
+    proc, log = _start(home, "--config", str(config))
+    _wait_for(log, "finished p", proc)  # a first unit is done: the sweep is under way
+    code, took, alive = _stop(proc, signal.SIGINT)
+    output = log.read_text()
+    assert code == 130 and took < STOP_BOUND_S and alive == [], output[-3000:]
+    assert re.search(r"mop: stopping; \d+ unit\(s\) in flight checkpoint at their next batch", output)
+    summary, _ = _resume(home, tmp_path / "summary.json")
+    assert summary["trials"]["COMPLETE"] + summary["trials"]["PRUNED"] == conf["n_trials"]
+
+
+@pytest.mark.slow
+def test_a_second_signal_stops_at_once_and_leaves_no_run_running(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    config = tmp_path / "conf.json"
+    config.write_text(json.dumps(CONF | {"num_samples": 3000, "n_trials": 2, "epochs": 6, "min_resource": 6}))
+    proc, log = _start(home, "--config", str(config))
+    _wait_for(log, "epoch 1/6 val_acc", proc)  # training is under way
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # the clean stop is under way (it takes seconds: checkpoints, closing the cluster)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=STOP_BOUND_S)
+    took = time.monotonic() - started
+    output = log.read_text()
+    assert code == 130 and "stopping at once (SIGINT)" in output, output[-3000:]
+    assert took < 10.0, took
+    assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+    record = _record(home)
+    assert record.state == "stopped" and f"mopflow run --resume {record.run_key}" in output
+    runs = _mlflow_runs(home, record.run_key)
+    assert all(status != "RUNNING" for _, status in runs.values()), runs  # a resume reopens them
+    assert runs[f"pipeline-{record.run_key}"][1] == "KILLED"

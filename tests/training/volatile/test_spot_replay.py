@@ -1,0 +1,240 @@
+"""A price trace replayed against a real LocalCluster: workers are stopped (spot notice) when the
+price rises above their bid and started again when it falls back; the run is accounted."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from tests.spaces import fixed_cnn_space
+from training.config import SearchConfig
+from training.volatile.cost import PriceError, PriceTrace, bill_interval
+from training.volatile.spot_replay import account_intervals, price_at, repeat_trace
+
+SPACE = fixed_cnn_space(batch_size=64)
+
+
+def test_repeated_trace_and_prices_past_its_end() -> None:
+    trace = PriceTrace((0.0, 10.0), (1.0, 3.0), 30.0)
+    assert price_at(trace, 5.0) == (1.0, 5.0)
+    assert price_at(trace, 35.0) == (1.0, 5.0)  # the trace repeats from its start
+    assert price_at(trace, 52.0) == (3.0, 8.0)
+    longer = repeat_trace(trace, 61.0)
+    assert longer.times == (0.0, 10.0, 30.0, 40.0, 60.0, 70.0) and longer.end == 90.0
+    with pytest.raises(PriceError, match="lower speed"):
+        repeat_trace(trace, 1e9)
+
+
+def test_account_of_real_intervals() -> None:
+    """Billed at the price while running, whatever the bid; idle when no worker runs."""
+    trace = PriceTrace((0.0, 3600.0), (1.0, 2.0), 7200.0)
+    account = account_intervals(
+        trace,
+        {"0": [(0.0, 1800.0), (5400.0, 7200.0)], "1": [(0.0, 3600.0)]},
+        0.0,
+        7200.0,
+        useful_seconds=3000.0,
+        wasted_seconds=60.0,
+        units=3,
+        interrupted=1,
+    )
+    assert account.worker_costs == pytest.approx((0.5 + 1.0, 1.0))
+    assert account.idle_seconds == pytest.approx(1800.0)  # 3600-5400: nobody runs
+    assert account.billed_worker_seconds == pytest.approx(7200.0)
+    metrics = account.metrics()
+    assert metrics["spot_wasted_worker_hours"] == pytest.approx(60 / 3600)
+    assert metrics["spot_failed_attempts"] == 1.0
+    with pytest.raises(PriceError, match="outside the run"):
+        account_intervals(trace, {"0": [(0.0, 9000.0)]}, 0.0, 7200.0)
+
+
+def test_spot_settings_are_validated_early(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="go together"):
+        SearchConfig(spot_trace=str(tmp_path / "p.csv"))
+    with pytest.raises(ValidationError, match=r"spot_bids\[1\]=-1.0"):
+        SearchConfig(spot_trace="p.csv", spot_bids=[1.0, -1.0])
+    with pytest.raises(ValidationError, match="strategy 'task' or 'mop'.*not 'ddp'"):
+        SearchConfig(spot_trace="p.csv", spot_bids=[1.0], strategy="ddp")
+    assert SearchConfig(spot_trace="p.csv", spot_bids="1.0, 0.5", strategy="mop").spot_bids == [1.0, 0.5]
+    with pytest.raises(ValidationError, match="spot_trace 'prices.txt' must name a timestamp,price CSV"):
+        SearchConfig(spot_trace="prices.txt", spot_bids=[1.0])
+
+
+def test_trace_is_read_from_an_fsspec_url(tmp_path: Path) -> None:
+    from training.volatile.spot_replay import read_price_trace
+
+    (tmp_path / "p.csv").write_text("timestamp,price\n0,0.3\n60,0.8\n")
+    trace = read_price_trace(f"file://{tmp_path / 'p.csv'}")
+    assert trace.times == (0.0, 60.0) and trace.prices == (0.3, 0.8)
+    with pytest.raises(PriceError, match="cannot read price trace memory://nowhere/p.csv"):
+        read_price_trace("memory://nowhere/p.csv")
+
+
+@pytest.mark.slow
+def test_bad_replay_input_fails_before_training(tmp_path: Path, small_manifest: str) -> None:
+    from training.cluster import dask_client
+    from training.executor_search import run_strategy_search
+
+    csv = tmp_path / "prices.csv"
+    csv.write_text("timestamp,price\n0,0.3\n60,oops\n")
+    args = (small_manifest, "bad", str(tmp_path / "j.log"), str(tmp_path / "art"))
+    with dask_client("", 1) as client:
+        cfg = SearchConfig(
+            n_trials=1, epochs=1, n_workers=1, space=SPACE, spot_trace=str(csv), spot_bids=[1.0]
+        )
+        with pytest.raises(PriceError, match="line 3: price 'oops'"):
+            run_strategy_search(cfg, *args, client)
+        csv.write_text("timestamp,price\n0,0.3\n60,0.5\n")
+        with pytest.raises(PriceError, match="2 bid\\(s\\) for a LocalCluster of 1 worker"):
+            run_strategy_search(cfg.model_copy(update={"spot_bids": [1.0, 2.0]}), *args, client)
+        with pytest.raises(PriceError, match="below the trace's lowest price"):
+            run_strategy_search(cfg.model_copy(update={"spot_bids": [0.1]}), *args, client)
+    assert not (tmp_path / "j.log").exists(), "no study was opened"
+
+
+@pytest.mark.slow
+def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
+    tmp_path: Path, small_manifest: str
+) -> None:
+    """Worker 1 (bid 0.5) is priced out from trace second 60 to 600 (1 s to 10 s at 60x); worker 0
+    (bid 1.0) never is. The sweep completes; worker 1 really left (its process is gone) and came
+    back as a new process at a new address; the account bills what really ran."""
+    from mlflow.tracking import MlflowClient
+
+    from infra.tracking import MlflowTracker
+    from training.cluster import dask_client
+    from training.executor_search import run_strategy_search
+    from training.volatile.scaling import log_volatile
+
+    csv = tmp_path / "prices.csv"
+    csv.write_text("timestamp,price\n0,0.3\n60,0.8\n600,0.3\n100000,0.3\n")
+    speed = 60.0
+    cfg = SearchConfig(
+        n_trials=3,
+        epochs=10,
+        n_workers=2,
+        space=SPACE,
+        pruner="none",
+        spot_trace=str(csv),
+        spot_bids=[1.0, 0.5],
+        spot_speed=speed,
+    )
+    with dask_client("", 2) as client:
+        outcome = run_strategy_search(
+            cfg, small_manifest, "spot", str(tmp_path / "j.log"), str(tmp_path / "art"), client
+        )
+        after = len(client.scheduler_info()["workers"])
+    assert after == 2, "the replay leaves every worker running"
+    assert [r.state for r in outcome.results] == ["COMPLETE"] * 3
+    assert all(len(r.history) == 10 for r in outcome.results)
+    report = outcome.spot
+    assert report is not None and report.error == ""
+    kinds = [e.kind for e in report.events if e.worker == "1"]
+    assert kinds[:3] == ["joined", "notice", "exit"], kinds
+    assert "notice" not in [e.kind for e in report.events if e.worker == "0"]
+    pids, addresses = report.pids("1"), report.addresses("1")
+    assert len(set(pids)) == 2 and len(set(addresses)) == 2, "restarted: a new process at a new address"
+    notice, gone = (
+        next(e for e in report.events if e.worker == "1" and e.kind == k) for k in ("notice", "exit")
+    )
+    assert 60 <= notice.trace_t < 60 + 1.0 * speed  # within a poll (and a loaded machine's delay)
+    t1 = report.trace_start + (report.wall_stop - report.wall_start) * speed
+    trace = PriceTrace((0.0, 60.0, 600.0), (0.3, 0.8, 0.3), 100_000.0)
+    assert report.ideal_cost == pytest.approx(sum(bill_interval(trace, [1.0, 0.5], 0.0, t1).worker_costs))
+    # billed what really ran: worker 0 throughout; worker 1 until its process was gone, and again from
+    # its restart (at the first price <= its bid after it left) to the end
+    starts = [e for e in report.events if e.worker == "1" and e.kind == "start" and e.trace_t <= t1]
+    worker1 = [(0.0, min(gone.trace_t, t1))] + ([(starts[0].trace_t, t1)] if starts else [])
+    if starts:
+        assert max(600.0, gone.trace_t) <= starts[0].trace_t < max(600.0, gone.trace_t) + 1.0 * speed
+    expected = sum(bill_interval(trace, [math.inf], a, b).worker_costs[0] for a, b in [(0.0, t1), *worker1])
+    account = report.account
+    assert account.cost == pytest.approx(expected, rel=1e-6)
+    # never billed less than the bids imply (but for the moments a restart takes to be noticed)
+    assert report.ideal_cost - 1.0 * speed * 0.3 / 3600 <= account.cost
+    # at most worker 1's time at 0.8 from the price rise (trace second 60, not the notice a poll
+    # later: CI billed 0.01 trace-s more than notice-to-exit) until its process was gone
+    assert account.cost - report.ideal_cost <= (gone.trace_t - 60.0) * 0.8 / 3600 + 1e-9
+    assert account.idle_seconds == pytest.approx(0.0, abs=1e-6)  # worker 0 always ran
+    assert account.wasted_worker_seconds == pytest.approx(min(gone.trace_t, t1) - notice.trace_t, rel=1e-6)
+    assert 0 < account.useful_worker_seconds < account.billed_worker_seconds
+    assert account.units >= 3
+
+    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "spot", str(tmp_path / "mlartifacts"))
+    run_id = tracker.start_run("search", {})
+    log_volatile(tracker, run_id, outcome)
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
+    assert run.data.metrics["spot_cost"] == pytest.approx(account.cost)
+    assert run.data.metrics["spot_notices"] == 1.0 and run.data.params["spot_bids"] == "1,0.5"
+
+
+MOP_SPACE = fixed_cnn_space(batch_size=8)
+
+
+@pytest.mark.slow
+def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
+    tmp_path: Path, small_manifest: str
+) -> None:
+    """strategy=mop: worker 1 (bid 0.5) is priced out from trace second 60 to 180 (1 s to 3 s at
+    60x). Its unit checkpoints on the notice and goes on elsewhere; the worker's process really
+    exits and a new one joins under the same name while the sweep runs; every trial completes all
+    its epochs and the account is logged."""
+    import dask
+    from mlflow.tracking import MlflowClient
+
+    from infra.tracking import MlflowTracker
+    from training.cluster import dask_client
+    from training.executor_search import run_search_with_executor
+    from training.volatile.scaling import log_volatile
+
+    csv = tmp_path / "prices.csv"
+    csv.write_text("timestamp,price\n0,0.3\n60,0.8\n180,0.3\n100000,0.3\n")
+    cfg = SearchConfig(
+        n_trials=2,
+        epochs=EPOCHS_MOP,
+        strategy="mop",
+        model_slots=2,
+        space=MOP_SPACE,
+        pruner="none",
+        spot_trace=str(csv),
+        spot_bids=[1.0, 0.5],
+        spot_speed=60.0,
+    )
+    # a restarted worker that trained takes a while to come back on a loaded 2-core machine
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"}), dask_client("", 2) as client:
+        outcome = run_search_with_executor(
+            cfg,
+            small_manifest,
+            "spot-mop",
+            str(tmp_path / "j.log"),
+            str(tmp_path / "art"),
+            client,
+            checkpoint_root=str(tmp_path / "ckpt"),
+        )
+        after = len(client.scheduler_info()["workers"])
+    assert after == 2, "the replay leaves every worker running"
+    assert [r.state for r in outcome.results] == ["COMPLETE"] * 2, [r.error for r in outcome.results]
+    assert all([h["epoch"] for h in r.history] == list(range(EPOCHS_MOP)) for r in outcome.results)
+    # every model still visited both partitions once per epoch
+    assert sorted(len(recs) for recs in outcome.epoch_records.values()) == [4] * EPOCHS_MOP
+    report = outcome.spot
+    assert report is not None and report.error == ""
+    kinds = [e.kind for e in report.events if e.worker == "1" and e.wall <= report.wall_stop]
+    assert kinds[:5] == ["joined", "notice", "exit", "start", "joined"], kinds  # restarted mid-sweep
+    assert "notice" not in [e.kind for e in report.events if e.worker == "0"]
+    pids, addresses = report.pids("1"), report.addresses("1")
+    assert len(set(pids)) >= 2 and len(set(addresses)) >= 2, "a new process at a new address"
+    assert report.account.cost > 0 and report.account.billed_worker_seconds > 0
+
+    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "spot", str(tmp_path / "mlartifacts"))
+    run_id = tracker.start_run("search", {})
+    log_volatile(tracker, run_id, outcome)
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id)
+    assert run.data.metrics["spot_cost"] == pytest.approx(report.account.cost)
+    assert run.data.metrics["spot_notices"] == 1.0 and run.data.metrics["spot_restarts"] >= 1.0
+
+
+EPOCHS_MOP = 3
