@@ -3,7 +3,7 @@
 What is measured
 ----------------
 The default pipeline, exactly as ``make demo`` runs it: ``mopflow run --summary-json FILE`` (the
-packaged ``infra/configs/default.yaml`` and the default search space
+packaged ``infra/configs/demo.yaml`` and the default search space
 ``training/spaces/default.json``, the embedded defaults: SQLite for Airflow and MLflow, an
 Optuna journal file, a 2-worker Dask ``LocalCluster``), started as a subprocess of this script
 with ``MOPFLOW_HOME`` set to a fresh temporary directory, so that nothing from an earlier run
@@ -59,7 +59,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "mnist1d_accuracy.json"
-DEFAULT_CONFIG = REPO_ROOT / "infra" / "configs" / "default.yaml"
+DEFAULT_CONFIG = REPO_ROOT / "infra" / "configs" / "demo.yaml"
 DEFAULT_SPACE = REPO_ROOT / "training" / "spaces" / "default.json"
 ENSEMBLE_TARGET = 0.98
 STUDENT_TARGET = 0.97

@@ -120,7 +120,7 @@ def run_one(
     cfg = SearchConfig(
         n_trials=args.trials,
         epochs=args.epochs,
-        n_workers=args.workers,
+        parallel_trials=args.workers,
         seed=seed,
         sampler=sampler,  # type: ignore[arg-type]
         pruner=pruner,  # type: ignore[arg-type]

@@ -657,7 +657,7 @@ def run(settings: Settings, out: Path) -> int:
             },
             "settings": asdict(settings)
             | {
-                "n_workers": N_WORKERS,
+                "parallel_trials": N_WORKERS,
                 "ddp_world_size": DDP_WORLD_SIZE,
                 "models": models,
                 "data_config": manifest["config"],

@@ -1,8 +1,8 @@
 """Wiring shared by the pipeline DAGs (``mopflow_retrain``, ``mopflow_sweep``): Params and tasks.
 
-Not a DAG file itself. Every task body makes one call into ``compression.pipeline`` (imported
-inside the task) and passes small references (URIs, ids) through XCom; the Params are generated
-from ``compression.config.conf_json_schema``, so the trigger form, the REST API and the tasks
+Not a DAG file itself. Every task body makes one call into the stage layer, ``infra.stages``
+(imported inside the task), and passes small references (URIs, ids) through XCom; the Params are generated
+from ``infra.stages.config.conf_json_schema``, so the trigger form, the REST API and the tasks
 validate the same way.
 
 Asset design (no trigger loop): ``mopflow_retrain`` is scheduled on the ``mopflow_sharded_dataset``
@@ -20,31 +20,14 @@ from typing import Any
 
 from airflow.sdk import Asset, AssetAlias, Param, task
 
-from compression.config import conf_json_schema
 from infra.airflow_home import TRAINING_POOL  # created by `mopflow up` / `mopflow run`
+from infra.stages.config import ADVANCED_SECTION, FORM_KEYS, conf_json_schema
 
 # The sharded dataset: an event means "a sweep sharded data nobody had sharded before".
 SHARDED_DATASET = Asset("mopflow_sharded_dataset")
 # Sweeps publish through this alias so that an event is emitted only when shards are new.
 NEW_SHARDS = AssetAlias("mopflow_new_shards")
 
-# Trigger-form order: the keys a sweep is usually tuned by come first, the rest are grouped.
-FORM_KEYS = (
-    "dataset",
-    "search_space",
-    "strategy",
-    "n_workers",
-    "epochs",
-    "n_trials",
-    "timeout_minutes",
-    "sampler",
-    "pruner",
-    "seed",
-    "top_k",
-    "student_max_param_ratio",
-    "promotion",
-)
-ADVANCED_SECTION = "Advanced"
 # A task argument: an XCom reference while wiring, the upstream task's dict at run time.
 Ref = Any
 
@@ -89,23 +72,23 @@ def _call(stage: str, *args: Any) -> Any:
     from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
-    from compression import pipeline
+    from infra.stages import permanent_errors, stage_function
 
     context = get_current_context()
     try:
         params = _run_conf(context)
         if stage == "start_pipeline":
-            return pipeline.start_pipeline(params, context["dag"].dag_id, context["run_id"])
+            return stage_function(stage)(params, context["dag"].dag_id, context["run_id"])
         if stage == "finalize_pipeline":  # the only stage that needs no conf
-            return pipeline.finalize_pipeline(*args)
-        return getattr(pipeline, stage)(params, *args)
-    except pipeline.permanent_errors() as exc:
+            return stage_function(stage)(*args)
+        return stage_function(stage)(params, *args)
+    except permanent_errors() as exc:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _run_conf(context: Any) -> dict[str, Any]:
     """The run's Params; in a run triggered by new shards, with the data and model the event carries."""
-    from compression.data_events import conf_with_data_events
+    from infra.stages.data_events import conf_with_data_events
 
     events = (context.get("triggering_asset_events") or {}).get(SHARDED_DATASET, [])
     extras = [dict(event.extra or {}) for event in sorted(events, key=lambda event: event.timestamp)]
@@ -115,7 +98,7 @@ def _run_conf(context: Any) -> dict[str, Any]:
 def retrain_defaults() -> dict[str, Any]:
     """mopflow_retrain's Param defaults: ``warm_start`` and the keys of ``MOPFLOW_RETRAIN_CONFIG`` (a
     YAML file of config keys, validated when the DAG file is parsed)."""
-    from compression.data_events import read_conf_file
+    from infra.stages.data_events import read_conf_file
 
     path = os.environ.get("MOPFLOW_RETRAIN_CONFIG", "").strip()
     return {"warm_start": True, **(read_conf_file(path) if path else {})}
@@ -142,7 +125,7 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     def shard(ctx: Ref) -> dict[str, Any]:
         from airflow.sdk import get_current_context
 
-        from compression.data_events import EVENT_CONF_KEY, event_conf
+        from infra.stages.data_events import EVENT_CONF_KEY, event_conf
 
         result: dict[str, Any] = _call("shard_stage", ctx)
         if publish_new_shards and not result.get("reused"):

@@ -22,7 +22,7 @@ from infra.airflow_home import embedded_airflow_env
 from infra.local_runs import RunEnded
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = Path(__file__).with_name("configs") / "default.yaml"
+DEFAULT_CONFIG = Path(__file__).with_name("configs") / "demo.yaml"
 DAG_ID = "mopflow_retrain"
 
 log = logging.getLogger("mopflow")
@@ -91,9 +91,9 @@ def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bo
     Unless ``verbose``, the logs go to ``$MOPFLOW_HOME/logs/<run key>.log`` and the terminal
     shows the run's progress (:mod:`infra.progress`).
     """
-    from compression.config import ConfigError, PipelineConfig
     from infra import local_runs, progress, stopping, storage
     from infra.settings import Settings
+    from infra.stages.config import ConfigError, PipelineConfig
 
     settings = Settings.from_env()
     record = local_runs.find_resumable(settings.home, resume or None) if resume is not None else None
@@ -153,7 +153,7 @@ def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bo
     state = str(getattr(dag_run, "state", "unknown"))
     summary_uri = storage.join(settings.artifact_root, "runs", record.run_key, "summary.json")
     if not state.endswith("success") or not storage.exists(summary_uri, settings.storage_options):
-        from compression.pipeline import read_failure
+        from infra.stages import read_failure
 
         failure = read_failure(settings, record.run_key)
         record.state, record.ended_at = "failed", local_runs.now_iso()
@@ -622,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_config_keys(args: argparse.Namespace) -> int:
     """Print every pipeline config key with its default and meaning (the table in
     docs/user-guide/configuration.md)."""
-    from compression.config import conf_markdown_table
+    from infra.stages.config import conf_markdown_table
 
     print(conf_markdown_table())
     return 0
@@ -649,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mopflow: {exc}", file=sys.stderr)
         return exc.code
     except Exception as exc:
-        from compression.config import ConfigError
+        from infra.stages.config import ConfigError
 
         if isinstance(exc, ConfigError):
             print(f"mopflow: invalid config: {exc}", file=sys.stderr)

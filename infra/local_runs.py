@@ -342,7 +342,7 @@ def started_record(dag_id: str, conf: Mapping[str, Any]) -> RunRecord:
     from airflow.models.dagrun import DagRun
     from airflow.utils.types import DagRunType
 
-    from compression.pipeline import make_run_key
+    from infra.stages import make_run_key
 
     logical = datetime.now(UTC)
     run_id = DagRun.generate_run_id(run_type=DagRunType.MANUAL, logical_date=logical, run_after=logical)

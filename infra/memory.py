@@ -1,8 +1,8 @@
 """How much memory a stage held: the peak resident set of this process while it ran.
 
 A daemon thread samples the process's RSS (psutil) every ``interval_s`` while a
-:class:`PeakMemory` block runs; :func:`measured_stage` wraps a stage function with one and logs
-the peak when the stage ends, failed or not. (``ru_maxrss`` would give the whole process's
+:class:`PeakMemory` block runs; :func:`peak_memory_logged` (or the :func:`measured_stage`
+decorator) wraps a stage with one and logs the peak when the stage ends, failed or not. (``ru_maxrss`` would give the whole process's
 lifetime peak, not the stage's: one process runs every task under ``mopflow run``.)
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -59,23 +60,30 @@ class PeakMemory:
         self.sample()
 
 
+@contextmanager
+def peak_memory_logged(stage: str) -> Iterator[PeakMemory]:
+    """Log the peak resident memory of this process while the block runs (failed or not)."""
+    with PeakMemory() as peak:
+        try:
+            yield peak
+        finally:
+            peak.sample()
+            log.info(
+                "%s: peak resident memory of the task process %.0f MB (%.0f MB when it started)",
+                stage,
+                peak.peak_bytes / MB,
+                peak.start_bytes / MB,
+            )
+
+
 def measured_stage(stage: str) -> Callable[[F], F]:
     """Log the peak resident memory of this process while the decorated stage function runs."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with PeakMemory() as peak:
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    peak.sample()
-                    log.info(
-                        "%s: peak resident memory of the task process %.0f MB (%.0f MB when it started)",
-                        stage,
-                        peak.peak_bytes / MB,
-                        peak.start_bytes / MB,
-                    )
+            with peak_memory_logged(stage):
+                return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
 

@@ -36,12 +36,12 @@ def journal_path(url: str) -> str:
     return url[len("journal://") :] if url.startswith("journal://") else url
 
 
-def make_storage(url: str, n_workers: int = 1) -> BaseStorage:
+def make_storage(url: str, writers: int = 1) -> BaseStorage:
     """Open an Optuna storage. SQLite is refused for parallel workers (it locks under concurrent writes)."""
     kind = storage_kind(url)
-    if kind == "sqlite" and n_workers > 1:
+    if kind == "sqlite" and writers > 1:
         raise StorageConfigError(
-            f"Optuna storage {url!r} is SQLite, which cannot take {n_workers} concurrent workers; "
+            f"Optuna storage {url!r} is SQLite, which cannot take {writers} concurrent writers; "
             "use a journal file (a path) or PostgreSQL"
         )
     if kind == "journal":

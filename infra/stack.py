@@ -134,7 +134,7 @@ class StackConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     ports: StackPorts
-    dask_workers: int = Field(2, ge=1, le=256)
+    dask_workers: int = Field(ge=1, le=256)  # MOPFLOW_DASK_WORKERS, or `mopflow up --dask-workers`
     pool_slots: int = Field(1, ge=1, le=1024)
     timeout_s: float = Field(300.0, gt=0, le=3600)
     grace_s: float = Field(20.0, ge=0, le=600)

@@ -154,7 +154,7 @@ def _guarded_dag(call: trigger_guard.Call, user: Any) -> trigger_guard.GuardedDa
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
-    from compression.config import CONF_FIELDS, validate_conf
+    from infra.stages.config import CONF_FIELDS, validate_conf
 
     with create_session() as session:
         dag_id = call.dag_id or call.endpoint.dag_id
@@ -202,7 +202,7 @@ async def resolve_trigger(call: trigger_guard.Call, user: Any) -> trigger_guard.
 
 def guard_kwargs() -> dict[str, Any]:
     """The trigger guard's injected Airflow side and its limits."""
-    from compression.config import MAX_CONF_BYTES
+    from infra.stages.config import MAX_CONF_BYTES
 
     return {
         "authenticate": authenticate_caller,
@@ -216,7 +216,7 @@ def conf_limit() -> int | ValueError:
     """``[mopflow] max_conf_bytes`` (default and most: the pipeline's own limit), or why it is bad."""
     from airflow.configuration import conf
 
-    from compression.config import MAX_CONF_BYTES
+    from infra.stages.config import MAX_CONF_BYTES
 
     try:
         return trigger_guard.parse_limit(conf.get("mopflow", "max_conf_bytes", fallback=None), MAX_CONF_BYTES)

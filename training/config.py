@@ -134,7 +134,12 @@ class SearchConfig(StageConfig):
 
     n_trials: int = Field(20, ge=1, le=1000, description="Number of trials to finish")
     epochs: int = Field(80, ge=1, le=1000, description="Training epochs per trial")
-    n_workers: int = Field(2, ge=1, le=256, description="Trials trained at once (Dask workers)")
+    parallel_trials: int = Field(
+        2,
+        ge=1,
+        le=256,
+        description="Trials trained at once under task (each on a Dask worker; the cluster is MOPFLOW_DASK_WORKERS)",
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Sampler and training seed")
     sampler: SamplerName = Field(
         "tpe", description="Optuna sampler, seeded: tpe, random, grid, gp (Gaussian process), cmaes"

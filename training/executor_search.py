@@ -264,7 +264,7 @@ def _task_executor(
     from training.executors.task import TaskExecutor
 
     register_preemption(client)  # spot notices: epochs checkpoint mid-pass and move on
-    return TaskExecutor(client, data, shards, checkpoint_root, slots=cfg.n_workers, admission=scaling)
+    return TaskExecutor(client, data, shards, checkpoint_root, slots=cfg.parallel_trials, admission=scaling)
 
 
 def _mop_executor(

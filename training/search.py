@@ -330,7 +330,7 @@ def open_study(
     check_space_fits(space, data)
     study = optuna.create_study(
         study_name=study_name,
-        storage=make_storage(storage_url, cfg.n_workers),
+        storage=make_storage(storage_url, cfg.parallel_trials),
         direction="maximize",
         sampler=make_sampler(cfg, space),
         pruner=make_pruner(cfg.pruner, cfg.min_resource, cfg.epochs),

@@ -3,7 +3,10 @@ the sweep form refuses bad values; the retrain schedule; the promote DAG's wirin
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +101,7 @@ def test_retrain_warm_starts_and_sweep_does_not_by_default(dagbag: Any) -> None:
 
 @pytest.mark.parametrize("dag_id", ["mopflow_retrain", "mopflow_sweep"])
 def test_every_param_has_a_schema_and_a_description(dagbag: Any, dag_id: str) -> None:
-    from compression.config import CONF_FIELDS, PipelineConfig
+    from infra.stages.config import CONF_FIELDS, PipelineConfig
 
     dag = dagbag.dags[dag_id]
     assert set(dag.params.keys()) == set(CONF_FIELDS)
@@ -135,7 +138,7 @@ def test_the_form_rule_flags_an_empty_required_string() -> None:
 @pytest.mark.parametrize("key", ["worker_schedule", "spot_trace"])
 @pytest.mark.parametrize("blank", [None, ""])
 def test_optional_text_params_accept_a_blank_field(dagbag: Any, key: str, blank: Any) -> None:
-    from compression.config import PipelineConfig
+    from infra.stages.config import PipelineConfig
 
     config = PipelineConfig.from_conf(_validated(dagbag.dags["mopflow_sweep"], **{key: blank}))
     assert config.search.worker_schedule is None and config.search.spot_trace == ""
@@ -144,21 +147,10 @@ def test_optional_text_params_accept_a_blank_field(dagbag: Any, key: str, blank:
 def test_sweep_form_shows_the_sweep_keys_first() -> None:
     import _mopflow_common as common  # importable: the DAG files put dags/ on sys.path
 
-    expected = [
-        "dataset",
-        "search_space",
-        "strategy",
-        "n_workers",
-        "epochs",
-        "n_trials",
-        "timeout_minutes",
-        "sampler",
-        "pruner",
-        "seed",
-        "top_k",
-        "student_max_param_ratio",
-        "promotion",
-    ]
+    from infra.stages.config import CONF_FIELDS, FORM_KEYS
+
+    expected = list(FORM_KEYS)  # the config's form order: the one source
+    assert expected[:3] == ["dataset", "search_space", "strategy"] and set(expected) <= set(CONF_FIELDS)
     params = common.conf_params()
     assert list(params)[: len(expected)] == expected
     assert all("section" not in params[k].schema for k in expected)
@@ -171,7 +163,7 @@ def test_sweep_form_shows_the_sweep_keys_first() -> None:
     ("key", "value"),
     [
         ("strategy", "threads"),
-        ("n_workers", 0),
+        ("parallel_trials", 0),
         ("epochs", -3),
         ("n_trials", "many"),
         ("timeout_minutes", 0),
@@ -198,7 +190,7 @@ def test_sweep_params_accept_good_values(dagbag: Any) -> None:
         "dataset": "s3://bucket/table.parquet",
         "search_space": '{"families": {"mlp": {"width": {"type": "int", "low": 8, "high": 32}}}}',
         "strategy": "mop",
-        "n_workers": 3,
+        "parallel_trials": 3,
         "epochs": 5,
         "n_trials": 6,
         "timeout_minutes": 30,
@@ -236,6 +228,8 @@ def test_dag_files_only_wire() -> None:
         for line in module_level:
             if line.startswith("from infra.airflow_home import"):  # names only: it imports no library
                 continue
+            if line.startswith("from infra.stages.config import"):  # the config model: pydantic only
+                continue
             top = line.split()[1].split(".")[0]
             assert top not in {"torch", "optuna", "mlflow", "dask", "training", "infra"}, (name, line)
     shared = (REPO / "infra" / "airflow_home.py").read_text()
@@ -243,3 +237,9 @@ def test_dag_files_only_wire() -> None:
         line.split()[1].split(".")[0] for line in shared.splitlines() if line.startswith(("import ", "from "))
     }
     assert imported <= {"__future__", "logging", "os", "subprocess", "collections", "pathlib"}, imported
+    probe = "import json, sys, infra.stages.config; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    heavy = {"torch", "optuna", "mlflow", "dask", "distributed", "lightning"} & set(json.loads(loaded.stdout))
+    assert not heavy, f"the config model imports {sorted(heavy)}: parsing a DAG file would too"

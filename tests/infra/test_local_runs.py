@@ -23,7 +23,7 @@ CONF = {
     "num_samples": 4000,  # epochs of a few seconds: a stop lands inside one
     "n_shards": 2,
     "n_trials": 3,
-    "n_workers": 2,
+    "parallel_trials": 2,
     "epochs": 4,
     "min_resource": 4,  # no pruning: every trial trains all its epochs
     "top_k": 2,

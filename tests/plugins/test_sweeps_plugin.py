@@ -26,7 +26,7 @@ PNG = bytes.fromhex(
 
 
 def _log_pipeline_run(tracker: Any, key: str, dag_id: str, finished: bool, tmp: Path) -> str:
-    """A pipeline run as compression.pipeline tags it: parent, search, and trials or a leaderboard."""
+    """A pipeline run as the stage layer tags it: parent, search, and trials or a leaderboard."""
     base = {"mopflow.dag_id": dag_id, "mopflow.airflow_run_id": f"manual__{key}", "mopflow.run_key": key}
     parent = tracker.start_run(f"pipeline-{key}", {**base, "mopflow.stage": "pipeline"})
     tracker.log_params(parent, {"strategy": "mop" if finished else "task"})

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from compression.config import CONF_FIELDS, MAX_CONF_BYTES, conf_json_schema, validate_conf
+from infra.stages.config import CONF_FIELDS, MAX_CONF_BYTES, conf_json_schema, validate_conf
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = REPO / "plugins"

@@ -115,7 +115,7 @@ def test_search_runs_trials_in_parallel_and_records_them(
     small_manifest: str, tmp_path: Path, dask_client: object
 ) -> None:
     storage_url = str(tmp_path / "journal.log")
-    cfg = SearchConfig(n_trials=4, epochs=2, n_workers=2, space=TINY_SPACE, min_resource=1)
+    cfg = SearchConfig(n_trials=4, epochs=2, parallel_trials=2, space=TINY_SPACE, min_resource=1)
     seen: list[int] = []
     outcome = run_strategy_search(
         cfg,
@@ -144,7 +144,7 @@ def test_trial_left_running_is_retried_with_the_same_params(
     small_manifest: str, tmp_path: Path, dask_client: object
 ) -> None:
     storage_url = str(tmp_path / "journal.log")
-    cfg = SearchConfig(n_trials=2, epochs=1, n_workers=2, space=TINY_SPACE, pruner="none")
+    cfg = SearchConfig(n_trials=2, epochs=1, parallel_trials=2, space=TINY_SPACE, pruner="none")
     study = optuna.create_study(study_name="s2", storage=make_storage(storage_url), direction="maximize")
     study.enqueue_trial({"family": "mlp", "mlp_width": 9, "mlp_depth": 1, "lr": 0.01})
     killed = study.ask()  # the coordinator samples its params, then "dies": left RUNNING
@@ -161,14 +161,16 @@ def test_trial_left_running_is_retried_with_the_same_params(
 
 def test_sqlite_storage_is_refused_for_parallel_workers(tmp_path: Path) -> None:
     with pytest.raises(StorageConfigError, match="SQLite"):
-        make_storage(f"sqlite:///{tmp_path}/o.db", n_workers=2)
+        make_storage(f"sqlite:///{tmp_path}/o.db", writers=2)
 
 
 def test_search_adds_unpruned_trials_until_the_ensemble_has_its_members(
     small_manifest: str, tmp_path: Path, dask_client: object
 ) -> None:
     # min_resource=1 with reduction 3 prunes most of 3 trials; 3 COMPLETE are still required.
-    cfg = SearchConfig(n_trials=3, epochs=3, n_workers=2, space=TINY_SPACE, min_resource=1, sampler="random")
+    cfg = SearchConfig(
+        n_trials=3, epochs=3, parallel_trials=2, space=TINY_SPACE, min_resource=1, sampler="random"
+    )
     outcome = run_strategy_search(
         cfg, small_manifest, "s3", str(tmp_path / "j.log"), str(tmp_path / "art"), dask_client, min_complete=3
     )

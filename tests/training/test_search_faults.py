@@ -55,7 +55,7 @@ def test_a_task_trial_whose_coordinator_died_is_retried_from_its_last_checkpoint
     import training.executor_search as search
 
     storage_url, art, epochs = str(tmp_path / "journal.log"), str(tmp_path / "art"), 6
-    cfg = SearchConfig(n_trials=1, epochs=epochs, n_workers=1, space=SPACE, pruner="none")
+    cfg = SearchConfig(n_trials=1, epochs=epochs, parallel_trials=1, space=SPACE, pruner="none")
     real = search._SearchController.on_epoch_end
     heard: list[object] = []
 
@@ -103,7 +103,7 @@ def test_tampered_trial_checkpoint_is_refused(
     import torch
 
     torch.save({"state_dict": {}, "evil": Payload()}, folder / CHECKPOINT_FILE)
-    cfg = SearchConfig(n_trials=1, epochs=2, n_workers=1, space=SPACE, pruner="none")
+    cfg = SearchConfig(n_trials=1, epochs=2, parallel_trials=1, space=SPACE, pruner="none")
     outcome = run_strategy_search(cfg, small_manifest, "t", str(tmp_path / "j.log"), art, dask_client)
     first = outcome.results[0]
     assert first.state == "FAIL" and "not a safetensors blob" in (first.error or "")
@@ -118,7 +118,7 @@ WORKER = textwrap.dedent(
     from infra.optuna_storage import make_storage
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url, worker, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    study = optuna.load_study(study_name="crowd", storage=make_storage(url, n_workers=4))
+    study = optuna.load_study(study_name="crowd", storage=make_storage(url, writers=4))
     told = []
     for _ in range(n):
         trial = study.ask()
@@ -133,7 +133,7 @@ WORKER = textwrap.dedent(
 
 
 def _crowd(url: str, workers: int = 4, per_worker: int = 12) -> None:
-    optuna.create_study(study_name="crowd", storage=make_storage(url, n_workers=workers))
+    optuna.create_study(study_name="crowd", storage=make_storage(url, writers=workers))
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", WORKER, url, str(w), str(per_worker)],
@@ -173,7 +173,7 @@ def test_four_workers_on_postgresql_lose_no_trial(pg_url: str) -> None:
 def test_search_on_postgresql_storage(
     small_manifest: str, tmp_path: Path, dask_client: object, pg_url: str
 ) -> None:
-    cfg = SearchConfig(n_trials=3, epochs=2, n_workers=2, space=SPACE, pruner="none", sampler="random")
+    cfg = SearchConfig(n_trials=3, epochs=2, parallel_trials=2, space=SPACE, pruner="none", sampler="random")
     outcome = run_strategy_search(cfg, small_manifest, "pg", pg_url, str(tmp_path / "art"), dask_client)
     assert [r.state for r in outcome.results] == ["COMPLETE"] * 3
     trials = optuna.load_study(study_name="pg", storage=make_storage(pg_url)).trials
@@ -193,7 +193,7 @@ def test_trial_whose_dask_worker_is_killed_resumes_on_the_restarted_worker(
     from training.cluster import dask_client
 
     storage_url, art, epochs = str(tmp_path / "journal.log"), str(tmp_path / "art"), 30
-    cfg = SearchConfig(n_trials=1, epochs=epochs, n_workers=1, space=SPACE, pruner="none")
+    cfg = SearchConfig(n_trials=1, epochs=epochs, parallel_trials=1, space=SPACE, pruner="none")
     ckpt = Path(checkpoint_folder(art, "dk", 0)) / CHECKPOINT_FILE
     with dask_client("", 1) as client:
         outcome: dict[str, object] = {}

@@ -227,7 +227,7 @@ def test_task_sweep_survives_preempted_and_killed_workers(
     # a 3-epoch trial finish before its notice was handled)
     # batches of 4: an epoch task runs long enough (some 200 steps) to be hit mid-pass
     space = {**SPACE, "common": {**SPACE["common"], "batch_size": {"type": "categorical", "choices": [4]}}}
-    cfg = SearchConfig(n_trials=2, epochs=6, n_workers=2, space=space, pruner="none", sampler="random")
+    cfg = SearchConfig(n_trials=2, epochs=6, parallel_trials=2, space=space, pruner="none", sampler="random")
 
     def run(name: str) -> Callable[[], SearchOutcome]:
         return lambda: run_strategy_search(

@@ -9,7 +9,7 @@ interrupting any work:
   (``min(n_max, shards)`` of them, fixed for the sweep) are placed round-robin on the workers present.
 * ``task``: a trial runs whole on one worker, so round j is a batch of trials: the cluster is scaled
   to n_j workers, one trial per worker present (at most n_j) is started, and round j+1 begins when all of them have
-  finished (a barrier: a worker whose trial was pruned early waits for the round to end). ``n_workers``
+  finished (a barrier: a worker whose trial was pruned early waits for the round to end). ``parallel_trials``
   is then ignored.
 
 Scaling is a :class:`ClusterScaler`: a ``LocalCluster`` starts and stops worker processes
@@ -205,9 +205,9 @@ class RoundScaling:
 def round_scaling(cfg: SearchConfig, client: Any) -> RoundScaling:
     """The scaling a search config asks for on this client's cluster."""
     if cfg.worker_schedule is None:
-        return RoundScaling(None, None, cfg.n_workers)
+        return RoundScaling(None, None, cfg.parallel_trials)
     log.info("scaling: worker schedule %s", cfg.worker_schedule.model_dump())
-    return RoundScaling(cfg.worker_schedule, scaler_for(client, cfg.scale_timeout_s), cfg.n_workers)
+    return RoundScaling(cfg.worker_schedule, scaler_for(client, cfg.scale_timeout_s), cfg.parallel_trials)
 
 
 def log_worker_rounds(

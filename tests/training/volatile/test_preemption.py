@@ -54,7 +54,7 @@ def test_sigterm_checkpoints_mid_epoch_and_the_trial_resumes_there(
     # batches of 4 through a wide CNN: an epoch is a pass of some 200 slow steps (about a second),
     # long beside the wait between seeing it start and sending the signal
     space = fixed_cnn_space(batch_size=4, width=64, depth=4)
-    cfg = SearchConfig(n_trials=1, epochs=epochs, n_workers=1, space=space, pruner="none")
+    cfg = SearchConfig(n_trials=1, epochs=epochs, parallel_trials=1, space=space, pruner="none")
     ckpt = Path(checkpoint_folder(art, "pre", 0)) / CHECKPOINT_FILE
     with dask_client("", 1) as client:
         outcome: dict[str, object] = {}

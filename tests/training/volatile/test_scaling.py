@@ -134,7 +134,9 @@ def test_task_sweep_runs_rounds_of_n_j_trials(
 ) -> None:
     from training.executor_search import run_strategy_search
 
-    cfg = SearchConfig(n_trials=3, epochs=2, n_workers=1, space=SPACE, pruner="none", worker_schedule=STEP)
+    cfg = SearchConfig(
+        n_trials=3, epochs=2, parallel_trials=1, space=SPACE, pruner="none", worker_schedule=STEP
+    )
     outcome = run_strategy_search(
         cfg, small_manifest, "task-scale", str(tmp_path / "j.log"), str(tmp_path / "art"), cluster_client
     )

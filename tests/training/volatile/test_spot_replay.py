@@ -83,7 +83,7 @@ def test_bad_replay_input_fails_before_training(tmp_path: Path, small_manifest: 
     args = (small_manifest, "bad", str(tmp_path / "j.log"), str(tmp_path / "art"))
     with dask_client("", 1) as client:
         cfg = SearchConfig(
-            n_trials=1, epochs=1, n_workers=1, space=SPACE, spot_trace=str(csv), spot_bids=[1.0]
+            n_trials=1, epochs=1, parallel_trials=1, space=SPACE, spot_trace=str(csv), spot_bids=[1.0]
         )
         with pytest.raises(PriceError, match="line 3: price 'oops'"):
             run_strategy_search(cfg, *args, client)
@@ -115,7 +115,7 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     cfg = SearchConfig(
         n_trials=3,
         epochs=10,
-        n_workers=2,
+        parallel_trials=2,
         space=SPACE,
         pruner="none",
         spot_trace=str(csv),

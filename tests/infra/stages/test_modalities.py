@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compression import pipeline
+from infra import stages
 from infra.settings import Settings
 from training.bundle import load_bundle
 
@@ -53,9 +53,9 @@ def test_images_train_under_the_mop_and_ddp_strategies(tmp_path: Path, strategy:
         "search_space": IMAGE_SPACE,
         "model_name": f"img-{strategy}",
     }
-    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", f"manual__{strategy}", settings)
-    shard = pipeline.shard_stage(conf, ctx, settings)
-    search = pipeline.search_stage(conf, ctx, shard, settings)
+    ctx = stages.start_pipeline(conf, "mopflow_retrain", f"manual__{strategy}", settings)
+    shard = stages.shard_stage(conf, ctx, settings)
+    search = stages.search_stage(conf, ctx, shard, settings)
     assert search["counts"] == {"COMPLETE": 2, "PRUNED": 0, "FAIL": 0}
 
 
@@ -76,15 +76,15 @@ def test_a_sequence_ensemble_of_two_families_is_distilled_on_mixup(tmp_path: Pat
         "sampler": "grid",  # one trial per family
         "model_name": "seq",
     }
-    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "manual__seq", settings)
-    shard = pipeline.shard_stage(conf, ctx, settings)
-    search = pipeline.search_stage(conf, ctx, shard, settings)
-    ensemble = pipeline.ensemble_stage(conf, ctx, shard, search, settings)
+    ctx = stages.start_pipeline(conf, "mopflow_retrain", "manual__seq", settings)
+    shard = stages.shard_stage(conf, ctx, settings)
+    search = stages.search_stage(conf, ctx, shard, settings)
+    ensemble = stages.ensemble_stage(conf, ctx, shard, search, settings)
     members = load_bundle(ensemble["bundle_uri"]).spec["members"]
     assert sorted(m["family"] for m in members) == ["gru", "rescnn"]
     assert all(m["modality"] == "sequence" and m["input_shape"] == [16, 2] for m in members)
-    distill = pipeline.distill_stage(conf, ctx, shard, ensemble, settings)
+    distill = stages.distill_stage(conf, ctx, shard, ensemble, settings)
     assert distill["arch"]["family"] == "cnn" and distill["arch"]["input_shape"] == [16, 2]
-    params = pipeline._tracker(settings).client.get_run(distill["run_id"]).data.params
+    params = stages.tracker_for(settings).client.get_run(distill["run_id"]).data.params
     assert params["transfer"] == "mixup" and params["family"] == "cnn"  # the choices auto made
     assert "student int8 (static)" in {row["model"] for row in distill["evaluation"]}

@@ -9,9 +9,10 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from compression import pipeline
+from infra import stages
 from infra.optuna_storage import make_storage
 from infra.settings import Settings
+from infra.stages.config import PipelineConfig
 from training.search import WARM_START_ATTR
 from training.space import params_from_optuna
 
@@ -35,26 +36,24 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 
 @pytest.mark.slow
 def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
-    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__test", settings)
+    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__test", settings)
     assert (
-        pipeline.champion_warm_start(
-            pipeline._tracker(settings).client, pipeline.PipelineConfig.from_conf(CONF)
-        )
+        stages.champion_warm_start(stages.tracker_for(settings).client, PipelineConfig.from_conf(CONF))
         is None
     )
-    assert pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__test", settings) == ctx
-    shard = pipeline.shard_stage(CONF, ctx, settings)
-    search = pipeline.search_stage(CONF, ctx, shard, settings)
-    ens = pipeline.ensemble_stage(CONF, ctx, shard, search, settings)
-    student = pipeline.distill_stage(CONF, ctx, shard, ens, settings)
-    first = pipeline.register_stage(CONF, ctx, shard, search, ens, student, settings)
+    assert stages.start_pipeline(CONF, "mopflow_retrain", "manual__test", settings) == ctx
+    shard = stages.shard_stage(CONF, ctx, settings)
+    search = stages.search_stage(CONF, ctx, shard, settings)
+    ens = stages.ensemble_stage(CONF, ctx, shard, search, settings)
+    student = stages.distill_stage(CONF, ctx, shard, ens, settings)
+    first = stages.register_stage(CONF, ctx, shard, search, ens, student, settings)
 
     # The same run again, stage by stage (an Airflow "clear and rerun").
-    shard2 = pipeline.shard_stage(CONF, ctx, settings)
+    shard2 = stages.shard_stage(CONF, ctx, settings)
     assert shard2["reused"] and shard2["manifest_hash"] == shard["manifest_hash"]
-    search2 = pipeline.search_stage(CONF, ctx, shard2, settings)
+    search2 = stages.search_stage(CONF, ctx, shard2, settings)
     assert search2["study_name"] == search["study_name"]
-    second = pipeline.register_stage(CONF, ctx, shard2, search2, ens, student, settings)
+    second = stages.register_stage(CONF, ctx, shard2, search2, ens, student, settings)
     assert second["registered"]["version"] == first["registered"]["version"] == "1"
 
     study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
@@ -64,14 +63,18 @@ def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
     assert len(client.search_model_versions("name='idem-ensemble'")) == 1
     experiment = client.get_experiment_by_name(settings.experiment_name)
     runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
-    stages = [r.data.tags["mopflow.stage"] for r in runs]
-    assert stages.count("pipeline") == 1 and stages.count("search") == 1 and stages.count("register") == 1
-    assert stages.count("trial") == CONF["n_trials"]
+    stage_tags = [r.data.tags["mopflow.stage"] for r in runs]
+    assert (
+        stage_tags.count("pipeline") == 1
+        and stage_tags.count("search") == 1
+        and stage_tags.count("register") == 1
+    )
+    assert stage_tags.count("trial") == CONF["n_trials"]
 
     # A run left RUNNING (a killed task) is closed by finalize; the parent ends FINISHED.
-    tracker = pipeline._tracker(settings)
+    tracker = stages.tracker_for(settings)
     dangling = tracker.start_run("killed", {"mopflow.run_key": ctx["run_key"], "mopflow.stage": "ghost"})
-    pipeline.finalize_pipeline(ctx, settings)
+    stages.finalize_pipeline(ctx, settings)
     assert client.get_run(dangling).info.status == "FAILED"
     assert client.get_run(ctx["parent_run_id"]).info.status == "FINISHED"
 
@@ -81,11 +84,11 @@ def test_retraining_warm_starts_from_the_champion(settings: Settings) -> None:
     """Runs after the test above, which registered a champion in this module's MLflow."""
     client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
     champion = client.get_model_version_by_alias("idem-student", "champion")
-    best = json.loads(champion.tags[pipeline.BEST_PARAMS_TAG])
+    best = json.loads(champion.tags[stages.BEST_PARAMS_TAG])
     conf = CONF | {"warm_start": True, "sampler": "random", "seed": 5}
-    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "scheduled__warm", settings)
-    shard = pipeline.shard_stage(conf, ctx, settings)
-    search = pipeline.search_stage(conf, ctx, shard, settings)
+    ctx = stages.start_pipeline(conf, "mopflow_retrain", "scheduled__warm", settings)
+    shard = stages.shard_stage(conf, ctx, settings)
+    search = stages.search_stage(conf, ctx, shard, settings)
     study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
     first = study.trials[0]
     assert params_from_optuna(first.params) == best  # the champion's configuration is tried first
@@ -96,25 +99,25 @@ def test_retraining_warm_starts_from_the_champion(settings: Settings) -> None:
 
 def test_finalize_fails_the_run_when_the_pipeline_did_not_finish(settings: Settings, tmp_path: Path) -> None:
     local = Settings.from_env({"MOPFLOW_HOME": str(tmp_path)})
-    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__broken", local)
+    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__broken", local)
     with pytest.raises(RuntimeError, match="did not complete"):
-        pipeline.finalize_pipeline(ctx, local)
+        stages.finalize_pipeline(ctx, local)
     client = MlflowClient(tracking_uri=local.tracking_uri)
     assert client.get_run(ctx["parent_run_id"]).info.status == "FAILED"
 
 
 def test_run_key_is_stable_and_distinct() -> None:
-    assert pipeline.make_run_key("d", "r1") == pipeline.make_run_key("d", "r1")
-    assert pipeline.make_run_key("d", "r1") != pipeline.make_run_key("d", "r2")
+    assert stages.make_run_key("d", "r1") == stages.make_run_key("d", "r1")
+    assert stages.make_run_key("d", "r1") != stages.make_run_key("d", "r2")
 
 
 @pytest.mark.slow
 def test_mop_strategy_runs_the_search_and_logs_gantt_charts(tmp_path: Path) -> None:
     local = Settings.from_env({"MOPFLOW_HOME": str(tmp_path)})
     conf = CONF | {"strategy": "mop", "n_trials": 3, "model_slots": 2, "epochs": 2, "model_name": "mop"}
-    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "manual__mop", local)
-    shard = pipeline.shard_stage(conf, ctx, local)
-    search = pipeline.search_stage(conf, ctx, shard, local)
+    ctx = stages.start_pipeline(conf, "mopflow_retrain", "manual__mop", local)
+    shard = stages.shard_stage(conf, ctx, local)
+    search = stages.search_stage(conf, ctx, shard, local)
     assert sum(search["counts"].values()) == 3 and search["counts"]["COMPLETE"] == 3
     client = MlflowClient(tracking_uri=local.tracking_uri)
     experiment = client.get_experiment_by_name(local.experiment_name)
@@ -130,9 +133,9 @@ def test_mop_strategy_runs_the_search_and_logs_gantt_charts(tmp_path: Path) -> N
 def test_ddp_strategy_runs_the_search_on_the_dask_workers(tmp_path: Path) -> None:
     local = Settings.from_env({"MOPFLOW_HOME": str(tmp_path)})
     conf = CONF | {"strategy": "ddp", "ddp_world_size": 2, "n_trials": 2, "epochs": 2, "model_name": "ddp"}
-    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "manual__ddp", local)
-    shard = pipeline.shard_stage(conf, ctx, local)
-    search = pipeline.search_stage(conf, ctx, shard, local)
+    ctx = stages.start_pipeline(conf, "mopflow_retrain", "manual__ddp", local)
+    shard = stages.shard_stage(conf, ctx, local)
+    search = stages.search_stage(conf, ctx, shard, local)
     assert search["counts"] == {"COMPLETE": 2, "PRUNED": 0, "FAIL": 0}
     study = optuna.load_study(study_name=search["study_name"], storage=make_storage(local.optuna_storage))
     for trial in study.trials:
@@ -165,11 +168,11 @@ def test_a_student_without_static_int8_is_distilled_and_reported_without_it(
         "model_name": "rescnn-student",
     }
     settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path_factory.mktemp("rescnn"))})
-    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "manual__rescnn", settings)
-    shard = pipeline.shard_stage(conf, ctx, settings)
-    search = pipeline.search_stage(conf, ctx, shard, settings)
-    ens = pipeline.ensemble_stage(conf, ctx, shard, search, settings)
-    student = pipeline.distill_stage(conf, ctx, shard, ens, settings)
+    ctx = stages.start_pipeline(conf, "mopflow_retrain", "manual__rescnn", settings)
+    shard = stages.shard_stage(conf, ctx, settings)
+    search = stages.search_stage(conf, ctx, shard, settings)
+    ens = stages.ensemble_stage(conf, ctx, shard, search, settings)
+    student = stages.distill_stage(conf, ctx, shard, ens, settings)
     assert student["arch"]["family"] == "rescnn"
     assert student["param_ratio"] <= 0.1
     assert "int8_static_test_acc" not in student and student["int8_test_acc"] is not None

@@ -4,7 +4,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from compression.config import CONF_FIELDS, ConfigError, PipelineConfig, conf_json_schema
+from infra.stages.config import CONF_FIELDS, ConfigError, PipelineConfig, conf_json_schema
 
 
 @pytest.mark.parametrize(
@@ -48,6 +48,7 @@ from compression.config import CONF_FIELDS, ConfigError, PipelineConfig, conf_js
             {"spot_trace": "p.csv", "spot_bids": [1.0], "worker_schedule": "static:2"},
             ["spot_trace and worker_schedule"],
         ),
+        ({"n_workers": 4}, ["n_workers is now parallel_trials"]),
     ],
 )
 def test_bad_conf_is_refused_naming_the_value(conf: dict, needles: list[str]) -> None:
@@ -147,11 +148,24 @@ def test_volatile_keys_in_the_trigger_form_schema() -> None:
 def test_docs_config_table_is_the_generated_one() -> None:
     from pathlib import Path
 
-    from compression.config import CONF_FIELDS, conf_markdown_table
+    from infra.stages.config import CONF_FIELDS, conf_markdown_table
 
-    page = Path(__file__).resolve().parents[2] / "docs" / "user-guide" / "configuration.md"
+    page = Path(__file__).resolve().parents[3] / "docs" / "user-guide" / "configuration.md"
     text = page.read_text()
     start = text.index("<!-- config-keys:")
     block = text[text.index("\n", start) + 1 : text.index("\n<!-- /config-keys -->")]
     assert block == conf_markdown_table(), f"{page.name}'s config table is stale: paste `mopflow config-keys`"
     assert all(f"| `{key}` |" in block for key in CONF_FIELDS)
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "images.yaml"])
+def test_the_demo_configs_hold_only_what_they_change(name: str) -> None:
+    """The config model is the one source of the defaults: a demo config restates none of them."""
+    from pathlib import Path
+
+    import yaml
+
+    conf = yaml.safe_load((Path(__file__).resolve().parents[3] / "infra" / "configs" / name).read_text())
+    defaults = PipelineConfig().to_conf()
+    assert [key for key, value in conf.items() if defaults[key] == value] == []
+    PipelineConfig.from_conf(conf)  # and it is valid

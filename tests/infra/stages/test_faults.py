@@ -20,11 +20,11 @@ import pytest
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-from compression import pipeline
-from infra import storage
+from infra import stages, storage
 from infra.optuna_storage import make_storage
 from infra.settings import Settings
 from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
+from infra.stages.config import PipelineConfig
 from training.config import SearchConfig
 from training.data import ShardIntegrityError, load_manifest
 from training.executor_search import run_strategy_search
@@ -111,35 +111,33 @@ def test_mlflow_server_down_mid_run_fails_clearly_and_leaves_no_run_running(
     settings = Settings.from_env(
         {"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_TRACKING_URI": mlflow_server.url}
     )
-    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__mlflow_down", settings)
-    shard = pipeline.shard_stage(CONF, ctx, settings)
+    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__mlflow_down", settings)
+    shard = stages.shard_stage(CONF, ctx, settings)
     mlflow_server.stop()
     with pytest.raises(Exception) as failure:
-        pipeline.search_stage(CONF, ctx, shard, settings)
+        stages.search_stage(CONF, ctx, shard, settings)
     assert f"127.0.0.1:{mlflow_server.port}" in str(failure.value)
-    study_name = pipeline.study_name_for(
-        pipeline.PipelineConfig.from_conf(CONF), pipeline.RunContext.from_dict(ctx)
-    )
+    study_name = stages.study_name_for(PipelineConfig.from_conf(CONF), stages.RunContext.from_dict(ctx))
     with pytest.raises(KeyError):  # nothing was trained without tracking
         optuna.load_study(study_name=study_name, storage=make_storage(settings.optuna_storage))
 
     mlflow_server.start()
     with pytest.raises(RuntimeError, match="did not complete"):
-        pipeline.finalize_pipeline(ctx, settings)
+        stages.finalize_pipeline(ctx, settings)
     client = MlflowClient(tracking_uri=mlflow_server.url)
     experiment = client.get_experiment_by_name(settings.experiment_name)
     runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
     assert runs and not [r for r in runs if r.info.status == "RUNNING"]
     assert client.get_run(ctx["parent_run_id"]).info.status == "FAILED"
     assert storage.exists(shard["manifest_uri"])
-    assert pipeline.shard_stage(CONF, ctx, settings)["reused"]  # the retry redoes nothing
+    assert stages.shard_stage(CONF, ctx, settings)["reused"]  # the retry redoes nothing
 
 
 @pytest.fixture()
 def sharded(tmp_path: Path) -> tuple[Settings, dict, dict]:
     settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path / "home")})
-    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__shards", settings)
-    return settings, ctx, pipeline.shard_stage(CONF, ctx, settings)
+    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__shards", settings)
+    return settings, ctx, stages.shard_stage(CONF, ctx, settings)
 
 
 def _shard_path(shard: dict, split: str) -> Path:
@@ -165,11 +163,9 @@ def test_damaged_shard_between_stages_is_named_before_any_training(
     else:
         victim.unlink()
     with pytest.raises((ShardIntegrityError, FileNotFoundError)) as failure:
-        pipeline.search_stage(CONF, ctx, shard, settings)
+        stages.search_stage(CONF, ctx, shard, settings)
     assert victim.name in str(failure.value)
-    study_name = pipeline.study_name_for(
-        pipeline.PipelineConfig.from_conf(CONF), pipeline.RunContext.from_dict(ctx)
-    )
+    study_name = stages.study_name_for(PipelineConfig.from_conf(CONF), stages.RunContext.from_dict(ctx))
     storage_ = make_storage(settings.optuna_storage)
     assert not [
         s for s in optuna.get_all_study_summaries(storage_) if s.study_name == study_name and s.n_trials
@@ -188,9 +184,9 @@ def test_unwritable_data_root_fails_clearly_and_leaves_no_manifest(tmp_path: Pat
     settings = Settings.from_env(
         {"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_DATA_ROOT": str(blocker / "data")}
     )
-    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__unwritable", settings)
+    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__unwritable", settings)
     with pytest.raises(OSError) as failure:
-        pipeline.shard_stage(CONF, ctx, settings)
+        stages.shard_stage(CONF, ctx, settings)
     assert "not-a-folder" in str(failure.value)
     assert blocker.read_text() == "x"
 
@@ -236,9 +232,9 @@ def test_missing_bucket_fails_clearly_and_leaves_no_manifest(s3_endpoint: dict, 
         aws_secret_access_key="testing",
     )
     buckets_before = {b["Name"] for b in s3.list_buckets()["Buckets"]}
-    ctx = pipeline.start_pipeline(CONF, "mopflow_retrain", "manual__nobucket", settings)
+    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__nobucket", settings)
     with pytest.raises(Exception) as failure:
-        pipeline.shard_stage(CONF, ctx, settings)
+        stages.shard_stage(CONF, ctx, settings)
     assert "no-such-bucket" in str(failure.value)
     assert {b["Name"] for b in s3.list_buckets()["Buckets"]} == buckets_before  # no bucket was created
     client = MlflowClient(tracking_uri=settings.tracking_uri)
@@ -276,7 +272,7 @@ def test_postgresql_restart_mid_sweep_loses_and_duplicates_no_trial(
         },
         "common": {"lr": {"type": "float", "low": 0.005, "high": 0.02, "log": True}},
     }
-    cfg = SearchConfig(n_trials=4, epochs=12, n_workers=2, space=space, pruner="none", sampler="random")
+    cfg = SearchConfig(n_trials=4, epochs=12, parallel_trials=2, space=space, pruner="none", sampler="random")
     first_report = threading.Event()
     restarted: list[object] = []
 
@@ -354,8 +350,8 @@ def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_pat
 
     conf = CONF | {"strategy": "mop", "model_slots": 2, "model_name": "killed"}
     settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path / "home")})
-    ctx = pipeline.start_pipeline(conf, "mopflow_retrain", "manual__worker_killed", settings)
-    shard = pipeline.shard_stage(conf, ctx, settings)
+    ctx = stages.start_pipeline(conf, "mopflow_retrain", "manual__worker_killed", settings)
+    shard = stages.shard_stage(conf, ctx, settings)
 
     watcher = _UnitStarted()
     killed: list[object] = []
@@ -381,15 +377,15 @@ def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_pat
     try:
         # a worker killed while loading takes a while to come back on a loaded 2-core machine
         with dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"}):
-            search = pipeline.search_stage(conf, ctx, shard, settings)
+            search = stages.search_stage(conf, ctx, shard, settings)
     finally:
         mop_log.removeHandler(watcher)
         mop_log.setLevel(level)
         killer.join(timeout=200)
     assert len(killed) == 1 and isinstance(killed[0], int), f"no worker was killed mid-unit: {killed}"
-    ens = pipeline.ensemble_stage(conf, ctx, shard, search, settings)
-    student = pipeline.distill_stage(conf, ctx, shard, ens, settings)
-    summary = pipeline.register_stage(conf, ctx, shard, search, ens, student, settings)
+    ens = stages.ensemble_stage(conf, ctx, shard, search, settings)
+    student = stages.distill_stage(conf, ctx, shard, ens, settings)
+    summary = stages.register_stage(conf, ctx, shard, search, ens, student, settings)
 
     # every trial COMPLETE, each once
     assert search["counts"] == {"COMPLETE": conf["n_trials"], "PRUNED": 0, "FAIL": 0}
@@ -403,8 +399,8 @@ def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_pat
     assert [r.info.run_name for r in runs if r.info.status == "RUNNING"] == [
         client.get_run(ctx["parent_run_id"]).info.run_name
     ]
-    stages = [r.data.tags["mopflow.stage"] for r in runs]
-    assert stages.count("trial") == conf["n_trials"] and stages.count("search") == 1
+    stage_tags = [r.data.tags["mopflow.stage"] for r in runs]
+    assert stage_tags.count("trial") == conf["n_trials"] and stage_tags.count("search") == 1
     for run in runs:  # lineage
         if run.data.tags["mopflow.stage"] != "pipeline":
             assert run.data.tags["mopflow.manifest_hash"] == shard["manifest_hash"], run.info.run_name
@@ -422,6 +418,6 @@ def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_pat
     if registered["promoted"]:
         assert client.get_model_version_by_alias(registered["name"], "champion").version == version.version
 
-    pipeline.finalize_pipeline(ctx, settings)
+    stages.finalize_pipeline(ctx, settings)
     runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
     assert {r.info.status for r in runs} == {"FINISHED"}

@@ -1,0 +1,324 @@
+"""The pipeline config: one frozen, validated object per stage, built once from a flat mapping.
+
+The flat mapping is what Airflow Params, ``mopflow run --config FILE`` and the REST API carry;
+:data:`CONF_FIELDS` maps each flat key to its stage and field, :data:`FORM_KEYS` says which keys
+the trigger form shows first, and :func:`conf_json_schema` derives the Params' JSON schema (and
+:func:`conf_markdown_table` the docs' table) from the same definitions, so the trigger form, the
+docs and the task-side validation can never drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from compression.config import DistillConfig, EnsembleConfig, RegistryConfig
+from training.config import (
+    SCHEDULE_SPEC_HELP,
+    DataConfig,
+    SearchConfig,
+    StageConfig,
+    format_worker_schedule,
+    known_data_spec,
+)
+from training.space import SearchSpace, SpaceError, check_space_fits, parse_space
+
+MAX_CONF_BYTES = 128 * 1024
+
+
+class ConfigError(ValueError):
+    """The pipeline config is invalid; the message names the key and the value."""
+
+
+# flat key -> (stage, field)
+CONF_FIELDS: dict[str, tuple[str, str]] = {
+    "dataset": ("data", "dataset"),
+    "label_column": ("data", "label_column"),
+    "feature_columns": ("data", "feature_columns"),
+    "n_shards": ("data", "n_shards"),
+    "val_fraction": ("data", "val_fraction"),
+    "test_fraction": ("data", "test_fraction"),
+    "data_seed": ("data", "seed"),
+    "num_samples": ("data", "num_samples"),
+    "partition_rows": ("data", "partition_rows"),
+    "nan_policy": ("data", "nan_policy"),
+    "stratify": ("data", "stratify"),
+    "image_size": ("data", "image_size"),
+    "tensor_column": ("data", "tensor_column"),
+    "num_classes": ("data", "num_classes"),
+    "n_trials": ("search", "n_trials"),
+    "epochs": ("search", "epochs"),
+    "parallel_trials": ("search", "parallel_trials"),
+    "seed": ("search", "seed"),
+    "sampler": ("search", "sampler"),
+    "pruner": ("search", "pruner"),
+    "min_resource": ("search", "min_resource"),
+    "timeout_minutes": ("search", "timeout_minutes"),
+    "search_space": ("search", "space"),
+    "strategy": ("search", "strategy"),
+    "ddp_world_size": ("search", "ddp_world_size"),
+    "bf16_compress": ("search", "bf16_compress"),
+    "model_slots": ("search", "model_slots"),
+    "grid_points": ("search", "grid_points"),
+    "warm_start": ("search", "warm_start"),
+    "worker_schedule": ("search", "worker_schedule"),
+    "scale_timeout_s": ("search", "scale_timeout_s"),
+    "spot_trace": ("search", "spot_trace"),
+    "spot_bids": ("search", "spot_bids"),
+    "spot_speed": ("search", "spot_speed"),
+    "top_k": ("ensemble", "top_k"),
+    "ensemble_selection": ("ensemble", "selection"),
+    "student_family": ("distill", "family"),
+    "student_width": ("distill", "width"),
+    "student_depth": ("distill", "depth"),
+    "student_max_param_ratio": ("distill", "max_param_ratio"),
+    "temperature": ("distill", "temperature"),
+    "alpha": ("distill", "alpha"),
+    "distill_epochs": ("distill", "epochs"),
+    "distill_lr": ("distill", "lr"),
+    "distill_batch_size": ("distill", "batch_size"),
+    "transfer_set": ("distill", "transfer"),
+    "munge_multiplier": ("distill", "munge_multiplier"),
+    "munge_swap_prob": ("distill", "munge_swap_prob"),
+    "munge_spread": ("distill", "munge_spread"),
+    "mixup_alpha": ("distill", "mixup_alpha"),
+    "mixup_shift": ("distill", "mixup_shift"),
+    "model_name": ("registry", "model_name"),
+    "promotion": ("registry", "promotion"),
+    "max_gap_to_ensemble": ("registry", "max_gap_to_ensemble"),
+}
+
+
+# Trigger-form order: the keys a sweep is usually tuned by come first, the rest are grouped.
+FORM_KEYS = (
+    "dataset",
+    "search_space",
+    "strategy",
+    "parallel_trials",
+    "epochs",
+    "n_trials",
+    "timeout_minutes",
+    "sampler",
+    "pruner",
+    "seed",
+    "top_k",
+    "student_max_param_ratio",
+    "promotion",
+)
+# Keys that were renamed: a conf that still uses the old name is told the new one.
+RENAMED_KEYS = {"n_workers": "parallel_trials"}
+ADVANCED_SECTION = "Advanced"  # the trigger form's section for the other keys
+
+STAGE_MODELS: dict[str, type[StageConfig]] = {
+    "data": DataConfig,
+    "search": SearchConfig,
+    "ensemble": EnsembleConfig,
+    "distill": DistillConfig,
+    "registry": RegistryConfig,
+}
+
+
+def max_member_params(space: SearchSpace, data: Any) -> int:
+    """The most parameters one trial's model can have in this space (an upper bound for budgets):
+    every family at each combination of its parameters' candidate values (categorical choices,
+    every integer of a short range, else both ends)."""
+    from itertools import product
+
+    from training.models import ArchSpec, count_params  # torch: imported only when validating
+
+    best = 0
+    for family, params in space.families.items():
+        names = sorted(params)
+        for values in product(*(_candidates(params[name]) for name in names)):
+            try:
+                best = max(
+                    best,
+                    count_params(ArchSpec.of(family, dict(zip(names, values, strict=True)), data)),
+                )
+            except ValueError:
+                continue  # a combination that does not fit the input cannot be trained either
+    return best
+
+
+def _candidates(spec: Any) -> list[Any]:
+    if spec.type == "categorical":
+        return list(spec.choices)
+    if spec.type == "int" and spec.high - spec.low <= 16:
+        return list(range(int(spec.low), int(spec.high) + 1))
+    return [spec.low, spec.high]
+
+
+class PipelineConfig(BaseModel):
+    """All stages' configs, validated together (cross-stage rules live here)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: DataConfig = DataConfig()
+    search: SearchConfig = SearchConfig()
+    ensemble: EnsembleConfig = EnsembleConfig()
+    distill: DistillConfig = DistillConfig()
+    registry: RegistryConfig = RegistryConfig()
+
+    @model_validator(mode="after")
+    def _cross_stage(self) -> PipelineConfig:
+        if self.ensemble.top_k > self.search.n_trials:
+            raise ValueError(
+                f"top_k={self.ensemble.top_k} is larger than n_trials={self.search.n_trials}: "
+                "the ensemble cannot have more members than there are trials"
+            )
+        data = known_data_spec(self.data)
+        space = self.search.search_space(data.modality if data is not None else "table")
+        if data is not None:
+            check_space_fits(space, data)
+        if data is not None:
+            from training.families import get_family
+
+            student_family = get_family(self.distill.resolved(data.modality).family)
+            if not student_family.fits(data):
+                raise ValueError(
+                    f"student_family={student_family.name!r} takes {sorted(student_family.modalities)} data; "
+                    f"the dataset is {data.modality!r}"
+                )
+        if self.distill.width is not None and data is not None:
+            from training.models import ArchSpec, count_params
+
+            distill = self.distill.resolved(data.modality)
+            try:
+                student = count_params(ArchSpec.of(distill.family, distill.student_params(), data))
+            except ValueError as exc:
+                raise ValueError(
+                    f"student_width={self.distill.width} does not fit the student: {exc}"
+                ) from exc
+            ceiling = int(self.distill.max_param_ratio * self.ensemble.top_k * max_member_params(space, data))
+            if student > ceiling:
+                raise ValueError(
+                    f"student_width={self.distill.width} gives a student of {student} parameters, larger than the "
+                    f"budget: student_max_param_ratio={self.distill.max_param_ratio} x the largest possible "
+                    f"ensemble ({self.ensemble.top_k} members) allows at most {ceiling}"
+                )
+        return self
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any] | None) -> PipelineConfig:
+        """Build from a flat mapping (Airflow conf / YAML). Unknown keys and bad values raise ConfigError."""
+        conf = dict(conf or {})
+        size = len(json.dumps(conf, default=str))
+        if size > MAX_CONF_BYTES:
+            raise ConfigError(f"config is {size} bytes; the limit is {MAX_CONF_BYTES}")
+        renamed = sorted(f"{old} is now {new}" for old, new in RENAMED_KEYS.items() if old in conf)
+        if renamed:
+            raise ConfigError(f"renamed config key(s): {'; '.join(renamed)}")
+        unknown = sorted(set(conf) - set(CONF_FIELDS))
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {unknown}; expected some of {sorted(CONF_FIELDS)}")
+        sections: dict[str, dict[str, Any]] = {name: {} for name in STAGE_MODELS}
+        for key, value in conf.items():
+            if value is None and key not in {
+                "timeout_minutes",
+                "search_space",
+                "student_width",
+                "feature_columns",
+            }:
+                continue  # None means "use the default" for keys that have no null meaning
+            stage, field = CONF_FIELDS[key]
+            if key == "search_space" and isinstance(value, str):
+                value = None if not value.strip() else _parse_space_text(value)
+            sections[stage][field] = value
+        try:
+            return cls.model_validate(sections)
+        except ValidationError as exc:
+            raise ConfigError(_flat_error(exc)) from exc
+        except SpaceError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def to_conf(self) -> dict[str, Any]:
+        """The flat mapping that rebuilds this config."""
+        out = {}
+        for key, (stage, field) in CONF_FIELDS.items():
+            out[key] = getattr(getattr(self, stage), field)
+        out["worker_schedule"] = format_worker_schedule(self.search.worker_schedule)  # its text spec
+        return out
+
+
+def _parse_space_text(text: str) -> dict[str, Any]:
+    try:
+        return parse_space(text).model_dump()
+    except SpaceError as exc:
+        raise ConfigError(f"search_space: {exc}") from exc
+
+
+def _flat_error(exc: ValidationError) -> str:
+    reverse = {v: k for k, v in CONF_FIELDS.items()}
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        key = reverse.get((loc[0], loc[1])) if len(loc) >= 2 else None
+        where = key or ".".join(loc) or "config"
+        if key == "search_space" and len(loc) > 2:
+            where = "search_space." + ".".join(loc[2:])
+        value = err.get("input")
+        shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        whole = where == "config" or (where in STAGE_MODELS and len(loc) == 1)  # the message names values
+        lines.append(f"{where}: {msg}" if whole else f"{where}: {msg} (got {shown[:80]})")
+    return "; ".join(lines)
+
+
+def conf_json_schema() -> dict[str, dict[str, Any]]:
+    """Per flat key: a JSON schema (with default and description) for Airflow ``Param``s."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, (stage, field) in CONF_FIELDS.items():
+        model = STAGE_MODELS[stage]
+        schema = dict(model.model_json_schema()["properties"][field])
+        schema.pop("title", None)
+        info = model.model_fields[field]
+        default = info.default
+        if key == "search_space":
+            schema = {
+                "anyOf": [{"type": "null"}, {"type": "string", "maxLength": 65536}, {"type": "object"}],
+                "description": "Search space as JSON (families and common params); empty = default space",
+            }
+        elif key == "worker_schedule":
+            schema = {
+                "type": "string",
+                "maxLength": 200,
+                "description": "Grow the Dask cluster by round (strategies task and mop): "
+                + SCHEDULE_SPEC_HELP,
+            }
+            default = None
+        elif key == "spot_bids":  # a list, or the same as text in the trigger form ("1.0, 0.5")
+            schema["anyOf"] = [*schema["anyOf"], {"type": "string", "maxLength": 8192}]
+        if default in (None, "") and isinstance(schema.get("type"), str):
+            # Optional text: null is "not set". Airflow's trigger form requires every field whose
+            # type does not allow null, and an empty required field disables its Trigger button.
+            schema["type"] = ["null", schema["type"]]
+            default = None
+        schema["default"] = default
+        if "description" not in schema:
+            schema["description"] = info.description or key
+        out[key] = schema
+    return out
+
+
+def conf_markdown_table() -> str:
+    """The config keys as a Markdown table (key, default, meaning), from the same definitions as
+    the Params' JSON schema: the table in docs/user-guide/configuration.md is this output."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, schema in conf_json_schema().items():
+        default = schema.get("default")
+        shown = (
+            "none"
+            if default in (None, "")
+            else f"`{default if isinstance(default, str) else json.dumps(default)}`"
+        )
+        meaning = str(schema.get("description", "")).replace("|", "\\|")
+        lines.append(f"| `{key}` | {shown} | {meaning} |")
+    return "\n".join(lines)
+
+
+def validate_conf(conf: Mapping[str, Any] | None) -> PipelineConfig:
+    """Alias used by the DAG tasks and the CLI: validate a flat conf or raise ConfigError."""
+    return PipelineConfig.from_conf(conf)

@@ -1,0 +1,224 @@
+"""Stage 4: a student (<= ratio x the ensemble's params) trained on soft targets plus hard labels,
+beside the same student on hard labels alone; INT8 quantization; the evaluation report."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from infra.settings import Settings
+from infra.stages.context import Stage, stage
+from infra.stages.ensemble import example_input, json_figures
+from training.families import DataSpec, get_family
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Splits:
+    """The dataset's splits as arrays, with what the student needs to know about them."""
+
+    manifest: dict[str, Any]
+    data: DataSpec
+    train: tuple[Any, Any]
+    validation: tuple[Any, Any]
+    test: tuple[Any, Any]
+
+
+@dataclass(frozen=True)
+class Students:
+    """The distilled student, its hard-label twin, their INT8 forms and training records."""
+
+    plan: Any
+    student: Any
+    baseline: Any
+    history: list[dict[str, Any]]
+    baseline_epochs: int
+    quantized: Any
+    quantized_static: Any | None
+
+
+def distill_stage(
+    conf: Mapping[str, Any] | None,
+    ctx_dict: Mapping[str, Any],
+    shard: Mapping[str, Any],
+    ensemble: Mapping[str, Any],
+    settings: Settings | None = None,
+) -> dict[str, Any]:
+    """Distill the ensemble into a student, evaluate every model, log the student as a pyfunc."""
+    import torch
+
+    from compression.distill import student_accuracy
+    from compression.ensemble import faster_form
+    from compression.registry import log_bundle_model
+    from training.bundle import load_bundle, save_bundle
+
+    lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"])}
+    with stage("distill", conf, ctx_dict, settings, lineage) as st:
+        torch.set_num_threads(1)  # small models: one thread is fastest, more only contend with each other
+        so, dcfg = st.storage_options, st.cfg.distill
+        manifest_uri = str(shard["manifest_uri"])
+        splits = load_splits(manifest_uri, so)
+        dcfg = dcfg.resolved(splits.data.modality)
+        teacher_bundle = load_bundle(str(ensemble["bundle_uri"]), so)
+        # The loop or the stacked (vmap) form of the ensemble, whichever is faster on this machine.
+        teacher, form_ms = faster_form(teacher_bundle.module, len(splits.manifest["feature_columns"]))
+        students = train_students(st, dcfg, splits, teacher, teacher_bundle.num_params())
+        plan, (x_val, y_val), (x_test, y_test) = students.plan, splits.validation, splits.test
+        metrics = {
+            "val_acc": student_accuracy(students.student, x_val, y_val),
+            "test_acc": student_accuracy(students.student, x_test, y_test),
+            "num_params": float(plan.num_params),
+            "param_ratio": plan.num_params / teacher_bundle.num_params(),
+            "hard_label_test_acc": student_accuracy(students.baseline, x_test, y_test),
+            "int8_test_acc": student_accuracy(students.quantized, x_test, y_test),
+        }
+        if students.quantized_static is not None:
+            metrics["int8_static_test_acc"] = student_accuracy(students.quantized_static, x_test, y_test)
+        bundle_uri = st.output_uri("student")
+        meta = {"teacher": ensemble["bundle_uri"], "temperature": dcfg.temperature, "alpha": dcfg.alpha}
+        save_bundle(bundle_uri, [students.student], [plan.arch], splits.manifest["feature_columns"], meta, so)
+        report = evaluation_report(st, ensemble, teacher, teacher_bundle, students, splits)
+        headroom = float(ensemble["test_acc"]) - metrics["hard_label_test_acc"]
+        gain = metrics["test_acc"] - metrics["hard_label_test_acc"]
+        metrics["recovered_gain"] = gain / headroom if headroom > 0 else float("nan")
+        _log_distill(st, dcfg, students, type(teacher).__name__, form_ms, metrics)
+        model_uri = log_bundle_model(st.run_id, "student", bundle_uri, example_input(manifest_uri, so), so)
+    log.info(
+        "distill: student test_acc=%.4f (hard-label %.4f, int8 %.4f) with %d params (%.1f%% of the ensemble)",
+        metrics["test_acc"],
+        metrics["hard_label_test_acc"],
+        metrics["int8_test_acc"],
+        plan.num_params,
+        100 * metrics["param_ratio"],
+    )
+    return {
+        "bundle_uri": bundle_uri,
+        "model_uri": model_uri,
+        "run_id": st.run_id,
+        "arch": plan.arch.to_dict(),
+        "evaluation": report,
+        **json_figures(metrics),
+    }
+
+
+def load_splits(manifest_uri: str, storage_options: Mapping[str, Any]) -> Splits:
+    """The manifest, its data spec and the train, validation and test splits."""
+    from training.data import load_manifest, load_split
+
+    manifest = load_manifest(manifest_uri, storage_options)
+    return Splits(
+        manifest,
+        DataSpec.from_manifest(manifest),
+        *(load_split(manifest_uri, split, storage_options) for split in ("train", "validation", "test")),
+    )
+
+
+def train_students(st: Stage, dcfg: Any, splits: Splits, teacher: Any, teacher_params: int) -> Students:
+    """Plan the student within its budget, train it on the transfer set with the teacher's soft
+    targets, train the same student on the real data alone (the baseline), and quantize it."""
+    from compression.distill import matching_epochs, plan_student, train_student, transfer_set
+    from compression.evaluate import quantize_int8, quantize_static_int8
+    from training.devices import local_device
+
+    seed = st.cfg.search.seed
+    (x_train, y_train), (x_val, y_val) = splits.train, splits.validation
+    plan = plan_student(dcfg, teacher_params, splits.data)
+    log.info(
+        "distill: student %s %s, %d params (budget %d, ensemble %d)",
+        plan.arch.family,
+        plan.arch.params,
+        plan.num_params,
+        plan.budget,
+        teacher_params,
+    )
+    # Transfer set: the training data, plus synthetic points near it labelled by the ensemble.
+    x_transfer, y_transfer = transfer_set(x_train, y_train, teacher, dcfg, seed, splits.data)
+    synthetic = len(x_transfer) - len(x_train)
+    log.info("distill: transfer set has %d real + %d %s points", len(x_train), synthetic, dcfg.transfer)
+    norm = splits.manifest["normalization"]
+    device = local_device(st.settings.accelerator, st.settings.precision)
+    log.info("distill: training the student on %s (precision %s)", device.accelerator, device.precision)
+    common = {"mean": norm["mean"], "std": norm["std"], "seed": seed, "device": device}
+    student, history = train_student(
+        plan, dcfg, x_transfer, y_transfer, x_val, y_val, teacher=teacher, **common
+    )
+    # The baseline: same student, real data only, as many steps (same LR schedule).
+    baseline_epochs = matching_epochs(dcfg.epochs, len(x_transfer), len(x_train))
+    log.info(
+        "distill: training the hard-label baseline (same student, no soft targets, %d epochs)",
+        baseline_epochs,
+    )
+    baseline, _ = train_student(
+        plan, dcfg, x_train, y_train, x_val, y_val, teacher=None, epochs=baseline_epochs, **common
+    )
+    # static INT8 needs the quantizable families' layout (conv-ReLU pairs); others skip it
+    static = (
+        quantize_static_int8(student, x_train[:2048]) if get_family(plan.arch.family).quantizable else None
+    )
+    return Students(plan, student, baseline, history, baseline_epochs, quantize_int8(student), static)
+
+
+def evaluation_report(
+    st: Stage,
+    ensemble: Mapping[str, Any],
+    teacher: Any,
+    teacher_bundle: Any,
+    students: Students,
+    splits: Splits,
+) -> list[dict[str, Any]]:
+    """Every model the pipeline produced on the same test set, logged as a JSON and Markdown table."""
+    from compression.evaluate import evaluate, format_table, serialized_bytes
+    from training.bundle import ProbabilityEnsemble, load_bundle
+
+    best = load_bundle(str(ensemble["best_trial_bundle"]), st.storage_options)
+    n = students.plan.num_params
+    models = {
+        f"best trial #{ensemble['best_trial']['number']}": (
+            best.module,
+            best.num_params(),
+            serialized_bytes(best.module),
+        ),
+        "ensemble": (teacher, teacher_bundle.num_params(), serialized_bytes(teacher_bundle.module)),
+        "student": (ProbabilityEnsemble([students.student]).eval(), n, serialized_bytes(students.student)),
+        "student int8 (dynamic)": (students.quantized, n, serialized_bytes(students.quantized)),
+    }
+    if students.quantized_static is not None:
+        static = students.quantized_static
+        models["student int8 (static)"] = (static, n, serialized_bytes(static))
+    baseline = students.baseline
+    models["hard-label student"] = (ProbabilityEnsemble([baseline]).eval(), n, serialized_bytes(baseline))
+    report: list[dict[str, Any]] = evaluate(models, *splits.test)
+    table = format_table(report)
+    log.info("distill: evaluation report (test set, CPU, 1 thread)\n%s", table)
+    st.tracker.log_dict(st.run_id, report, "evaluation.json")
+    st.tracker.log_text(st.run_id, table + "\n", "evaluation.md")
+    st.tracker.log_dict(st.run.parent_run_id, report, "evaluation.json")
+    return report
+
+
+def _log_distill(
+    st: Stage,
+    dcfg: Any,
+    students: Students,
+    teacher_form: str,
+    form_ms: Mapping[str, float],
+    metrics: Mapping[str, float],
+) -> None:
+    import math
+
+    st.tracker.log_params(
+        st.run_id,
+        dcfg.model_dump()
+        | {
+            "student_width_used": students.plan.arch.params.get("width"),
+            "hard_label_epochs": students.baseline_epochs,
+            "teacher_form": teacher_form,
+            "teacher_form_ms": {k: round(v, 3) for k, v in form_ms.items()},
+        },
+    )
+    history = [(int(h["epoch"]), h["val_acc"]) for h in students.history]
+    st.tracker.log_metric_history(st.run_id, "epoch_val_acc", history)
+    st.tracker.log_metrics(st.run_id, {k: v for k, v in metrics.items() if math.isfinite(v)})

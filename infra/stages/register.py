@@ -1,0 +1,166 @@
+"""Stage 5: register the ensemble and the student; the student becomes the challenger, and the
+champion too when it passes the promotion gate. Writes the pipeline run's summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from infra import storage
+from infra.settings import Settings
+from infra.stages.context import Stage, stage
+from infra.stages.search import BEST_PARAMS_TAG
+
+log = logging.getLogger(__name__)
+
+
+def register_stage(
+    conf: Mapping[str, Any] | None,
+    ctx_dict: Mapping[str, Any],
+    shard: Mapping[str, Any],
+    search: Mapping[str, Any],
+    ensemble: Mapping[str, Any],
+    distill: Mapping[str, Any],
+    settings: Settings | None = None,
+) -> dict[str, Any]:
+    """Register both models, apply the promotion gate, and return (and store) the run's summary."""
+    from compression.registry import (
+        CHALLENGER,
+        CHAMPION,
+        PromotionDecision,
+        alias_version,
+        decide_promotion,
+        register_version,
+        registry_client,
+        set_alias,
+    )
+
+    lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"])}
+    with stage("register", conf, ctx_dict, settings, lineage) as st:
+        client, cfg = registry_client(st.settings), st.cfg
+        names = {
+            "student": f"{cfg.registry.model_name}-student",
+            "ensemble": f"{cfg.registry.model_name}-ensemble",
+        }
+        version_tags = {
+            "mopflow.manifest_hash": str(shard["manifest_hash"]),
+            "mopflow.study": str(search["study_name"]),
+        }
+        ens_version = register_version(
+            client, names["ensemble"], str(ensemble["model_uri"]), st.run.run_key, version_tags
+        )
+        student_tags = version_tags | {
+            "mopflow.test_acc": f"{distill['test_acc']:.6f}",
+            # what a warm-started retraining sweep tries first
+            BEST_PARAMS_TAG: json.dumps(ensemble["best_trial"]["params"], sort_keys=True),
+        }
+        student_version = register_version(
+            client, names["student"], str(distill["model_uri"]), st.run.run_key, student_tags
+        )
+        champion = alias_version(client, names["student"], CHAMPION)
+        already = champion is not None and str(champion.version) == str(student_version.version)
+        # The gate compares against the current champion evaluated on *this* run's test set.
+        champion_acc = None if champion is None or already else champion_accuracy(names["student"], shard, st)
+        decision = decide_promotion(
+            cfg.registry.promotion,
+            float(distill["test_acc"]),
+            champion_acc,
+            float(ensemble["test_acc"]),
+            cfg.registry.max_gap_to_ensemble,
+        )
+        if already:
+            decision = PromotionDecision(True, "this version is already the champion")
+        versions = {"student": str(student_version.version), "ensemble": str(ens_version.version)}
+        aliases = [CHALLENGER] + ([CHAMPION] if decision.promote else [])
+        for alias in aliases:
+            for kind, name in names.items():
+                set_alias(client, name, alias, versions[kind])
+        st.tracker.set_tags(
+            st.run_id,
+            {"mopflow.promoted": str(decision.promote).lower(), "mopflow.promotion_reason": decision.reason},
+        )
+        st.tracker.log_params(
+            st.run_id, {"student_model": names["student"], "student_version": versions["student"]}
+        )
+        log.info(
+            "register: %s v%s aliases %s (%s)",
+            names["student"],
+            versions["student"],
+            aliases,
+            decision.reason,
+        )
+        summary = run_summary(st, shard, search, ensemble, distill, names, versions)
+        summary["registered"] |= {
+            "aliases": aliases,
+            "promoted": decision.promote,
+            "reason": decision.reason,
+            "previous_champion_test_acc": champion_acc,
+            "model_uri": f"models:/{names['student']}@{CHAMPION if decision.promote else CHALLENGER}",
+        }
+        st.tracker.log_dict(st.run.parent_run_id, summary, "summary.json")
+        storage.write_json_atomic(st.output_uri("summary.json"), summary, st.storage_options)
+    return summary
+
+
+def champion_accuracy(name: str, shard: Mapping[str, Any], st: Stage) -> float:
+    """The current champion's test accuracy on this run's test set (through its pyfunc)."""
+    import mlflow
+    import pandas as pd
+
+    from compression.registry import CHAMPION
+    from training.data import load_manifest, load_split
+
+    manifest_uri = str(shard["manifest_uri"])
+    manifest = load_manifest(manifest_uri, st.storage_options)
+    x_test, y_test = load_split(manifest_uri, "test", st.storage_options)
+    champion = mlflow.pyfunc.load_model(f"models:/{name}@{CHAMPION}")
+    probs = champion.predict(pd.DataFrame(x_test, columns=manifest["feature_columns"]))
+    return float((probs.to_numpy().argmax(axis=1) == y_test).mean())
+
+
+def run_summary(
+    st: Stage,
+    shard: Mapping[str, Any],
+    search: Mapping[str, Any],
+    ensemble: Mapping[str, Any],
+    distill: Mapping[str, Any],
+    names: Mapping[str, str],
+    versions: Mapping[str, str],
+) -> dict[str, Any]:
+    """What the pipeline run produced: trials, ensemble, student, evaluation, where to find them."""
+    return {
+        "run_key": st.run.run_key,
+        "dag_id": st.run.dag_id,
+        "airflow_run_id": st.run.airflow_run_id,
+        "manifest_hash": shard["manifest_hash"],
+        "trials": search["counts"],
+        "best_trial": ensemble["best_trial"],
+        "ensemble": {
+            "members": ensemble["members"],
+            "member_weights": ensemble.get("member_weights"),
+            "val_acc": ensemble["val_acc"],
+            "test_acc": ensemble["test_acc"],
+            "num_params": int(ensemble["num_params"]),
+            "registered": {"name": names["ensemble"], "version": versions["ensemble"]},
+        },
+        "evaluation": distill.get("evaluation", []),
+        "student": {
+            "hard_label_test_acc": distill.get("hard_label_test_acc"),
+            "int8_test_acc": distill.get("int8_test_acc"),
+            "recovered_gain": distill.get("recovered_gain"),
+            "arch": distill["arch"],
+            "val_acc": distill["val_acc"],
+            "test_acc": distill["test_acc"],
+            "num_params": int(distill["num_params"]),
+            "param_ratio": distill["param_ratio"],
+        },
+        "registered": {"name": names["student"], "version": versions["student"]},
+        "mlflow": {
+            "tracking_uri": st.settings.tracking_uri,
+            "experiment": st.settings.experiment_name,
+            "parent_run_id": st.run.parent_run_id,
+        },
+        "optuna": {"storage": str(search["storage_url"]), "study_name": str(search["study_name"])},
+    }
