@@ -117,16 +117,16 @@ def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bo
     spec.loader.exec_module(module)
     dag = next(v for v in vars(module).values() if getattr(v, "dag_id", None) == DAG_ID)
     if record is None:
-        record = local_runs.started_record(DAG_ID, conf)
+        record = new_run_record(conf)
     else:
-        local_runs.forget_dag_run(DAG_ID, record.airflow_run_id)  # dag.test makes it again, same id
+        forget_dag_run(DAG_ID, record.airflow_run_id)  # dag.test makes it again, same id
         record.resumed += 1
         record.state, record.ended_at, record.message = "running", "", ""
         log.info("mopflow run: resuming run %s (attempt %d)", record.run_key, record.resumed + 1)
     local_runs.save_record(settings.home, record)
     stopping.reset()
     tracking = (settings.tracking_uri, settings.experiment_name)
-    first, second = local_runs.stopping_handlers(record, settings.home, tracking, timeout_s)
+    first, second = local_runs.stopping_handlers(record, settings.home, tracking, timeout_s, fail_dag_run)
     started = time.monotonic()
     when = datetime.fromisoformat(record.logical_date)
     dag_run = None
@@ -181,7 +181,7 @@ def _stopped(record: Any, settings: Any, tracking: tuple[str, str]) -> Exception
     from infra import local_runs, stopping
 
     signum = stopping.stop_signal() or signal.SIGINT
-    local_runs.fail_dag_run(DAG_ID, record.airflow_run_id)
+    fail_dag_run(DAG_ID, record.airflow_run_id)
     killed = local_runs.kill_leftover_runs(*tracking, record.run_key)
     local_runs.end_child_processes()
     record.state, record.ended_at = "stopped", local_runs.now_iso()
@@ -192,6 +192,58 @@ def _stopped(record: Any, settings: Any, tracking: tuple[str, str]) -> Exception
         f"run {record.run_key} stopped by {signal.Signals(signum).name}; {local_runs.resume_hint(record)}",
         local_runs.exit_code(signum),
     )
+
+
+def new_run_record(conf: Mapping[str, Any]) -> Any:
+    """A new run's record: its logical date now, its run id and key from it (as dag.test makes them)."""
+    from datetime import UTC
+
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.types import DagRunType
+
+    from infra import local_runs
+
+    logical = datetime.now(UTC)
+    run_id = DagRun.generate_run_id(run_type=DagRunType.MANUAL, logical_date=logical, run_after=logical)
+    return local_runs.started_record(DAG_ID, conf, run_id, logical)
+
+
+def fail_dag_run(dag_id: str, run_id: str) -> None:
+    """Mark an interrupted DAG run (and its unfinished task instances) failed in Airflow's DB."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from airflow.utils.state import DagRunState, TaskInstanceState
+    from sqlalchemy import update
+
+    with create_session() as session:
+        session.execute(
+            update(TaskInstance)
+            .where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id)
+            .where(TaskInstance.state.not_in(["success", "failed", "skipped", "upstream_failed"]))
+            .values(state=TaskInstanceState.FAILED)
+        )
+        session.execute(
+            update(DagRun)
+            .where(DagRun.dag_id == dag_id, DagRun.run_id == run_id, DagRun.state != DagRunState.SUCCESS)
+            .values(state=DagRunState.FAILED)
+        )
+
+
+def forget_dag_run(dag_id: str, run_id: str) -> None:
+    """Delete an unfinished DAG run from Airflow's DB so that ``dag.test()`` creates it again with
+    the same run id (the MLflow runs, the study, shards and checkpoints are kept: they are keyed by
+    the run key, which the run id gives)."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from sqlalchemy import delete
+
+    with create_session() as session:
+        session.execute(
+            delete(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id)
+        )
+        session.execute(delete(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
 
 
 def ui_hints(settings: Any, summary: Mapping[str, Any]) -> dict[str, str]:

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 from infra import stopping
 
 log = logging.getLogger("mopflow")
+FailDagRun = Callable[[str, str], None]  # (dag_id, run_id): mark that DAG run failed
 
 STOP_TIMEOUT_ENV = "MOPFLOW_STOP_TIMEOUT_S"
 DEFAULT_STOP_TIMEOUT_S = 30.0
@@ -171,44 +172,6 @@ def kill_leftover_runs(tracking_uri: str, experiment: str, run_key: str) -> int:
     return len(leftovers)
 
 
-def fail_dag_run(dag_id: str, run_id: str) -> None:
-    """Mark an interrupted DAG run (and its unfinished task instances) failed in Airflow's DB."""
-    from airflow.models.dagrun import DagRun
-    from airflow.models.taskinstance import TaskInstance
-    from airflow.utils.session import create_session
-    from airflow.utils.state import DagRunState, TaskInstanceState
-    from sqlalchemy import update
-
-    with create_session() as session:
-        session.execute(
-            update(TaskInstance)
-            .where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id)
-            .where(TaskInstance.state.not_in(["success", "failed", "skipped", "upstream_failed"]))
-            .values(state=TaskInstanceState.FAILED)
-        )
-        session.execute(
-            update(DagRun)
-            .where(DagRun.dag_id == dag_id, DagRun.run_id == run_id, DagRun.state != DagRunState.SUCCESS)
-            .values(state=DagRunState.FAILED)
-        )
-
-
-def forget_dag_run(dag_id: str, run_id: str) -> None:
-    """Delete an unfinished DAG run from Airflow's DB so that ``dag.test()`` creates it again with
-    the same run id (the MLflow runs, the study, shards and checkpoints are kept: they are keyed by
-    the run key, which the run id gives)."""
-    from airflow.models.dagrun import DagRun
-    from airflow.models.taskinstance import TaskInstance
-    from airflow.utils.session import create_session
-    from sqlalchemy import delete
-
-    with create_session() as session:
-        session.execute(
-            delete(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id)
-        )
-        session.execute(delete(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
-
-
 @contextlib.contextmanager
 def run_output(log_file: Path, verbose: bool) -> Iterator[TextIO]:
     """Yield the terminal stream the progress view writes to. Unless ``verbose``, this process's
@@ -287,9 +250,12 @@ def failure_message(run_key: str, failure: Mapping[str, Any] | None, state: str)
     return f"run {run_key} failed: {cause}\n(after fixing the cause: mopflow run --resume {run_key})"
 
 
-def stop_now(record: RunRecord, home: str, tracking: tuple[str, str], signum: int) -> None:
+def stop_now(
+    record: RunRecord, home: str, tracking: tuple[str, str], fail_dag_run: FailDagRun, signum: int
+) -> None:
     """The hard stop (second signal, or the stop took too long): end the children, mark the MLflow
-    runs KILLED and the record stopped, print how to resume and leave at once."""
+    runs KILLED, the DAG run failed (``fail_dag_run``) and the record stopped, print how to resume
+    and leave at once."""
     out = _TERMINAL[0] if _TERMINAL else sys.stderr
     print(f"\nmopflow: stopping at once ({signal.Signals(signum).name})", file=out, flush=True)
     with contextlib.suppress(Exception):
@@ -308,9 +274,10 @@ def stop_now(record: RunRecord, home: str, tracking: tuple[str, str], signum: in
 
 
 def stopping_handlers(
-    record: RunRecord, home: str, tracking: tuple[str, str], timeout_s: float
+    record: RunRecord, home: str, tracking: tuple[str, str], timeout_s: float, fail_dag_run: FailDagRun
 ) -> tuple[Callable[[int], None], Callable[[int], None]]:
-    """The first-signal and second-signal handlers of a run."""
+    """The first-signal and second-signal handlers of a run (``fail_dag_run`` marks a DAG run
+    failed in Airflow's DB: the operator's face, which may import Airflow, passes it)."""
 
     def first(signum: int) -> None:
         from infra import progress
@@ -325,27 +292,22 @@ def stopping_handlers(
             record.run_key,
             timeout_s,
         )
-        timer = threading.Timer(timeout_s, stop_now, (record, home, tracking, signum))
+        timer = threading.Timer(timeout_s, stop_now, (record, home, tracking, fail_dag_run, signum))
         timer.daemon = True
         timer.start()
         if not stopping.cooperative():  # else the section in progress stops on its own, cleanly
             raise stopping.PipelineStopped(f"stopped by {signal.Signals(signum).name}")
 
     def second(signum: int) -> None:
-        stop_now(record, home, tracking, signum)
+        stop_now(record, home, tracking, fail_dag_run, signum)
 
     return first, second
 
 
-def started_record(dag_id: str, conf: Mapping[str, Any]) -> RunRecord:
-    """A new run's record: its logical date now, its run id and key from it (as dag.test makes them)."""
-    from airflow.models.dagrun import DagRun
-    from airflow.utils.types import DagRunType
-
+def started_record(dag_id: str, conf: Mapping[str, Any], run_id: str, logical: datetime) -> RunRecord:
+    """A new run's record: its logical date, its Airflow run id (as dag.test makes it) and its key."""
     from infra.stages import make_run_key
 
-    logical = datetime.now(UTC)
-    run_id = DagRun.generate_run_id(run_type=DagRunType.MANUAL, logical_date=logical, run_after=logical)
     return RunRecord(
         run_key=make_run_key(dag_id, run_id),
         dag_id=dag_id,
