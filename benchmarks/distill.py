@@ -93,13 +93,13 @@ from compression.distill import (  # noqa: E402
     StudentPlan,
     matching_epochs,
     plan_student,
-    student_accuracy,
     train_student,
     transfer_set,
 )
 from compression.ensemble import Candidate, build_ensemble, faster_form  # noqa: E402
 from compression.evaluate import format_table, latency_ms, quantize_static_int8, serialized_bytes  # noqa: E402
 from training.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
+from training.bundle import accuracy as student_accuracy  # noqa: E402
 from training.cluster import dask_client  # noqa: E402
 from training.config import DataConfig  # noqa: E402
 from training.data import load_manifest, load_split, shard_dataset  # noqa: E402

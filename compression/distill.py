@@ -13,7 +13,6 @@ from torch import nn
 
 from compression.config import DistillConfig
 from infra import progress
-from training.bundle import predict_proba
 from training.devices import CPU, DeviceSpec
 from training.families import DataSpec
 from training.models import ArchSpec, build_model, count_params, largest_size_within
@@ -169,9 +168,3 @@ def transfer_set(
         return x_train, y_train
     labels = soft_targets(teacher, synthetic, 1.0).argmax(dim=1).numpy().astype(y_train.dtype)
     return np.concatenate([x_train, synthetic]), np.concatenate([y_train, labels])
-
-
-def student_accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
-    """Top-1 accuracy of a model returning scores per class (logits or probabilities)."""
-    probs = predict_proba(model, x)
-    return float((probs.argmax(dim=1) == torch.as_tensor(y)).float().mean())

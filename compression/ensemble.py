@@ -19,6 +19,7 @@ from training.bundle import (
     predict_proba,
     save_bundle,
 )
+from training.metrics import top1_accuracy
 from training.models import ArchSpec
 
 
@@ -63,7 +64,7 @@ def greedy_selection(val_probs: Sequence[np.ndarray], y: np.ndarray, size: int) 
         best_index = 0
         for i, probs in enumerate(val_probs):
             candidate = (running * len(chosen) + probs) / (len(chosen) + 1)
-            accuracy = float((candidate.argmax(axis=1) == y).mean())
+            accuracy = top1_accuracy(candidate, y)
             log_loss = float(-np.log(candidate[rows, y] + 1e-12).mean())
             key = (accuracy, -log_loss)
             if best_key is None or key > best_key:

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from training.metrics import top1_accuracy
+
 
 def quantize_int8(model: nn.Module) -> nn.Module:
     """INT8 dynamic quantization of the Linear layers, for CPU inference."""
@@ -55,8 +57,7 @@ def latency_ms(
 @torch.no_grad()
 def accuracy_of(forward: Callable[[torch.Tensor], torch.Tensor], x: np.ndarray, y: np.ndarray) -> float:
     """Top-1 accuracy of a forward function returning scores per class."""
-    scores = forward(torch.as_tensor(x, dtype=torch.float32))
-    return float((scores.argmax(dim=1).numpy() == y).mean())
+    return top1_accuracy(forward(torch.as_tensor(x, dtype=torch.float32)), y)
 
 
 def evaluate(

@@ -12,7 +12,8 @@ The synthetic rows are produced in chunks of ``chunk_rows`` examples (:func:`mun
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Concatenate, ParamSpec
 
 import numpy as np
 from scipy.spatial import cKDTree
@@ -21,6 +22,8 @@ QUERY_CHUNK = 65_536  # rows per tree query: bounds the query's working memory
 TREE_DIMS = 12  # k-d trees are fast in few dimensions: wider data is projected on its main components
 PCA_SAMPLE = 20_000  # rows the projection is fitted on (bounded memory whatever the data's size)
 TREE_ROWS = 16_384  # rows per tree: a larger group is split at random into blocks of at most this
+
+P = ParamSpec("P")
 
 
 def tree_coordinates(x: np.ndarray, seed: int = 0) -> np.ndarray:
@@ -99,14 +102,19 @@ def munge_chunks(
         yield np.concatenate(points).astype(np.float32)
 
 
-def munge(
-    x: np.ndarray,
-    multiplier: int,
-    swap_prob: float = 0.5,
-    spread: float = 1.0,
-    seed: int = 0,
-    labels: np.ndarray | None = None,
-) -> np.ndarray:
-    """``multiplier`` synthetic points per example (float32), deterministic for a seed."""
-    chunks = list(munge_chunks(x, multiplier, swap_prob, spread, seed, labels))
-    return np.concatenate(chunks) if chunks else np.empty((0, x.shape[1]), dtype=np.float32)
+def _collected(
+    chunks: Callable[Concatenate[np.ndarray, P], Iterator[np.ndarray]],
+) -> Callable[Concatenate[np.ndarray, P], np.ndarray]:
+    """``chunks`` with its chunks concatenated into one array (an empty one of the data's width
+    when there are none): the same parameters, one home for them."""
+
+    def collect(x: np.ndarray, /, *args: P.args, **kwargs: P.kwargs) -> np.ndarray:
+        parts = list(chunks(x, *args, **kwargs))
+        return np.concatenate(parts) if parts else np.empty((0, x.shape[1]), dtype=np.float32)
+
+    return collect
+
+
+munge = _collected(munge_chunks)
+"""``multiplier`` synthetic points per example (float32) in one array, deterministic for a seed:
+:func:`munge_chunks` (the same parameters), its chunks concatenated."""

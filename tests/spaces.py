@@ -33,3 +33,22 @@ def cnn_8x2_space(common: dict[str, Any]) -> dict[str, Any]:
         },
         "common": common,
     }
+
+
+# Two families with ranged parameters: for tests of sampling, pruning and the controller (no training).
+SMALL_SEARCH_SPACE: dict[str, Any] = {
+    "families": {
+        "cnn": {
+            "width": {"type": "int", "low": 4, "high": 64, "log": True},
+            "depth": {"type": "int", "low": 2, "high": 3},
+        },
+        "mlp": {
+            "width": {"type": "int", "low": 8, "high": 16},
+            "depth": {"type": "int", "low": 1, "high": 2},
+        },
+    },
+    "common": {
+        "lr": {"type": "float", "low": 0.001, "high": 0.1, "log": True},
+        "batch_size": {"type": "categorical", "choices": [32, 64]},
+    },
+}

@@ -14,6 +14,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from infra import storage
+from training.metrics import top1_accuracy
 from training.models import ArchSpec, build_model
 
 SPEC_NAME = "spec.json"
@@ -190,5 +191,4 @@ def predict_proba(module: nn.Module, x: Any, batch_size: int = 4096) -> torch.Te
 
 def accuracy(module: nn.Module, x: Any, y: Any) -> float:
     """Top-1 accuracy of a probability-returning module."""
-    probs = predict_proba(module, x)
-    return float((probs.argmax(dim=1) == torch.as_tensor(y)).float().mean())
+    return top1_accuracy(predict_proba(module, x), y)

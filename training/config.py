@@ -154,6 +154,20 @@ class SearchConfig(StageConfig):
     )
     min_resource: int = Field(15, ge=1, le=1000, description="Epochs before the first pruning decision")
     timeout_minutes: float | None = Field(None, gt=0, le=7 * 24 * 60, description="Wall-clock budget")
+    epoch_budget: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="Start no more trials once this many epochs were trained over all trials (trials running "
+        "finish): a compute budget, so pruning buys more trials; None = n_trials alone",
+    )
+    goal_val_acc: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Start no more trials once a trial reports this validation accuracy (trials running "
+        "finish); None = the whole budget",
+    )
     space: dict[str, Any] | None = Field(None, description="Search space spec; None = the packaged default")
     strategy: StrategyName = Field(
         "task", description="task: a trial per worker; ddp: each trial on W DDP processes; mop: model hopper"

@@ -14,6 +14,7 @@ from pytorch_lightning.core.optimizer import LightningOptimizer
 from torch import nn
 
 from training.devices import CPU, DeviceSpec
+from training.metrics import top1_accuracy
 from training.schedule import one_cycle
 
 
@@ -167,7 +168,7 @@ class Classifier(pl.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch[0], batch[1]
         logits = self(x)
-        acc = (logits.argmax(dim=1) == y).float().mean()
+        acc = top1_accuracy(logits, y)
         # sync_dist: under DDP each rank validates a slice; the logged value is over all of them.
         self.log("val_acc", acc, on_step=False, on_epoch=True, prog_bar=False, sync_dist=True)
         self.log(

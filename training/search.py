@@ -25,7 +25,7 @@ from training.trial import TrialResult
 from training.volatile.scaling import RoundScale
 
 if TYPE_CHECKING:
-    from training.volatile.spot_replay import SpotReport
+    from training.volatile.spot_report import SpotReport
 
 log = logging.getLogger(__name__)
 
@@ -204,27 +204,6 @@ def retried_trial(trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> int |
     """The number of the trial this one retries (after a dead coordinator), if any."""
     value = trial.user_attrs.get(RESUME_ATTR)
     return None if value is None else int(value)
-
-
-GRACE_ENV = "MOPFLOW_PREEMPT_GRACE_S"
-
-
-def register_preemption(client: Any, environ: Mapping[str, str] | None = None) -> float:
-    """Install the SIGTERM (spot notice) handling on every worker, present and future; returns
-    the grace period (``MOPFLOW_PREEMPT_GRACE_S``, default 30 s)."""
-    import os
-
-    from training.volatile.preempt import DEFAULT_GRACE_S, PreemptionPlugin
-
-    raw = (os.environ if environ is None else environ).get(GRACE_ENV, "") or str(DEFAULT_GRACE_S)
-    try:
-        grace = float(raw)
-    except ValueError:
-        raise ValueError(f"{GRACE_ENV}={raw!r} is not a number of seconds") from None
-    if not 0 < grace <= 3600:
-        raise ValueError(f"{GRACE_ENV}={grace} must be in (0, 3600] seconds")
-    client.register_plugin(PreemptionPlugin(grace))
-    return grace
 
 
 def checkpoint_folder(artifact_root: str, study_name: str, number: int) -> str:

@@ -14,7 +14,7 @@ Partitions within the budget are held in memory and shuffled by a whole permutat
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +56,13 @@ class Block:
     rows: int
 
 
-Reader = Callable[[Block], tuple[np.ndarray, np.ndarray]]
+Chunk = tuple[np.ndarray, np.ndarray]  # rows' features and labels
+Reader = Callable[[Block], Chunk]
 
 
 def stream_rows(
     blocks: Sequence[Block], read: Reader, seed: int, epoch: int, pass_index: int, buffer_rows: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+) -> Iterator[Chunk]:
     """The rows of one pass, in chunks: the blocks in a seeded order, each mixed into a buffer of
     ``buffer_rows`` rows from which as many rows leave, at random, as the block brought in; the
     rest leaves shuffled at the end. Deterministic for (seed, epoch, pass_index)."""
@@ -82,27 +83,51 @@ def stream_rows(
         yield held_x[mixed], held_y[mixed]
 
 
+def rank_batches(
+    chunks: Iterable[Chunk], batch_size: int, rank_rows: int, shard: tuple[int, int] = (0, 1)
+) -> Iterator[Chunk]:
+    """Rank ``rank`` of ``world`` (``shard``)'s batches of a pass's stream of ``chunks``: every
+    ``world``-th row of the stream, cut after ``rank_rows`` rows, in batches of ``batch_size``
+    (the last one shorter when the rows do not fill it)."""
+    rank, world = shard
+    position, taken = 0, 0
+    carry_x: np.ndarray | None = None
+    carry_y: np.ndarray | None = None
+    for x, y in chunks:
+        if world > 1:  # this rank's rows: stream positions = rank (mod world)
+            mine = (np.arange(position, position + len(x)) % world) == rank
+            position += len(x)
+            x, y = x[mine], y[mine]
+        x, y = x[: rank_rows - taken], y[: rank_rows - taken]  # the cut
+        taken += len(x)
+        if carry_x is not None and carry_y is not None and len(carry_x):
+            x, y = np.concatenate([carry_x, x]), np.concatenate([carry_y, y])
+        full = len(x) // batch_size * batch_size
+        for start in range(0, full, batch_size):
+            yield x[start : start + batch_size], y[start : start + batch_size]
+        carry_x, carry_y = x[full:], y[full:]
+        if taken == rank_rows:
+            break
+    if carry_x is not None and carry_y is not None and len(carry_x):
+        yield carry_x, carry_y
+
+
 class StreamedBatches:
-    """The batches of one streamed pass (``len`` and iteration, as a loader): rank ``rank`` of
-    ``world`` takes every ``world``-th row of the stream (the stream cut to a multiple of
-    ``world``, so every rank takes as many steps); the first ``skip`` batches are read, not
-    yielded (a resumed pass)."""
+    """The batches of one streamed pass, as a loader (``len`` and iteration, tensors on
+    ``device``): :func:`rank_batches` of the stream ``chunks`` opens, the first ``skip`` read,
+    not yielded (a resumed pass). Made by :meth:`StreamedRows.batches`."""
 
     def __init__(
         self,
-        rows: StreamedRows,
-        seed: int,
-        epoch: int,
-        pass_index: int,
+        chunks: Callable[[], Iterable[Chunk]],
+        rank_rows: int,
         batch_size: int,
-        skip: int = 0,
-        shard: tuple[int, int] = (0, 1),
-        device: str = "cpu",
+        skip: int,
+        shard: tuple[int, int],
+        device: str,
     ) -> None:
-        self.rows, self.seed, self.epoch, self.pass_index = rows, seed, epoch, pass_index
-        self.batch_size, self.skip, self.device = batch_size, skip, device
-        self.rank, self.world = shard
-        self.rank_rows = rows.n_rows // self.world if self.world > 1 else rows.n_rows
+        self.chunks, self.rank_rows, self.batch_size = chunks, rank_rows, batch_size
+        self.skip, self.shard, self.device = skip, shard, device
 
     def __len__(self) -> int:
         return max(0, -(-self.rank_rows // self.batch_size) - self.skip)
@@ -110,37 +135,8 @@ class StreamedBatches:
     def __iter__(self) -> Iterator[list[Any]]:
         import torch
 
-        def batches() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-            position, taken = 0, 0
-            carry_x: np.ndarray | None = None
-            carry_y: np.ndarray | None = None
-            chunks = stream_rows(
-                self.rows.blocks,
-                self.rows.read,
-                self.seed,
-                self.epoch,
-                self.pass_index,
-                self.rows.buffer_rows,
-            )
-            for x, y in chunks:
-                if self.world > 1:  # this rank's rows: stream positions = rank (mod world)
-                    mine = (np.arange(position, position + len(x)) % self.world) == self.rank
-                    position += len(x)
-                    x, y = x[mine], y[mine]
-                x, y = x[: self.rank_rows - taken], y[: self.rank_rows - taken]  # the cut
-                taken += len(x)
-                if carry_x is not None and carry_y is not None and len(carry_x):
-                    x, y = np.concatenate([carry_x, x]), np.concatenate([carry_y, y])
-                full = len(x) // self.batch_size * self.batch_size
-                for start in range(0, full, self.batch_size):
-                    yield x[start : start + self.batch_size], y[start : start + self.batch_size]
-                carry_x, carry_y = x[full:], y[full:]
-                if taken == self.rank_rows:
-                    break
-            if carry_x is not None and carry_y is not None and len(carry_x):
-                yield carry_x, carry_y
-
-        for index, (bx, by) in enumerate(batches()):
+        batches = rank_batches(self.chunks(), self.batch_size, self.rank_rows, self.shard)
+        for index, (bx, by) in enumerate(batches):
             if index >= self.skip:
                 yield [torch.from_numpy(bx).to(self.device), torch.from_numpy(by).to(self.device)]
 
@@ -170,8 +166,17 @@ class StreamedRows:
         shard: tuple[int, int] = (0, 1),
         device: str = "cpu",
     ) -> StreamedBatches:
-        """The batches of one pass (see :class:`StreamedBatches`)."""
-        return StreamedBatches(self, seed, epoch, pass_index, batch_size, skip, shard, device)
+        """The batches of one pass (``len`` and iteration, as a loader): the rows in the order of
+        :func:`stream_rows`; rank ``rank`` of ``world`` (``shard``) takes every ``world``-th row
+        of the stream (the stream cut to a multiple of ``world``, so every rank takes as many
+        steps); the first ``skip`` batches are read, not yielded (a resumed pass)."""
+        world = shard[1]
+        rank_rows = self.n_rows // world if world > 1 else self.n_rows
+
+        def chunks() -> Iterator[Chunk]:
+            return stream_rows(self.blocks, self.read, seed, epoch, pass_index, self.buffer_rows)
+
+        return StreamedBatches(chunks, rank_rows, batch_size, skip, shard, device)
 
 
 def shard_blocks(

@@ -8,8 +8,8 @@ batches; and exports and imports its whole state (weights, AdamW moments, global
 position inside a pass and the RNG there) as safetensors plus JSON, so it can hop between
 workers or be checkpointed, and loading it never unpickles.
 
-Each pass's row order is a function of (seed, epoch, pass index) alone and the learning rate a
-function of the global step alone (``training/schedule.py``): a configuration follows the same
+Each pass's row order is a function of (seed, epoch, pass index) alone (``training/batches.py``)
+and the learning rate a function of the global step alone (``training/schedule.py``): a configuration follows the same
 curve on the same batches wherever it trains and however often it was stopped.
 """
 
@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from training.batches import Batches, pass_order, rank_share
 from training.devices import CPU, DeviceSpec
 from training.unit_state import load_moments, moments_of, state_metadata
 
@@ -53,31 +54,6 @@ class DataRef:
     cache_dir: str = ""
 
 
-def pass_order(seed: int, epoch: int, pass_index: int, n_rows: int) -> Any:
-    """The row order of one pass (a permutation of ``n_rows``), from (seed, epoch, pass) alone."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 1009 + pass_index)
-    return torch.randperm(n_rows, generator=generator)
-
-
-class Batches:
-    """The batches of one pass: rows of ``tensors`` in ``order``, ``batch_size`` at a time,
-    gathered by index (one gather per tensor and batch, on whatever device the tensors are)."""
-
-    def __init__(self, tensors: Sequence[Any], order: Any, batch_size: int) -> None:
-        self.tensors, self.batch_size = list(tensors), batch_size
-        self.order = order.to(self.tensors[0].device) if len(order) else order
-
-    def __len__(self) -> int:
-        return -(-len(self.order) // self.batch_size)
-
-    def __iter__(self) -> Any:
-        for start in range(0, len(self.order), self.batch_size):
-            index = self.order[start : start + self.batch_size]
-            yield [t[index] for t in self.tensors]
-
-
 @dataclass(frozen=True)
 class PassRecord:
     """What one pass did: rows seen, optimizer steps, mean loss, learning rate at its end."""
@@ -95,6 +71,19 @@ class PassInterrupted(Exception):  # noqa: N818 - a stop asked for, not an error
     def __init__(self, state: bytes, batches: int, n_batches: int) -> None:
         super().__init__(f"stopped at batch {batches}/{n_batches}")
         self.state, self.batches, self.n_batches = state, batches, n_batches
+
+
+@dataclass(frozen=True)
+class _PassPlan:
+    """Where one pass starts: its position, its length in batches and, resumed, the batches and
+    the loss (sum, count) done before it stopped."""
+
+    epoch: int
+    pass_index: int
+    part: str
+    n_batches: int
+    skip: int  # batches done before a stop (0: from the start)
+    loss_so_far: list[Any] | None  # None: a fresh pass
 
 
 class TrainableUnit:
@@ -162,9 +151,8 @@ class TrainableUnit:
         the Trainer's settings (a DDP strategy and its node count).
         """
         import pytorch_lightning as pl
-        import torch
 
-        from training.lit import Classifier, cache_callback_factories, quiet_trainer_kwargs
+        from training.lit import cache_callback_factories, quiet_trainer_kwargs
 
         cache_callback_factories()
 
@@ -175,23 +163,74 @@ class TrainableUnit:
         if streamed is not None:  # read pass by pass from the shards (a partition over the budget)
             n_rows = streamed.n_rows // shard[1] if shard[1] > 1 else streamed.n_rows
         else:
-            order = _rank_share(pass_order(self.spec.seed, epoch, pass_index, len(tensors[0])), *shard)
+            order = rank_share(pass_order(self.spec.seed, epoch, pass_index, len(tensors[0])), *shard)
             n_rows = len(order)
-        n_batches = -(-n_rows // batch_size)
+        plan = self._start_pass(epoch, pass_index, part, n_rows, batch_size)
+        holder: dict[str, Any] = {}  # the pass's optimizer, once Lightning made it
+        module = self._module(plan, holder)
+        trainer = pl.Trainer(
+            max_epochs=1,
+            limit_val_batches=0,
+            # the watch only when asked: a callback costs every batch a hook call
+            callbacks=[*([self._stop_watch(stop, plan, holder)] if stop is not None else []), *callbacks],
+            **{**quiet_trainer_kwargs(self.spec.device), **dict(trainer_kwargs or {})},
+        )
+        batches: Any
+        if streamed is not None:
+            device = str(self.spec.device.torch_device())
+            batches = streamed.batches(
+                self.spec.seed, epoch, pass_index, batch_size, plan.skip, shard, device
+            )
+        else:
+            batches = Batches(
+                [self._on_device(t) for t in tensors], order[plan.skip * batch_size :], batch_size
+            )
+        _fit(trainer, module, batches)
+        steps = int(trainer.global_step)
+        self.capture(holder["optimizer"], self.global_step + steps)
+        self.model.cpu()  # between passes the weights live on the host (packing, evaluation)
+        return PassRecord(
+            rows=n_rows,
+            steps=steps,
+            train_loss=float(module.last_train_loss),
+            lr_end=float(holder["optimizer"].param_groups[0]["lr"]),
+            resumed_at_batch=plan.skip,
+        )
+
+    def _start_pass(self, epoch: int, pass_index: int, part: str, n_rows: int, batch_size: int) -> _PassPlan:
+        """Where the pass starts: at the batch a state stopped in this same (epoch, pass, part)
+        left off, with its RNG state and loss so far, else at the start with the epoch's seed.
+        Consumes the stopped pass's position."""
+        import torch
+
         partial, self._partial = self._partial, None
-        resumed = partial is not None and (partial["epoch"], partial["pass_index"], partial["part"]) == (
+        same_pass = partial is not None and (partial["epoch"], partial["pass_index"], partial["part"]) == (
             epoch,
             pass_index,
             part,
         )
-        skip = int(partial["batches"]) if resumed and partial is not None else 0
+        resumed = partial if same_pass else None
         torch.manual_seed(self.spec.seed + epoch)
-        if resumed:
+        if resumed is not None:
             torch.set_rng_state(self._rng)
-        unit = self
-        holder: dict[str, Any] = {}
+        return _PassPlan(
+            epoch,
+            pass_index,
+            part,
+            n_batches=-(-n_rows // batch_size),
+            skip=int(resumed["batches"]) if resumed is not None else 0,
+            loss_so_far=list(resumed.get("loss_so_far", [0.0, 0])) if resumed is not None else None,
+        )
 
-        loss_so_far = list(partial.get("loss_so_far", [0.0, 0])) if resumed and partial is not None else None
+    def _module(self, plan: _PassPlan, holder: dict[str, Any]) -> Any:
+        """The Lightning module of one pass: the unit's model, its optimizer restored with the
+        unit's moments (and kept in ``holder``), its schedule going on from the global step."""
+        import torch
+
+        from training.lit import Classifier
+
+        unit = self
+        loss_so_far = plan.loss_so_far
 
         class UnitModule(Classifier):
             def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -211,61 +250,38 @@ class TrainableUnit:
             total_steps=self.total_steps,
             start_step=self.global_step,
         )
-        module.epoch_label = epoch
+        module.epoch_label = plan.epoch
+        return module
+
+    def _stop_watch(self, stop: Callable[[], bool], plan: _PassPlan, holder: dict[str, Any]) -> Any:
+        """A Lightning callback asking ``stop`` after every batch; when it says so before the last
+        batch, the unit keeps its position there and raises :class:`PassInterrupted`."""
+        import pytorch_lightning as pl
+        import torch
+
+        unit = self
 
         class StopWatch(pl.Callback):
             def on_train_batch_end(
                 self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
             ) -> None:
-                if stop is None or not stop():  # (never None here: the watch is only added with one)
+                if not stop():
                     return
-                batches = skip + batch_idx + 1
-                if batches >= n_batches:  # the pass is done anyway
+                batches = plan.skip + batch_idx + 1
+                if batches >= plan.n_batches:  # the pass is done anyway
                     return
                 unit.capture(holder["optimizer"], unit.global_step + trainer.global_step)
                 unit._partial = {
-                    "epoch": epoch,
-                    "pass_index": pass_index,
-                    "part": part,
+                    "epoch": plan.epoch,
+                    "pass_index": plan.pass_index,
+                    "part": plan.part,
                     "batches": batches,
                     "loss_so_far": list(pl_module._epoch_loss),
                 }
                 unit._rng = torch.get_rng_state()
-                raise PassInterrupted(unit.export_state(), batches, n_batches)
+                raise PassInterrupted(unit.export_state(), batches, plan.n_batches)
 
-        trainer = pl.Trainer(
-            max_epochs=1,
-            limit_val_batches=0,
-            # the watch only when asked: a callback costs every batch a hook call
-            callbacks=[*([StopWatch()] if stop is not None else []), *callbacks],
-            **{**quiet_trainer_kwargs(self.spec.device), **dict(trainer_kwargs or {})},
-        )
-        batches: Any
-        if streamed is not None:
-            device = str(self.spec.device.torch_device())
-            batches = streamed.batches(self.spec.seed, epoch, pass_index, batch_size, skip, shard, device)
-        else:
-            batches = Batches([self._on_device(t) for t in tensors], order[skip * batch_size :], batch_size)
-        with warnings.catch_warnings():  # a pass has no validation loader by design: evaluate() validates
-            warnings.filterwarnings(
-                "ignore", message=".*defined a `validation_step` but have no `val_dataloader`"
-            )
-            # Lightning 2.6's own use of a torch pytree API that torch 2.13 deprecates, raised at
-            # every fit: nothing a user can act on
-            warnings.filterwarnings(
-                "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
-            )
-            trainer.fit(module, batches)
-        steps = int(trainer.global_step)
-        self.capture(holder["optimizer"], self.global_step + steps)
-        self.model.cpu()  # between passes the weights live on the host (packing, evaluation)
-        return PassRecord(
-            rows=n_rows,
-            steps=steps,
-            train_loss=float(module.last_train_loss),
-            lr_end=float(holder["optimizer"].param_groups[0]["lr"]),
-            resumed_at_batch=skip,
-        )
+        return StopWatch()
 
     def capture(self, optimizer: Any, global_step: int) -> None:
         """Take the optimizer's moments and the global step reached (what an export saves)."""
@@ -350,13 +366,15 @@ class TrainableUnit:
         return {**meta, "global_step": self.global_step, **({"partial": partial} if partial else {})}
 
 
-def _rank_share(order: Any, rank: int, world: int) -> Any:
-    """Rank ``rank``'s rows of ``order`` among ``world`` ranks: padded from its start to a
-    multiple of ``world``, then every ``world``-th row (each rank takes as many steps)."""
-    if world <= 1:
-        return order
-    import torch
-
-    padding = (-len(order)) % world
-    padded = torch.cat([order, order[:padding]]) if padding else order
-    return padded[rank::world]
+def _fit(trainer: Any, module: Any, batches: Any) -> None:
+    """``trainer.fit`` over the batches, without warnings a pass always raises."""
+    with warnings.catch_warnings():  # a pass has no validation loader by design: evaluate() validates
+        warnings.filterwarnings(
+            "ignore", message=".*defined a `validation_step` but have no `val_dataloader`"
+        )
+        # Lightning 2.6's own use of a torch pytree API that torch 2.13 deprecates, raised at
+        # every fit: nothing a user can act on
+        warnings.filterwarnings(
+            "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
+        )
+        trainer.fit(module, batches)

@@ -57,6 +57,8 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "pruner": ("search", "pruner"),
     "min_resource": ("search", "min_resource"),
     "timeout_minutes": ("search", "timeout_minutes"),
+    "goal_val_acc": ("search", "goal_val_acc"),
+    "epoch_budget": ("search", "epoch_budget"),
     "search_space": ("search", "space"),
     "strategy": ("search", "strategy"),
     "ddp_world_size": ("search", "ddp_world_size"),
@@ -218,6 +220,8 @@ class PipelineConfig(BaseModel):
         for key, value in conf.items():
             if value is None and key not in {
                 "timeout_minutes",
+                "goal_val_acc",
+                "epoch_budget",
                 "search_space",
                 "student_width",
                 "feature_columns",

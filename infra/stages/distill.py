@@ -50,9 +50,9 @@ def distill_stage(
     """Distill the ensemble into a student, evaluate every model, log the student as a pyfunc."""
     import torch
 
-    from compression.distill import student_accuracy
     from compression.ensemble import faster_form
     from compression.registry import log_bundle_model
+    from training.bundle import accuracy as student_accuracy
     from training.bundle import load_bundle, save_bundle
 
     lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"])}

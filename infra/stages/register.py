@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infra import storage
 from infra.settings import Settings
 from infra.stages.context import Stage, stage
 from infra.stages.search import BEST_PARAMS_TAG
+
+if TYPE_CHECKING:
+    from compression.registry import PromotionDecision
 
 log = logging.getLogger(__name__)
 
@@ -26,57 +29,24 @@ def register_stage(
     settings: Settings | None = None,
 ) -> dict[str, Any]:
     """Register both models, apply the promotion gate, and return (and store) the run's summary."""
-    from compression.registry import (
-        CHALLENGER,
-        CHAMPION,
-        PromotionDecision,
-        alias_version,
-        decide_promotion,
-        register_version,
-        registry_client,
-        set_alias,
-    )
+    from compression.registry import CHALLENGER, CHAMPION, registry_client
 
     lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"])}
     with stage("register", conf, ctx_dict, settings, lineage) as st:
-        client, cfg = registry_client(st.settings), st.cfg
+        client = registry_client(st.settings)
         names = {
-            "student": f"{cfg.registry.model_name}-student",
-            "ensemble": f"{cfg.registry.model_name}-ensemble",
+            "student": f"{st.cfg.registry.model_name}-student",
+            "ensemble": f"{st.cfg.registry.model_name}-ensemble",
         }
         version_tags = {
             "mopflow.manifest_hash": str(shard["manifest_hash"]),
             "mopflow.study": str(search["study_name"]),
         }
-        ens_version = register_version(
-            client, names["ensemble"], str(ensemble["model_uri"]), st.run.run_key, version_tags
+        versions = _register_versions(client, names, st.run.run_key, version_tags, ensemble, distill)
+        decision, champion_acc = _promotion(
+            client, names["student"], versions["student"], st, shard, ensemble, distill
         )
-        student_tags = version_tags | {
-            "mopflow.test_acc": f"{distill['test_acc']:.6f}",
-            # what a warm-started retraining sweep tries first
-            BEST_PARAMS_TAG: json.dumps(ensemble["best_trial"]["params"], sort_keys=True),
-        }
-        student_version = register_version(
-            client, names["student"], str(distill["model_uri"]), st.run.run_key, student_tags
-        )
-        champion = alias_version(client, names["student"], CHAMPION)
-        already = champion is not None and str(champion.version) == str(student_version.version)
-        # The gate compares against the current champion evaluated on *this* run's test set.
-        champion_acc = None if champion is None or already else champion_accuracy(names["student"], shard, st)
-        decision = decide_promotion(
-            cfg.registry.promotion,
-            float(distill["test_acc"]),
-            champion_acc,
-            float(ensemble["test_acc"]),
-            cfg.registry.max_gap_to_ensemble,
-        )
-        if already:
-            decision = PromotionDecision(True, "this version is already the champion")
-        versions = {"student": str(student_version.version), "ensemble": str(ens_version.version)}
-        aliases = [CHALLENGER] + ([CHAMPION] if decision.promote else [])
-        for alias in aliases:
-            for kind, name in names.items():
-                set_alias(client, name, alias, versions[kind])
+        aliases = _set_aliases(client, names, versions, decision.promote)
         st.tracker.set_tags(
             st.run_id,
             {"mopflow.promoted": str(decision.promote).lower(), "mopflow.promotion_reason": decision.reason},
@@ -104,6 +74,76 @@ def register_stage(
     return summary
 
 
+def _register_versions(
+    client: Any,
+    names: Mapping[str, str],
+    run_key: str,
+    version_tags: Mapping[str, str],
+    ensemble: Mapping[str, Any],
+    distill: Mapping[str, Any],
+) -> dict[str, str]:
+    """Register the ensemble and the student with ``version_tags`` (the student with its
+    accuracy and the best trial's parameters too); their versions, by ``names``' kinds."""
+    from compression.registry import register_version
+
+    ens_version = register_version(
+        client, names["ensemble"], str(ensemble["model_uri"]), run_key, version_tags
+    )
+    student_tags = {
+        **version_tags,
+        "mopflow.test_acc": f"{distill['test_acc']:.6f}",
+        # what a warm-started retraining sweep tries first
+        BEST_PARAMS_TAG: json.dumps(ensemble["best_trial"]["params"], sort_keys=True),
+    }
+    student_version = register_version(
+        client, names["student"], str(distill["model_uri"]), run_key, student_tags
+    )
+    return {"student": str(student_version.version), "ensemble": str(ens_version.version)}
+
+
+def _promotion(
+    client: Any,
+    student: str,
+    version: str,
+    st: Stage,
+    shard: Mapping[str, Any],
+    ensemble: Mapping[str, Any],
+    distill: Mapping[str, Any],
+) -> tuple[PromotionDecision, float | None]:
+    """Whether ``version`` of the ``student`` model becomes the champion, and the current
+    champion's accuracy it was compared with (None: no champion, or this version already is)."""
+    from compression.registry import CHAMPION, PromotionDecision, alias_version, decide_promotion
+
+    champion = alias_version(client, student, CHAMPION)
+    already = champion is not None and str(champion.version) == version
+    # The gate compares against the current champion evaluated on *this* run's test set.
+    champion_acc = None if champion is None or already else champion_accuracy(student, shard, st)
+    decision = decide_promotion(
+        st.cfg.registry.promotion,
+        float(distill["test_acc"]),
+        champion_acc,
+        float(ensemble["test_acc"]),
+        st.cfg.registry.max_gap_to_ensemble,
+    )
+    if already:
+        decision = PromotionDecision(True, "this version is already the champion")
+    return decision, champion_acc
+
+
+def _set_aliases(
+    client: Any, names: Mapping[str, str], versions: Mapping[str, str], promote: bool
+) -> list[str]:
+    """Point the challenger alias (and the champion's, when promoted) of both models at their new
+    versions; the aliases set."""
+    from compression.registry import CHALLENGER, CHAMPION, set_alias
+
+    aliases = [CHALLENGER] + ([CHAMPION] if promote else [])
+    for alias in aliases:
+        for kind, name in names.items():
+            set_alias(client, name, alias, versions[kind])
+    return aliases
+
+
 def champion_accuracy(name: str, shard: Mapping[str, Any], st: Stage) -> float:
     """The current champion's test accuracy on this run's test set (through its pyfunc)."""
     import mlflow
@@ -111,13 +151,14 @@ def champion_accuracy(name: str, shard: Mapping[str, Any], st: Stage) -> float:
 
     from compression.registry import CHAMPION
     from training.data import load_manifest, load_split
+    from training.metrics import top1_accuracy
 
     manifest_uri = str(shard["manifest_uri"])
     manifest = load_manifest(manifest_uri, st.storage_options)
     x_test, y_test = load_split(manifest_uri, "test", st.storage_options)
     champion = mlflow.pyfunc.load_model(f"models:/{name}@{CHAMPION}")
     probs = champion.predict(pd.DataFrame(x_test, columns=manifest["feature_columns"]))
-    return float((probs.to_numpy().argmax(axis=1) == y_test).mean())
+    return top1_accuracy(probs.to_numpy(), y_test)
 
 
 def run_summary(

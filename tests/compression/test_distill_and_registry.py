@@ -10,12 +10,13 @@ from compression.distill import (
     matching_epochs,
     plan_student,
     soft_targets,
-    student_accuracy,
     train_student,
     transfer_set,
 )
 from compression.registry import decide_promotion
+from tests.compression.helpers import fit, separable_blobs
 from training.bundle import ProbabilityEnsemble
+from training.bundle import accuracy as student_accuracy
 from training.families import DataSpec
 from training.models import ArchSpec, build_model, count_params
 
@@ -44,18 +45,10 @@ def test_soft_targets_are_distributions_that_flatten_with_temperature() -> None:
 
 
 def test_student_learns_from_soft_targets_on_a_separable_problem() -> None:
-    rng = np.random.default_rng(0)
-    centers = rng.normal(0, 3, size=(3, 40))
-    y = rng.integers(0, 3, size=600)
-    x = (centers[y] + rng.normal(size=(600, 40))).astype(np.float32)
+    x, y = separable_blobs(600, seed=0)
     torch.manual_seed(0)
     teacher_model = build_model(ArchSpec("mlp", {"width": 32, "depth": 1}, 40, 3))
-    opt = torch.optim.Adam(teacher_model.parameters(), lr=0.01)
-    for _ in range(200):
-        loss = torch.nn.functional.cross_entropy(teacher_model(torch.from_numpy(x)), torch.from_numpy(y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    fit(teacher_model, x, y, steps=200)
     teacher = ProbabilityEnsemble([teacher_model])
     cfg = DistillConfig(family="mlp", depth=1, epochs=5, max_param_ratio=1.0, batch_size=32)
     plan = plan_student(cfg, 10_000, DataSpec(40, 3))

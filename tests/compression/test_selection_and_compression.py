@@ -8,6 +8,7 @@ from compression.ensemble import faster_form, greedy_selection
 from compression.evaluate import evaluate, format_table, quantize_int8
 from compression.munge import munge, munge_chunks, nearest_neighbours
 from compression.registry import decide_promotion
+from tests.compression.helpers import fit, separable_blobs
 from training.bundle import ProbabilityEnsemble, StackedEnsemble, predict_proba
 from training.models import ArchSpec, build_model
 
@@ -130,17 +131,9 @@ def test_munge_in_chunks_is_bounded_and_deterministic() -> None:
 
 
 def test_int8_student_keeps_its_accuracy_and_report_has_every_row() -> None:
-    rng = np.random.default_rng(0)
-    centers = rng.normal(0, 3, size=(3, 40))
-    y = rng.integers(0, 3, size=300)
-    x = (centers[y] + rng.normal(size=(300, 40))).astype(np.float32)
+    x, y = separable_blobs(300, seed=0)
     model = build_model(ArchSpec("mlp", {"width": 32, "depth": 1}, 40, 3))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    for _ in range(150):
-        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    fit(model, x, y, steps=150)
     model.eval()
     quantized = quantize_int8(model)
     assert any("quantized" in type(m).__module__ for m in quantized.modules())
@@ -171,20 +164,12 @@ def test_gate_needs_champion_and_ensemble_conditions(
 def test_static_int8_quantizes_the_convolutions_and_keeps_accuracy() -> None:
     from compression.evaluate import quantize_static_int8
 
-    rng = np.random.default_rng(1)
-    centers = rng.normal(0, 3, size=(3, 40))
-    y = rng.integers(0, 3, size=400)
-    x = (centers[y] + rng.normal(size=(400, 40))).astype(np.float32)
+    x, y = separable_blobs(400, seed=1)
     torch.manual_seed(0)
     model = build_model(
         ArchSpec("cnn", {"width": 8, "depth": 3}, 40, 3), x.mean(0).tolist(), x.std(0).tolist()
     )
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    for _ in range(100):
-        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    fit(model, x, y, steps=100)
     model.eval()
     engine_before = torch.backends.quantized.engine
     quantized = quantize_static_int8(model, x[:200])

@@ -5,21 +5,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
+from tests.server_waits import wait_until_answering
 
 
 @contextmanager
@@ -40,17 +35,13 @@ def served(home: Path, model_uri: str, extra_env: Mapping[str, str] | None = Non
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None, server.stdout.read().decode()[-3000:] if server.stdout else ""
-            assert time.monotonic() < deadline, "model server did not answer /ping within 120 s"
-            time.sleep(1)
+        output = server.stdout
+        wait_until_answering(
+            f"http://127.0.0.1:{port}/ping",
+            server,
+            "the model server",
+            lambda: output.read().decode() if output else "",
+        )
         yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(server.pid, signal.SIGTERM)

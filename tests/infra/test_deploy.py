@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from infra import stack
+from infra.airflow_home import TRAINING_POOL
 from infra.settings import LOCAL_ENV, RUNTIME_ENV, SETTING_ENV, Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -1059,7 +1060,7 @@ def test_scripts_parse_and_create_the_training_pool() -> None:
         proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, f"{script.name}: {proc.stderr}"
     pools = [argv for argv in script_commands() if argv[1:3] == ["pools", "set"]]
-    assert [argv[3] for argv in pools] == [stack.TRAINING_POOL]
+    assert [argv[3] for argv in pools] == [TRAINING_POOL]
 
 
 def test_commands_run_files_the_image_contains() -> None:

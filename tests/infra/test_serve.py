@@ -19,8 +19,9 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.dags.serving import free_port
+from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from tests.dags.test_end_to_end import REPO
+from tests.server_waits import wait_until_answering
 
 COLUMNS = [f"x{i:03d}" for i in range(40)]
 ROWS = np.random.default_rng(0).normal(size=(3, 40)).astype(np.float32)
@@ -104,17 +105,7 @@ def test_serve_switches_to_a_new_champion_without_a_failed_request(tmp_path: Pat
     answers: list[tuple[int, str, np.ndarray | None]] = []
     done = threading.Event()
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/ping", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None, server_log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "mopflow serve did not answer /ping within 120 s"
-            time.sleep(0.5)
+        wait_until_answering(f"{url}/ping", server, "mopflow serve", server_log.read_text, poll_s=0.5)
 
         def flow() -> None:
             while not done.is_set():

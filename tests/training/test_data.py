@@ -285,7 +285,8 @@ def test_shard_writers_never_pull_whole_partitions(tmp_path: Path, dask_client: 
 def test_small_tasks_follow_a_partition_to_the_worker_that_computed_it(dask_client: object) -> None:
     from distributed import wait
 
-    from training.data import _per_partition_as_done, feature_columns
+    from training.data import feature_columns
+    from training.data.placement import per_partition_as_done
 
     workers = sorted(dask_client.nthreads())  # type: ignore[attr-defined]
 
@@ -301,7 +302,7 @@ def test_small_tasks_follow_a_partition_to_the_worker_that_computed_it(dask_clie
 
     before = {w: len(log) for w, log in dask_client.run(_transfers).items()}  # type: ignore[attr-defined]
     held: list[object] = []
-    parts, stats, pieces = _per_partition_as_done(
+    parts, stats, pieces = per_partition_as_done(
         dask_client, [elsewhere(s) for s in range(4)], held, feature_columns(40), list(SPLITS)
     )
     wait(held)

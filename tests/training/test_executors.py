@@ -8,7 +8,7 @@ import pytest
 from training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
 from training.executors.base import TrainAll
 from training.executors.gantt import gantt_png, idle_fraction
-from training.executors.mop import MopExecutor, partition_shards
+from training.executors.mop import MopExecutor, cluster_size, partition_shards
 from training.executors.scheduler import MopScheduler, check_invariants, round_robin
 from training.executors.task import SequentialExecutor, TaskExecutor
 
@@ -250,3 +250,17 @@ def test_packed_state_that_is_a_pickle_is_refused() -> None:
         read_meta(pickle.dumps(Payload()))
     with pytest.raises(StateFormatError):
         read_meta(b"\x00" * 4)
+
+
+def test_a_worker_restarting_still_counts_toward_the_partitions() -> None:
+    """A LocalCluster's spec is its size: a worker away after a spot notice (or slow to start on a
+    loaded machine) still gets its partition; without a cluster object the connected workers count."""
+
+    class _Cluster:
+        worker_spec = {"0": {}, "1": {}}
+
+    class _Client:
+        cluster = _Cluster()
+
+    assert cluster_size(_Client(), ["tcp://127.0.0.1:1"]) == 2
+    assert cluster_size(object(), ["tcp://a", "tcp://b", "tcp://c"]) == 3

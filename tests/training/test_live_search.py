@@ -167,13 +167,13 @@ class CoordinatorKilled(RuntimeError):
 def test_a_restarted_mop_coordinator_loses_at_most_the_sub_epochs_in_flight(
     small_manifest: str, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import training.executor_search as search
+    from training.search_controller import SearchController
 
     cfg = SearchConfig(
         n_trials=2, epochs=4, strategy="mop", model_slots=2, space=SPACE, sampler="random", pruner="none"
     )
     _enqueue(str(tmp_path / "journal.log"), cfg, [GOOD_LR, GOOD_LR])
-    real = search._SearchController.on_epoch_end
+    real = SearchController.on_epoch_end
     heard: list[Any] = []
 
     def dies_at_the_fourth_report(self: Any, report: Any) -> bool:
@@ -183,10 +183,10 @@ def test_a_restarted_mop_coordinator_loses_at_most_the_sub_epochs_in_flight(
             raise CoordinatorKilled("the search task's process died")
         return keep
 
-    monkeypatch.setattr(search._SearchController, "on_epoch_end", dies_at_the_fourth_report)
+    monkeypatch.setattr(SearchController, "on_epoch_end", dies_at_the_fourth_report)
     with pytest.raises(CoordinatorKilled):
         _sweep(cfg, small_manifest, tmp_path, dask_client)
-    monkeypatch.setattr(search._SearchController, "on_epoch_end", real)
+    monkeypatch.setattr(SearchController, "on_epoch_end", real)
     outcome = _sweep(cfg, small_manifest, tmp_path, dask_client)  # the restarted search task
     # The trials left RUNNING are retried as trials 2 and 3, each resuming its model at epoch 3.
     assert [(r.number, r.state) for r in outcome.results] == [(2, "COMPLETE"), (3, "COMPLETE")]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +9,9 @@ import optuna
 import pytest
 
 from infra.optuna_storage import make_storage
+from tests.spaces import SMALL_SEARCH_SPACE
 from training.algorithms import make_pruner
 from training.config import SearchConfig
-from training.executor_search import _SearchController
 from training.search import (
     WARM_START_ATTR,
     WarmStart,
@@ -24,22 +23,7 @@ from training.search import (
 )
 from training.space import SpaceError, default_space, optuna_params_for, parse_space, sample_params
 
-SPACE = {
-    "families": {
-        "cnn": {
-            "width": {"type": "int", "low": 4, "high": 64, "log": True},
-            "depth": {"type": "int", "low": 2, "high": 3},
-        },
-        "mlp": {
-            "width": {"type": "int", "low": 8, "high": 16},
-            "depth": {"type": "int", "low": 1, "high": 2},
-        },
-    },
-    "common": {
-        "lr": {"type": "float", "low": 0.001, "high": 0.1, "log": True},
-        "batch_size": {"type": "categorical", "choices": [32, 64]},
-    },
-}
+SPACE = SMALL_SEARCH_SPACE
 
 
 def _objective_value(params: dict[str, Any]) -> float:
@@ -196,51 +180,6 @@ def test_optuna_params_for_names_the_bad_value() -> None:
         optuna_params_for(default_space(), {"family": "rnn"})
     with pytest.raises(SpaceError, match="lr=5.0"):
         optuna_params_for(parse_space(SPACE), {**CHAMPION, "lr": 5.0})
-
-
-def test_executor_search_stops_asking_when_the_time_budget_is_spent() -> None:
-    cfg = SearchConfig(n_trials=50, space=SPACE, timeout_minutes=0.001)  # 60 ms
-    study = optuna.create_study(direction="maximize")
-    controller = _SearchController(study, cfg.search_space(), cfg, budget=50)
-    assert len(controller.ask(2)) == 2  # the first models always start
-    time.sleep(0.1)
-    assert controller.new_models(3) == []
-    assert len(study.trials) == 2
-
-
-def test_executor_search_prunes_in_the_coordinator() -> None:
-    from training.executors import EpochReport
-
-    cfg = SearchConfig(n_trials=6, space=SPACE, pruner="median", min_resource=2)
-    study = optuna.create_study(direction="maximize", pruner=make_pruner("median", 2, 10))
-    controller = _SearchController(study, cfg.search_space(), cfg, budget=6)
-    for spec in controller.ask(2):  # two finished, good trials
-        trial = controller.trials[spec.model_id]
-        for epoch in range(4):
-            trial.report(0.9, epoch)
-        study.tell(trial, 0.9)
-    (bad,) = controller.ask(1)
-    stopped_at = None
-    for epoch in range(4):  # the executor stops a model the first time the controller says so
-        if not controller.on_epoch_end(EpochReport(bad.model_id, epoch, 0.1, 1.0)):
-            stopped_at = epoch
-            break
-    assert stopped_at is not None and stopped_at >= 1  # not judged at once, stopped past min_resource
-    assert controller.pruned[bad.model_id] == stopped_at
-
-
-def test_an_epoch_trained_again_is_reported_to_optuna_once(recwarn: pytest.WarningsRecorder) -> None:
-    from training.executors import EpochReport
-
-    cfg = SearchConfig(n_trials=2, space=SPACE, pruner="none")
-    study = optuna.create_study(direction="maximize")
-    controller = _SearchController(study, cfg.search_space(), cfg, budget=2)
-    (spec,) = controller.ask(1)
-    for epoch, value in [(0, 0.5), (1, 0.6), (1, 0.61), (2, 0.7)]:  # epoch 1 redone after a lost worker
-        assert controller.on_epoch_end(EpochReport(spec.model_id, epoch, value, 1.0))
-    trial = study.trials[0]
-    assert trial.intermediate_values == {0: 0.5, 1: 0.6, 2: 0.7}
-    assert not [w for w in recwarn if "already reported" in str(w.message)]
 
 
 def test_the_registries_are_the_configs_choices_and_each_entry_builds() -> None:

@@ -52,11 +52,11 @@ def test_a_task_trial_whose_coordinator_died_is_retried_from_its_last_checkpoint
     checkpointed after every epoch) and the task restarts. Expected: the retry resumes the model
     after the last checkpointed epoch, keeps the earlier epochs' history, and only one trial
     counts towards n_trials."""
-    import training.executor_search as search
+    from training.search_controller import SearchController
 
     storage_url, art, epochs = str(tmp_path / "journal.log"), str(tmp_path / "art"), 6
     cfg = SearchConfig(n_trials=1, epochs=epochs, parallel_trials=1, space=SPACE, pruner="none")
-    real = search._SearchController.on_epoch_end
+    real = SearchController.on_epoch_end
     heard: list[object] = []
 
     def dies_at_the_third_report(self: object, report: object) -> bool:
@@ -66,10 +66,10 @@ def test_a_task_trial_whose_coordinator_died_is_retried_from_its_last_checkpoint
             raise CoordinatorKilled("the search task's process died")
         return keep
 
-    monkeypatch.setattr(search._SearchController, "on_epoch_end", dies_at_the_third_report)
+    monkeypatch.setattr(SearchController, "on_epoch_end", dies_at_the_third_report)
     with pytest.raises(CoordinatorKilled):
         run_strategy_search(cfg, small_manifest, "k", storage_url, art, dask_client)
-    monkeypatch.setattr(search._SearchController, "on_epoch_end", real)
+    monkeypatch.setattr(SearchController, "on_epoch_end", real)
     (left,) = optuna.load_study(study_name="k", storage=make_storage(storage_url)).trials
     assert left.state == TrialState.RUNNING and len(left.intermediate_values) == 3
     assert (Path(checkpoint_folder(art, "k", 0)) / CHECKPOINT_FILE).exists()

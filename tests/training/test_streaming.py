@@ -15,6 +15,7 @@ from training.schedule import steps_per_epoch
 from training.streaming import (
     Block,
     StreamedRows,
+    rank_batches,
     shuffle_buffer_rows,
     stream_rows,
     train_memory_bytes,
@@ -73,6 +74,14 @@ def test_batches_resume_at_a_batch_and_ranks_share_the_stream() -> None:
     ]
     assert [len(s) for s in shares] == [len(table) // 3] * 3  # every rank takes as many steps
     assert not set(shares[0]) & set(shares[1]) and not set(shares[1]) & set(shares[2])
+
+
+def test_a_rank_takes_every_world_th_row_cut_to_its_share_in_batches() -> None:
+    rows = np.arange(11, dtype=np.float32)[:, None]
+    chunks = [(rows[:4], rows[:4, 0]), (rows[4:], rows[4:, 0])]  # batches span the chunks
+    batches = list(rank_batches(chunks, batch_size=2, rank_rows=5, shard=(1, 2)))
+    assert [b[0][:, 0].tolist() for b in batches] == [[1, 3], [5, 7], [9]]
+    assert [len(x) for x, _ in rank_batches(chunks, batch_size=4, rank_rows=11)] == [4, 4, 3]
 
 
 def test_budgets_come_from_the_environment_with_clear_errors() -> None:

@@ -12,7 +12,7 @@ from training.executors.mop import MopExecutor
 from training.executors.task import SequentialExecutor, TaskExecutor
 from training.executors.units import load_eval_split, load_partition
 from training.schedule import steps_per_epoch
-from training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit, pass_order
+from training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
 from training.unit_state import StateFormatError
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 1e-4, "batch_size": 32}
@@ -37,15 +37,6 @@ def _assert_same_state(a: bytes, b: bytes) -> None:
     for key in ta:
         assert torch.equal(ta[key], tb[key]), key
     assert global_step(a) == global_step(b)
-
-
-def test_pass_order_is_a_function_of_seed_epoch_and_pass_alone() -> None:
-    first = pass_order(3, 1, 0, 50)
-    assert sorted(first.tolist()) == list(range(50))
-    assert torch.equal(first, pass_order(3, 1, 0, 50))
-    assert not torch.equal(first, pass_order(3, 2, 0, 50))
-    assert not torch.equal(first, pass_order(3, 1, 1, 50))
-    assert not torch.equal(first, pass_order(4, 1, 0, 50))
 
 
 def test_a_unit_exported_between_passes_trains_on_exactly_like_one_that_kept_going(

@@ -270,7 +270,7 @@ def test_a_unit_result_lost_with_its_killed_worker_is_reported_not_awaited(volat
     pinned to: the coordinator used to wait on it forever, a test sweep hung for 240 s.)"""
     from distributed import wait
 
-    from training.executors.mop import UnitResultLost, fetch_unit_result
+    from training.executors.mop_workers import UnitResultLost, fetch_unit_result
 
     client = volatile_client
     client.wait_for_workers(2, timeout=60)

@@ -10,6 +10,7 @@ presence means the shards are complete).
 - :mod:`training.data.partitions`: what runs on the workers (partitions, shard writing);
 - :mod:`training.data.tables`: a user's table as a source;
 - :mod:`training.data.sharding`: the sharding stage itself (:func:`shard_dataset`);
+- :mod:`training.data.placement`: where its tasks run on the Dask workers;
 - :mod:`training.data.reading`: manifests, shards and splits read back and verified.
 """
 
@@ -33,6 +34,12 @@ from training.data.partitions import (
     restratify_partition,
     take_rows,
     write_shard,
+)
+from training.data.placement import (
+    SLICE_PRIORITY,
+    contiguous_runs,
+    feed_cap,
+    next_partition,
 )
 from training.data.reading import (
     _fetch_shard,
@@ -72,19 +79,7 @@ from training.data.rules import (
     threshold_positions,
     validate_stats,
 )
-from training.data.sharding import (
-    SLICE_PRIORITY,
-    _holders,
-    _on_holders,
-    _per_partition_as_done,
-    _remove_partial,
-    _stratify,
-    _submit_shard,
-    contiguous_runs,
-    feed_cap,
-    next_partition,
-    shard_dataset,
-)
+from training.data.sharding import shard_dataset
 from training.data.tables import (
     SourceInfo,
     describe_source,
@@ -113,14 +108,8 @@ __all__ = [
     "SourceInfo",
     "SplitRule",
     "_fetch_shard",
-    "_holders",
     "_is_local",
     "_manifest_dir",
-    "_on_holders",
-    "_per_partition_as_done",
-    "_remove_partial",
-    "_stratify",
-    "_submit_shard",
     "assign_splits",
     "balance_writers",
     "check_columns",

@@ -110,7 +110,7 @@ def describe_source(
 def source_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
     """The source's prepared partitions (the rows stay on the workers): futures, or for
     MNIST-1D functions ``submit(worker)`` that start generating partition ``i`` on ``worker``
-    (``_per_partition_as_done`` hands them out as workers free up)."""
+    (``per_partition_as_done`` hands them out as workers free up)."""
     from training import source_kinds
 
     if info.kind in source_kinds.KINDS:

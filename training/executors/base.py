@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from infra import storage
+from infra import stopping, storage
 from training.unit import DataRef, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -81,38 +82,65 @@ class Executor(ABC):
     """A strategy for training many models; see the module docstring."""
 
     name = "base"
+    # Whether a training run watches for a requested stop itself (its units checkpoint at their
+    # next batch first): a signal then only sets the flag (``infra.stopping``).
+    stops_on_its_own = False
 
     def __init__(self, data: DataRef, checkpoint_root: str = "") -> None:
         self.data = data
         self.checkpoint_root = checkpoint_root
         self.records: list[dict[str, Any]] = []  # one per unit/pass: worker, model, timings
+        self.interruptions: list[dict[str, Any]] = []  # one per unit, epoch or job lost or stopped
+        self.redone_unit_seconds = 0.0  # work lost with interrupted units, to be done again
 
-    @abstractmethod
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
     ) -> dict[str, ModelOutcome]:
-        """Train ``models`` for up to ``epochs`` epochs; return their outcomes by model id."""
+        """Train ``models`` for up to ``epochs`` epochs; return their outcomes by model id.
 
-    def _one_model_at_a_time(
-        self,
-        models: Sequence[ModelSpec],
-        controller: Controller,
-        train_one: Callable[[ModelSpec], ModelOutcome],
+        Without a ``controller`` every model trains all its epochs and none is added."""
+        if not self.stops_on_its_own:
+            return self._train(models, epochs, controller or TrainAll())
+        with stopping.stops_cooperatively():
+            return self._train(models, epochs, controller or TrainAll())
+
+    @abstractmethod
+    def _train(
+        self, models: Sequence[ModelSpec], epochs: int, controller: Controller
     ) -> dict[str, ModelOutcome]:
-        """Train models one after another; each finished model frees the one slot for a new one."""
-        outcomes: dict[str, ModelOutcome] = {}
-        queue = list(models)
-        while queue:
-            spec = queue.pop(0)
-            outcome = outcomes[spec.model_id] = train_one(spec)
-            controller.on_model_done(outcome)
-            queue += controller.new_models(1)
-        return outcomes
+        """The strategy's own :meth:`run`, with a controller."""
+
+    # -- the controller's view of a model's epochs -------------------------------------------
+
+    def report_epoch(self, outcome: ModelOutcome, report: EpochReport, controller: Controller) -> bool:
+        """Record a finished epoch (kept beside the checkpoint) and tell the controller; False
+        once the model is to stop."""
+        outcome.history.append(report)
+        self.save_history(report.model_id, outcome.history)
+        return controller.on_epoch_end(report)
+
+    def replay_history(self, outcome: ModelOutcome, through_epoch: int, controller: Controller) -> bool:
+        """Hand the controller again the epochs a model's checkpoint covers (a restarted
+        coordinator's retried trial), into ``outcome``; False when it says to stop."""
+        keep = True
+        for report in self.load_history(outcome.spec.model_id, through_epoch):
+            outcome.history.append(report)
+            keep = controller.on_epoch_end(report) and keep
+        return keep
+
+    def record_interruption(self, redone: float, **what: Any) -> None:
+        """Record work lost with an interrupted unit, epoch or job (a notice or a lost worker)."""
+        self.redone_unit_seconds += redone
+        self.interruptions.append({**what, "redone_s": redone, "at": time.time()})
 
     # -- checkpoints: the latest state of each model, written after every pass --------------
 
     def checkpoint_uri(self, model_id: str) -> str:
         return storage.join(self.checkpoint_root, model_id, CHECKPOINT_FILE)
+
+    def kept_checkpoint(self, model_id: str) -> str | None:
+        """Where a model's checkpoint is, when this executor keeps checkpoints (None otherwise)."""
+        return self.checkpoint_uri(model_id) if self.checkpoint_root else None
 
     def save_checkpoint(self, model_id: str, state: bytes) -> str | None:
         if not self.checkpoint_root:
@@ -149,3 +177,24 @@ class Executor(ABC):
         from training.unit_state import read_meta
 
         return data, read_meta(data)
+
+
+class OneModelAtATime(Executor):
+    """An executor that trains models one after another (each finished model frees the one slot
+    for the controller's next)."""
+
+    def _train(
+        self, models: Sequence[ModelSpec], epochs: int, controller: Controller
+    ) -> dict[str, ModelOutcome]:
+        outcomes: dict[str, ModelOutcome] = {}
+        queue = list(models)
+        while queue:
+            spec = queue.pop(0)
+            outcome = outcomes[spec.model_id] = self._train_one(spec, epochs, controller)
+            controller.on_model_done(outcome)
+            queue += controller.new_models(1)
+        return outcomes
+
+    @abstractmethod
+    def _train_one(self, spec: ModelSpec, epochs: int, controller: Controller) -> ModelOutcome:
+        """Train one model for up to ``epochs`` epochs."""

@@ -16,11 +16,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
+from training.executors.base import Controller, EpochReport, ModelOutcome, OneModelAtATime
 from training.unit import DataRef, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -33,7 +32,18 @@ class RankLost(RuntimeError):
     """A rank's worker left the cluster or its task failed: the job cannot go on."""
 
 
-class DDPExecutor(Executor):
+@dataclass(frozen=True)
+class _Job:
+    """One attempt's ranks in flight: their futures (to rank and worker), report queue and stop event."""
+
+    model_id: str
+    checkpoint: str  # where rank 0 writes each epoch's checkpoint ("" without checkpoints)
+    queue: Any  # distributed.Queue: rank 0's epoch reports
+    stop: Any  # distributed.Event: the coordinator's stop decision
+    futures: dict[Any, tuple[int, str]]
+
+
+class DDPExecutor(OneModelAtATime):
     """Models one after another, each trained by W DDP ranks on W Dask workers."""
 
     name = "ddp"
@@ -56,15 +66,8 @@ class DDPExecutor(Executor):
         self.epoch_timeout_s = epoch_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self.max_restarts = max_restarts
-        self.interruptions: list[dict[str, Any]] = []  # one per job lost with a rank
         self.rank_pids: dict[str, list[int]] = {}  # model -> the process of each rank (last attempt)
         self.allreduce_bytes: dict[str, int] = {}  # model -> gradient bytes its ranks all-reduced
-
-    def run(
-        self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
-    ) -> dict[str, ModelOutcome]:
-        ctl = controller or TrainAll()
-        return self._one_model_at_a_time(models, ctl, lambda spec: self._train_one(spec, epochs, ctl))
 
     def rank_workers(self, spec: ModelSpec, wait_s: float = WORKER_WAIT_S) -> list[str]:
         """W distinct workers that can run a rank of ``spec`` (with its resources), rank 0 first;
@@ -97,9 +100,7 @@ class DDPExecutor(Executor):
                 self._run_job(spec, epochs, controller, outcome)
                 break
             except RankLost as exc:
-                self.interruptions.append(
-                    {"model": spec.model_id, "kind": "rank lost", "at": time.time(), "redone_s": 0.0}
-                )
+                self.record_interruption(0.0, model=spec.model_id, kind="rank lost")
                 if attempt == self.max_restarts:
                     outcome.error = f"RankLost: {exc}"
                     log.warning("ddp: %s failed: %s", spec.model_id, exc)
@@ -122,45 +123,61 @@ class DDPExecutor(Executor):
 
     def _run_job(self, spec: ModelSpec, epochs: int, controller: Controller, outcome: ModelOutcome) -> None:
         """One attempt: the ranks from the last checkpoint to the end (or a stop)."""
-        from distributed import Event, Queue, wait
+        found = self.load_checkpoint(spec.model_id)
+        start_epoch = self._resume(spec, epochs, controller, outcome, found)
+        if start_epoch is None:
+            return
+        job = self._start_job(spec, epochs, start_epoch, resume=found is not None)
+        try:
+            self._follow(job, epochs, controller, outcome)
+            self._collect(job, epochs, controller, outcome)
+        except Exception:
+            self._let_ranks_end(job.futures)
+            for report in self._drain(job.queue):  # epochs whose checkpoint was written: they count
+                self._hear(report, epochs, controller, outcome)
+            raise
+        finally:
+            for future in job.futures:
+                future.release()
+
+    def _resume(
+        self,
+        spec: ModelSpec,
+        epochs: int,
+        controller: Controller,
+        outcome: ModelOutcome,
+        found: tuple[bytes, dict[str, Any]] | None,
+    ) -> int | None:
+        """The epoch the job starts at: after the latest epoch checkpoint, if any. None when the
+        checkpoint already ends the training (all epochs done, or the controller stops it)."""
+        if found is None:
+            return 0
+        start_epoch = int(found[1].get("epoch", -1)) + 1
+        log.info("ddp: %s resumes at epoch %d from its checkpoint", spec.model_id, start_epoch + 1)
+        # a restarted coordinator: the epochs it had, told again
+        if not outcome.history and not self.replay_history(outcome, start_epoch - 1, controller):
+            outcome.stopped_early = True
+        if start_epoch >= epochs or outcome.stopped_early:
+            outcome.state = found[0]
+            return None
+        return start_epoch
+
+    def _start_job(self, spec: ModelSpec, epochs: int, start_epoch: int, resume: bool) -> _Job:
+        """Submit the W ranks, rank 0 first, each pinned to its worker, with their own report
+        queue and stop event."""
+        from distributed import Event, Queue
 
         from training.executors.ddp_rank import free_port, run_rank
 
-        checkpoint = self.checkpoint_uri(spec.model_id) if self.checkpoint_root else ""
-        start_epoch = 0
-        found = self.load_checkpoint(spec.model_id)
-        if found is not None:  # resume from the latest epoch checkpoint
-            start_epoch = int(found[1].get("epoch", -1)) + 1
-            log.info("ddp: %s resumes at epoch %d from its checkpoint", spec.model_id, start_epoch + 1)
-            if not outcome.history:  # a restarted coordinator: the epochs it had, told again
-                for report in self.load_history(spec.model_id, start_epoch - 1):
-                    outcome.history.append(report)
-                    if not controller.on_epoch_end(report):
-                        outcome.stopped_early = True
-            if start_epoch >= epochs or outcome.stopped_early:
-                outcome.state = found[0]
-                return
+        checkpoint = self.kept_checkpoint(spec.model_id) or ""
         workers = self.rank_workers(spec)
         tag = uuid.uuid4().hex[:12]
         queue, stop = Queue(f"ddp-{tag}", client=self.client), Event(f"ddp-stop-{tag}", client=self.client)
         address, port = self.client.submit(
             free_port, workers=[workers[0]], allow_other_workers=False, pure=False
         ).result(timeout=60)
-        job: dict[str, Any] = {
-            "spec": asdict(spec),
-            "data": asdict(self.data),
-            "epochs": epochs,
-            "start_epoch": start_epoch,
-            "world_size": self.world_size,
-            # The configuration's batch size is the global batch: each rank takes its share.
-            "batch_per_rank": max(1, int(spec.params["batch_size"]) // self.world_size),
-            "bf16_compress": self.bf16_compress,
-            "checkpoint_uri": checkpoint,
-            "resume_uri": checkpoint if found is not None else "",
-            "queue": queue.name,
-            "stop_event": stop.name,
-            "collective_timeout_s": self.collective_timeout_s,
-        }
+        job = self._job_description(spec, epochs, start_epoch, checkpoint, resume)
+        job |= {"queue": queue.name, "stop_event": stop.name}
         futures = {
             self.client.submit(
                 run_rank,
@@ -177,38 +194,58 @@ class DDPExecutor(Executor):
             for rank, worker in enumerate(workers)
         }
         log.info("ddp: %s starts on %d ranks (%s)", spec.model_id, self.world_size, ", ".join(workers))
+        return _Job(spec.model_id, checkpoint, queue, stop, futures)
+
+    def _job_description(
+        self, spec: ModelSpec, epochs: int, start_epoch: int, checkpoint: str, resume: bool
+    ) -> dict[str, Any]:
+        """What every rank is told (``training/executors/ddp_rank.py``), but its queue and event."""
+        return {
+            "spec": asdict(spec),
+            "data": asdict(self.data),
+            "epochs": epochs,
+            "start_epoch": start_epoch,
+            "world_size": self.world_size,
+            # The configuration's batch size is the global batch: each rank takes its share.
+            "batch_per_rank": max(1, int(spec.params["batch_size"]) // self.world_size),
+            "bf16_compress": self.bf16_compress,
+            "checkpoint_uri": checkpoint,
+            "resume_uri": checkpoint if resume else "",
+            "collective_timeout_s": self.collective_timeout_s,
+        }
+
+    def _follow(self, job: _Job, epochs: int, controller: Controller, outcome: ModelOutcome) -> None:
+        """Pass rank 0's reports to the controller (its stop to the ranks) until every rank is
+        done; raise when a rank is lost or no epoch finishes within ``epoch_timeout_s``."""
+        from distributed import wait
+
         last_progress = time.monotonic()
-        try:
-            while True:
-                for report in self._drain(queue):
-                    last_progress = time.monotonic()
-                    if not self._hear(report, epochs, controller, outcome):
-                        stop.set()
-                with contextlib.suppress(TimeoutError):  # not all done yet: poll again
-                    wait(list(futures), timeout=POLL_S)
-                done = {f for f in futures if f.done()}
-                if len(done) == len(futures):
-                    break
-                self._check_ranks(futures, done)
-                if time.monotonic() - last_progress > self.epoch_timeout_s:
-                    raise TimeoutError(f"no epoch finished within {self.epoch_timeout_s:.0f}s")
-            results = [f.result() for f in futures]
-            self.rank_pids[spec.model_id] = [int(r["pid"]) for r in sorted(results, key=lambda r: r["rank"])]
-            self.allreduce_bytes[spec.model_id] = int(sum(r["allreduce_bytes"] for r in results))
-            for report in self._drain(queue):  # sent before the ranks returned
-                self._hear(report, epochs, controller, outcome)
-            state = next(r["state"] for r in results if r["rank"] == 0)
-            if state is not None:
-                outcome.state = state
-                outcome.checkpoint_uri = checkpoint or None
-        except Exception:
-            self._let_ranks_end(futures)
-            for report in self._drain(queue):  # epochs whose checkpoint was written: they count
-                self._hear(report, epochs, controller, outcome)
-            raise
-        finally:
-            for future in futures:
-                future.release()
+        while True:
+            for report in self._drain(job.queue):
+                last_progress = time.monotonic()
+                if not self._hear(report, epochs, controller, outcome):
+                    job.stop.set()
+            with contextlib.suppress(TimeoutError):  # not all done yet: poll again
+                wait(list(job.futures), timeout=POLL_S)
+            done = {f for f in job.futures if f.done()}
+            if len(done) == len(job.futures):
+                return
+            self._check_ranks(job.futures, done)
+            if time.monotonic() - last_progress > self.epoch_timeout_s:
+                raise TimeoutError(f"no epoch finished within {self.epoch_timeout_s:.0f}s")
+
+    def _collect(self, job: _Job, epochs: int, controller: Controller, outcome: ModelOutcome) -> None:
+        """The ranks' results: their processes, the bytes they all-reduced, the last reports and
+        rank 0's final state."""
+        results = [f.result() for f in job.futures]
+        self.rank_pids[job.model_id] = [int(r["pid"]) for r in sorted(results, key=lambda r: r["rank"])]
+        self.allreduce_bytes[job.model_id] = int(sum(r["allreduce_bytes"] for r in results))
+        for report in self._drain(job.queue):  # sent before the ranks returned
+            self._hear(report, epochs, controller, outcome)
+        state = next(r["state"] for r in results if r["rank"] == 0)
+        if state is not None:
+            outcome.state = state
+            outcome.checkpoint_uri = job.checkpoint or None
 
     def _hear(self, report: EpochReport, epochs: int, controller: Controller, outcome: ModelOutcome) -> bool:
         """Record rank 0's report of an epoch (kept beside the checkpoint) and pass it to the
@@ -216,9 +253,7 @@ class DDPExecutor(Executor):
         saw a stop are dropped: the model stopped at the epoch of the decision."""
         if outcome.stopped_early:
             return False
-        outcome.history.append(report)
-        self.save_history(report.model_id, outcome.history)
-        keep = controller.on_epoch_end(report)
+        keep = self.report_epoch(outcome, report, controller)
         log.info(
             "ddp: %s epoch %d/%d val_acc=%.4f", report.model_id, report.epoch + 1, epochs, report.val_acc
         )

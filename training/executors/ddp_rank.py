@@ -19,9 +19,12 @@ import math
 import socket
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_fabric.plugins.environments import ClusterEnvironment
+
+if TYPE_CHECKING:
+    from training.unit import DataRef, TrainableUnit
 
 log = logging.getLogger(__name__)
 
@@ -85,47 +88,22 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
 
     import pytorch_lightning as pl
     import torch
-    from distributed import Event, Queue
     from pytorch_lightning.strategies import DDPStrategy
 
-    from infra import storage
-    from training.data import load_manifest
-    from training.executors.units import load_eval_split, training_rows
-    from training.schedule import steps_per_epoch
     from training.trial import quiet_lightning
-    from training.unit import DataRef, ModelSpec, TrainableUnit
 
     torch.set_num_threads(1)
     quiet_lightning()
     world, epochs = int(job["world_size"]), int(job["epochs"])
-    spec = ModelSpec.from_dict(job["spec"])
-    # a rank's batches are its share of the trial's batch (the global batch stays batch_size)
-    spec = replace(spec, params={**spec.params, "batch_size": int(job["batch_per_rank"])})
-    data = DataRef(**job["data"])
-    manifest = load_manifest(data.manifest_uri, data.storage_options)
-    # in memory when within the worker's budget, else streamed (every rank reads its share)
-    tensors = training_rows(data, [e["name"] for e in manifest["splits"]["train"]])
-    streamed = not isinstance(tensors, tuple)
-    n_rows = len(tensors) if streamed else len(tensors[0])
-    # One-cycle over the whole training in global steps (training/schedule.py); a rank's epoch is
-    # its share of the rows (padded to equal shares in memory, cut to them when streamed) in
-    # per-rank batches. A resumed job continues the schedule and the optimizer moments where the
-    # checkpoint left them.
-    share = n_rows // world if streamed else math.ceil(n_rows / world)
-    epoch_steps = steps_per_epoch([share], int(spec.params["batch_size"]))
-    unit = TrainableUnit.build(spec, manifest, epochs * epoch_steps)
-    start_epoch = int(job.get("start_epoch", 0))
-    if job.get("resume_uri"):  # safetensors: nothing unpickled
-        unit.import_state(storage.read_bytes(job["resume_uri"], data.storage_options))
-    reports: list[dict[str, Any]] = []
-    last_state: dict[str, bytes] = {}
+    unit, tensors, data = _rank_unit(job)
+    rank0 = _RankZero(job, unit, data) if rank == 0 else None  # validates, checkpoints, reports
     comm = _CommHook(bool(job.get("bf16_compress")))
     timeout = timedelta(seconds=float(job.get("collective_timeout_s", 120)))
     try:
-        for epoch in range(start_epoch, epochs):
+        for epoch in range(int(job.get("start_epoch", 0)), epochs):
             strategy = DDPStrategy(
                 cluster_environment=DaskRankEnvironment(address, port, rank, world),
-                process_group_backend=spec.device.ddp_backend(),  # nccl between GPUs, gloo on CPU
+                process_group_backend=unit.spec.device.ddp_backend(),  # nccl between GPUs, gloo on CPU
                 timeout=timeout,
             )
             record = unit.train_pass(
@@ -137,23 +115,7 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
             )
             loss = torch.tensor([record.train_loss], dtype=torch.float64)
             torch.distributed.all_reduce(loss)  # the epoch's loss over every rank's rows
-            stop = [False]
-            if rank == 0:  # validates the whole split, checkpoints, reports, reads the decision
-                report = {
-                    "model_id": spec.model_id,
-                    "epoch": epoch,
-                    "val_acc": unit.evaluate(*load_eval_split(data, "validation")),
-                    "train_loss": float(loss.item() / world),
-                    "lr": record.lr_end,
-                    "world_size": world,
-                    "pid": os.getpid(),
-                }
-                state = last_state["state"] = unit.export_state({"epoch": epoch})
-                if job.get("checkpoint_uri"):  # before the report: a report means a checkpoint
-                    storage.write_bytes_atomic(job["checkpoint_uri"], state, data.storage_options)
-                reports.append(report)
-                Queue(job["queue"]).put(json.dumps(report))
-                stop = [Event(job["stop_event"]).is_set()]
+            stop = [rank0.end_epoch(epoch, float(loss.item() / world), record.lr_end) if rank0 else False]
             torch.distributed.broadcast_object_list(stop, src=0)
             if stop[0]:
                 break
@@ -163,10 +125,76 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     return {
         "rank": rank,
         "pid": os.getpid(),
-        "state": last_state.get("state"),
-        "reports": reports,
+        "state": rank0.last_state if rank0 else None,
+        "reports": rank0.reports if rank0 else [],
         "allreduce_bytes": comm.bytes,
     }
+
+
+def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
+    """The rank's trainable unit (resumed from the job's checkpoint, if any), its training rows
+    (in memory when within the worker's budget, else streamed: every rank reads its share) and
+    the data's :class:`DataRef`."""
+    from infra import storage
+    from training.data import load_manifest
+    from training.executors.units import training_rows
+    from training.schedule import steps_per_epoch
+    from training.unit import DataRef, ModelSpec, TrainableUnit
+
+    world, epochs = int(job["world_size"]), int(job["epochs"])
+    spec = ModelSpec.from_dict(job["spec"])
+    # a rank's batches are its share of the trial's batch (the global batch stays batch_size)
+    spec = replace(spec, params={**spec.params, "batch_size": int(job["batch_per_rank"])})
+    data = DataRef(**job["data"])
+    manifest = load_manifest(data.manifest_uri, data.storage_options)
+    tensors = training_rows(data, [e["name"] for e in manifest["splits"]["train"]])
+    streamed = not isinstance(tensors, tuple)
+    n_rows = len(tensors) if streamed else len(tensors[0])
+    # One-cycle over the whole training in global steps (training/schedule.py); a rank's epoch is
+    # its share of the rows (padded to equal shares in memory, cut to them when streamed) in
+    # per-rank batches. A resumed job continues the schedule and the optimizer moments where the
+    # checkpoint left them.
+    share = n_rows // world if streamed else math.ceil(n_rows / world)
+    epoch_steps = steps_per_epoch([share], int(spec.params["batch_size"]))
+    unit = TrainableUnit.build(spec, manifest, epochs * epoch_steps)
+    if job.get("resume_uri"):  # safetensors: nothing unpickled
+        unit.import_state(storage.read_bytes(job["resume_uri"], data.storage_options))
+    return unit, tensors, data
+
+
+class _RankZero:
+    """What rank 0 alone does after each epoch: validate the whole split, write the checkpoint,
+    report to the coordinator and read its stop decision."""
+
+    def __init__(self, job: dict[str, Any], unit: TrainableUnit, data: DataRef) -> None:
+        self.job, self.unit, self.data = job, unit, data
+        self.reports: list[dict[str, Any]] = []
+        self.last_state: bytes | None = None
+
+    def end_epoch(self, epoch: int, train_loss: float, lr: float) -> bool:
+        """Report ``epoch`` (its loss over every rank); True when the coordinator says stop."""
+        import os
+
+        from distributed import Event, Queue
+
+        from infra import storage
+        from training.executors.units import load_eval_split
+
+        report = {
+            "model_id": self.unit.spec.model_id,
+            "epoch": epoch,
+            "val_acc": self.unit.evaluate(*load_eval_split(self.data, "validation")),
+            "train_loss": train_loss,
+            "lr": lr,
+            "world_size": int(self.job["world_size"]),
+            "pid": os.getpid(),
+        }
+        state = self.last_state = self.unit.export_state({"epoch": epoch})
+        if self.job.get("checkpoint_uri"):  # before the report: a report means a checkpoint
+            storage.write_bytes_atomic(self.job["checkpoint_uri"], state, self.data.storage_options)
+        self.reports.append(report)
+        Queue(self.job["queue"]).put(json.dumps(report))
+        return bool(Event(self.job["stop_event"]).is_set())
 
 
 class _CommHook:

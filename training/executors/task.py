@@ -16,18 +16,12 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from infra import stopping
-from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
+from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, OneModelAtATime
+from training.executors.stop_notice import StopNotice
 from training.executors.units import evaluate_state, init_state, train_pass, train_pass_and_validate
 from training.unit import DataRef, ModelSpec
 from training.unit_state import StateFormatError, global_step, partial_meta
-from training.volatile.preempt import (
-    UnitPreempted,
-    clear_notice,
-    lost_spans,
-    raise_notice,
-    redone_seconds,
-    task_story,
-)
+from training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
 
 # How long an epoch handed back by a spot notice waits for its worker to leave before it is
 # submitted anyway (the worker leaves within its grace period, MOPFLOW_PREEMPT_GRACE_S).
@@ -55,6 +49,7 @@ class TaskExecutor(Executor):
     """
 
     name = "task"
+    stops_on_its_own = True  # a stop lets the epochs in flight checkpoint first
 
     def __init__(
         self,
@@ -70,88 +65,49 @@ class TaskExecutor(Executor):
         self.shards = sorted(shard_names)
         self.slots = slots or len(client.scheduler_info()["workers"]) or 1
         self.admission = admission
-        self.redone_unit_seconds = 0.0  # work lost with interrupted epochs, to be done again
-        self.interruptions: list[dict[str, Any]] = []
         self.resumed: dict[str, dict[str, Any]] = {}  # per model: where it resumed from a checkpoint
         self.started_at: dict[str, float] = {}
 
-    def _may_start(self, active: int) -> bool:
+    def may_start(self, active: int) -> bool:
+        """Whether another model may start while ``active`` models train."""
         if self.admission is not None:
             return self.admission.may_start(active)
         return active < self.slots
 
-    def run(
-        self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
+    def _train(
+        self, models: Sequence[ModelSpec], epochs: int, controller: Controller
     ) -> dict[str, ModelOutcome]:
         from distributed import wait
 
-        ctl = controller or TrainAll()
-        run = _TaskRun(self, epochs, ctl)
-        waiting = list(models)
-
-        def admit() -> None:
-            while True:
-                if not waiting and not run.active:
-                    # ask before admitting: with nothing active, admission may open a new round
-                    # of workers, which only a model to start should do
-                    waiting.extend(ctl.new_models(1))
-                    if not waiting:
-                        return
-                if not self._may_start(len(run.active)):
-                    return
-                spec = waiting.pop(0) if waiting else next(iter(ctl.new_models(1)), None)
-                if spec is None:
-                    return
-                if self.admission is not None:
-                    self.admission.started()
-                run.start(spec)
-
-        noticed = False
-        with stopping.stops_cooperatively():
-            admit()
-            while run.in_flight or run.deferred:
-                done = set()
-                if not run.in_flight:  # only epochs waiting for a leaving worker to go
-                    time.sleep(0.5)
-                else:
-                    with contextlib.suppress(TimeoutError):
-                        done, _ = wait(list(run.in_flight), timeout=0.5, return_when="FIRST_COMPLETED")
-                if stopping.stop_requested() and not noticed:
-                    # asked to stop: the epochs in flight checkpoint at their next batch and come back
-                    noticed = True
-                    log.warning(
-                        "task: stopping; %d epoch(s) in flight checkpoint at their next batch",
-                        len(run.in_flight),
-                    )
-                    self.client.run(raise_notice)
-                for future in done:
-                    run.collect(future)
-                if stopping.stop_requested():
-                    run.deferred.clear()  # they wait in their checkpoints for the resume
-                else:
-                    run.submit_deferred()
-                    admit()
-            if noticed:
-                self.client.run(clear_notice)
+        run = _TaskRun(self, epochs, controller, waiting=list(models))
+        notice = StopNotice(self.client, "task", "epoch")  # asked to stop: epochs in flight checkpoint
+        run.admit()
+        while run.in_flight or run.deferred:
+            done = set()
+            if not run.in_flight:  # only epochs waiting for a leaving worker to go
+                time.sleep(0.5)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    done, _ = wait(list(run.in_flight), timeout=0.5, return_when="FIRST_COMPLETED")
+            if stopping.stop_requested():  # the epochs in flight checkpoint at their next batch and come back
+                notice.give(len(run.in_flight))
+            for future in done:
+                run.collect(future)
+            if stopping.stop_requested():
+                run.deferred.clear()  # they wait in their checkpoints for the resume
+            else:
+                run.submit_deferred()
+                run.admit()
+        notice.withdraw()
         stopping.raise_if_stopped()
         for mid, outcome in run.outcomes.items():
             outcome.state = run.states.get(mid, outcome.state)
-            outcome.checkpoint_uri = self.checkpoint_uri(mid) if self.checkpoint_root else None
+            outcome.checkpoint_uri = self.kept_checkpoint(mid)
         return run.outcomes
 
     def account(self, mid: str, epoch: int, worker: str, kind: str, redone: float) -> None:
         """Record work lost with an interrupted epoch (a notice or a killed worker)."""
-        self.redone_unit_seconds += redone
-        self.interruptions.append(
-            {
-                "model": mid,
-                "epoch": epoch,
-                "worker": worker,
-                "kind": kind,
-                "redone_s": redone,
-                "at": time.time(),
-            }
-        )
+        self.record_interruption(redone, model=mid, epoch=epoch, worker=worker, kind=kind)
         log.warning(
             "task: %s epoch %d interrupted (%s%s): %.2f unit-seconds to redo, %.2f in all",
             mid,
@@ -166,8 +122,11 @@ class TaskExecutor(Executor):
 class _TaskRun:
     """The bookkeeping of one :meth:`TaskExecutor.run`: active models, their states and epochs."""
 
-    def __init__(self, executor: TaskExecutor, epochs: int, controller: Controller) -> None:
+    def __init__(
+        self, executor: TaskExecutor, epochs: int, controller: Controller, waiting: list[ModelSpec]
+    ) -> None:
         self.x, self.epochs, self.controller = executor, epochs, controller
+        self.waiting = waiting  # models to start, before the controller's new ones
         self.outcomes: dict[str, ModelOutcome] = {}
         self.specs: dict[str, ModelSpec] = {}
         self.states: dict[str, bytes] = {}
@@ -176,6 +135,25 @@ class _TaskRun:
         self.in_flight: dict[Any, str] = {}
         self.leaving: set[str] = set()  # workers that said they are being preempted
         self.deferred: dict[str, float] = {}  # model -> deadline: waiting for a leaving worker to go
+
+    def admit(self) -> None:
+        """Start models while there are slots (or the admission says so): the waiting ones first,
+        then the controller's."""
+        while True:
+            if not self.waiting and not self.active:
+                # ask before admitting: with nothing active, admission may open a new round
+                # of workers, which only a model to start should do
+                self.waiting.extend(self.controller.new_models(1))
+                if not self.waiting:
+                    return
+            if not self.x.may_start(len(self.active)):
+                return
+            spec = self.waiting.pop(0) if self.waiting else next(iter(self.controller.new_models(1)), None)
+            if spec is None:
+                return
+            if self.x.admission is not None:
+                self.x.admission.started()
+            self.start(spec)
 
     def start(self, spec: ModelSpec) -> None:
         """Take a model in: from its checkpoint when it has one (a restarted coordinator's retried
@@ -201,9 +179,7 @@ class _TaskRun:
                 epoch + 1,
                 global_step(state),
             )
-            for report in self.x.load_history(mid, epoch - 1):
-                self.outcomes[mid].history.append(report)
-                keep = self.controller.on_epoch_end(report) and keep
+            keep = self.x.replay_history(self.outcomes[mid], epoch - 1, self.controller)
         self.active.add(mid)
         if keep and self.next_epoch.get(mid, 0) < self.epochs:
             self.submit(mid)
@@ -261,32 +237,9 @@ class _TaskRun:
         try:
             state, record, val_acc = future.result()
         except UnitPreempted as exc:  # a spot notice: the epoch goes on from its batch elsewhere
-            if exc.state is not None:
-                self.states[mid] = exc.state
-                self.x.save_checkpoint(mid, exc.state)
-                self.x.resumed[mid] = {
-                    "epoch": epoch - 1,
-                    "step": global_step(exc.state),
-                    "after_notice": True,
-                }
-            if stopping.stop_requested():  # the run stops: the model waits in its checkpoint
-                log.info(
-                    "task: %s saved at batch %d of epoch %d",
-                    mid,
-                    int(exc.record.get("batches", 0)),
-                    epoch + 1,
-                )
-                return
-            worker = str(exc.record.get("worker", ""))
-            self.leaving.add(worker)  # forgotten once it has left (a restarted one has a new address)
-            self.x.account(
-                mid,
-                epoch,
-                worker,
-                "notice",
-                max(0.0, float(exc.record["end"]) - float(exc.record["saved_at"])),
-            )
-            self.submit(mid)
+            # an attempt on a worker killed before this one is work redone too
+            self._account_killed(mid, epoch, future)
+            self._preempted(mid, epoch, exc)
             return
         except Exception as exc:
             log.warning("task: %s failed at epoch %d: %s", mid, epoch + 1, exc)
@@ -294,19 +247,14 @@ class _TaskRun:
             return
         finally:  # the result is here now: the worker need not keep it (nor hand it off)
             future.release()
-        lost = redone_seconds(lost_spans(task_story(self.x.client, str(future.key))))
-        if lost > 0:  # its worker died: Dask ran the epoch again from its start
-            self.x.account(mid, epoch, "", "killed", lost)
+        if self._account_killed(mid, epoch, future):  # Dask ran the epoch again from its start
             self.x.resumed[mid] = {"epoch": epoch - 1, "step": global_step(self.states.get(mid))}
         self.states[mid] = state
         self.x.records.append(record)
         self.x.save_checkpoint(mid, state)
         report = EpochReport(mid, epoch, val_acc, float(record["train_loss"]), float(record["lr_end"]))
-        history = self.outcomes[mid].history
-        history.append(report)
-        self.x.save_history(mid, history)
         self.next_epoch[mid] = epoch + 1
-        keep = self.controller.on_epoch_end(report)
+        keep = self.x.report_epoch(self.outcomes[mid], report, self.controller)
         if epoch == 0 or (epoch + 1) % 10 == 0 or epoch + 1 == self.epochs:
             log.info(
                 "task: %s epoch %d/%d val_acc=%.4f on %s",
@@ -323,6 +271,44 @@ class _TaskRun:
         else:
             self.finish(mid, stopped_early=not keep)
 
+    def _account_killed(self, mid: str, epoch: int, future: Any) -> bool:
+        """Record the work of attempts of this epoch lost with a killed worker (from the
+        scheduler's story of its task); whether there were any."""
+        lost = redone_seconds(lost_spans(task_story(self.x.client, str(future.key))))
+        if lost > 0:
+            self.x.account(mid, epoch, "", "killed", lost)
+        return lost > 0
+
+    def _preempted(self, mid: str, epoch: int, exc: UnitPreempted) -> None:
+        """An epoch stopped by a spot notice: its state is checkpointed and it goes on from that
+        batch on another worker (or waits in its checkpoint when the run stops)."""
+        if exc.state is not None:
+            self.states[mid] = exc.state
+            self.x.save_checkpoint(mid, exc.state)
+            self.x.resumed[mid] = {
+                "epoch": epoch - 1,
+                "step": global_step(exc.state),
+                "after_notice": True,
+            }
+        if stopping.stop_requested():  # the run stops: the model waits in its checkpoint
+            log.info(
+                "task: %s saved at batch %d of epoch %d",
+                mid,
+                int(exc.record.get("batches", 0)),
+                epoch + 1,
+            )
+            return
+        worker = str(exc.record.get("worker", ""))
+        self.leaving.add(worker)  # forgotten once it has left (a restarted one has a new address)
+        self.x.account(
+            mid,
+            epoch,
+            worker,
+            "notice",
+            max(0.0, float(exc.record["end"]) - float(exc.record["saved_at"])),
+        )
+        self.submit(mid)
+
     def fail(self, mid: str, error: str) -> None:
         self.outcomes[mid].error = error
         self.finish(mid, stopped_early=False)
@@ -333,7 +319,7 @@ class _TaskRun:
         outcome = self.outcomes[mid]
         outcome.stopped_early = stopped_early
         outcome.state = self.states.get(mid)
-        outcome.checkpoint_uri = self.x.checkpoint_uri(mid) if self.x.checkpoint_root else None
+        outcome.checkpoint_uri = self.x.kept_checkpoint(mid)
         self.controller.on_model_done(outcome)
 
 
@@ -348,7 +334,7 @@ def _train_and_validate(
     return new_state, record, val_acc
 
 
-class SequentialExecutor(Executor):
+class SequentialExecutor(OneModelAtATime):
     """The baseline: models one after another in this process, each epoch over all shards in order."""
 
     name = "sequential"
@@ -356,12 +342,6 @@ class SequentialExecutor(Executor):
     def __init__(self, data: DataRef, shard_names: Sequence[str], checkpoint_root: str = "") -> None:
         super().__init__(data, checkpoint_root)
         self.shards = sorted(shard_names)
-
-    def run(
-        self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
-    ) -> dict[str, ModelOutcome]:
-        ctl = controller or TrainAll()
-        return self._one_model_at_a_time(models, ctl, lambda spec: self._train_one(spec, epochs, ctl))
 
     def _train_one(self, spec: ModelSpec, epochs: int, controller: Controller) -> ModelOutcome:
         outcome = ModelOutcome(spec)

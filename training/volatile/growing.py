@@ -1,9 +1,9 @@
 """Data-parallel SGD with a growing number of workers, optionally on volatile (spot) workers.
 
 After Zhang, Wang, Joshi, Joe-Wong, "Machine Learning on Volatile Instances" (INFOCOM 2020): at
-iteration j, ``n_j`` workers (a :class:`~training.volatile.WorkerSchedule`) each compute the gradient
+iteration j, ``n_j`` workers (a :class:`~training.volatile.workers.WorkerSchedule`) each compute the gradient
 of a mini-batch of ``b`` samples, the parameter server averages them and takes a step whose size is
-scaled with the workers (``linear`` / ``sqrt`` / ``none``, :func:`~training.volatile.scaled_step_size`).
+scaled with the workers (``linear`` / ``sqrt`` / ``none``, :func:`~training.volatile.workers.scaled_step_size`).
 
 **Emulation.** The workers are emulated in one process: worker k's gradient is the gradient of the
 mean loss over micro-batch k, and the average of ``y`` such gradients of equal-sized micro-batches is
@@ -17,8 +17,8 @@ are fewer real processes than workers; it reproduces the maths of synchronous SG
 ``iteration_seconds``; in each slot, iteration j's provisioned workers (the first ``n_j`` bids) whose bid
 is >= the slot's price are active (``y_j``). Only they contribute micro-batches; a slot with no active
 worker is idle: no update, j waits. The run is accounted with :func:`training.volatile.cost.account_run` (cost,
-active / idle time, wasted work) over the same slots, and :func:`log_growing_run` logs records and
-account through the :class:`~infra.tracking.Tracker` protocol.
+active / idle time, wasted work) over the same slots; :mod:`training.volatile.growing_report` gives
+its cost over time and logs records and account through the :class:`~infra.tracking.Tracker` protocol.
 """
 
 from __future__ import annotations
@@ -33,17 +33,12 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from infra.tracking import Tracker
+from training.metrics import top1_accuracy
 from training.models import ArchSpec, build_model
-from training.volatile.cost import (
-    SECONDS_PER_HOUR,
-    PriceError,
-    PriceTrace,
-    RunAccount,
-    TraceExhaustedError,
-    account_run,
-    log_run_account,
-)
+from training.volatile.cost import account_run
+from training.volatile.price_trace import PriceTrace
+from training.volatile.prices import PriceError, TraceExhaustedError
+from training.volatile.run_account import RunAccount
 from training.volatile.workers import ScalingRule, WorkerSchedule, scaled_step_size, workers_at_iteration
 
 Emulation = Literal["concatenated", "per_worker"]
@@ -81,7 +76,7 @@ class Volatility:
     """Spot prices and bids: worker w (0-based) is active in a slot while the price is <= ``bids[w]``.
 
     Price changes must fall on slot boundaries (``start + k * iteration_seconds``), as with
-    :func:`training.volatile.cost.sample_price_trace` at ``slot_seconds = iteration_seconds``: a worker then never
+    :func:`training.volatile.price_trace.sample_price_trace` at ``slot_seconds = iteration_seconds``: a worker then never
     loses an iteration half-way, and :func:`training.volatile.cost.account_run` sees the same y_j as training.
     """
 
@@ -95,6 +90,11 @@ class Volatility:
         for w, b in enumerate(self.bids):
             if not b >= 0 or math.isnan(b):
                 raise PriceError(f"bids[{w}]={b}: a bid must be a number >= 0")
+
+    @property
+    def run_start(self) -> float:
+        """The trace time of the run's first slot."""
+        return self.trace.start if self.start is None else self.start
 
 
 @dataclass(frozen=True)
@@ -196,8 +196,7 @@ def _check_inputs(
             f"{len(volatility.bids)} bids for a schedule of up to n_max={config.schedule.n_max} workers;"
             " expected one bid per worker"
         )
-    start = volatility.trace.start if volatility.start is None else volatility.start
-    r = config.iteration_seconds
+    start, r = volatility.run_start, config.iteration_seconds
     for t in volatility.trace.times[1:]:
         k = (t - start) / r
         if t > start and abs(k - round(k)) > _ALIGN_TOL * max(1.0, abs(k)):
@@ -212,9 +211,43 @@ def _evaluate(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> tupl
     with torch.no_grad():
         logits = model(data[0])
         loss = float(F.cross_entropy(logits, data[1]))
-        accuracy = float((logits.argmax(1) == data[1]).float().mean())
+        accuracy = top1_accuracy(logits, data[1])
     model.train()
     return loss, accuracy
+
+
+def _active_workers(
+    config: GrowingConfig, volatility: Volatility | None, n: int, slot: int, done: int
+) -> list[int]:
+    """The provisioned workers (the first ``n``) active in ``slot``: those whose bid is >= its price."""
+    if volatility is None:
+        return list(range(n))
+    trace, r = volatility.trace, config.iteration_seconds
+    t = volatility.run_start + slot * r
+    try:
+        price = trace.prices[trace.index_at(t)]
+    except TraceExhaustedError as exc:
+        raise TraceExhaustedError(
+            f"the price trace ends at {trace.end} after {done} of {config.iterations}"
+            f" iterations ({slot} slots of {r} s): {exc}"
+        ) from exc
+    return [w for w in range(n) if price <= volatility.bids[w]]
+
+
+def _backward(
+    model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], emulation: Emulation
+) -> float:
+    """Put the parameter server's averaged gradient into ``.grad``; returns the mean training loss."""
+    if emulation == "concatenated":
+        loss = F.cross_entropy(model(torch.cat([m[0] for m in batches])), torch.cat([m[1] for m in batches]))
+        loss.backward()
+        return float(loss.detach())
+    total = 0.0
+    for xb, yb in batches:
+        worker_loss = F.cross_entropy(model(xb), yb)
+        (worker_loss / len(batches)).backward()  # the PS sums gradients / y
+        total += float(worker_loss.detach())
+    return total / len(batches)
 
 
 def train_growing(
@@ -241,160 +274,56 @@ def train_growing(
     optimizer = torch.optim.SGD(model.parameters(), lr=config.base_lr, momentum=config.momentum)
     stream = _SampleStream(len(x), torch.Generator().manual_seed(config.seed))
     b = config.batch_size
-    r = config.iteration_seconds
-    start = (
-        None
-        if volatility is None
-        else (volatility.trace.start if volatility.start is None else volatility.start)
-    )
-
     records: list[IterationRecord] = []
-    provisioned_per_iteration: list[int] = []
-    used = 0
-    j = slot = 0
+    used = j = slot = 0
     while j < config.iterations:
         n = workers_at_iteration(config.schedule, j + 1, config.iterations_per_epoch)
-        if volatility is None:
-            active = list(range(n))
-        else:
-            assert start is not None
-            t = start + slot * r
-            try:
-                price = volatility.trace.prices[volatility.trace.index_at(t)]
-            except TraceExhaustedError as exc:
-                raise TraceExhaustedError(
-                    f"the price trace ends at {volatility.trace.end} after {j} of {config.iterations}"
-                    f" iterations ({slot} slots of {r} s): {exc}"
-                ) from exc
-            active = [w for w in range(n) if price <= volatility.bids[w]]
-        if not active:
+        active = _active_workers(config, volatility, n, slot, j)
+        if not active:  # idle slot: no update, iteration j + 1 waits
             records.append(IterationRecord(slot, j + 1, n, 0, 0.0, None, used))
             slot += 1
             continue
         j += 1
-        indices = stream.take(n * b)
+        indices = stream.take(n * b)  # every provisioned worker's samples, so prices don't change them
         batches = [(x[indices[w * b : (w + 1) * b]], y[indices[w * b : (w + 1) * b]]) for w in active]
-        lr = scaled_step_size(
-            config.base_lr,
-            n if config.scale_with == "provisioned" else len(active),
-            config.scaling,
-            config.reference_workers,
-        )
+        workers = n if config.scale_with == "provisioned" else len(active)
+        lr = scaled_step_size(config.base_lr, workers, config.scaling, config.reference_workers)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        if config.emulation == "concatenated":
-            loss = F.cross_entropy(
-                model(torch.cat([m[0] for m in batches])), torch.cat([m[1] for m in batches])
-            )
-            loss.backward()
-            loss_value = float(loss.detach())
-        else:
-            total = 0.0
-            for xb, yb in batches:
-                worker_loss = F.cross_entropy(model(xb), yb)
-                (worker_loss / len(batches)).backward()  # the PS sums gradients / y
-                total += float(worker_loss.detach())
-            loss_value = total / len(batches)
-        if not math.isfinite(loss_value):
+        loss = _backward(model, batches, config.emulation)
+        if not math.isfinite(loss):
             raise FloatingPointError(
-                f"training loss became {loss_value} at iteration {j} (lr {lr:g}, {n} workers); lower base_lr"
+                f"training loss became {loss} at iteration {j} (lr {lr:g}, {n} workers); lower base_lr"
             )
         optimizer.step()
         used += len(active)
-        provisioned_per_iteration.append(n)
         eval_loss = eval_acc = None
         due = config.eval_every > 0 and j % config.eval_every == 0
         if eval_data is not None and (due or j == config.iterations):
             eval_loss, eval_acc = _evaluate(model, eval_data)
-        records.append(IterationRecord(slot, j, n, len(active), lr, loss_value, used, eval_loss, eval_acc))
+        records.append(IterationRecord(slot, j, n, len(active), lr, loss, used, eval_loss, eval_acc))
         slot += 1
-
-    account = None
-    bids = None
-    if volatility is not None:
-        bids = tuple(volatility.bids[: config.schedule.n_max])
-        account = account_run(
-            volatility.trace,
-            bids,
-            [r] * config.iterations,
-            provisioned=provisioned_per_iteration,
-            start=start,
-        )
-        trained = tuple(rec.active for rec in records if rec.active > 0)
-        if account.workers_per_unit != trained:  # cannot happen with aligned slots; guard the invariant
-            raise RuntimeError("cost accounting and training disagree on the active workers per iteration")
+    if volatility is None:
+        return GrowingResult(tuple(records), model, None, None)
+    bids, account = _account_training(config, volatility, records)
     return GrowingResult(tuple(records), model, account, bids)
 
 
-def account_prefix(
-    result: GrowingResult, volatility: Volatility, config: GrowingConfig, iterations: int
-) -> RunAccount:
-    """The cost account of the run's first ``iterations`` iterations (e.g. up to a target accuracy)."""
-    updates = result.updates
-    if not 1 <= iterations <= len(updates):
-        raise ValueError(f"iterations={iterations}: expected 1..{len(updates)} (the run's iterations)")
+def _account_training(
+    config: GrowingConfig, volatility: Volatility, records: Sequence[IterationRecord]
+) -> tuple[tuple[float, ...], RunAccount]:
+    """The bids of the schedule's workers and the run's account over the same slots as training."""
     bids = tuple(volatility.bids[: config.schedule.n_max])
-    return account_run(
+    updates = [rec for rec in records if rec.active > 0]
+    account = account_run(
         volatility.trace,
         bids,
-        [config.iteration_seconds] * iterations,
-        provisioned=[u.provisioned for u in updates[:iterations]],
-        start=volatility.start,
+        [config.iteration_seconds] * config.iterations,
+        provisioned=[rec.provisioned for rec in updates],
+        start=volatility.run_start,
     )
-
-
-def cost_curve(result: GrowingResult, volatility: Volatility, config: GrowingConfig) -> tuple[float, ...]:
-    """The run's cumulative cost after each record (slot): the cost over time.
-
-    Each active worker of a slot pays that slot's price for ``iteration_seconds`` (idle slots cost
-    nothing), the billing of :func:`training.volatile.cost.account_run` on slot-aligned prices: the value after
-    iteration j's record equals ``account_prefix(result, volatility, config, j).cost``.
-    """
-    trace, r = volatility.trace, config.iteration_seconds
-    start = trace.start if volatility.start is None else volatility.start
-    total, curve = 0.0, []
-    for rec in result.records:
-        if rec.active:
-            total += trace.prices[trace.index_at(start + rec.slot * r)] * rec.active * r / SECONDS_PER_HOUR
-        curve.append(total)
-    return tuple(curve)
-
-
-def config_params(config: GrowingConfig) -> dict[str, object]:
-    """The config as flat ``growing_*`` params for tracking."""
-    flat: dict[str, object] = {}
-    for key, value in config.model_dump().items():
-        if isinstance(value, dict):
-            flat.update({f"growing_schedule_{k}": v for k, v in value.items()})
-        else:
-            flat[f"growing_{key}"] = value
-    return flat
-
-
-def log_growing_run(
-    tracker: Tracker, run_id: str, config: GrowingConfig, result: GrowingResult
-) -> dict[str, float]:
-    """Log the config, per-slot histories (n_j, y_j, lr, loss, eval) and the cost account to a tracker."""
-    tracker.log_params(run_id, config_params(config))
-    records = result.records
-    tracker.log_metric_history(run_id, "growing_workers", [(r.slot, float(r.provisioned)) for r in records])
-    tracker.log_metric_history(run_id, "growing_active_workers", [(r.slot, float(r.active)) for r in records])
-    tracker.log_metric_history(run_id, "growing_lr", [(r.slot, r.lr) for r in records])
-    tracker.log_metric_history(
-        run_id, "train_loss", [(r.slot, r.loss) for r in records if r.loss is not None]
-    )
-    tracker.log_metric_history(
-        run_id, "eval_accuracy", [(r.slot, r.eval_accuracy) for r in records if r.eval_accuracy is not None]
-    )
-    summary = {
-        "growing_iterations": float(len(result.updates)),
-        "growing_idle_slots": float(sum(1 for r in records if r.active == 0)),
-        "growing_worker_iterations": float(records[-1].worker_iterations if records else 0),
-    }
-    if result.final_accuracy is not None:
-        summary["eval_accuracy_final"] = result.final_accuracy
-    tracker.log_metrics(run_id, summary)
-    if result.account is not None:
-        summary.update(log_run_account(tracker, run_id, result.account, bids=result.bids))
-    return summary
+    if account.workers_per_unit != tuple(rec.active for rec in updates):
+        # cannot happen with aligned slots; guard the invariant
+        raise RuntimeError("cost accounting and training disagree on the active workers per iteration")
+    return bids, account

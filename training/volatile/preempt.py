@@ -183,3 +183,20 @@ def task_story(client: Any, key: str) -> list[tuple[Any, ...]]:
 
 def _scheduler_story(key: str, dask_scheduler: Any = None) -> list[tuple[Any, ...]]:
     return [tuple(t) for t in dask_scheduler.story(key)]
+
+
+GRACE_ENV = "MOPFLOW_PREEMPT_GRACE_S"
+
+
+def register_preemption(client: Any, environ: Mapping[str, str] | None = None) -> float:
+    """Install the SIGTERM (spot notice) handling on every worker, present and future; returns
+    the grace period (``MOPFLOW_PREEMPT_GRACE_S``, default 30 s)."""
+    raw = (os.environ if environ is None else environ).get(GRACE_ENV, "") or str(DEFAULT_GRACE_S)
+    try:
+        grace = float(raw)
+    except ValueError:
+        raise ValueError(f"{GRACE_ENV}={raw!r} is not a number of seconds") from None
+    if not 0 < grace <= 3600:
+        raise ValueError(f"{GRACE_ENV}={grace} must be in (0, 3600] seconds")
+    client.register_plugin(PreemptionPlugin(grace))
+    return grace

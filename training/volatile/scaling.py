@@ -226,7 +226,7 @@ def log_volatile(tracker: Tracker, run_id: str, outcome: Any) -> None:
     log_worker_rounds(tracker, run_id, tuple(getattr(outcome, "worker_rounds", ())))
     spot = getattr(outcome, "spot", None)
     if spot is not None:
-        from training.volatile.spot_replay import log_replay
+        from training.volatile.spot_report import log_replay
 
         log_replay(tracker, run_id, spot)
 
@@ -238,8 +238,9 @@ def spot_replay_for(
     client's LocalCluster, validated before any training: the trace file, the cluster, one bid per worker."""
     from distributed import Nanny, SpecCluster
 
-    from training.volatile.cost import PriceError
-    from training.volatile.spot_replay import SpotReplay, read_price_trace
+    from training.volatile.price_trace import read_price_trace
+    from training.volatile.prices import PriceError
+    from training.volatile.spot_replay import SpotReplay
 
     cluster = getattr(client, "cluster", None)
     if not isinstance(cluster, SpecCluster):
@@ -264,7 +265,7 @@ def spot_replay_for(
 def with_spot_replay(search: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a search function (``cfg`` and ``client`` arguments, a ``SearchOutcome`` result): with
     ``cfg.spot_trace`` set, the trace is replayed against the cluster while the search runs and the
-    outcome carries the :class:`~training.volatile.spot_replay.SpotReport` as ``spot``."""
+    outcome carries the :class:`~training.volatile.spot_report.SpotReport` as ``spot``."""
     import dataclasses
     import functools
     import inspect
@@ -277,7 +278,7 @@ def with_spot_replay(search: Callable[..., Any]) -> Callable[..., Any]:
         cfg, client = bound.arguments["cfg"], bound.arguments["client"]
         if not cfg.spot_trace:
             return search(*args, **kwargs)
-        from training.search import register_preemption
+        from training.volatile.preempt import register_preemption
 
         grace = register_preemption(client)  # before the first notice can come
         replay = spot_replay_for(cfg, client, grace, bound.arguments.get("storage_options"))

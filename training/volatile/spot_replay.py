@@ -12,7 +12,8 @@ notice is killed.
 
 Every worker's *billed* intervals are recorded: from its start (the instance is requested) until
 its process is gone (the instance is returned); the run is accounted over those real intervals
-(:func:`account_intervals`, in trace time) and logged with :func:`training.volatile.cost.log_run_account`:
+(:func:`training.volatile.cost.account_intervals`, in trace time) into a
+:class:`~training.volatile.spot_report.SpotReport`, logged with :func:`training.volatile.spot_report.log_replay`:
 
 * cost: the trace's price integrated over each billed interval;
 * idle: time with no worker billed (the sweep waits for prices to fall);
@@ -35,163 +36,17 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from infra.tracking import Tracker
-from training.volatile.cost import (
-    SECONDS_PER_HOUR,
-    PriceError,
-    PriceTrace,
-    RunAccount,
-    bill_interval,
-    log_run_account,
-)
+from training.volatile.cost import account_intervals, bill_interval
+from training.volatile.price_trace import PriceTrace, price_at, repeat_trace
+from training.volatile.prices import SECONDS_PER_HOUR, PriceError
+from training.volatile.run_account import RunAccount
+from training.volatile.spot_report import EventKind, SpotEvent, SpotReport, notice_to_exit_seconds
 
 log = logging.getLogger(__name__)
-
-MAX_REPEATS = 100_000  # segments of an unrolled trace, so a tiny trace at a huge speed fails clearly
-
-EventKind = Literal["notice", "exit", "killed", "start", "joined"]
-
-
-@dataclass(frozen=True)
-class SpotEvent:
-    """Something that happened to a worker during the replay."""
-
-    worker: str
-    kind: EventKind
-    wall: float  # time.time()
-    trace_t: float  # trace seconds (unwrapped: keeps growing when the trace repeats)
-    price: float
-    address: str = ""
-    pid: int | None = None
-    busy: bool = False  # notice: the worker was running a task
-
-
-@dataclass(frozen=True)
-class SpotReport:
-    """A replay's record and account."""
-
-    workers: tuple[str, ...]
-    bids: tuple[float, ...]
-    speed: float
-    trace_start: float
-    wall_start: float
-    wall_stop: float
-    intervals: dict[str, tuple[tuple[float, float], ...]]  # billed, trace seconds, per worker
-    events: tuple[SpotEvent, ...]
-    account: RunAccount
-    ideal_cost: float  # the bids' bill over the same span, switching exactly at price changes
-    source: str = ""
-    error: str = ""  # why the replay thread stopped early, if it did
-
-    def pids(self, worker: str) -> list[int]:
-        """Process ids the worker had, in order (one per start)."""
-        return [e.pid for e in self.events if e.worker == worker and e.kind == "joined" and e.pid is not None]
-
-    def addresses(self, worker: str) -> list[str]:
-        """Addresses the worker had, in order."""
-        return [e.address for e in self.events if e.worker == worker and e.kind == "joined"]
-
-    def count(self, kind: EventKind) -> int:
-        return sum(1 for e in self.events if e.kind == kind)
-
-
-def read_price_trace(location: str, storage_options: Mapping[str, Any] | None = None) -> PriceTrace:
-    """A ``timestamp,price`` CSV from a local path or an fsspec URL (``s3://...``)."""
-    from infra import storage
-    from training.volatile.cost import parse_price_csv
-
-    try:
-        data = storage.read_bytes(location, storage_options)
-    except (OSError, ValueError) as exc:
-        raise PriceError(f"cannot read price trace {location}: {exc}") from exc
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PriceError(f"price trace {location} is not UTF-8 text: {exc}") from exc
-    return parse_price_csv(text, source=location)
-
-
-def repeat_trace(trace: PriceTrace, until: float) -> PriceTrace:
-    """The trace, repeated end to end from its start, covering at least ``[start, until)``."""
-    if until <= trace.end:
-        return trace
-    length = trace.end - trace.start
-    repeats = math.ceil((until - trace.start) / length)
-    if repeats * len(trace.times) > MAX_REPEATS:
-        raise PriceError(
-            f"replaying {until - trace.start:.0f} trace seconds repeats a {length:.0f}-second trace "
-            f"{repeats} times; use a longer trace or a lower speed"
-        )
-    times = tuple(t + k * length for k in range(repeats) for t in trace.times)
-    return PriceTrace(times, trace.prices * repeats, trace.start + repeats * length)
-
-
-def price_at(trace: PriceTrace, t: float) -> tuple[float, float]:
-    """The price at trace time ``t`` (repeating past the end) and the trace seconds until it changes."""
-    length = trace.end - trace.start
-    offset = (t - trace.start) % length if t >= trace.start else 0.0
-    i = trace.index_at(trace.start + offset)
-    return trace.prices[i], trace.segment_end(i) - (trace.start + offset)
-
-
-def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def account_intervals(
-    trace: PriceTrace,
-    billed: Mapping[str, Sequence[tuple[float, float]]],
-    start: float,
-    stop: float,
-    useful_seconds: float = 0.0,
-    wasted_seconds: float = 0.0,
-    units: int = 0,
-    interrupted: int = 0,
-) -> RunAccount:
-    """Account a run from each worker's real billed intervals (trace seconds, within
-    ``[start, stop]``): a worker pays the price while billed, whatever its bid."""
-    if not stop >= start:
-        raise PriceError(f"stop {stop} must not come before start {start}")
-    if not billed:
-        raise PriceError("billed: need at least one worker's intervals")
-    full = repeat_trace(trace, stop + 1e-9)
-    costs: list[float] = []
-    total = 0.0
-    for name in sorted(billed):
-        cost = 0.0
-        for s, e in billed[name]:
-            if not start - 1e-9 <= s <= e <= stop + 1e-9:
-                raise PriceError(f"worker {name}: interval ({s}, {e}) is outside the run [{start}, {stop}]")
-            if e > s:
-                cost += bill_interval(full, [math.inf], max(s, start), min(e, stop)).worker_costs[0]
-                total += e - s
-        costs.append(cost)
-    covered = sum(e - s for s, e in _merged([iv for ivs in billed.values() for iv in ivs]))
-    wall = stop - start
-    idle = max(0.0, wall - covered)
-    return RunAccount(
-        cost=sum(costs),
-        worker_costs=tuple(costs),
-        wall_seconds=wall,
-        active_seconds=wall - idle,
-        idle_seconds=idle,
-        billed_worker_seconds=total,
-        useful_worker_seconds=useful_seconds,
-        wasted_worker_seconds=wasted_seconds,
-        units=units,
-        failed_attempts=interrupted,
-        workers_per_unit=(),
-    )
 
 
 @dataclass
@@ -215,6 +70,17 @@ def _process_gone(pid: int | None) -> bool:
         return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.NoSuchProcess:
         return True
+
+
+def _useful_compute_seconds(records: Iterable[Mapping[str, Any]], since: float) -> float:
+    """Compute time (wall seconds) of the tasks that finished, from the scheduler's task stream."""
+    return sum(
+        ss["stop"] - ss["start"]
+        for r in records
+        if r.get("status") == "OK"
+        for ss in r.get("startstops", ())
+        if ss.get("action") == "compute" and ss["start"] >= since
+    )
 
 
 class SpotReplay:
@@ -397,45 +263,16 @@ class SpotReplay:
         self._stream.__exit__(None, None, None)
         records = list(self._stream.data)
         price, _ = price_at(self.trace, self.trace_time(stop))
-        for w in self._workers:
+        for w in self._workers:  # still running: billed until the run's end
             if w.opened is not None:
                 w.intervals.append((w.opened, stop))
                 w.opened = None
-        useful = sum(
-            ss["stop"] - ss["start"]
-            for r in records
-            if r.get("status") == "OK"
-            for ss in r.get("startstops", ())
-            if ss.get("action") == "compute" and ss["start"] >= self._t0
-        )
-        wasted = 0.0
-        last_notice: dict[str, float] = {}
-        for e in self._events:
-            if e.kind == "notice":
-                last_notice[e.worker] = e.wall
-            elif e.kind == "exit" and e.worker in last_notice:
-                wasted += e.wall - last_notice.pop(e.worker)
-        for at in last_notice.values():  # still leaving when the run ended
-            wasted += stop - at
-        t0, t1 = self.trace.start, self.trace_time(stop)
         billed = {
             str(w.name): [(self.trace_time(s), self.trace_time(e)) for s, e in w.intervals]
             for w in self._workers
         }
-        account = account_intervals(
-            self.trace,
-            billed,
-            t0,
-            t1,
-            useful_seconds=useful * self.speed,
-            wasted_seconds=wasted * self.speed,
-            units=sum(1 for r in records if r.get("status") == "OK"),
-            interrupted=sum(1 for e in self._events if e.kind == "notice" and e.busy),
-        )
-        full = repeat_trace(self.trace, t1 + 1e-9)
-        ideal = (
-            sum(bill_interval(full, [w.bid for w in self._workers], t0, t1).worker_costs) if t1 > t0 else 0.0
-        )
+        account = self._account(billed, records, stop)
+        ideal = self._ideal_cost(self.trace_time(stop))
         if restore:
             self._restore(price, restore_timeout_s)
         report = SpotReport(
@@ -462,6 +299,33 @@ class SpotReplay:
         )
         return report
 
+    def _account(
+        self,
+        billed: Mapping[str, Sequence[tuple[float, float]]],
+        records: Sequence[Mapping[str, Any]],
+        stop: float,
+    ) -> RunAccount:
+        """The run's account over the billed intervals (trace seconds); useful and wasted worker-time
+        are measured in wall seconds and scaled to trace seconds."""
+        return account_intervals(
+            self.trace,
+            billed,
+            self.trace.start,
+            self.trace_time(stop),
+            useful_seconds=_useful_compute_seconds(records, self._t0) * self.speed,
+            wasted_seconds=notice_to_exit_seconds(self._events, stop) * self.speed,
+            units=sum(1 for r in records if r.get("status") == "OK"),
+            interrupted=sum(1 for e in self._events if e.kind == "notice" and e.busy),
+        )
+
+    def _ideal_cost(self, t1: float) -> float:
+        """The bids' bill from the trace's start to ``t1``, workers switching exactly at price changes."""
+        t0 = self.trace.start
+        full = repeat_trace(self.trace, t1 + 1e-9)
+        return (
+            sum(bill_interval(full, [w.bid for w in self._workers], t0, t1).worker_costs) if t1 > t0 else 0.0
+        )
+
     def _restore(self, price: float, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for w in self._workers:
@@ -480,44 +344,3 @@ class SpotReplay:
                     w.state = "up"
                     self._event(w, "joined", self.clock(), price)  # after the run: not billed
             time.sleep(self.poll_s)
-
-
-def log_replay(tracker: Tracker, run_id: str, report: SpotReport) -> dict[str, float]:
-    """Log a replay to MLflow: the ``spot_*`` account (:func:`log_run_account`), the ideal cost, the
-    notices and restarts, the billed workers over trace time, and the events as ``spot/replay.json``."""
-    metrics = log_run_account(
-        tracker,
-        run_id,
-        report.account,
-        bids=report.bids,
-        extra_params={"spot_speed": report.speed, "spot_trace": report.source or "(in memory)"},
-    )
-    extra = {
-        "spot_ideal_cost": report.ideal_cost,
-        "spot_notices": float(report.count("notice")),
-        "spot_restarts": float(report.count("start")),
-        "spot_kills": float(report.count("killed")),
-    }
-    tracker.log_metrics(run_id, extra)
-    if report.error:
-        tracker.set_tags(run_id, {"mopflow.spot_replay_error": report.error[:4000]})
-    running, history = len(report.workers), []
-    for e in report.events:
-        if e.kind in ("exit", "start") and e.wall <= report.wall_stop:
-            running += -1 if e.kind == "exit" else 1
-            history.append((int(round(e.trace_t - report.trace_start)), float(running)))
-    if history:
-        tracker.log_metric_history(run_id, "spot_billed_workers", history)
-    tracker.log_dict(
-        run_id,
-        {
-            "workers": list(report.workers),
-            "bids": list(report.bids),
-            "speed": report.speed,
-            "intervals": {k: [list(iv) for iv in v] for k, v in report.intervals.items()},
-            "events": [e.__dict__ for e in report.events],
-            "ideal_cost": report.ideal_cost,
-        },
-        "spot/replay.json",
-    )
-    return metrics | extra

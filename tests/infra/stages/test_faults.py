@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,21 +24,14 @@ from infra.optuna_storage import make_storage
 from infra.settings import Settings
 from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from infra.stages.config import PipelineConfig
+from tests.infra.stages.confs import SMALL_CONF
+from tests.server_waits import wait_until_answering
 from training.config import SearchConfig
 from training.data import ShardIntegrityError, load_manifest
 from training.executor_search import run_strategy_search
 from training.search import STALE_ATTR
 
-CONF = {
-    "num_samples": 600,
-    "n_shards": 2,
-    "n_trials": 2,
-    "epochs": 2,
-    "pruner": "none",
-    "top_k": 2,
-    "distill_epochs": 1,
-    "model_name": "faults",
-}
+CONF = SMALL_CONF | {"model_name": "faults"}
 
 
 class MlflowServer:
@@ -73,14 +65,7 @@ class MlflowServer:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.3)
-        raise AssertionError("mlflow server did not start")
+        wait_until_answering(f"{self.url}/health", self.proc, "mlflow server", timeout_s=90, poll_s=0.3)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -13,20 +13,12 @@ from infra import stages
 from infra.optuna_storage import make_storage
 from infra.settings import Settings
 from infra.stages.config import PipelineConfig
+from tests.infra.stages.confs import SMALL_CONF
 from training.search import WARM_START_ATTR
 from training.space import params_from_optuna
 
-CONF = {
-    "num_samples": 600,
-    "n_shards": 2,
-    "n_trials": 2,
-    "epochs": 2,
-    "pruner": "none",
-    "top_k": 2,
-    "distill_epochs": 1,
-    "model_name": "idem",
-    "promotion": "always",  # the warm-start test below needs a champion, whatever the accuracies
-}
+# "always": the warm-start test below needs a champion, whatever the accuracies
+CONF = SMALL_CONF | {"model_name": "idem", "promotion": "always"}
 
 
 @pytest.fixture(scope="module")

@@ -2,44 +2,28 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.training.volatile.helpers import (
+    ARCH,
+    TRACE,
+    growing_config,
+    growing_data,
+    volatile_growing_config,
+)
 from training.models import ArchSpec, build_model
-from training.volatile.cost import SECONDS_PER_HOUR, PriceError, PriceTrace, TraceExhaustedError, account_run
+from training.volatile.cost import account_run
 from training.volatile.growing import (
     GrowingConfig,
     Volatility,
-    account_prefix,
     aggregated_gradient,
     concatenated_gradient,
-    cost_curve,
-    log_growing_run,
     train_growing,
 )
+from training.volatile.price_trace import PriceTrace
+from training.volatile.prices import SECONDS_PER_HOUR, PriceError, TraceExhaustedError
 from training.volatile.workers import WorkerSchedule, schedule_values
-
-ARCH = ArchSpec("mlp", {"width": 8, "depth": 1}, 6, 3)
-
-
-def _data(rows: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, ARCH.input_dim, generator=g)
-    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
-    return x, y
-
-
-def _config(**overrides: object) -> GrowingConfig:
-    base: dict[str, object] = {
-        "schedule": WorkerSchedule(kind="exponential", eta=2.0, n_max=4),
-        "iterations": 6,
-        "batch_size": 4,
-        "base_lr": 0.05,
-    }
-    base.update(overrides)
-    return GrowingConfig.model_validate(base)
 
 
 def test_workers_follow_the_schedule_and_worker_iterations_add_up() -> None:
@@ -49,8 +33,8 @@ def test_workers_follow_the_schedule_and_worker_iterations_add_up() -> None:
         WorkerSchedule(kind="static", n_max=3),
         WorkerSchedule(kind="exponential", eta=2.0, n_max=4, unit="epoch"),
     ):
-        cfg = _config(schedule=schedule, iterations_per_epoch=2)
-        result = train_growing(cfg, ARCH, _data())
+        cfg = growing_config(schedule=schedule, iterations_per_epoch=2)
+        result = train_growing(cfg, ARCH, growing_data())
         expected = schedule_values(schedule, 6, iterations_per_epoch=2)
         assert tuple(r.provisioned for r in result.records) == expected
         assert tuple(r.active for r in result.records) == expected
@@ -74,8 +58,8 @@ def test_averaged_worker_gradients_equal_the_concatenated_batch_gradient() -> No
 
 
 def test_per_worker_emulation_trains_like_the_concatenated_one() -> None:
-    fast = train_growing(_config(emulation="concatenated"), ARCH, _data())
-    literal = train_growing(_config(emulation="per_worker"), ARCH, _data())
+    fast = train_growing(growing_config(emulation="concatenated"), ARCH, growing_data())
+    literal = train_growing(growing_config(emulation="per_worker"), ARCH, growing_data())
     for a, b in zip(fast.records, literal.records, strict=True):
         assert a.loss == pytest.approx(b.loss, rel=1e-5)
     for p, q in zip(fast.model.parameters(), literal.model.parameters(), strict=True):
@@ -92,13 +76,13 @@ def test_per_worker_emulation_trains_like_the_concatenated_one() -> None:
 )
 def test_step_size_scales_with_the_workers(rule: str, expected: list[float]) -> None:
     # n_j = 1, 2, 4, 4, 4, 4 (eta 2, n_max 4)
-    result = train_growing(_config(scaling=rule), ARCH, _data())
+    result = train_growing(growing_config(scaling=rule), ARCH, growing_data())
     assert [r.lr for r in result.records] == pytest.approx(expected)
 
 
 def test_the_step_size_actually_moves_the_weights_by_lr_times_gradient() -> None:
-    cfg = _config(schedule=WorkerSchedule(kind="static", n_max=2), iterations=1, scaling="linear")
-    x, y = _data()
+    cfg = growing_config(schedule=WorkerSchedule(kind="static", n_max=2), iterations=1, scaling="linear")
+    x, y = growing_data()
     torch.manual_seed(cfg.seed)
     initial = build_model(ARCH, x.mean(0).tolist(), x.std(0).tolist())
     result = train_growing(cfg, ARCH, (x, y))
@@ -109,9 +93,9 @@ def test_the_step_size_actually_moves_the_weights_by_lr_times_gradient() -> None
 
 
 def test_training_is_seeded_and_deterministic() -> None:
-    a = train_growing(_config(), ARCH, _data())
-    b = train_growing(_config(), ARCH, _data())
-    c = train_growing(_config(seed=1), ARCH, _data())
+    a = train_growing(growing_config(), ARCH, growing_data())
+    b = train_growing(growing_config(), ARCH, growing_data())
+    c = train_growing(growing_config(seed=1), ARCH, growing_data())
     assert a.records == b.records
     for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -119,8 +103,8 @@ def test_training_is_seeded_and_deterministic() -> None:
 
 
 def test_more_workers_learn_a_task_to_its_accuracy() -> None:
-    x, y = _data(rows=512)
-    cfg = _config(
+    x, y = growing_data(rows=512)
+    cfg = growing_config(
         schedule=WorkerSchedule(kind="static", n_max=8), iterations=150, base_lr=0.05, eval_every=50
     )
     result = train_growing(cfg, ARCH, (x, y), eval_data=(x, y))
@@ -131,19 +115,10 @@ def test_more_workers_learn_a_task_to_its_accuracy() -> None:
 
 # ----------------------------------------------------------------------------- volatility
 
-# slots of 10 s: price 1 (both bids active), 3 (only the 4.0 bid), 9 (none: idle), 1, 1, ...
-TRACE = PriceTrace((0.0, 10.0, 20.0, 30.0), (1.0, 3.0, 9.0, 1.0), end=200.0)
-
-
-def _volatile_config(**overrides: object) -> GrowingConfig:
-    return _config(
-        schedule=WorkerSchedule(kind="static", n_max=2), iterations=4, iteration_seconds=10.0, **overrides
-    )
-
 
 def test_only_active_workers_contribute_and_idle_slots_do_no_update() -> None:
-    cfg = _volatile_config()
-    result = train_growing(cfg, ARCH, _data(), volatility=Volatility(TRACE, (4.0, 2.0)))
+    cfg = volatile_growing_config()
+    result = train_growing(cfg, ARCH, growing_data(), volatility=Volatility(TRACE, (4.0, 2.0)))
     assert [(r.slot, r.iteration, r.provisioned, r.active) for r in result.records] == [
         (0, 1, 2, 2),
         (1, 2, 2, 1),
@@ -157,14 +132,16 @@ def test_only_active_workers_contribute_and_idle_slots_do_no_update() -> None:
     assert result.records[-1].worker_iterations == 7
     # the idle slot changed nothing: the same run without it ends with the same weights
     no_idle = PriceTrace((0.0, 10.0, 20.0), (1.0, 3.0, 1.0), end=200.0)
-    same = train_growing(cfg, ARCH, _data(), volatility=Volatility(no_idle, (4.0, 2.0)))
+    same = train_growing(cfg, ARCH, growing_data(), volatility=Volatility(no_idle, (4.0, 2.0)))
     for p, q in zip(result.model.parameters(), same.model.parameters(), strict=True):
         assert torch.equal(p, q)
     assert len(same.records) == 4
 
 
 def test_the_account_matches_training_and_counts_the_idle_slot() -> None:
-    result = train_growing(_volatile_config(), ARCH, _data(), volatility=Volatility(TRACE, (4.0, 2.0)))
+    result = train_growing(
+        volatile_growing_config(), ARCH, growing_data(), volatility=Volatility(TRACE, (4.0, 2.0))
+    )
     account = result.account
     assert account is not None
     assert account.workers_per_unit == (2, 1, 2, 2)
@@ -176,65 +153,20 @@ def test_the_account_matches_training_and_counts_the_idle_slot() -> None:
     assert account == account_run(TRACE, (4.0, 2.0), [10.0] * 4, provisioned=[2, 2, 2, 2])
 
 
-def test_the_cost_curve_adds_each_slots_price_times_its_active_workers() -> None:
-    cfg = _volatile_config()
-    volatility = Volatility(TRACE, (4.0, 2.0))
-    result = train_growing(cfg, ARCH, _data(), volatility=volatility)
-    curve = cost_curve(result, volatility, cfg)
-    # slots: 2 workers at 1, 1 worker at 3, idle at 9 (free), 2 at 1, 2 at 1; 10 s each
-    expected = [20.0, 50.0, 50.0, 70.0, 90.0]
-    assert curve == pytest.approx([c / SECONDS_PER_HOUR for c in expected])
-    assert result.account is not None and curve[-1] == pytest.approx(result.account.cost)
-    for rec, cost in zip(result.records, curve, strict=True):
-        if rec.active:  # after iteration j: the account of the first j iterations
-            assert cost == pytest.approx(account_prefix(result, volatility, cfg, rec.iteration).cost)
-    later = Volatility(TRACE, (4.0, 2.0), start=10.0)  # starts at the price-3 slot
-    shifted = train_growing(cfg, ARCH, _data(), volatility=later)
-    assert cost_curve(shifted, later, cfg)[:2] == pytest.approx([30 / SECONDS_PER_HOUR] * 2)
-
-
 def test_volatility_inputs_are_checked() -> None:
     with pytest.raises(PriceError, match="1 bids for a schedule of up to n_max=2"):
-        train_growing(_volatile_config(), ARCH, _data(), volatility=Volatility(TRACE, (4.0,)))
+        train_growing(volatile_growing_config(), ARCH, growing_data(), volatility=Volatility(TRACE, (4.0,)))
     misaligned = PriceTrace((0.0, 15.0), (1.0, 2.0), end=200.0)
     with pytest.raises(PriceError, match=r"price change at t=15.0 falls inside an iteration slot"):
-        train_growing(_volatile_config(), ARCH, _data(), volatility=Volatility(misaligned, (4.0, 4.0)))
+        train_growing(
+            volatile_growing_config(), ARCH, growing_data(), volatility=Volatility(misaligned, (4.0, 4.0))
+        )
     short = PriceTrace((0.0, 10.0), (1.0, 9.0), end=30.0)
     with pytest.raises(TraceExhaustedError, match="after 1 of 4 iterations"):
-        train_growing(_volatile_config(), ARCH, _data(), volatility=Volatility(short, (4.0, 4.0)))
+        train_growing(
+            volatile_growing_config(), ARCH, growing_data(), volatility=Volatility(short, (4.0, 4.0))
+        )
     with pytest.raises(ValueError, match="batch_size=4 exceeds the 3 training rows"):
-        train_growing(_volatile_config(), ARCH, _data(rows=3))
+        train_growing(volatile_growing_config(), ARCH, growing_data(rows=3))
     with pytest.raises(ValueError, match="eta"):
         GrowingConfig.model_validate({"schedule": {"eta": 0.5}})
-
-
-@pytest.mark.slow
-def test_the_run_and_its_cost_are_logged_to_a_real_mlflow_store(tmp_path: Path) -> None:
-    from infra.tracking import MlflowTracker
-
-    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "growing", str(tmp_path / "artifacts"))
-    run_id = tracker.start_run("growing", {"stage": "growing"})
-    cfg = _volatile_config()
-    x, y = _data()
-    result = train_growing(cfg, ARCH, (x, y), eval_data=(x, y), volatility=Volatility(TRACE, (4.0, 2.0)))
-    log_growing_run(tracker, run_id, cfg, result)
-    tracker.end_run(run_id)
-
-    data = tracker.client.get_run(run_id).data
-    assert data.params["growing_schedule_kind"] == "static"
-    assert data.params["growing_scaling"] == "linear"
-    assert data.params["spot_bids"] == "4,2"
-    assert data.metrics["spot_idle_hours"] == pytest.approx(10.0 / SECONDS_PER_HOUR)
-    assert data.metrics["spot_cost"] == pytest.approx(90.0 / SECONDS_PER_HOUR)
-    assert data.metrics["growing_idle_slots"] == 1.0
-    assert data.metrics["growing_worker_iterations"] == 7.0
-    active = tracker.client.get_metric_history(run_id, "growing_active_workers")
-    assert [(m.step, m.value) for m in sorted(active, key=lambda m: m.step)] == [
-        (0, 2.0),
-        (1, 1.0),
-        (2, 0.0),
-        (3, 2.0),
-        (4, 2.0),
-    ]
-    losses = tracker.client.get_metric_history(run_id, "train_loss")
-    assert sorted(m.step for m in losses) == [0, 1, 3, 4]  # none for the idle slot

@@ -19,9 +19,9 @@ from training.data import load_manifest
 from training.executor_search import run_strategy_search
 from training.executors import DataRef, ModelSpec
 from training.executors.base import CHECKPOINT_FILE
-from training.search import checkpoint_folder, register_preemption
+from training.search import checkpoint_folder
 from training.unit_state import global_step
-from training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds
+from training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, register_preemption
 
 CNN_PARAMS = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
 SPACE = fixed_cnn_space(batch_size=32)

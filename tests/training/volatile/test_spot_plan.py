@@ -9,56 +9,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pydantic import ValidationError
 
 from infra.cli import main
-from training.volatile.cost import (
-    GaussianPrices,
-    UniformPrices,
-    account_run,
-    empirical_prices,
-    sample_price_trace,
-)
-from training.volatile.spot_plan import (
+from tests.training.volatile.helpers import UNIFORM, plan_config
+from training.volatile.cost import account_run
+from training.volatile.price_trace import empirical_prices, sample_price_trace
+from training.volatile.prices import GaussianPrices, UniformPrices
+from training.volatile.spot_plan import best_on_demand, plan_spot, theorem7_workers_iterations
+from training.volatile.spot_plan_model import (
     ConvergenceModel,
     Plan,
     PlanError,
     SpotPlanConfig,
-    best_on_demand,
     evaluate,
     feasible,
-    plan_spot,
-    theorem7_workers_iterations,
 )
 
 REPO = Path(__file__).resolve().parents[3]
-UNIFORM = UniformPrices(low=0.1, high=1.2)
 
 
-def config(**kw: object) -> SpotPlanConfig:
-    base: dict[str, object] = {
-        "prices": UNIFORM,
-        "deadline_hours": 3.0,
-        "error_target": 0.05,
-        "n_max": 16,
-        "on_demand_price": 1.0,
-    }
-    return SpotPlanConfig.model_validate({**base, **kw})
-
-
-# --------------------------------------------------------------------------- error bound
-
-
-def test_min_iterations_is_the_fewest_that_reach_the_target() -> None:
-    conv = ConvergenceModel()
-    assert conv.beta == pytest.approx(0.999) and conv.noise_term == pytest.approx(1e-4)
-    for n in (2, 3, 8, 16):
-        j = conv.min_iterations(1 / n, 0.05)
-        assert j is not None
-        assert conv.error(j, 1 / n) <= 0.05 < conv.error(j - 1, 1 / n)
-        assert conv.max_inv_workers(j, 0.05) >= 1 / n > conv.max_inv_workers(j - 1, 0.05)
-    assert conv.min_iterations(1.0, 0.05) is None  # one worker's error floor is 0.1
-    assert conv.min_iterations(1 / 4, 2.0) == 1  # A = 1 is already below the target
+# --------------------------------------------------------------------------- on-demand
 
 
 @pytest.mark.parametrize("target", [0.05, 0.03, 0.02, 0.01, 0.005])
@@ -74,45 +44,9 @@ def test_on_demand_enumeration_agrees_with_theorem_7(target: float) -> None:
 
 
 def best_on_demand_plan(target: float) -> Plan:
-    plan = best_on_demand(config(error_target=target, deadline_hours=1000.0, n_max=256))
+    plan = best_on_demand(plan_config(error_target=target, deadline_hours=1000.0, n_max=256))
     assert plan is not None
     return plan
-
-
-def test_config_refuses_bad_inputs() -> None:
-    with pytest.raises(ValidationError, match="alpha\\*c\\*mu"):
-        ConvergenceModel(step_size=10.0, mu=1.0)
-    with pytest.raises(ValidationError, match="deadline_hours"):
-        config(deadline_hours=0)
-    with pytest.raises(ValidationError, match="n_max"):
-        config(n_max=0)
-    with pytest.raises(ValidationError, match="extra"):
-        config(budget=3)
-    with pytest.raises(ValidationError):
-        config(prices={"kind": "lognormal", "mean": 1})
-    c = config()
-    with pytest.raises(ValidationError):
-        c.deadline_hours = 5  # type: ignore[misc]  # frozen
-
-
-# --------------------------------------------------------------------------- expectations
-
-
-def test_evaluate_one_and_two_bids_by_hand() -> None:
-    c = config(prices=UniformPrices(low=0.0, high=1.0), iteration_seconds=1.0)
-    one = evaluate(c, 2, 3600, 0.5)
-    # active half the time: 1 h of work takes 2 h; 2 workers x 1 h x E[p | p <= 0.5] = 0.25
-    assert one.expected_hours == pytest.approx(2.0) and one.expected_idle_hours == pytest.approx(1.0)
-    assert one.expected_cost == pytest.approx(0.5)
-    assert one.active_fraction == pytest.approx(0.5)
-    two = evaluate(c, 1, 3600, 0.5, low_bid_workers=1, low_bid=0.25)
-    # gamma = 0.5: E[1/y] = 0.5/2 + 0.5/1; cost = 1 h x (S(0.5) + S(0.25)) / F(0.5)
-    assert two.full_fraction == pytest.approx(0.5)
-    assert two.expected_cost == pytest.approx((0.125 + 0.03125) / 0.5)
-    conv = c.convergence
-    assert two.expected_error == pytest.approx(conv.error(3600, 0.75))
-    od = evaluate(c, 4, 3600, None)
-    assert od.expected_cost == pytest.approx(4.0) and od.expected_hours == pytest.approx(1.0)
 
 
 # --------------------------------------------------------------------------- choices
@@ -121,7 +55,7 @@ def test_evaluate_one_and_two_bids_by_hand() -> None:
 def test_tight_deadline_only_on_demand_can_make_it() -> None:
     # 3 workers need ~4,059 iterations (1.13 h); bids are capped at the on-demand price 1.0,
     # active 82% of the time at most, so no spot plan finishes within 0.9 h in expectation.
-    report = plan_spot(config(deadline_hours=0.9))
+    report = plan_spot(plan_config(deadline_hours=0.9))
     assert report.chosen.strategy == "on-demand"
     assert report.options["one-bid"] is None and report.options["two-bids"] is None
     assert "needs" in report.reasons["one-bid"]
@@ -130,7 +64,7 @@ def test_tight_deadline_only_on_demand_can_make_it() -> None:
 
 def test_deadline_decides_the_bid_and_looser_deadlines_are_cheaper() -> None:
     deadlines = (1.2, 2.0, 5.0, 20.0)
-    reports = [plan_spot(config(deadline_hours=d)) for d in deadlines]
+    reports = [plan_spot(plan_config(deadline_hours=d)) for d in deadlines]
     on_demand = reports[0].options["on-demand"]
     assert on_demand is not None
     bids = [r.chosen.high_bid for r in reports]
@@ -164,7 +98,7 @@ def conditional_mean_price() -> float:
 )
 @pytest.mark.parametrize("deadline", [1.5, 4.0, 12.0])
 def test_two_bids_never_cost_more_than_the_best_single_bid(prices: object, deadline: float) -> None:
-    report = plan_spot(config(prices=prices, deadline_hours=deadline, error_target=0.03))
+    report = plan_spot(plan_config(prices=prices, deadline_hours=deadline, error_target=0.03))
     one, two = report.options["one-bid"], report.options["two-bids"]
     assert one is not None and one.workers >= 2  # a second bid is possible
     assert two is not None and two.low_bid is not None and two.high_bid is not None
@@ -177,7 +111,7 @@ def test_two_bids_never_cost_more_than_the_best_single_bid(prices: object, deadl
 
 def test_every_option_meets_the_deadline_and_error_target() -> None:
     for kw in ({"deadline_hours": 1.3}, {"deadline_hours": 6.0, "n_max": 5}, {"error_target": 0.02}):
-        c = config(**kw)
+        c = plan_config(**kw)
         for plan in plan_spot(c).options.values():
             if plan is None:
                 continue
@@ -202,7 +136,7 @@ def _random_candidates(c: SpotPlanConfig, rng: np.random.Generator, count: int) 
 
 
 def test_planner_beats_a_random_search_over_the_same_expressions() -> None:
-    c = config(n_max=6, deadline_hours=4.0, error_target=0.06)
+    c = plan_config(n_max=6, deadline_hours=4.0, error_target=0.06)
     report = plan_spot(c)
     rng = np.random.default_rng(0)
     found = [p for p in _random_candidates(c, rng, 5_000) if feasible(c, p)]
@@ -215,7 +149,7 @@ def test_two_bid_plan_is_optimal_against_an_exhaustive_scan_over_iterations() ->
     # Independent scan with uniform prices in closed form: for every split and every J, the bids the
     # deadline (F(b_h) = J R / deadline) and the error target (smallest gamma) allow, then the cost.
     lo, hi = 0.1, 1.2
-    c = config(prices=UniformPrices(low=lo, high=hi), n_max=6, deadline_hours=4.0, error_target=0.06)
+    c = plan_config(prices=UniformPrices(low=lo, high=hi), n_max=6, deadline_hours=4.0, error_target=0.06)
     conv, theta = c.convergence, c.deadline_hours * 3600
     best = np.inf
     for n in range(2, c.n_max + 1):
@@ -241,7 +175,7 @@ def test_two_bid_plan_is_optimal_against_an_exhaustive_scan_over_iterations() ->
 
 
 def test_replaying_the_two_bid_plan_on_sampled_prices_matches_its_expectation() -> None:
-    c = config(prices=UniformPrices(low=0.0, high=1.0), deadline_hours=3.0, iteration_seconds=1.0)
+    c = plan_config(prices=UniformPrices(low=0.0, high=1.0), deadline_hours=3.0, iteration_seconds=1.0)
     plan = plan_spot(c).options["two-bids"]
     assert plan is not None and plan.high_bid is not None and plan.low_bid is not None
     bids = [plan.high_bid] * plan.high_bid_workers + [plan.low_bid] * plan.low_bid_workers
@@ -256,7 +190,7 @@ def test_replaying_the_two_bid_plan_on_sampled_prices_matches_its_expectation() 
 
 def test_trace_prices_plan_on_their_empirical_distribution() -> None:
     trace = sample_price_trace(GaussianPrices(mean=0.4, std=0.15), 5000, 60.0, seed=2)
-    report = plan_spot(config(prices=empirical_prices(trace), deadline_hours=4.0))
+    report = plan_spot(plan_config(prices=empirical_prices(trace), deadline_hours=4.0))
     plan = report.chosen
     assert plan.strategy in ("one-bid", "two-bids")
     assert plan.high_bid is not None and plan.high_bid in trace.prices  # bids sit on recorded prices
@@ -264,7 +198,7 @@ def test_trace_prices_plan_on_their_empirical_distribution() -> None:
 
 def test_impossible_target_is_a_clear_error() -> None:
     with pytest.raises(PlanError, match="error floor with 4 workers: 0.025"):
-        plan_spot(config(n_max=4, error_target=0.02))
+        plan_spot(plan_config(n_max=4, error_target=0.02))
 
 
 # --------------------------------------------------------------------------- CLI
@@ -289,7 +223,7 @@ def test_cli_plan_spot_prints_the_plan(capsys: pytest.CaptureFixture[str], tmp_p
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    expected = plan_spot(config())
+    expected = plan_spot(plan_config())
     assert f"plan: {expected.chosen.strategy}" in out
     assert f"expected cost {expected.chosen.expected_cost:.4f}" in out
     assert f"expected completion {expected.chosen.expected_hours:.3f} h" in out

@@ -11,44 +11,11 @@ from pydantic import ValidationError
 
 from tests.spaces import fixed_cnn_space
 from training.config import SearchConfig
-from training.volatile.cost import PriceError, PriceTrace, bill_interval
-from training.volatile.spot_replay import account_intervals, price_at, repeat_trace
+from training.volatile.cost import bill_interval
+from training.volatile.price_trace import PriceTrace
+from training.volatile.prices import PriceError
 
 SPACE = fixed_cnn_space(batch_size=64)
-
-
-def test_repeated_trace_and_prices_past_its_end() -> None:
-    trace = PriceTrace((0.0, 10.0), (1.0, 3.0), 30.0)
-    assert price_at(trace, 5.0) == (1.0, 5.0)
-    assert price_at(trace, 35.0) == (1.0, 5.0)  # the trace repeats from its start
-    assert price_at(trace, 52.0) == (3.0, 8.0)
-    longer = repeat_trace(trace, 61.0)
-    assert longer.times == (0.0, 10.0, 30.0, 40.0, 60.0, 70.0) and longer.end == 90.0
-    with pytest.raises(PriceError, match="lower speed"):
-        repeat_trace(trace, 1e9)
-
-
-def test_account_of_real_intervals() -> None:
-    """Billed at the price while running, whatever the bid; idle when no worker runs."""
-    trace = PriceTrace((0.0, 3600.0), (1.0, 2.0), 7200.0)
-    account = account_intervals(
-        trace,
-        {"0": [(0.0, 1800.0), (5400.0, 7200.0)], "1": [(0.0, 3600.0)]},
-        0.0,
-        7200.0,
-        useful_seconds=3000.0,
-        wasted_seconds=60.0,
-        units=3,
-        interrupted=1,
-    )
-    assert account.worker_costs == pytest.approx((0.5 + 1.0, 1.0))
-    assert account.idle_seconds == pytest.approx(1800.0)  # 3600-5400: nobody runs
-    assert account.billed_worker_seconds == pytest.approx(7200.0)
-    metrics = account.metrics()
-    assert metrics["spot_wasted_worker_hours"] == pytest.approx(60 / 3600)
-    assert metrics["spot_failed_attempts"] == 1.0
-    with pytest.raises(PriceError, match="outside the run"):
-        account_intervals(trace, {"0": [(0.0, 9000.0)]}, 0.0, 7200.0)
 
 
 def test_spot_settings_are_validated_early(tmp_path: Path) -> None:
@@ -61,16 +28,6 @@ def test_spot_settings_are_validated_early(tmp_path: Path) -> None:
     assert SearchConfig(spot_trace="p.csv", spot_bids="1.0, 0.5", strategy="mop").spot_bids == [1.0, 0.5]
     with pytest.raises(ValidationError, match="spot_trace 'prices.txt' must name a timestamp,price CSV"):
         SearchConfig(spot_trace="prices.txt", spot_bids=[1.0])
-
-
-def test_trace_is_read_from_an_fsspec_url(tmp_path: Path) -> None:
-    from training.volatile.spot_replay import read_price_trace
-
-    (tmp_path / "p.csv").write_text("timestamp,price\n0,0.3\n60,0.8\n")
-    trace = read_price_trace(f"file://{tmp_path / 'p.csv'}")
-    assert trace.times == (0.0, 60.0) and trace.prices == (0.3, 0.8)
-    with pytest.raises(PriceError, match="cannot read price trace memory://nowhere/p.csv"):
-        read_price_trace("memory://nowhere/p.csv")
 
 
 @pytest.mark.slow

@@ -1,0 +1,7 @@
+"""``python -m infra.cli``: the ``mopflow`` command."""
+
+import sys
+
+from infra.cli.parser import main
+
+sys.exit(main())

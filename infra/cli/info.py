@@ -1,0 +1,57 @@
+"""Commands that show what this machine is set up with: the effective settings, the pipeline's
+config keys, and the Optuna dashboard on the study storage."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    """Print the effective settings and the local stack's knobs with their environment variables."""
+    from infra.settings import SETTING_ENV, Settings
+
+    settings = Settings.from_env().describe()
+    for name, (env, help_text) in SETTING_ENV.items():
+        print(f"{name:26} {env:28} {settings[name]}\n{'':26} {help_text}")
+    from infra.stack import PORT_ENV, STACK_ENV
+
+    print("\nlocal stack (mopflow up):")
+    for name, (env, default) in PORT_ENV.items():
+        print(f"{name + ' port':26} {env:28} {os.environ.get(env) or default}")
+    for name, (env, help_text) in STACK_ENV.items():
+        print(f"{name:26} {env:28} {os.environ.get(env, '')}\n{'':26} {help_text}")
+    return 0
+
+
+def cmd_config_keys(args: argparse.Namespace) -> int:
+    """Print every pipeline config key with its default and meaning (the table in
+    docs/user-guide/configuration.md)."""
+    from infra.stages.config import conf_markdown_table
+
+    print(conf_markdown_table())
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """Run optuna-dashboard on the study storage (until it is stopped)."""
+    from infra.optuna_storage import journal_path, make_storage, storage_kind
+    from infra.settings import Settings
+
+    url = Settings.from_env().optuna_storage
+    make_storage(url)  # creates an empty journal on a fresh machine (optuna-dashboard needs the file)
+    target = journal_path(url) if storage_kind(url) == "journal" else url
+    dash = Path(sys.executable).with_name("optuna-dashboard")
+    cmd = [
+        str(dash) if dash.exists() else "optuna-dashboard",
+        target,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+    ]
+    print("running:", " ".join(cmd))
+    return subprocess.call(cmd)

@@ -1,0 +1,70 @@
+"""``mopflow up``, ``down`` and ``status``: the local stack (:mod:`infra.stack`) from the command
+line, its errors printed as the CLI's."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+from infra.cli.errors import CliError
+
+
+def _stack_call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a stack function, turning its errors into CLI errors (printed, exit code 2)."""
+    from infra.settings import SettingsError
+    from infra.stack import StackError
+
+    try:
+        return fn(*args)
+    except (StackError, SettingsError) as exc:
+        raise CliError(str(exc)) from exc
+
+
+def _stack_home() -> str:
+    from infra.settings import Settings
+
+    return Settings.from_env().home
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Start the local stack with the ports and knobs of the flags and the environment."""
+    from infra import stack
+    from infra.settings import Settings
+
+    def start() -> object:
+        settings = Settings.from_env()
+        requested = {name: getattr(args, f"{name}_port") for name in stack.PORT_ENV}
+        workers = args.dask_workers or settings.dask_workers
+        config = stack.config_from_env(
+            os.environ, requested, args.free_ports, workers, stack.free_port, mlflow_auth=args.auth
+        )
+        if args.timeout is not None:
+            config = config.model_copy(update={"timeout_s": args.timeout})
+        return stack.up(settings, config, os.environ)
+
+    _stack_call(start)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """Stop the local stack (``--grace``, else ``MOPFLOW_STACK_GRACE_S``, between SIGTERM and SIGKILL)."""
+    from infra import stack
+
+    def stop() -> object:
+        grace = args.grace
+        if grace is None:
+            grace = stack.config_from_env(os.environ, {}, True, 1, stack.free_port).grace_s
+        return stack.down(_stack_home(), grace)
+
+    _stack_call(stop)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Show the local stack's services; exit code 0 when every one is healthy."""
+    from infra import stack
+
+    healthy = _stack_call(stack.status, _stack_home())
+    return 0 if healthy else 1

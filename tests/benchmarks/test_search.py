@@ -1,0 +1,83 @@
+"""The search benchmark's statistics (its runs are too long for the suite)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_search", REPO / "benchmarks" / "search.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_search"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+def test_epochs_to_target_counts_reports_in_arrival_order() -> None:
+    reports = [(1.0, 0.5), (2.0, 0.95), (2.5, 0.97), (3.0, 0.99)]
+    assert bench.epochs_to_target(reports, 0.96) == (3, 2.5)
+    assert bench.epochs_to_target(reports, 0.999) == (None, None)
+
+
+def test_the_bootstrap_interval_brackets_the_ratio_of_medians() -> None:
+    baseline = [300, 280, 350, 310, 290, 400, 260, 330]
+    arm = [100, 120, 90, 150, 110, 95, 130, 105]
+    ratio, low, high = bench.bootstrap_ratio(baseline, arm)
+    assert ratio == pytest.approx(305 / 107.5)
+    assert low <= ratio <= high
+    assert low > 2.0  # the arm is clearly better on every seed
+
+
+def test_identical_arms_give_an_interval_around_one() -> None:
+    same = [120, 80, 200, 150, 90, 170]
+    ratio, low, high = bench.bootstrap_ratio(same, same)
+    assert ratio == low == high == 1.0
+
+
+def test_unpaired_samples_are_refused() -> None:
+    with pytest.raises(ValueError, match="paired samples expected, got 3 and 2"):
+        bench.bootstrap_ratio([1, 2, 3], [1, 2])
+
+
+def test_the_verdict_needs_both_the_ratio_and_the_interval() -> None:
+    table = [
+        {"strategy": "task", "arm": "tpe+asha", "ratio": 2.4, "ci95": [1.7, 3.1]},
+        {"strategy": "mop", "arm": "tpe+asha", "ratio": 2.2, "ci95": [1.2, 3.5]},
+    ]
+    assert bench.verdicts(table, ["task", "mop", "ddp"]) == {
+        "task": "PASS",
+        "mop": "FAIL",
+        "ddp": "NOT MEASURED",
+    }
+
+
+def test_the_baseline_must_be_among_the_arms() -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--arms", "tpe+asha"])
+
+
+def test_the_goal_arms_run_on_every_seed_before_the_others() -> None:
+    args = bench.parse_args(["--seeds", "3", "--other-seeds", "1", "--arms", "random,gp+asha,tpe+asha"])
+    order = bench.run_order(args)
+    assert order[:12] == [
+        (s, st, a) for s in range(3) for st in ("task", "mop") for a in ("random", "tpe+asha")
+    ]
+    assert order[12:] == [(0, "task", "gp+asha"), (0, "mop", "gp+asha")]
+
+
+def test_a_search_that_never_reaches_the_target_is_charged_the_whole_budget() -> None:
+    reached = {"reached": True, "epochs_to_target": 300}
+    failed = {"reached": False, "epochs_to_target": 90}  # pruned hard and gave up early
+    assert bench.charged_epochs(reached, 720) == 300
+    assert bench.charged_epochs(failed, 720) == 720

@@ -1,0 +1,72 @@
+"""The stack's secrets: Airflow's password file where Airflow puts it, MLflow's basic-auth
+files private and reused, and a server with auth on refusing anonymous clients."""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from infra.stack.auth import airflow_password_file, owner_only, prepare_mlflow_auth
+from infra.stack.config import config_from_env
+from infra.stack.probes import free_port
+from infra.stack.processes import spawn, stop_services, wait_healthy
+from infra.stack.specs import build_specs
+from tests.infra.stack.helpers import BIN, settings_at
+from tests.rest import request_json
+
+
+def test_airflow_password_file_follows_airflow_config(tmp_path: Path) -> None:
+    default = airflow_password_file(str(tmp_path), {})
+    assert default == str(tmp_path / "simple_auth_manager_passwords.json.generated")
+    custom = {"AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": "/x/pw.json"}
+    assert airflow_password_file(str(tmp_path), custom) == "/x/pw.json"
+
+
+def test_mlflow_auth_secrets_are_private_and_reused(tmp_path: Path) -> None:
+    auth = prepare_mlflow_auth(tmp_path)
+    password = auth.password.get_secret_value()
+    assert len(password) >= 20 and password not in repr(auth)
+    for file in (auth.password_file, auth.config_file):
+        assert os.stat(file).st_mode & 0o777 == 0o600
+    config = Path(auth.config_file).read_text()
+    assert f"admin_password = {password}" in config
+    assert f"database_uri = sqlite:///{tmp_path / 'mlflow' / 'basic_auth.db'}" in config
+    assert prepare_mlflow_auth(tmp_path).password.get_secret_value() == password
+
+
+def test_owner_only_hides_a_secret_file(tmp_path: Path) -> None:
+    secret = tmp_path / "pw.json"
+    secret.write_text("{}")
+    secret.chmod(0o644)
+    owner_only(secret)
+    assert secret.stat().st_mode & 0o777 == 0o600
+    owner_only(tmp_path / "missing")  # Airflow writes it only when it generates a password
+
+
+@pytest.mark.slow
+def test_mlflow_with_auth_refuses_anonymous_clients(tmp_path: Path) -> None:
+    import base64
+    import importlib.util
+
+    if importlib.util.find_spec("flask_wtf") is None:
+        pytest.skip("MLflow's basic-auth app needs the mlflow[auth] extra (Flask-WTF), not installed")
+    config = config_from_env({}, {}, True, 1, free_port, mlflow_auth=True)
+    auth = prepare_mlflow_auth(tmp_path)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MOPFLOW_")}
+    spec = next(
+        s for s in build_specs(settings_at(tmp_path), config, BIN, environ, auth=auth) if s.name == "mlflow"
+    )
+    rec = spawn(spec, tmp_path / "logs", cwd=tmp_path)
+    try:
+        wait_healthy([rec], 180, lambda _: None)  # /health needs no credentials
+        url = f"{rec.url}/api/2.0/mlflow/experiments/search?max_results=1"
+        assert request_json("GET", url)[0] == 401
+        token = base64.b64encode(f"admin:{auth.password.get_secret_value()}".encode()).decode()
+        req = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
+        with urllib.request.urlopen(req, timeout=30) as response:
+            assert response.status == 200
+    finally:
+        stop_services([rec], grace_s=10)

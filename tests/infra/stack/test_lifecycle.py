@@ -1,0 +1,70 @@
+"""``up``, ``down`` and ``status`` without starting the real services: refusals before anything
+starts, a running stack left alone, and no stack at all."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from infra.stack.config import StackError, config_from_env
+from infra.stack.lifecycle import down, status, up
+from infra.stack.processes import stop_services
+from infra.stack.state import read_state, stack_dir, state_path, write_state
+from tests.infra.stack.helpers import BIN, counter, live_record, sample_state, settings_at, stack_config
+
+
+def test_auth_without_the_mlflow_auth_extra_is_refused_before_starting(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    config = config_from_env({}, {}, True, 2, counter(), mlflow_auth=True)
+    with pytest.raises(StackError, match=r"mlflow\[auth\] extra \(Flask-WTF\)"):
+        up(
+            settings_at(home),
+            config,
+            {},
+            lambda _: None,
+            bin_dir=BIN,
+            has_module=lambda name, _: name != "flask_wtf",
+        )
+    assert not state_path(home).exists() and not (stack_dir(home) / "logs").exists()
+
+
+def test_status_without_a_stack_says_so(tmp_path: Path) -> None:
+    said: list[str] = []
+    assert status(tmp_path, said.append) is False
+    assert "no mopflow stack" in said[0]
+    said.clear()
+    assert down(tmp_path, 1.0, said.append) == []
+    assert "nothing to stop" in said[0]
+
+
+def test_up_on_a_running_stack_starts_nothing(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    records = tuple(live_record(name, tmp_path, dict(os.environ)) for name in ("mlflow", "airflow"))
+    try:
+        state = sample_state(home).model_copy(update={"services": records})
+        write_state(state_path(home), state)
+        said: list[str] = []
+        assert up(settings_at(home), stack_config(), {}, said.append, bin_dir=BIN) == state
+        assert "already runs" in said[0]
+        # One service gone: `up` refuses rather than start a second copy of the others.
+        stop_services(records[1:], grace_s=2.0)
+        with pytest.raises(StackError, match=r"partly running \(mlflow up; airflow gone\)"):
+            up(settings_at(home), stack_config(), {}, said.append, bin_dir=BIN)
+        assert read_state(state_path(home)) == state
+    finally:
+        stop_services(records, grace_s=2.0)
+
+
+def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(StackError, match=f"port\\(s\\) already in use: mlflow port {port}"):
+            up(settings_at(home), stack_config(mlflow=port), {}, lambda _: None, bin_dir=BIN)
+    assert not state_path(home).exists()
+    assert not (stack_dir(home) / "logs").exists()

@@ -1,0 +1,88 @@
+"""The services' command lines and environments: wired to one another and to one home, on
+127.0.0.1; settings pointing at other hosts refused; MLflow's basic auth handed to every client."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from infra.stack.auth import prepare_mlflow_auth
+from infra.stack.config import StackError, config_from_env
+from infra.stack.services import SERVICE_ORDER
+from infra.stack.specs import build_specs
+from tests.infra.stack.helpers import BIN, REPO, counter, settings_at, stack_config
+
+
+def test_services_are_wired_to_one_another(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    config = stack_config()
+    p = config.ports
+    environ = {"PATH": "/usr/bin", "MLFLOW_TRACKING_URI": "sqlite:///elsewhere.db", "HOME": "/root"}
+    specs = {s.name: s for s in build_specs(settings_at(home), config, BIN, environ, repo=REPO)}
+    assert list(specs) == list(SERVICE_ORDER)
+    airflow = specs["airflow"].env
+    assert airflow["MOPFLOW_TRACKING_URI"] == f"http://127.0.0.1:{p.mlflow}"
+    assert airflow["MOPFLOW_DASK_ADDRESS"] == f"tcp://127.0.0.1:{p.dask_scheduler}"
+    assert airflow["MOPFLOW_HOME"] == str(home.resolve())
+    assert airflow["MOPFLOW_OPTUNA_STORAGE"] == str(home.resolve() / "optuna" / "journal.log")
+    assert airflow["AIRFLOW_HOME"] == str(home.resolve() / "airflow")
+    assert airflow["AIRFLOW__CORE__DAGS_FOLDER"] == str(REPO / "dags")
+    assert airflow["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(REPO / "plugins")
+    assert airflow["AIRFLOW__CORE__LOAD_EXAMPLES"] == "False"
+    assert airflow["AIRFLOW__API__PORT"] == str(p.airflow)
+    assert airflow["AIRFLOW__API__BASE_URL"] == f"http://127.0.0.1:{p.airflow}"
+    assert airflow["MOPFLOW_MLFLOW_UI_URL"] == f"http://127.0.0.1:{p.mlflow}"  # the plugin's links
+    assert airflow["MOPFLOW_OPTUNA_DASHBOARD_URL"] == f"http://127.0.0.1:{p.optuna}"
+    assert airflow["PATH"].split(os.pathsep)[0] == BIN
+    for spec in specs.values():
+        assert not any(k.startswith("MLFLOW_") for k in spec.env if k != "MLFLOW_SERVER_ENABLE_JOB_EXECUTION")
+        assert spec.env["MOPFLOW_HOME"] == str(home.resolve())  # workers and servers share the home
+    mlflow = specs["mlflow"].argv
+    assert (
+        mlflow[mlflow.index("--backend-store-uri") + 1]
+        == f"sqlite:///{home.resolve() / 'mlflow' / 'mlflow.db'}"
+    )
+    assert mlflow[mlflow.index("--port") + 1] == str(p.mlflow)
+    assert "127.0.0.1" in mlflow and "0.0.0.0" not in " ".join(mlflow)
+    optuna = specs["optuna-dashboard"].argv
+    assert optuna[1] == str(home.resolve() / "optuna" / "journal.log")
+    assert f"tcp://127.0.0.1:{p.dask_scheduler}" in specs["dask-workers"].argv
+    assert specs["dask-workers"].checks[0].min_workers == 2
+
+
+def test_a_users_ui_url_for_the_plugin_wins(tmp_path: Path) -> None:
+    environ = {"MOPFLOW_MLFLOW_UI_URL": "https://mlflow.example"}
+    specs = {s.name: s for s in build_specs(settings_at(tmp_path), stack_config(), BIN, environ)}
+    assert specs["airflow"].env["MOPFLOW_MLFLOW_UI_URL"] == "https://mlflow.example"
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"MOPFLOW_TRACKING_URI": "http://127.0.0.1:5000"}, "MOPFLOW_TRACKING_URI='http://127.0.0.1:5000'"),
+        ({"MOPFLOW_DASK_ADDRESS": "tcp://10.0.0.1:8786"}, "MOPFLOW_DASK_ADDRESS='tcp://10.0.0.1:8786'"),
+    ],
+)
+def test_settings_pointing_at_other_servers_are_refused(
+    tmp_path: Path, env: dict[str, str], needle: str
+) -> None:
+    with pytest.raises(StackError, match=needle):
+        build_specs(settings_at(tmp_path, **env), stack_config(), BIN, {})
+
+
+def test_mlflow_auth_wires_the_server_and_its_clients(tmp_path: Path) -> None:
+    config = config_from_env({"MOPFLOW_STACK_AUTH": "1"}, {}, True, 2, counter())
+    assert config.mlflow_auth
+    with pytest.raises(StackError, match="no credentials"):
+        build_specs(settings_at(tmp_path), config, BIN, {})
+    auth = prepare_mlflow_auth(tmp_path)
+    specs = {s.name: s for s in build_specs(settings_at(tmp_path), config, BIN, {}, auth=auth)}
+    assert specs["mlflow"].argv[-2:] == ("--app-name", "basic-auth")
+    assert specs["mlflow"].env["MLFLOW_AUTH_CONFIG_PATH"] == auth.config_file
+    for name in ("airflow", "dask-workers"):
+        assert specs[name].env["MLFLOW_TRACKING_USERNAME"] == "admin"
+        assert specs[name].env["MLFLOW_TRACKING_PASSWORD"] == auth.password.get_secret_value()
+    plain = {s.name: s for s in build_specs(settings_at(tmp_path), stack_config(), BIN, {})}
+    assert "--app-name" not in plain["mlflow"].argv and "MLFLOW_TRACKING_PASSWORD" not in plain["airflow"].env

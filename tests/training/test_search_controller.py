@@ -1,0 +1,112 @@
+"""The search's controller: Optuna behind the executor interface, on real Optuna studies (no training)."""
+
+from __future__ import annotations
+
+import time
+
+import optuna
+import pytest
+
+from tests.spaces import SMALL_SEARCH_SPACE
+from training.algorithms import make_pruner
+from training.config import SearchConfig
+from training.search_controller import SearchController
+
+SPACE = SMALL_SEARCH_SPACE
+
+
+def test_executor_search_stops_asking_when_the_time_budget_is_spent() -> None:
+    cfg = SearchConfig(n_trials=50, space=SPACE, timeout_minutes=0.001)  # 60 ms
+    study = optuna.create_study(direction="maximize")
+    controller = SearchController(study, cfg.search_space(), cfg, budget=50)
+    assert len(controller.ask(2)) == 2  # the first models always start
+    time.sleep(0.1)
+    assert controller.new_models(3) == []
+    assert len(study.trials) == 2
+
+
+def test_executor_search_prunes_in_the_coordinator() -> None:
+    from training.executors import EpochReport
+
+    cfg = SearchConfig(n_trials=6, space=SPACE, pruner="median", min_resource=2)
+    study = optuna.create_study(direction="maximize", pruner=make_pruner("median", 2, 10))
+    controller = SearchController(study, cfg.search_space(), cfg, budget=6)
+    for spec in controller.ask(2):  # two finished, good trials
+        trial = controller.trials[spec.model_id]
+        for epoch in range(4):
+            trial.report(0.9, epoch)
+        study.tell(trial, 0.9)
+    (bad,) = controller.ask(1)
+    stopped_at = None
+    for epoch in range(4):  # the executor stops a model the first time the controller says so
+        if not controller.on_epoch_end(EpochReport(bad.model_id, epoch, 0.1, 1.0)):
+            stopped_at = epoch
+            break
+    assert stopped_at is not None and stopped_at >= 1  # not judged at once, stopped past min_resource
+    assert controller.pruned[bad.model_id] == stopped_at
+
+
+def test_an_epoch_trained_again_is_reported_to_optuna_once(recwarn: pytest.WarningsRecorder) -> None:
+    from training.executors import EpochReport
+
+    cfg = SearchConfig(n_trials=2, space=SPACE, pruner="none")
+    study = optuna.create_study(direction="maximize")
+    controller = SearchController(study, cfg.search_space(), cfg, budget=2)
+    (spec,) = controller.ask(1)
+    for epoch, value in [(0, 0.5), (1, 0.6), (1, 0.61), (2, 0.7)]:  # epoch 1 redone after a lost worker
+        assert controller.on_epoch_end(EpochReport(spec.model_id, epoch, value, 1.0))
+    trial = study.trials[0]
+    assert trial.intermediate_values == {0: 0.5, 1: 0.6, 2: 0.7}
+    assert not [w for w in recwarn if "already reported" in str(w.message)]
+
+
+def test_a_trial_reaching_the_goal_stops_new_trials_and_every_epoch_is_published() -> None:
+    from infra import progress
+    from training.executors import EpochReport
+
+    cfg = SearchConfig(n_trials=20, space=SPACE, pruner="none", goal_val_acc=0.95)
+    study = optuna.create_study(direction="maximize")
+    controller = SearchController(study, cfg.search_space(), cfg, budget=20)
+    events: list[dict[str, object]] = []
+    unsubscribe = progress.subscribe(events.append)
+    try:
+        first, second = controller.ask(2)
+        assert controller.on_epoch_end(EpochReport(first.model_id, 0, 0.90, 1.0))
+        assert len(controller.new_models(1)) == 1  # below the goal: the search goes on
+        assert controller.on_epoch_end(EpochReport(second.model_id, 0, 0.96, 1.0))  # it trains on
+    finally:
+        unsubscribe()
+    assert controller.new_models(3) == []
+    assert len(study.trials) == 3
+    assert [(e["model"], e["val_acc"]) for e in events if e["kind"] == "epoch"] == [
+        (first.model_id, 0.90),
+        (second.model_id, 0.96),
+    ]
+
+
+def test_extra_trials_for_the_ensemble_ignore_the_goal() -> None:
+    from training.executors import EpochReport
+
+    cfg = SearchConfig(n_trials=4, space=SPACE, pruner="none", goal_val_acc=0.5)
+    study = optuna.create_study(direction="maximize")
+    controller = SearchController(study, cfg.search_space(), cfg, budget=4, respect_deadline=False)
+    (spec,) = controller.ask(1)
+    controller.on_epoch_end(EpochReport(spec.model_id, 0, 0.9, 1.0))
+    assert len(controller.new_models(1)) == 1
+
+
+def test_the_epoch_budget_stops_new_trials_once_spent_counting_each_epoch_once() -> None:
+    from training.executors import EpochReport
+
+    cfg = SearchConfig(n_trials=50, space=SPACE, pruner="none", epoch_budget=3)
+    study = optuna.create_study(direction="maximize")
+    controller = SearchController(study, cfg.search_space(), cfg, budget=50)
+    (spec,) = controller.ask(1)
+    for epoch in (0, 1, 1):  # epoch 1 trained again after a lost worker: one epoch of the budget
+        controller.on_epoch_end(EpochReport(spec.model_id, epoch, 0.5, 1.0))
+    assert controller.epochs_trained == 2
+    assert len(controller.new_models(1)) == 1
+    (other,) = list(controller.trials.values())[1:]
+    controller.on_epoch_end(EpochReport(f"trial-{other.number:04d}", 0, 0.5, 1.0))
+    assert controller.new_models(2) == []
+    assert len(study.trials) == 2

@@ -1,0 +1,151 @@
+"""The models of one MOP run: admission, their state between units, and the end of each round.
+
+A model joins from its checkpoint when it has one (a restarted coordinator's retried trial,
+even mid-epoch: the partitions it visited are skipped), carries its latest state from unit to
+unit, and at the end of every round in which it visited every partition reports its epoch to
+the controller, which may stop it or fill the slots freed with new models.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from training.executors.base import Controller, EpochReport, ModelOutcome
+from training.executors.units import evaluate_state
+from training.unit import ModelSpec
+from training.unit_state import partial_meta, read_meta
+
+if TYPE_CHECKING:
+    from training.executors.mop import MopExecutor
+
+log = logging.getLogger(__name__)
+
+
+class MopModels:
+    """The bookkeeping of one :meth:`MopExecutor.run`: active models, their latest states, the
+    partitions each visited in its current epoch and the epoch it trains next."""
+
+    def __init__(self, executor: MopExecutor, epochs: int, controller: Controller) -> None:
+        self.x, self.epochs, self.controller = executor, epochs, controller
+        self.outcomes: dict[str, ModelOutcome] = {}
+        self.states: dict[str, bytes] = {}
+        self.visited: dict[str, list[str]] = {}
+        self.next_epoch: dict[str, int] = {}
+        self.active: dict[str, ModelSpec] = {}
+
+    def admit(self, spec: ModelSpec) -> bool:
+        """Take a model in: from its checkpoint when it has one (a restarted coordinator's retried
+        trial), its finished epochs handed to the controller again. True (and the model active)
+        when it has epochs left."""
+        outcome = self.outcomes[spec.model_id] = ModelOutcome(spec)
+        self._restore(spec)
+        done = self.next_epoch.setdefault(spec.model_id, 0)
+        keep = self.x.replay_history(outcome, done - 1, self.controller) if done else True
+        if keep and done < self.epochs:
+            self.active[spec.model_id] = spec
+            return True
+        outcome.stopped_early = not keep
+        outcome.state = self.states.get(spec.model_id)
+        outcome.checkpoint_uri = self.x.kept_checkpoint(spec.model_id)
+        self.controller.on_model_done(outcome)
+        return False
+
+    def _restore(self, spec: ModelSpec) -> None:
+        """The model's state and position from its checkpoint, if it has one."""
+        found = self.x.load_checkpoint(spec.model_id)
+        if found is None:
+            return
+        state, meta = found
+        mid, partitions = spec.model_id, self.x.partitions
+        self.states[mid] = state
+        epoch = int(meta.get("epoch", -1))
+        seen = list(meta.get("visited", []))
+        if partial_meta(state) is not None:  # stopped mid-pass on a notice: that unit comes first
+            seen = [p for p in seen if p != meta.get("partition")]
+            if meta.get("partition") in partitions:
+                self.x.scheduler.resume[mid] = str(meta["partition"])
+        if len(seen) >= len(partitions):  # that epoch was complete
+            self.next_epoch[mid], self.visited[mid] = epoch + 1, []
+        else:
+            self.next_epoch[mid], self.visited[mid] = epoch, seen
+        log.info("mop: %s resumes at epoch %d from its checkpoint", mid, self.next_epoch[mid] + 1)
+
+    def unit_done(self, model_id: str, state: bytes) -> None:
+        """A unit of the model finished: its new state and the partitions it has visited."""
+        self.states[model_id] = state
+        self.visited[model_id] = list(read_meta(state).get("visited", []))
+
+    def fail(self, model_id: str, error: str) -> None:
+        """The model failed (e.g. a non-finite loss): it leaves the run; the sweep goes on."""
+        self.outcomes[model_id].error = error
+        self.states.pop(model_id, None)
+        self.active.pop(model_id, None)
+        self.controller.on_model_done(self.outcomes[model_id])
+
+    def end_round(self, records: list[dict[str, Any]], val_accs: dict[str, float]) -> None:
+        """Report every model that finished an epoch; the controller may stop or add models."""
+        finished = [
+            mid
+            for mid in self.active
+            if mid in self.states and len(self.visited.get(mid, [])) >= len(self.x.partitions)
+        ]
+        missing = self._validate(mid for mid in finished if mid not in val_accs)
+        for mid in finished:
+            val_acc = val_accs[mid] if mid in val_accs else float(missing[mid].result())
+            self._end_epoch(mid, val_acc, [r for r in records if r["model"] == mid])
+        for spec in self.controller.new_models(max(0, self.x.slots - len(self.active))):
+            if self.admit(spec):
+                log.info("mop: %s joins at the next round", spec.model_id)
+
+    def _validate(self, models: Iterable[str]) -> dict[str, Any]:
+        """Validation of ``models`` on the cluster (futures of their accuracy): an epoch's last
+        unit normally validates its model; one without a figure is validated here."""
+        return {
+            mid: self.x.client.submit(
+                evaluate_state,
+                self.active[mid],
+                self.states[mid],
+                self.x.data,
+                pure=False,
+                resources=self.active[mid].device.resources() or None,
+            )
+            for mid in models
+        }
+
+    def _end_epoch(self, mid: str, val_acc: float, records: list[dict[str, Any]]) -> None:
+        """Report the model's finished epoch; it is done when stopped or out of epochs."""
+        epoch = self.next_epoch.get(mid, 0)
+        report = EpochReport(
+            mid,
+            epoch,
+            val_acc,
+            float(records[-1]["train_loss"]) if records else float("nan"),
+            float(records[-1]["lr_end"]) if records else None,
+        )
+        outcome = self.outcomes[mid]
+        self.next_epoch[mid], self.visited[mid] = epoch + 1, []
+        keep = self.x.report_epoch(outcome, report, self.controller)
+        log.info(
+            "mop: %s epoch %d/%d val_acc=%.4f%s",
+            mid,
+            epoch + 1,
+            self.epochs,
+            report.val_acc,
+            "" if keep else " (stopped)",
+        )
+        if not keep:
+            outcome.stopped_early = True
+        if not keep or epoch + 1 >= self.epochs:
+            outcome.state = self.states[mid]
+            outcome.checkpoint_uri = self.x.kept_checkpoint(mid)
+            del self.active[mid]
+            self.controller.on_model_done(outcome)  # before its slot is filled again
+
+    def final_outcomes(self) -> dict[str, ModelOutcome]:
+        """Every model's outcome, with its latest state."""
+        for mid, state in self.states.items():
+            self.outcomes[mid].state = state
+            self.outcomes[mid].checkpoint_uri = self.x.kept_checkpoint(mid)
+        return self.outcomes

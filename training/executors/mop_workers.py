@@ -1,0 +1,130 @@
+"""The MOP coordinator's view of its Dask workers on a volatile cluster.
+
+Partitions live on workers, so every worker that leaves or joins moves them: a worker gone
+while idle hands its partitions to the survivors, a new (restarted) one takes some from the
+busiest (``training/executors/scheduler.py``). A worker that got a spot notice is ``leaving``
+and takes no more units; one that died without notice (SIGKILL) is seen missing within the
+driver's poll (+ ``REAP_GRACE_S``) and its unit is redone from the model's last finished unit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from training.executors.scheduler import MopScheduler, Unit
+from training.volatile.preempt import lost_spans, redone_seconds, task_story
+
+log = logging.getLogger(__name__)
+
+REAP_GRACE_S = 2.0  # a worker missing this long with its unit unanswered died without notice
+WORKER_WAIT_S = 120.0  # how long to wait for a replacement when no worker is left
+FETCH_POLL_S = 5.0  # how often a unit's result being fetched checks that its worker is still there
+
+# Records a unit's lost work: (unit, worker, kind, seconds to redo).
+Account = Callable[[Unit, str, str, float], None]
+
+
+class UnitResultLost(RuntimeError):
+    """A unit finished on a worker that died before its result was fetched (the result died with it)."""
+
+
+def fetch_unit_result(client: Any, future: Any, worker: str, poll_s: float = FETCH_POLL_S) -> Any:
+    """The result of a unit pinned to ``worker``.
+
+    A unit that finished on a worker killed before its result was fetched cannot be fetched any
+    more, and Dask would run it again only on that (pinned) worker, which never comes back:
+    waiting would hang the sweep. Raises ``UnitResultLost`` once ``worker`` has left the cluster.
+    """
+    while True:
+        try:
+            return future.result(timeout=poll_s)
+        except TimeoutError:
+            if worker not in client.scheduler_info()["workers"]:
+                raise UnitResultLost(f"worker {worker} left before its unit's result was fetched") from None
+
+
+class WorkerWatch:
+    """Which workers take units, and what happens to the units and partitions of those that go."""
+
+    def __init__(self, client: Any, scheduler: MopScheduler, account: Account) -> None:
+        self.client, self.scheduler, self.account = client, scheduler, account
+        self.leaving: set[str] = set()  # workers that said they are being preempted
+        self._missing_since: dict[str, float] = {}
+        self._no_worker_since: float | None = None
+
+    def connected(self) -> set[str]:
+        """The workers in the cluster now."""
+        return set(self.client.scheduler_info()["workers"])
+
+    def alive(self) -> list[str]:
+        """Workers that can take units (connected, not leaving on a notice)."""
+        return sorted(self.connected() - self.leaving)
+
+    def reconcile(self, connected: set[str]) -> list[str]:
+        """Follow the cluster: partitions of workers gone while idle move to survivors; a new
+        (restarted) worker takes partitions from the busiest. Returns the workers that take units."""
+        alive = sorted(connected - self.leaving)
+        for holder in sorted(set(self.scheduler.placement.values()) - set(alive)):
+            if holder not in self.scheduler.running and alive:
+                self.scheduler.lose_worker(holder, alive)
+        for worker in alive:
+            moved = self.scheduler.add_worker(worker)
+            if moved:
+                log.info("mop: worker %s joined; it takes partition(s) %s", worker, ", ".join(moved))
+        self.leaving &= connected  # a worker that has left is forgotten
+        return alive
+
+    def reap_dead(
+        self, in_flight: dict[Any, tuple[str, Unit]], submitted: dict[Any, float], connected: set[str]
+    ) -> None:
+        """Units whose worker vanished without answering (SIGKILL: no notice): cancel and requeue
+        them; the model goes on from its last finished unit."""
+        now = time.monotonic()
+        for worker in {w for w, _ in in_flight.values()} - connected:
+            self._missing_since.setdefault(worker, now)
+        for future, (worker, unit) in list(in_flight.items()):
+            missing = self._missing_since.get(worker)
+            if worker in connected or missing is None or now - missing < REAP_GRACE_S:
+                continue
+            if future.done():  # its answer arrived after all: handled with the done futures
+                continue
+            lost = self.lost_seconds(future, submitted.pop(future, time.time()))
+            future.cancel()
+            del in_flight[future]
+            log.warning("mop: worker %s died running %s (no notice); the unit is redone", worker, unit)
+            self.account(unit, worker, "killed", lost)
+            self.lose(worker, saved=False)
+        self._missing_since = {w: t for w, t in self._missing_since.items() if w not in connected}
+
+    def lost_seconds(self, future: Any, submitted_at: float) -> float:
+        """Seconds the unit ran on a worker that never finished it (from the scheduler's story;
+        from its submission when the story does not tell)."""
+        spans = lost_spans(task_story(self.client, str(future.key)))
+        return redone_seconds(spans) if spans else max(0.0, time.time() - submitted_at)
+
+    def wait_for_a_worker(self, alive: list[str]) -> None:
+        """Nothing runs: fail when no worker has been there for ``WORKER_WAIT_S``."""
+        if alive:
+            self._no_worker_since = None
+            return
+        now = time.monotonic()
+        self._no_worker_since = self._no_worker_since or now
+        if now - self._no_worker_since > WORKER_WAIT_S:
+            raise RuntimeError(f"no Dask worker left to run MOP units (waited {WORKER_WAIT_S:.0f}s)")
+
+    def lose(self, worker: str, saved: bool) -> None:
+        """Requeue ``worker``'s unit and move its partitions, waiting for a replacement if none is left."""
+        if worker in self.alive():  # the unit failed but its worker is fine: requeue it in place
+            self.scheduler.requeue(worker, saved)
+            return
+        deadline = time.monotonic() + WORKER_WAIT_S
+        survivors = [w for w in self.alive() if w != worker]
+        while not survivors:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no Dask worker left to run MOP units (waited {WORKER_WAIT_S:.0f}s)")
+            time.sleep(0.2)
+            survivors = [w for w in self.alive() if w != worker]
+        self.scheduler.lose_worker(worker, survivors, saved=saved)

@@ -1,0 +1,127 @@
+"""The search's say between epochs: Optuna's sampler and pruner behind the executor interface.
+
+The coordinator (``training/executor_search.py``) hands a :class:`SearchController` to the
+executor: it asks the study for new trials as slots free up (until the trial budget or the time
+budget is spent), reports every epoch to its trial, prunes there, and passes each finished model
+on at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+from infra import progress
+from training.config import SearchConfig
+from training.devices import CPU, DeviceSpec
+from training.search import MODEL_ATTR
+from training.space import sample_params
+
+if TYPE_CHECKING:
+    from training.executors import EpochReport, ModelOutcome, ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+class SearchController:
+    """Optuna behind the executor interface (a :class:`~training.executors.base.Controller`), in
+    the coordinator: every epoch report reaches the study when it happens, the pruner decides
+    there, and a finished model is told at once (``on_done``), so the sampler and the pruner learn
+    from it while the sweep goes on."""
+
+    def __init__(
+        self,
+        study: optuna.Study,
+        space: Any,
+        cfg: SearchConfig,
+        budget: int,
+        prune: bool = True,
+        on_done: Callable[[SearchController, ModelOutcome], None] | None = None,
+        respect_deadline: bool = True,
+        device: DeviceSpec = CPU,
+    ) -> None:
+        self.device = device
+        self.study, self.space, self.cfg, self.budget = study, space, cfg, budget
+        self.prune = prune and cfg.pruner != "none"
+        self.on_done = on_done
+        self.trials: dict[str, optuna.trial.Trial] = {}
+        self.pruned: dict[str, int] = {}
+        self.reported: dict[str, set[int]] = {}  # epochs each model's trial has had reported
+        minutes = cfg.timeout_minutes if respect_deadline else None
+        self.deadline = time.monotonic() + minutes * 60 if minutes else None
+        self.goal = cfg.goal_val_acc if respect_deadline else None
+        self.goal_reached = False
+        self.epoch_budget = cfg.epoch_budget if respect_deadline else None
+        self.epochs_trained = 0  # epochs reported over every trial (an epoch trained again: once)
+
+    def out_of_time(self) -> bool:
+        """Whether the wall-clock budget is spent (running models finish; no new trial starts)."""
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def ask(self, count: int) -> list[ModelSpec]:
+        """Up to ``count`` new trials from the study, as models to train (none once the trial
+        budget, the epoch budget or, after the first trial, the time budget is spent, or once a trial
+        reached the goal accuracy)."""
+        from training.executors import ModelSpec
+
+        specs: list[ModelSpec] = []
+        if self.goal_reached:
+            return specs
+        if self.epoch_budget is not None and self.epochs_trained >= self.epoch_budget:
+            if count > 0:
+                log.info("search: epoch budget of %d spent; not starting more trials", self.epoch_budget)
+            return specs
+        if count > 0 and self.trials and self.out_of_time():
+            log.info(
+                "search: time budget of %.1f min reached; not starting more trials", self.cfg.timeout_minutes
+            )
+            return specs
+        while count > 0 and len(self.trials) < self.budget:
+            trial = self.study.ask()
+            params = sample_params(self.space, trial)
+            model_id = str(trial.user_attrs.get(MODEL_ATTR) or f"trial-{trial.number:04d}")
+            trial.set_user_attr(MODEL_ATTR, model_id)
+            self.trials[model_id] = trial
+            number = int(model_id.rsplit("-", 1)[1])  # a retry trains the first attempt's model on
+            specs.append(ModelSpec(model_id, params, self.cfg.seed * 1000 + number, self.device))
+            log.info("search: started trial %d %s", trial.number, params)
+            count -= 1
+        return specs
+
+    def on_epoch_end(self, report: EpochReport) -> bool:
+        """Report the epoch to its trial (once per epoch); False when the pruner stops it."""
+        trial = self.trials[report.model_id]
+        progress.publish(
+            "epoch", model=report.model_id, epoch=report.epoch, epochs=self.cfg.epochs, val_acc=report.val_acc
+        )
+        if self.goal is not None and not self.goal_reached and report.val_acc >= self.goal:
+            self.goal_reached = True
+            log.info(
+                "search: %s reached the goal val_acc %.4f >= %.4f at epoch %d; not starting more trials",
+                report.model_id,
+                report.val_acc,
+                self.goal,
+                report.epoch,
+            )
+        reported = self.reported.setdefault(report.model_id, set())
+        if report.epoch not in reported:  # an epoch trained again after a lost worker: told once
+            trial.report(report.val_acc, report.epoch)
+            reported.add(report.epoch)
+            self.epochs_trained += 1
+        if self.prune and trial.should_prune():
+            self.pruned[report.model_id] = report.epoch
+            return False
+        return True
+
+    def on_model_done(self, outcome: ModelOutcome) -> None:
+        """Pass a finished model on (``on_done``: tell its trial to the study at once)."""
+        if self.on_done is not None:
+            self.on_done(self, outcome)
+
+    def new_models(self, free_slots: int) -> list[ModelSpec]:
+        """New trials for the free slots."""
+        return self.ask(free_slots)
