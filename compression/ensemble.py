@@ -74,6 +74,25 @@ def greedy_selection(val_probs: Sequence[np.ndarray], y: np.ndarray, size: int) 
     return chosen
 
 
+def selection_pool(candidates: Sequence[Candidate], method: str, size: int) -> list[Candidate]:
+    """The trials an ensemble is chosen from: the top ``size`` for ``top_k``, every COMPLETE trial
+    with a saved model (best first) for ``greedy``."""
+    if method == "top_k":
+        return select_top_k(candidates, size)
+    if method != "greedy":
+        raise ValueError(f"unknown ensemble selection {method!r}; expected 'top_k' or 'greedy'")
+    saved = sum(1 for c in candidates if c.state == "COMPLETE" and c.bundle_uri and c.value is not None)
+    return select_top_k(candidates, saved)
+
+
+def members_from_picks(
+    pool: Sequence[Candidate], picks: Sequence[int]
+) -> tuple[list[Candidate], list[float]]:
+    """The members (in the order first picked) and their weights (how often each was picked)."""
+    order = sorted(set(picks), key=list(picks).index)
+    return [pool[i] for i in order], [float(list(picks).count(i)) for i in order]
+
+
 def choose_members(
     candidates: Sequence[Candidate],
     method: str,
@@ -82,22 +101,16 @@ def choose_members(
     y_val: np.ndarray,
     storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[list[Candidate], list[float]]:
-    """The ensemble's members and weights: top-k (equal weights) or greedy selection (counts)."""
+    """The ensemble's members and weights on in-memory validation data: top-k (equal weights) or
+    greedy selection (counts). The pipeline's stage selects on the shards
+    (:class:`compression.shard_eval.ShardEvaluator`)."""
+    pool = selection_pool(candidates, method, size)
     if method == "top_k":
-        members = select_top_k(candidates, size)
-        return members, [1.0] * len(members)
-    if method != "greedy":
-        raise ValueError(f"unknown ensemble selection {method!r}; expected 'top_k' or 'greedy'")
-    pool = select_top_k(
-        candidates,
-        sum(1 for c in candidates if c.state == "COMPLETE" and c.bundle_uri and c.value is not None),
-    )
+        return members_from_picks(pool, range(len(pool)))
     probs = [
         predict_proba(load_bundle(str(c.bundle_uri), storage_options).module, x_val).numpy() for c in pool
     ]
-    picks = greedy_selection(probs, y_val, size)
-    order = sorted(set(picks), key=picks.index)
-    return [pool[i] for i in order], [float(picks.count(i)) for i in order]
+    return members_from_picks(pool, greedy_selection(probs, y_val, size))
 
 
 def build_ensemble(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from infra.settings import Settings
-from infra.stages.context import stage
+from infra.stages.context import Stage, stage
 from training.families import DataSpec
 
 log = logging.getLogger(__name__)
@@ -21,11 +21,12 @@ def ensemble_stage(
     search: Mapping[str, Any],
     settings: Settings | None = None,
 ) -> dict[str, Any]:
-    """Build, evaluate and save the ensemble of the study's best trials; returns its URIs and figures."""
-    from compression.ensemble import build_ensemble, choose_members, save_ensemble
+    """Choose, evaluate and save the ensemble of the study's best trials; returns its URIs and
+    figures. Predictions and accuracies are computed on the Dask workers shard by shard
+    (:mod:`compression.shard_eval`); this process holds counts, not the data."""
+    from compression.ensemble import build_ensemble, save_ensemble
     from compression.registry import log_bundle_model
-    from training.bundle import accuracy, load_bundle
-    from training.data import load_split
+    from training.cluster import dask_client
 
     lineage = {
         "mopflow.manifest_hash": str(shard["manifest_hash"]),
@@ -34,22 +35,13 @@ def ensemble_stage(
     with stage("ensemble", conf, ctx_dict, settings, lineage) as st:
         so, cfg = st.storage_options, st.cfg
         manifest_uri = str(shard["manifest_uri"])
-        x_val, y_val = load_split(manifest_uri, "validation", so)
-        x_test, y_test = load_split(manifest_uri, "test", so)
         candidates = load_candidates(str(search["study_name"]), st.settings.optuna_storage)
-        members, weights = choose_members(
-            candidates, cfg.ensemble.selection, cfg.ensemble.top_k, x_val, y_val, so
-        )
+        with dask_client(st.settings.dask_address, st.settings.dask_workers) as client:
+            choice = choose_on_shards(client, st, manifest_uri, candidates)
+        members, weights, best, metrics = choice
         ensemble, archs, columns = build_ensemble(members, so, weights)
-        best = sorted(members, key=lambda m: (-(m.value or 0.0), m.number))[0]
-        best_test = accuracy(load_bundle(str(best.bundle_uri), so).module, x_test, y_test)
-        metrics = {
-            "val_acc": accuracy(ensemble, x_val, y_val),
-            "test_acc": accuracy(ensemble, x_test, y_test),
-            "num_params": float(sum(p.numel() for p in ensemble.parameters())),
-            "best_trial_val_acc": float(best.value or 0.0),
-            "best_trial_test_acc": best_test,
-        }
+        metrics["num_params"] = float(sum(p.numel() for p in ensemble.parameters()))
+        best_test = metrics["best_trial_test_acc"]
         bundle_uri = st.output_uri("ensemble")
         numbers = [m.number for m in members]
         meta = {"members": numbers, "study": search["study_name"], "manifest_hash": shard["manifest_hash"]}
@@ -89,6 +81,40 @@ def ensemble_stage(
     }
 
 
+def choose_on_shards(
+    client: Any, st: Stage, manifest_uri: str, candidates: Sequence[Any]
+) -> tuple[list[Any], list[float], Any, dict[str, float]]:
+    """Members, weights, the best member and the figures, from predictions made on the workers:
+    the selection pool on the validation shards, the members on the test shards."""
+    from compression.ensemble import members_from_picks, selection_pool
+    from compression.shard_eval import ShardEvaluator
+
+    ecfg = st.cfg.ensemble
+    evaluator = ShardEvaluator(client, manifest_uri, st.output_uri("predictions"), st.storage_options)
+    pool = selection_pool(candidates, ecfg.selection, ecfg.top_k)
+    log.info("ensemble: predicting the validation shards with %d candidate(s) on the workers", len(pool))
+    val = evaluator.predictions("validation", [str(c.bundle_uri) for c in pool])
+    if ecfg.selection == "greedy":
+        picks = evaluator.greedy_selection(val, ecfg.top_k)
+    else:
+        picks = list(range(len(pool)))
+    members, weights = members_from_picks(pool, picks)
+    best = sorted(members, key=lambda m: (-(m.value or 0.0), m.number))[0]
+    on_pool = [float(picks.count(i)) for i in range(len(pool))]
+    (val_acc,) = evaluator.accuracies(val, [on_pool])
+    log.info("ensemble: predicting the test shards with %d member(s) on the workers", len(members))
+    test = evaluator.predictions("test", [str(m.bundle_uri) for m in members])
+    one_hot = [float(m is best) for m in members]
+    test_acc, best_test = evaluator.accuracies(test, [weights, one_hot])
+    metrics = {
+        "val_acc": val_acc,
+        "test_acc": test_acc,
+        "best_trial_val_acc": float(best.value or 0.0),
+        "best_trial_test_acc": best_test,
+    }
+    return members, weights, best, metrics
+
+
 def json_figures(metrics: Mapping[str, float]) -> dict[str, float | None]:
     """Figures for XCom, which travels as JSON through the API server: NaN/inf become null."""
     return {k: (float(v) if math.isfinite(v) else None) for k, v in metrics.items()}
@@ -122,7 +148,8 @@ def example_input(manifest_uri: str, storage_options: Mapping[str, Any]) -> Any:
     from training.data import load_manifest, load_split
 
     manifest = load_manifest(manifest_uri, storage_options)
-    x, _ = load_split(manifest_uri, "validation", storage_options)
+    first = manifest["splits"]["validation"][:1]  # one shard is enough for five rows
+    x, _ = load_split(manifest_uri, "validation", storage_options, shard_names=[e["name"] for e in first])
     data = DataSpec.from_manifest(manifest)
     if data.modality != "table":  # a tensor of examples: the signature is a TensorSpec
         return x[:5].reshape(-1, *data.input_shape)

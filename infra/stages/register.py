@@ -145,20 +145,24 @@ def _set_aliases(
 
 
 def champion_accuracy(name: str, shard: Mapping[str, Any], st: Stage) -> float:
-    """The current champion's test accuracy on this run's test set (through its pyfunc)."""
+    """The current champion's test accuracy on this run's test set (through its pyfunc), one test
+    shard in memory at a time."""
     import mlflow
     import pandas as pd
 
     from compression.registry import CHAMPION
     from training.data import load_manifest, load_split
-    from training.metrics import top1_accuracy
+    from training.metrics import top1_correct
 
     manifest_uri = str(shard["manifest_uri"])
     manifest = load_manifest(manifest_uri, st.storage_options)
-    x_test, y_test = load_split(manifest_uri, "test", st.storage_options)
     champion = mlflow.pyfunc.load_model(f"models:/{name}@{CHAMPION}")
-    probs = champion.predict(pd.DataFrame(x_test, columns=manifest["feature_columns"]))
-    return top1_accuracy(probs.to_numpy(), y_test)
+    correct = rows = 0
+    for entry in manifest["splits"]["test"]:
+        x, y = load_split(manifest_uri, "test", st.storage_options, shard_names=[entry["name"]])
+        probs = champion.predict(pd.DataFrame(x, columns=manifest["feature_columns"]))
+        correct, rows = correct + top1_correct(probs.to_numpy(), y), rows + len(y)
+    return correct / rows if rows else 0.0
 
 
 def run_summary(
