@@ -333,6 +333,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.96)
     parser.add_argument("--samples", type=int, default=10_000, help="MNIST-1D rows generated")
     parser.add_argument(
+        "--val-fraction", type=float, default=0.1, help="share of the training rows held out for validation"
+    )
+    parser.add_argument(
         "--space",
         default="wide",
         help="wide (the benchmark's, default), packaged (mopflow's default) or a JSON file",
@@ -393,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="mopflow-bench-search-") as tmp:
         with dask_client("", args.workers) as client:
-            manifest = shard_dataset(DataConfig(num_samples=args.samples), f"{tmp}/data", client).manifest_uri
+            manifest = shard_dataset(
+                DataConfig(num_samples=args.samples, val_fraction=args.val_fraction), f"{tmp}/data", client
+            ).manifest_uri
         base = {
             k: getattr(args, k)
             for k in ("trials", "budget_epochs", "epochs", "min_resource", "workers", "model_slots", "target")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
@@ -97,33 +98,54 @@ def train_student(
     (the baseline). ``epochs`` overrides ``cfg.epochs`` (the baseline uses :func:`matching_epochs`).
     The model comes back on the CPU (quantization and the pyfunc run there).
     """
+    tensors = [torch.from_numpy(x_train), torch.from_numpy(y_train)]
+    if teacher is not None:
+        tensors.append(soft_targets(teacher, x_train, cfg.temperature))
+    return fit_student(plan, cfg, tensors, x_val, y_val, mean, std, seed, teacher is not None, epochs, device)
+
+
+def fit_student(
+    plan: StudentPlan,
+    cfg: DistillConfig,
+    rows: Any,
+    x_val: np.ndarray,
+    y_val: np.ndarray,
+    mean: list[float],
+    std: list[float],
+    seed: int,
+    soft: bool,
+    epochs: int | None = None,
+    device: DeviceSpec = CPU,
+) -> tuple[nn.Module, list[dict[str, float]]]:
+    """Train the student on ``rows``: ``(x, y)`` or, with ``soft``, ``(x, y, soft targets)``
+    tensors, or a :class:`~training.streaming.StreamedRows` of them read pass by pass. The model
+    comes back on the CPU."""
+    from training.streaming import StreamedRows
     from training.trial import quiet_lightning
     from training.unit import ModelSpec, TrainableUnit
 
     quiet_lightning()
     pl.seed_everything(seed, workers=False, verbose=False)
     model = build_model(plan.arch, mean, std)
-    alpha = cfg.alpha if teacher is not None else 0.0
-    tensors = [torch.from_numpy(x_train), torch.from_numpy(y_train)]
-    if teacher is not None:
-        tensors.append(soft_targets(teacher, x_train, cfg.temperature))
+    n_rows = rows.n_rows if isinstance(rows, StreamedRows) else len(rows[0])
+    alpha = cfg.alpha if soft else 0.0
     max_epochs = epochs if epochs is not None else cfg.epochs
     params = {"lr": cfg.lr, "weight_decay": 1e-5, "batch_size": cfg.batch_size}
     spec = ModelSpec("student", params, seed, device)
-    total_steps = max_epochs * -(-len(x_train) // cfg.batch_size)
+    total_steps = max_epochs * -(-n_rows // cfg.batch_size)
     unit = TrainableUnit(spec, model, total_steps, cfg.temperature, alpha, plan.arch)
     x_val_t = torch.from_numpy(x_val)
     history: list[dict[str, float]] = []
     started = time.monotonic()
     for epoch in range(max_epochs):  # the same unit, one pass per epoch, as the trials train
-        record = unit.train_pass(tensors, epoch)
+        record = unit.train_pass(rows, epoch)
         acc = unit.evaluate(x_val_t, y_val)
         history.append({"epoch": epoch, "val_acc": acc, "train_loss": record.train_loss})
         progress.publish("distill_epoch", epoch=epoch + 1, epochs=max_epochs)
         if (epoch + 1) % 10 == 0 or epoch + 1 == max_epochs:
             log.info(
                 "distill: %s student epoch %d/%d val_acc=%.4f (%.0fs)",
-                "soft-target" if teacher is not None else "hard-label",
+                "soft-target" if soft else "hard-label",
                 epoch + 1,
                 max_epochs,
                 acc,

@@ -56,8 +56,16 @@ class Block:
     rows: int
 
 
-Chunk = tuple[np.ndarray, np.ndarray]  # rows' features and labels
+Chunk = tuple[np.ndarray, ...]  # rows' arrays: features and labels (and soft targets, for a student)
 Reader = Callable[[Block], Chunk]
+
+
+def _join(a: Chunk | None, b: Chunk) -> Chunk:
+    return b if a is None else tuple(np.concatenate([u, v]) for u, v in zip(a, b, strict=True))
+
+
+def _take(chunk: Chunk, index: Any) -> Chunk:
+    return tuple(a[index] for a in chunk)
 
 
 def stream_rows(
@@ -67,20 +75,16 @@ def stream_rows(
     ``buffer_rows`` rows from which as many rows leave, at random, as the block brought in; the
     rest leaves shuffled at the end. Deterministic for (seed, epoch, pass_index)."""
     rng = np.random.default_rng([seed, epoch, pass_index])
-    held_x: np.ndarray | None = None
-    held_y: np.ndarray | None = None
+    held: Chunk | None = None
     for index in rng.permutation(len(blocks)):
-        x, y = read(blocks[int(index)])
-        held_x = x if held_x is None else np.concatenate([held_x, x])
-        held_y = y if held_y is None else np.concatenate([held_y, y])
-        leaving = len(held_x) - buffer_rows
+        held = _join(held, read(blocks[int(index)]))
+        leaving = len(held[0]) - buffer_rows
         if leaving > 0:
-            mixed = rng.permutation(len(held_x))
-            yield held_x[mixed[:leaving]], held_y[mixed[:leaving]]
-            held_x, held_y = held_x[mixed[leaving:]], held_y[mixed[leaving:]]
-    if held_x is not None and held_y is not None and len(held_x):
-        mixed = rng.permutation(len(held_x))
-        yield held_x[mixed], held_y[mixed]
+            mixed = rng.permutation(len(held[0]))
+            yield _take(held, mixed[:leaving])
+            held = _take(held, mixed[leaving:])
+    if held is not None and len(held[0]):
+        yield _take(held, rng.permutation(len(held[0])))
 
 
 def rank_batches(
@@ -91,25 +95,24 @@ def rank_batches(
     (the last one shorter when the rows do not fill it)."""
     rank, world = shard
     position, taken = 0, 0
-    carry_x: np.ndarray | None = None
-    carry_y: np.ndarray | None = None
-    for x, y in chunks:
+    carry: Chunk | None = None
+    for chunk in chunks:
         if world > 1:  # this rank's rows: stream positions = rank (mod world)
-            mine = (np.arange(position, position + len(x)) % world) == rank
-            position += len(x)
-            x, y = x[mine], y[mine]
-        x, y = x[: rank_rows - taken], y[: rank_rows - taken]  # the cut
-        taken += len(x)
-        if carry_x is not None and carry_y is not None and len(carry_x):
-            x, y = np.concatenate([carry_x, x]), np.concatenate([carry_y, y])
-        full = len(x) // batch_size * batch_size
+            mine = (np.arange(position, position + len(chunk[0])) % world) == rank
+            position += len(chunk[0])
+            chunk = _take(chunk, mine)
+        chunk = _take(chunk, slice(0, rank_rows - taken))  # the cut
+        taken += len(chunk[0])
+        if carry is not None and len(carry[0]):
+            chunk = _join(carry, chunk)
+        full = len(chunk[0]) // batch_size * batch_size
         for start in range(0, full, batch_size):
-            yield x[start : start + batch_size], y[start : start + batch_size]
-        carry_x, carry_y = x[full:], y[full:]
+            yield _take(chunk, slice(start, start + batch_size))
+        carry = _take(chunk, slice(full, None))
         if taken == rank_rows:
             break
-    if carry_x is not None and carry_y is not None and len(carry_x):
-        yield carry_x, carry_y
+    if carry is not None and len(carry[0]):
+        yield carry
 
 
 class StreamedBatches:
@@ -136,9 +139,9 @@ class StreamedBatches:
         import torch
 
         batches = rank_batches(self.chunks(), self.batch_size, self.rank_rows, self.shard)
-        for index, (bx, by) in enumerate(batches):
+        for index, batch in enumerate(batches):
             if index >= self.skip:
-                yield [torch.from_numpy(bx).to(self.device), torch.from_numpy(by).to(self.device)]
+                yield [torch.from_numpy(a).to(self.device) for a in batch]
 
 
 class StreamedRows:

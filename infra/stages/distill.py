@@ -18,11 +18,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Splits:
-    """The dataset's splits as arrays, with what the student needs to know about them."""
+    """The evaluation splits as arrays, with what the student needs to know about the data (the
+    training rows stay in their shards: the transfer set is made on the workers)."""
 
+    manifest_uri: str
     manifest: dict[str, Any]
     data: DataSpec
-    train: tuple[Any, Any]
     validation: tuple[Any, Any]
     test: tuple[Any, Any]
 
@@ -65,7 +66,9 @@ def distill_stage(
         teacher_bundle = load_bundle(str(ensemble["bundle_uri"]), so)
         # The loop or the stacked (vmap) form of the ensemble, whichever is faster on this machine.
         teacher, form_ms = faster_form(teacher_bundle.module, len(splits.manifest["feature_columns"]))
-        students = train_students(st, dcfg, splits, teacher, teacher_bundle.num_params())
+        students = train_students(
+            st, dcfg, splits, teacher, str(ensemble["bundle_uri"]), teacher_bundle.num_params()
+        )
         plan, (x_val, y_val), (x_test, y_test) = students.plan, splits.validation, splits.test
         metrics = {
             "val_acc": student_accuracy(students.student, x_val, y_val),
@@ -105,26 +108,38 @@ def distill_stage(
 
 
 def load_splits(manifest_uri: str, storage_options: Mapping[str, Any]) -> Splits:
-    """The manifest, its data spec and the train, validation and test splits."""
+    """The manifest, its data spec and the validation and test splits."""
     from training.data import load_manifest, load_split
 
     manifest = load_manifest(manifest_uri, storage_options)
     return Splits(
+        manifest_uri,
         manifest,
         DataSpec.from_manifest(manifest),
-        *(load_split(manifest_uri, split, storage_options) for split in ("train", "validation", "test")),
+        *(load_split(manifest_uri, split, storage_options) for split in ("validation", "test")),
     )
 
 
-def train_students(st: Stage, dcfg: Any, splits: Splits, teacher: Any, teacher_params: int) -> Students:
-    """Plan the student within its budget, train it on the transfer set with the teacher's soft
-    targets, train the same student on the real data alone (the baseline), and quantize it."""
-    from compression.distill import matching_epochs, plan_student, train_student, transfer_set
+def train_students(
+    st: Stage, dcfg: Any, splits: Splits, teacher: Any, teacher_uri: str, teacher_params: int
+) -> Students:
+    """Plan the student within its budget, make the transfer set with the teacher's soft targets on
+    the workers (:mod:`compression.transfer_shards`), train the student on it, train the same
+    student on the real data alone (the baseline), and quantize it."""
+    from compression.distill import fit_student, matching_epochs, plan_student
     from compression.evaluate import quantize_int8, quantize_static_int8
+    from compression.transfer_shards import (
+        build_transfer_set,
+        calibration_rows,
+        student_rows,
+        train_split_rows,
+    )
+    from training.bundle import StackedEnsemble
+    from training.cluster import dask_client
     from training.devices import local_device
 
-    seed = st.cfg.search.seed
-    (x_train, y_train), (x_val, y_val) = splits.train, splits.validation
+    seed, so = st.cfg.search.seed, st.storage_options
+    x_val, y_val = splits.validation
     plan = plan_student(dcfg, teacher_params, splits.data)
     log.info(
         "distill: student %s %s, %d params (budget %d, ensemble %d)",
@@ -135,28 +150,36 @@ def train_students(st: Stage, dcfg: Any, splits: Splits, teacher: Any, teacher_p
         teacher_params,
     )
     # Transfer set: the training data, plus synthetic points near it labelled by the ensemble.
-    x_transfer, y_transfer = transfer_set(x_train, y_train, teacher, dcfg, seed, splits.data)
-    synthetic = len(x_transfer) - len(x_train)
-    log.info("distill: transfer set has %d real + %d %s points", len(x_train), synthetic, dcfg.transfer)
+    stacked = isinstance(teacher, StackedEnsemble)
+    with dask_client(st.settings.dask_address, st.settings.dask_workers) as client:
+        transfer = build_transfer_set(
+            client, splits.manifest_uri, teacher_uri, stacked, dcfg, seed, st.output_uri("transfer"), so
+        )
+    log.info(
+        "distill: transfer set has %d real + %d %s points, with soft targets, in %d block(s) made on the workers",
+        transfer.real_rows,
+        transfer.synthetic_rows,
+        dcfg.transfer,
+        len(transfer.blocks),
+    )
     norm = splits.manifest["normalization"]
     device = local_device(st.settings.accelerator, st.settings.precision)
     log.info("distill: training the student on %s (precision %s)", device.accelerator, device.precision)
     common = {"mean": norm["mean"], "std": norm["std"], "seed": seed, "device": device}
-    student, history = train_student(
-        plan, dcfg, x_transfer, y_transfer, x_val, y_val, teacher=teacher, **common
-    )
+    student, history = fit_student(plan, dcfg, student_rows(transfer, so), x_val, y_val, soft=True, **common)
     # The baseline: same student, real data only, as many steps (same LR schedule).
-    baseline_epochs = matching_epochs(dcfg.epochs, len(x_transfer), len(x_train))
+    baseline_epochs = matching_epochs(dcfg.epochs, transfer.rows, transfer.real_rows)
     log.info(
         "distill: training the hard-label baseline (same student, no soft targets, %d epochs)",
         baseline_epochs,
     )
-    baseline, _ = train_student(
-        plan, dcfg, x_train, y_train, x_val, y_val, teacher=None, epochs=baseline_epochs, **common
-    )
+    real = train_split_rows(splits.manifest_uri, so)
+    baseline, _ = fit_student(plan, dcfg, real, x_val, y_val, soft=False, epochs=baseline_epochs, **common)
     # static INT8 needs the quantizable families' layout (conv-ReLU pairs); others skip it
     static = (
-        quantize_static_int8(student, x_train[:2048]) if get_family(plan.arch.family).quantizable else None
+        quantize_static_int8(student, calibration_rows(splits.manifest_uri, 2048, so))
+        if get_family(plan.arch.family).quantizable
+        else None
     )
     return Students(plan, student, baseline, history, baseline_epochs, quantize_int8(student), static)
 

@@ -1,0 +1,92 @@
+"""The transfer set made on the workers shard by shard: its rows, labels and soft targets, its
+reuse on a rerun, and a student trained from it in memory or streamed from its blocks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from compression.config import DistillConfig
+from compression.distill import fit_student, plan_student
+from compression.transfer_shards import (
+    build_transfer_set,
+    read_block,
+    student_rows,
+    train_split_rows,
+)
+from tests.compression.helpers import fit
+from training.bundle import load_bundle, save_bundle
+from training.data import load_manifest, load_split
+from training.families import DataSpec
+from training.models import ArchSpec, build_model
+from training.streaming import StreamedRows
+
+CFG = DistillConfig(epochs=2, munge_multiplier=2, temperature=2.0).resolved("table")
+
+
+@pytest.fixture(scope="module")
+def teacher_uri(tmp_path_factory: pytest.TempPathFactory, small_manifest: str) -> str:
+    """A two-member ensemble bundle that has learned something."""
+    columns = load_manifest(small_manifest)["feature_columns"]
+    x, y = load_split(small_manifest, "train")
+    arch = ArchSpec("mlp", {"width": 32, "depth": 1}, len(columns), 10)
+    members = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        member = build_model(arch, x.mean(axis=0).tolist(), (x.std(axis=0) + 1e-6).tolist())
+        fit(member, x, y, 80)
+        members.append(member)
+    return save_bundle(str(tmp_path_factory.mktemp("teacher") / "ensemble"), members, [arch, arch], columns)
+
+
+def test_the_transfer_set_holds_every_shard_with_the_teachers_soft_targets(
+    tmp_path: Path, dask_client: object, small_manifest: str, teacher_uri: str
+) -> None:
+    transfer = build_transfer_set(dask_client, small_manifest, teacher_uri, False, CFG, 7, str(tmp_path))
+    train_rows = sum(e["rows"] for e in load_manifest(small_manifest)["splits"]["train"])
+    assert transfer.real_rows == train_rows
+    assert transfer.synthetic_rows == 2 * train_rows
+    assert len(transfer.blocks) == len(load_manifest(small_manifest)["splits"]["train"])  # one per shard here
+    x, y, soft = read_block(transfer.blocks[0])
+    teacher = load_bundle(teacher_uri).module
+    with torch.no_grad():
+        expected = teacher(torch.from_numpy(x), temperature=2.0).numpy()
+    assert np.allclose(soft, expected, atol=1e-5)
+    real = [x_ for x_ in load_split(small_manifest, "train")[0]]
+    assert any(np.array_equal(x[0], r) for r in real)  # real rows come first, unchanged
+    assert not any(np.array_equal(x[-1], r) for r in real)  # synthetic rows after them
+    written = [os.stat(b.shard).st_mtime_ns for b in transfer.blocks]
+    again = build_transfer_set(dask_client, small_manifest, teacher_uri, False, CFG, 7, str(tmp_path))
+    assert again == transfer  # a rerun reuses the blocks
+    assert [os.stat(b.shard).st_mtime_ns for b in transfer.blocks] == written
+
+
+def test_a_student_learns_from_the_blocks_in_memory_or_streamed(
+    tmp_path: Path,
+    dask_client: object,
+    small_manifest: str,
+    teacher_uri: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    manifest = load_manifest(small_manifest)
+    transfer = build_transfer_set(dask_client, small_manifest, teacher_uri, False, CFG, 7, str(tmp_path))
+    x_val, y_val = load_split(small_manifest, "validation")
+    plan = plan_student(CFG, load_bundle(teacher_uri).num_params(), DataSpec.from_manifest(manifest))
+    norm = manifest["normalization"]
+    common = {"mean": norm["mean"], "std": norm["std"], "seed": 0}
+    held = student_rows(transfer)
+    assert isinstance(held, list) and [len(t) for t in held] == [transfer.rows] * 3
+    monkeypatch.setenv("MOPFLOW_TRAIN_MEMORY_MB", "0.01")  # nothing fits: the blocks stream
+    streamed = student_rows(transfer)
+    assert isinstance(streamed, StreamedRows) and streamed.n_rows == transfer.rows
+    assert isinstance(train_split_rows(small_manifest), StreamedRows)
+    _, history = fit_student(plan, CFG, streamed, x_val, y_val, soft=True, epochs=4, **common)
+    assert len(history) == 4
+    assert history[-1]["train_loss"] < history[0]["train_loss"]  # it learns from the stream
+    assert history[-1]["val_acc"] > 0.15  # chance is 0.1
+    monkeypatch.delenv("MOPFLOW_TRAIN_MEMORY_MB")
+    assert isinstance(train_split_rows(small_manifest), list)
