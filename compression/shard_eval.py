@@ -71,9 +71,17 @@ def predict_shard(
 def read_probabilities(
     uri: str, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A probability shard: ``(models, rows, classes)`` probabilities and the rows' labels."""
-    with np.load(io.BytesIO(storage.read_bytes(uri, storage_options))) as saved:
-        return saved["probs"], saved["labels"]
+    """A probability shard: ``(models, rows, classes)`` probabilities and the rows' labels; one
+    that cannot be read raises :class:`~training.data.ShardIntegrityError` naming it."""
+    from training.data import ShardIntegrityError
+
+    try:
+        with np.load(io.BytesIO(storage.read_bytes(uri, storage_options))) as saved:
+            return saved["probs"], saved["labels"]
+    except Exception as exc:
+        raise ShardIntegrityError(
+            f"prediction shard {uri} cannot be read: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def selection_counts(

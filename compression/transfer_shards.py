@@ -137,9 +137,20 @@ def build_transfer_set(
 
 
 def read_block(block: Block, storage_options: Mapping[str, Any] | None = None) -> tuple[np.ndarray, ...]:
-    """A transfer block's features, labels and soft targets."""
-    with np.load(io.BytesIO(storage.read_bytes(block.shard, storage_options))) as saved:
-        return saved["x"], saved["y"], saved["soft"]
+    """A transfer block's features, labels and soft targets; a block that cannot be read (deleted,
+    damaged) raises :class:`~training.data.ShardIntegrityError` naming it."""
+    from training.data import ShardIntegrityError
+
+    try:
+        with np.load(io.BytesIO(storage.read_bytes(block.shard, storage_options))) as saved:
+            x, y, soft = saved["x"], saved["y"], saved["soft"]
+    except Exception as exc:
+        raise ShardIntegrityError(
+            f"transfer block {block.shard} cannot be read: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not len(x) == len(y) == len(soft) == block.rows:
+        raise ShardIntegrityError(f"transfer block {block.shard} holds {len(x)} rows, expected {block.rows}")
+    return x, y, soft
 
 
 def student_rows(transfer: TransferSet, storage_options: Mapping[str, Any] | None = None) -> Any:

@@ -90,3 +90,15 @@ def test_a_student_learns_from_the_blocks_in_memory_or_streamed(
     assert history[-1]["val_acc"] > 0.15  # chance is 0.1
     monkeypatch.delenv("MOPFLOW_TRAIN_MEMORY_MB")
     assert isinstance(train_split_rows(small_manifest), list)
+
+
+def test_a_damaged_block_fails_naming_it(tmp_path: Path) -> None:
+    from training.data import ShardIntegrityError
+    from training.streaming import Block
+
+    path = tmp_path / "block-000.npz"
+    path.write_bytes(b"not an npz")
+    with pytest.raises(ShardIntegrityError, match="transfer block .*block-000.npz cannot be read"):
+        read_block(Block(str(path), 0, 3))
+    with pytest.raises(ShardIntegrityError, match="block-404.npz cannot be read"):
+        read_block(Block(str(tmp_path / "block-404.npz"), 0, 3))
