@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.metrics import top1_accuracy
+from training.metrics import top1_correct
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
@@ -55,9 +55,17 @@ def latency_ms(
 
 
 @torch.no_grad()
-def accuracy_of(forward: Callable[[torch.Tensor], torch.Tensor], x: np.ndarray, y: np.ndarray) -> float:
-    """Top-1 accuracy of a forward function returning scores per class."""
-    return top1_accuracy(forward(torch.as_tensor(x, dtype=torch.float32)), y)
+def accuracy_of(
+    forward: Callable[[torch.Tensor], torch.Tensor], x: np.ndarray, y: np.ndarray, batch_rows: int = 4096
+) -> float:
+    """Top-1 accuracy of a forward function returning scores per class, ``batch_rows`` rows at a
+    time (a whole split at once would hold every layer's activations for every row)."""
+    xt = torch.as_tensor(x, dtype=torch.float32)
+    correct = sum(
+        top1_correct(forward(xt[start : start + batch_rows]), y[start : start + batch_rows])
+        for start in range(0, len(xt), batch_rows)
+    )
+    return correct / len(y) if len(y) else 0.0
 
 
 def evaluate(
