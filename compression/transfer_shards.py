@@ -8,7 +8,7 @@ probabilities at the distillation temperature (the soft targets). The rows are w
 of at most :data:`BLOCK_ROWS` (``.npz``: ``x``, ``y``, ``soft``) under the run's outputs, keyed
 by the shard's checksum, the teacher and the settings, so a rerun reuses them.
 
-The student then reads the blocks: all at once when they fit ``MOPFLOW_TRAIN_MEMORY_MB``, else
+The student then reads the blocks: all at once when they fit ``MOPFLOW_DISTILL_MEMORY_MB``, else
 streamed pass by pass (:class:`training.streaming.StreamedRows`, a seeded block order through a
 shuffle buffer), so the task process never holds the transfer set beyond that budget.
 """
@@ -30,6 +30,15 @@ from training.streaming import Block
 log = logging.getLogger(__name__)
 
 BLOCK_ROWS = 32_768  # rows per transfer block: what a streamed pass reads at a time
+DISTILL_MEMORY_ENV = "MOPFLOW_DISTILL_MEMORY_MB"
+DEFAULT_DISTILL_MEMORY_MB = 256.0
+
+
+def distill_memory_bytes() -> float:
+    """The training rows the distill stage's task process may hold (bytes); more streams."""
+    from training.streaming import memory_budget_bytes
+
+    return memory_budget_bytes(DISTILL_MEMORY_ENV, DEFAULT_DISTILL_MEMORY_MB)
 
 
 @dataclass(frozen=True)
@@ -154,13 +163,14 @@ def read_block(block: Block, storage_options: Mapping[str, Any] | None = None) -
 
 
 def student_rows(transfer: TransferSet, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """The transfer rows for training: ``(x, y, soft)`` tensors when they fit the memory budget
-    (``MOPFLOW_TRAIN_MEMORY_MB``), else a :class:`~training.streaming.StreamedRows` over the blocks."""
+    """The transfer rows for training: ``(x, y, soft)`` tensors when they fit the distill stage's
+    budget (``MOPFLOW_DISTILL_MEMORY_MB``), else a :class:`~training.streaming.StreamedRows` over
+    the blocks."""
     import torch
 
-    from training.streaming import StreamedRows, shuffle_buffer_rows, train_memory_bytes
+    from training.streaming import StreamedRows, shuffle_buffer_rows
 
-    held, budget = transfer.rows * transfer.row_bytes, train_memory_bytes()
+    held, budget = transfer.rows * transfer.row_bytes, distill_memory_bytes()
     if held > budget:
         log.info(
             "distill: the transfer set (%d rows, %.0f MB) exceeds the %.0f MB budget: streaming it from %d block(s)",
@@ -186,15 +196,18 @@ def train_split_rows(manifest_uri: str, storage_options: Mapping[str, Any] | Non
         block_reader,
         shard_blocks,
         shuffle_buffer_rows,
-        train_memory_bytes,
     )
 
     manifest = load_manifest(manifest_uri, storage_options)
     names = [str(e["name"]) for e in manifest["splits"]["train"]]
     rows = sum(int(e["rows"]) for e in manifest["splits"]["train"])
-    if rows * (4 * len(manifest["feature_columns"]) + 8) <= train_memory_bytes():
+    held = rows * (4 * len(manifest["feature_columns"]) + 8)
+    if held <= distill_memory_bytes():
         x, y = load_split(manifest_uri, "train", storage_options)
         return [torch.from_numpy(x), torch.from_numpy(y)]
+    log.info(
+        "distill: the training split (%d rows, %.0f MB) exceeds the budget: streaming it", rows, held / 2**20
+    )
     options = dict(storage_options or {})
     return StreamedRows(
         shard_blocks(manifest_uri, manifest, names, options),

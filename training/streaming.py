@@ -26,16 +26,21 @@ SHUFFLE_ROWS_ENV = "MOPFLOW_SHUFFLE_BUFFER_ROWS"
 DEFAULT_SHUFFLE_ROWS = 65_536
 
 
+def memory_budget_bytes(name: str, default_mb: float, environ: Mapping[str, str] = os.environ) -> float:
+    """A memory budget setting (megabytes in the environment variable ``name``), in bytes."""
+    raw = environ.get(name, "").strip()
+    try:
+        megabytes = float(raw) if raw else default_mb
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} must be a number of megabytes") from exc
+    if megabytes <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return megabytes * 1024 * 1024
+
+
 def train_memory_bytes(environ: Mapping[str, str] = os.environ) -> float:
     """The training-data memory budget of one worker process (bytes); a partition above it streams."""
-    raw = environ.get(TRAIN_MEMORY_ENV, "").strip()
-    try:
-        megabytes = float(raw) if raw else DEFAULT_TRAIN_MEMORY_MB
-    except ValueError as exc:
-        raise ValueError(f"{TRAIN_MEMORY_ENV}={raw!r} must be a number of megabytes") from exc
-    if megabytes <= 0:
-        raise ValueError(f"{TRAIN_MEMORY_ENV}={raw!r} must be positive")
-    return megabytes * 1024 * 1024
+    return memory_budget_bytes(TRAIN_MEMORY_ENV, DEFAULT_TRAIN_MEMORY_MB, environ)
 
 
 def shuffle_buffer_rows(environ: Mapping[str, str] = os.environ) -> int:

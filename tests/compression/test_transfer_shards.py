@@ -80,7 +80,7 @@ def test_a_student_learns_from_the_blocks_in_memory_or_streamed(
     common = {"mean": norm["mean"], "std": norm["std"], "seed": 0}
     held = student_rows(transfer)
     assert isinstance(held, list) and [len(t) for t in held] == [transfer.rows] * 3
-    monkeypatch.setenv("MOPFLOW_TRAIN_MEMORY_MB", "0.01")  # nothing fits: the blocks stream
+    monkeypatch.setenv("MOPFLOW_DISTILL_MEMORY_MB", "0.01")  # nothing fits: the blocks stream
     streamed = student_rows(transfer)
     assert isinstance(streamed, StreamedRows) and streamed.n_rows == transfer.rows
     assert isinstance(train_split_rows(small_manifest), StreamedRows)
@@ -88,7 +88,7 @@ def test_a_student_learns_from_the_blocks_in_memory_or_streamed(
     assert len(history) == 4
     assert history[-1]["train_loss"] < history[0]["train_loss"]  # it learns from the stream
     assert history[-1]["val_acc"] > 0.15  # chance is 0.1
-    monkeypatch.delenv("MOPFLOW_TRAIN_MEMORY_MB")
+    monkeypatch.delenv("MOPFLOW_DISTILL_MEMORY_MB")
     assert isinstance(train_split_rows(small_manifest), list)
 
 
