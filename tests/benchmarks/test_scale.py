@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
-from types import ModuleType
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.loader import load_benchmark
 
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_scale", REPO / "benchmarks" / "scale.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scale"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_benchmark("scale")
 
 
 def test_stage_peaks_are_read_from_the_stage_log_lines() -> None:

@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.loader import load_benchmark
 
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_search", REPO / "benchmarks" / "search.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_search"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_benchmark("search")
 
 
 def test_epochs_to_target_counts_reports_in_arrival_order() -> None:
