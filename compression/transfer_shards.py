@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,8 +223,3 @@ def calibration_rows(manifest_uri: str, rows: int, storage_options: Mapping[str,
     first = load_manifest(manifest_uri, storage_options)["splits"]["train"][0]["name"]
     x, _ = load_split(manifest_uri, "train", storage_options, shard_names=[first])
     return x[:rows]
-
-
-def rows_of(data: Sequence[Any] | Any) -> int:
-    """Rows of in-memory tensors or of a streamed set."""
-    return int(len(data) if hasattr(data, "blocks") else len(data[0]))
