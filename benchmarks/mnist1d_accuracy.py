@@ -95,6 +95,14 @@ def stage_seconds(log_text: str) -> dict[str, float]:
     return {task: round(spans[task][1] - spans[task][0], 1) for task in STAGES if task in spans}
 
 
+def full_log(console_text: str) -> str:
+    """The run's full log, read from the file ``mopflow run`` names on its console (``full log:
+    PATH``); the console text itself when it names none."""
+    named = re.search(r"full log: (\S+)", console_text)
+    path = Path(named.group(1)) if named else None
+    return path.read_text(errors="replace") if path is not None and path.exists() else console_text
+
+
 def run_demo(home: Path, summary_path: Path, log_path: Path, overrides: Sequence[str]) -> tuple[int, float]:
     """Run ``mopflow run`` (the demo's command) under ``MOPFLOW_HOME=home``; its output goes to
     ``log_path``. Returns the exit code and the wall seconds."""
@@ -166,7 +174,7 @@ def run(out: Path, overrides: Sequence[str], keep: bool) -> int:
                 "status": verdict(row["param_ratio"] <= MAX_PARAM_RATIO),
             },
         }
-        stages = stage_seconds(log_text)
+        stages = stage_seconds(full_log(log_text))
         best = summary["best_trial"]
         arch = student["arch"]
         lines = [

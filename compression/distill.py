@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,9 @@ from training.families import DataSpec
 from training.models import ArchSpec, build_model, count_params, largest_size_within
 
 log = logging.getLogger(__name__)
+
+# The validation split as ``(features, labels)`` shards, read anew at each call.
+ValidationShards = Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]
 
 
 class StudentBudgetError(ValueError):
@@ -101,25 +105,37 @@ def train_student(
     tensors = [torch.from_numpy(x_train), torch.from_numpy(y_train)]
     if teacher is not None:
         tensors.append(soft_targets(teacher, x_train, cfg.temperature))
-    return fit_student(plan, cfg, tensors, x_val, y_val, mean, std, seed, teacher is not None, epochs, device)
+    return fit_student(
+        plan,
+        cfg,
+        tensors,
+        held_validation(x_val, y_val),
+        mean,
+        std,
+        seed,
+        teacher is not None,
+        epochs,
+        device,
+    )
 
 
 def fit_student(
     plan: StudentPlan,
     cfg: DistillConfig,
     rows: Any,
-    x_val: np.ndarray,
-    y_val: np.ndarray,
+    validation: ValidationShards,
     mean: list[float],
     std: list[float],
     seed: int,
     soft: bool,
     epochs: int | None = None,
     device: DeviceSpec = CPU,
+    on_epoch: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> tuple[nn.Module, list[dict[str, float]]]:
     """Train the student on ``rows``: ``(x, y)`` or, with ``soft``, ``(x, y, soft targets)``
-    tensors, or a :class:`~training.streaming.StreamedRows` of them read pass by pass. The model
-    comes back on the CPU."""
+    tensors, or a :class:`~training.streaming.StreamedRows` of them read pass by pass. After each
+    epoch the student is validated on ``validation()``'s shards, one at a time, and the epoch is
+    told to ``on_epoch`` (default :func:`report_epoch`). The model comes back on the CPU."""
     from training.streaming import StreamedRows
     from training.trial import quiet_lightning
     from training.unit import ModelSpec, TrainableUnit
@@ -134,25 +150,47 @@ def fit_student(
     spec = ModelSpec("student", params, seed, device)
     total_steps = max_epochs * -(-n_rows // cfg.batch_size)
     unit = TrainableUnit(spec, model, total_steps, cfg.temperature, alpha, plan.arch)
-    x_val_t = torch.from_numpy(x_val)
     history: list[dict[str, float]] = []
     started = time.monotonic()
+    kind = "soft-target" if soft else "hard-label"
     for epoch in range(max_epochs):  # the same unit, one pass per epoch, as the trials train
         record = unit.train_pass(rows, epoch)
-        acc = unit.evaluate(x_val_t, y_val)
+        acc = _validation_accuracy(unit, validation)
         history.append({"epoch": epoch, "val_acc": acc, "train_loss": record.train_loss})
-        progress.publish("distill_epoch", epoch=epoch + 1, epochs=max_epochs)
-        if (epoch + 1) % 10 == 0 or epoch + 1 == max_epochs:
-            log.info(
-                "distill: %s student epoch %d/%d val_acc=%.4f (%.0fs)",
-                "soft-target" if soft else "hard-label",
-                epoch + 1,
-                max_epochs,
-                acc,
-                time.monotonic() - started,
-            )
+        elapsed = time.monotonic() - started
+        (on_epoch or report_epoch)(
+            {"student": kind, "epoch": epoch + 1, "epochs": max_epochs, "val_acc": acc, "elapsed_s": elapsed}
+        )
     model.cpu().eval()
     return model, history
+
+
+def report_epoch(event: Mapping[str, Any]) -> None:
+    """A student's epoch for the people watching: the soft-target student's progress, and a log
+    line every tenth epoch and at the last."""
+    if event["student"] == "soft-target":
+        progress.publish("distill_epoch", epoch=event["epoch"], epochs=event["epochs"])
+    if event["epoch"] % 10 == 0 or event["epoch"] == event["epochs"]:
+        log.info(
+            "distill: %s student epoch %d/%d val_acc=%.4f (%.0fs)",
+            event["student"],
+            event["epoch"],
+            event["epochs"],
+            event["val_acc"],
+            event["elapsed_s"],
+        )
+
+
+def held_validation(x_val: np.ndarray, y_val: np.ndarray) -> ValidationShards:
+    """A validation split held in memory, as one shard."""
+    return lambda: [(x_val, y_val)]
+
+
+def _validation_accuracy(unit: Any, validation: ValidationShards) -> float:
+    correct = rows = 0
+    for x, y in validation():
+        correct, rows = correct + unit.correct_rows(x, y), rows + len(y)
+    return correct / rows if rows else float("nan")
 
 
 def transfer_set(

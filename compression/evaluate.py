@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,6 +12,10 @@ import torch
 from torch import nn
 
 from training.metrics import top1_correct
+
+# Rows per forward pass when measuring accuracy: an ensemble's activations for 4096 rows took
+# about 190 MB more than for 1024 (2 residual CNN members), for 16% less time.
+EVAL_ROWS = 1024
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
@@ -55,42 +59,56 @@ def latency_ms(
 
 
 @torch.no_grad()
-def accuracy_of(
-    forward: Callable[[torch.Tensor], torch.Tensor], x: np.ndarray, y: np.ndarray, batch_rows: int = 4096
-) -> float:
-    """Top-1 accuracy of a forward function returning scores per class, ``batch_rows`` rows at a
-    time (a whole split at once would hold every layer's activations for every row)."""
+def correct_of(
+    forward: Callable[[torch.Tensor], torch.Tensor], x: np.ndarray, y: np.ndarray, batch_rows: int = EVAL_ROWS
+) -> int:
+    """Rows a forward function (scores per class) predicts right, ``batch_rows`` rows at a time
+    (a whole split at once would hold every layer's activations for every row)."""
     xt = torch.as_tensor(x, dtype=torch.float32)
-    correct = sum(
-        top1_correct(forward(xt[start : start + batch_rows]), y[start : start + batch_rows])
-        for start in range(0, len(xt), batch_rows)
+    return sum(
+        (
+            top1_correct(forward(xt[start : start + batch_rows]), y[start : start + batch_rows])
+            for start in range(0, len(xt), batch_rows)
+        ),
+        0,
     )
-    return correct / len(y) if len(y) else 0.0
+
+
+def accuracy_of(
+    forward: Callable[[torch.Tensor], torch.Tensor], x: np.ndarray, y: np.ndarray, batch_rows: int = EVAL_ROWS
+) -> float:
+    """Top-1 accuracy of a forward function returning scores per class (0.0 without rows)."""
+    return correct_of(forward, x, y, batch_rows) / len(y) if len(y) else 0.0
 
 
 def evaluate(
     models: Mapping[str, tuple[Callable[[torch.Tensor], torch.Tensor], int, int]],
-    x_test: np.ndarray,
-    y_test: np.ndarray,
+    test_shards: Iterable[tuple[np.ndarray, np.ndarray]],
     repeats: int = 30,
 ) -> list[dict[str, Any]]:
     """One row per model: test accuracy, parameters, size on disk, latency at batch 1 and 256.
 
-    ``models`` maps a name to (forward, parameter count, size in bytes).
+    ``models`` maps a name to (forward, parameter count, size in bytes). ``test_shards`` are the
+    test split's ``(features, labels)`` shards, each read once and measured by every model.
     """
-    rows = []
-    for name, (forward, params, size) in models.items():
-        rows.append(
-            {
-                "model": name,
-                "test_acc": accuracy_of(forward, x_test, y_test),
-                "params": int(params),
-                "size_kb": round(size / 1024, 1),
-                "latency_ms_b1": latency_ms(forward, x_test.shape[1], 1, repeats),
-                "latency_ms_b256": latency_ms(forward, x_test.shape[1], 256, repeats),
-            }
-        )
-    return rows
+    correct, rows, n_features = dict.fromkeys(models, 0), 0, 0
+    for x, y in test_shards:
+        for name, (forward, _, _) in models.items():
+            correct[name] += correct_of(forward, x, y)
+        rows, n_features = rows + len(y), x.shape[1]
+    if not rows:
+        raise ValueError("the test split has no rows to evaluate the models on")
+    return [
+        {
+            "model": name,
+            "test_acc": correct[name] / rows,
+            "params": int(params),
+            "size_kb": round(size / 1024, 1),
+            "latency_ms_b1": latency_ms(forward, n_features, 1, repeats),
+            "latency_ms_b256": latency_ms(forward, n_features, 256, repeats),
+        }
+        for name, (forward, params, size) in models.items()
+    ]
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -8,9 +8,10 @@ probabilities at the distillation temperature (the soft targets). The rows are w
 of at most :data:`BLOCK_ROWS` (``.npz``: ``x``, ``y``, ``soft``) under the run's outputs, keyed
 by the shard's checksum, the teacher and the settings, so a rerun reuses them.
 
-The student then reads the blocks: all at once when they fit ``MOPFLOW_DISTILL_MEMORY_MB``, else
-streamed pass by pass (:class:`training.streaming.StreamedRows`, a seeded block order through a
-shuffle buffer), so the task process never holds the transfer set beyond that budget.
+The student then reads the blocks on a worker (:mod:`compression.student_job`): all at once when
+they fit ``MOPFLOW_DISTILL_MEMORY_MB``, else streamed pass by pass
+(:class:`training.streaming.StreamedRows`, a seeded block order through a shuffle buffer), so no
+process holds the transfer set beyond that budget.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ DEFAULT_DISTILL_MEMORY_MB = 256.0
 
 
 def distill_memory_bytes() -> float:
-    """The training rows the distill stage's task process may hold (bytes); more streams."""
+    """The training rows a process training a student may hold (bytes); more streams."""
     from training.streaming import memory_budget_bytes
 
     return memory_budget_bytes(DISTILL_MEMORY_ENV, DEFAULT_DISTILL_MEMORY_MB)

@@ -85,7 +85,7 @@ RUNTIME_ENV: dict[str, str] = {
     "MOPFLOW_PREEMPT_GRACE_S": "Seconds a worker given a spot notice (SIGTERM) has to checkpoint and leave (default 30)",
     "MOPFLOW_SHARD_CACHE": "Local folder where workers cache remote shards (default a temp folder)",
     "MOPFLOW_TRAIN_MEMORY_MB": "Training rows a worker process holds in memory; a larger partition streams (default 2048)",
-    "MOPFLOW_DISTILL_MEMORY_MB": "Training rows the distill stage's task process holds in memory; more streams (default 256)",
+    "MOPFLOW_DISTILL_MEMORY_MB": "Training rows a worker training a distillation student holds in memory; more streams (default 256)",
     "MOPFLOW_SHUFFLE_BUFFER_ROWS": "Rows of the shuffle buffer of a streamed pass (default 65536)",
     "MOPFLOW_MLFLOW_UI_URL": "MLflow UI address the Sweeps page links to",
     "MOPFLOW_OPTUNA_DASHBOARD_URL": "optuna-dashboard address the Sweeps page links to",

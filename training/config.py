@@ -20,6 +20,9 @@ class StageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+DEFAULT_MAX_SHARD_MB = 256.0  # a shard any process reads whole; the default keeps datasets' addresses
+
+
 class DataConfig(StageConfig):
     """What to shard and how: a generated dataset by name, or a user table by fsspec URL."""
 
@@ -53,6 +56,16 @@ class DataConfig(StageConfig):
         description="Feature columns of a user table; None = all other numeric columns",
     )
     n_shards: int = Field(4, ge=1, le=1024, description="Number of training shards")
+    max_shard_mb: float = Field(
+        DEFAULT_MAX_SHARD_MB,
+        gt=0.0,
+        le=65_536.0,
+        description=(
+            "Largest shard in MB of features and labels: more training shards than n_shards are "
+            "written when theirs would be larger (validation and test shards are no larger); "
+            "outside the training memory budgets a process reads one shard at a time"
+        ),
+    )
     val_fraction: float = Field(
         0.1, gt=0.0, lt=0.5, description="Share of train rows held out for validation"
     )

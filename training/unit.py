@@ -298,18 +298,24 @@ class TrainableUnit:
 
     def evaluate(self, x: Any, y: Any) -> float:
         """Top-1 accuracy on ``(x, y)``, in batches, on the unit's device."""
-        import numpy as np
+        return self.correct_rows(x, y) / len(y) if len(y) else math.nan
+
+    def correct_rows(self, x: Any, y: Any) -> int:
+        """Rows of ``(x, y)`` whose top-1 prediction is the label, in batches, on the unit's device
+        (split shards add up to the split's accuracy)."""
         import torch
+
+        from training.metrics import top1_correct
 
         device = self.spec.device.torch_device()
         self.model.to(device).eval()
-        preds = []
+        x, correct = torch.as_tensor(x), 0
         with torch.no_grad():
             for start in range(0, len(x), EVAL_BATCH):
-                preds.append(self.model(x[start : start + EVAL_BATCH].to(device)).argmax(dim=1).cpu())
+                scores = self.model(x[start : start + EVAL_BATCH].to(device))
+                correct += top1_correct(scores, y[start : start + EVAL_BATCH])
         self.model.cpu().train()
-        pred = torch.cat(preds).numpy() if preds else np.zeros(0, dtype=np.int64)
-        return float(np.mean(pred == np.asarray(y))) if len(pred) else math.nan
+        return correct
 
     # ------------------------------------------------------------------------ state in and out
 

@@ -39,6 +39,7 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "label_column": ("data", "label_column"),
     "feature_columns": ("data", "feature_columns"),
     "n_shards": ("data", "n_shards"),
+    "max_shard_mb": ("data", "max_shard_mb"),
     "val_fraction": ("data", "val_fraction"),
     "test_fraction": ("data", "test_fraction"),
     "data_seed": ("data", "seed"),

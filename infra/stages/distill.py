@@ -1,5 +1,6 @@
 """Stage 4: a student (<= ratio x the ensemble's params) trained on soft targets plus hard labels,
-beside the same student on hard labels alone; INT8 quantization; the evaluation report."""
+beside the same student on hard labels alone, both on the Dask workers; INT8 quantization; the
+evaluation report on the test shards."""
 
 from __future__ import annotations
 
@@ -17,22 +18,11 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Splits:
-    """The evaluation splits as arrays, with what the student needs to know about the data (the
-    training rows stay in their shards: the transfer set is made on the workers)."""
-
-    manifest_uri: str
-    manifest: dict[str, Any]
-    data: DataSpec
-    validation: tuple[Any, Any]
-    test: tuple[Any, Any]
-
-
-@dataclass(frozen=True)
 class Students:
     """The distilled student, its hard-label twin, their INT8 forms and training records."""
 
     plan: Any
+    bundle_uri: str
     student: Any
     baseline: Any
     history: list[dict[str, Any]]
@@ -53,94 +43,92 @@ def distill_stage(
 
     from compression.ensemble import faster_form
     from compression.registry import log_bundle_model
-    from training.bundle import accuracy as student_accuracy
-    from training.bundle import load_bundle, save_bundle
+    from training.bundle import load_bundle
+    from training.data import load_manifest
 
     lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"])}
     with stage("distill", conf, ctx_dict, settings, lineage) as st:
         torch.set_num_threads(1)  # small models: one thread is fastest, more only contend with each other
         so, dcfg = st.storage_options, st.cfg.distill
         manifest_uri = str(shard["manifest_uri"])
-        splits = load_splits(manifest_uri, so)
-        dcfg = dcfg.resolved(splits.data.modality)
+        manifest = load_manifest(manifest_uri, so)
+        data = DataSpec.from_manifest(manifest)
+        dcfg = dcfg.resolved(data.modality)
         teacher_bundle = load_bundle(str(ensemble["bundle_uri"]), so)
         # The loop or the stacked (vmap) form of the ensemble, whichever is faster on this machine.
-        teacher, form_ms = faster_form(teacher_bundle.module, len(splits.manifest["feature_columns"]))
+        teacher, form_ms = faster_form(teacher_bundle.module, len(manifest["feature_columns"]))
         students = train_students(
-            st, dcfg, splits, teacher, str(ensemble["bundle_uri"]), teacher_bundle.num_params()
+            st, dcfg, manifest_uri, data, teacher, ensemble, teacher_bundle.num_params()
         )
-        plan, (x_val, y_val), (x_test, y_test) = students.plan, splits.validation, splits.test
-        metrics = {
-            "val_acc": student_accuracy(students.student, x_val, y_val),
-            "test_acc": student_accuracy(students.student, x_test, y_test),
-            "num_params": float(plan.num_params),
-            "param_ratio": plan.num_params / teacher_bundle.num_params(),
-            "hard_label_test_acc": student_accuracy(students.baseline, x_test, y_test),
-            "int8_test_acc": student_accuracy(students.quantized, x_test, y_test),
-        }
-        if students.quantized_static is not None:
-            metrics["int8_static_test_acc"] = student_accuracy(students.quantized_static, x_test, y_test)
-        bundle_uri = st.output_uri("student")
-        meta = {"teacher": ensemble["bundle_uri"], "temperature": dcfg.temperature, "alpha": dcfg.alpha}
-        save_bundle(bundle_uri, [students.student], [plan.arch], splits.manifest["feature_columns"], meta, so)
-        report = evaluation_report(st, ensemble, teacher, teacher_bundle, students, splits)
-        headroom = float(ensemble["test_acc"]) - metrics["hard_label_test_acc"]
-        gain = metrics["test_acc"] - metrics["hard_label_test_acc"]
-        metrics["recovered_gain"] = gain / headroom if headroom > 0 else float("nan")
+        report = evaluation_report(st, ensemble, teacher, teacher_bundle, students, manifest_uri)
+        metrics = distill_metrics(report, students, teacher_bundle.num_params(), float(ensemble["test_acc"]))
         _log_distill(st, dcfg, students, type(teacher).__name__, form_ms, metrics)
-        model_uri = log_bundle_model(st.run_id, "student", bundle_uri, example_input(manifest_uri, so), so)
+        model_uri = log_bundle_model(
+            st.run_id, "student", students.bundle_uri, example_input(manifest_uri, so), so
+        )
     log.info(
         "distill: student test_acc=%.4f (hard-label %.4f, int8 %.4f) with %d params (%.1f%% of the ensemble)",
         metrics["test_acc"],
         metrics["hard_label_test_acc"],
         metrics["int8_test_acc"],
-        plan.num_params,
+        students.plan.num_params,
         100 * metrics["param_ratio"],
     )
     return {
-        "bundle_uri": bundle_uri,
+        "bundle_uri": students.bundle_uri,
         "model_uri": model_uri,
         "run_id": st.run_id,
-        "arch": plan.arch.to_dict(),
+        "arch": students.plan.arch.to_dict(),
         "evaluation": report,
         **json_figures(metrics),
     }
 
 
-def load_splits(manifest_uri: str, storage_options: Mapping[str, Any]) -> Splits:
-    """The manifest, its data spec and the validation and test splits."""
-    from training.data import load_manifest, load_split
-
-    manifest = load_manifest(manifest_uri, storage_options)
-    return Splits(
-        manifest_uri,
-        manifest,
-        DataSpec.from_manifest(manifest),
-        *(load_split(manifest_uri, split, storage_options) for split in ("validation", "test")),
-    )
+def distill_metrics(
+    report: list[dict[str, Any]], students: Students, teacher_params: int, ensemble_test_acc: float
+) -> dict[str, float]:
+    """The stage's figures, from the evaluation report's test accuracies and the student's last
+    validation: how much of the ensemble's gain over the hard-label student distillation kept."""
+    test_acc = {row["model"]: float(row["test_acc"]) for row in report}
+    metrics = {
+        "val_acc": float(students.history[-1]["val_acc"]),
+        "test_acc": test_acc["student"],
+        "num_params": float(students.plan.num_params),
+        "param_ratio": students.plan.num_params / teacher_params,
+        "hard_label_test_acc": test_acc["hard-label student"],
+        "int8_test_acc": test_acc["student int8 (dynamic)"],
+    }
+    if "student int8 (static)" in test_acc:
+        metrics["int8_static_test_acc"] = test_acc["student int8 (static)"]
+    headroom = ensemble_test_acc - metrics["hard_label_test_acc"]
+    gain = metrics["test_acc"] - metrics["hard_label_test_acc"]
+    metrics["recovered_gain"] = gain / headroom if headroom > 0 else float("nan")
+    return metrics
 
 
 def train_students(
-    st: Stage, dcfg: Any, splits: Splits, teacher: Any, teacher_uri: str, teacher_params: int
+    st: Stage,
+    dcfg: Any,
+    manifest_uri: str,
+    data: DataSpec,
+    teacher: Any,
+    ensemble: Mapping[str, Any],
+    teacher_params: int,
 ) -> Students:
     """Plan the student within its budget, make the transfer set with the teacher's soft targets on
-    the workers (:mod:`compression.transfer_shards`), train the student on it, train the same
-    student on the real data alone (the baseline), and quantize it."""
-    from compression.distill import fit_student, matching_epochs, plan_student
+    the workers (:mod:`compression.transfer_shards`), train the student on it and the same student
+    on the real data alone (the baseline) side by side on the workers
+    (:mod:`compression.student_job`), and quantize it."""
+    from compression.distill import matching_epochs, plan_student
     from compression.evaluate import quantize_int8, quantize_static_int8
-    from compression.transfer_shards import (
-        build_transfer_set,
-        calibration_rows,
-        student_rows,
-        train_split_rows,
-    )
+    from compression.student_job import StudentJob, train_students_on_workers
+    from compression.transfer_shards import build_transfer_set, calibration_rows
     from training.bundle import StackedEnsemble
     from training.cluster import dask_client
-    from training.devices import local_device
+    from training.devices import device_for_cluster
 
-    seed, so = st.cfg.search.seed, st.storage_options
-    x_val, y_val = splits.validation
-    plan = plan_student(dcfg, teacher_params, splits.data)
+    seed, so, teacher_uri = st.cfg.search.seed, st.storage_options, str(ensemble["bundle_uri"])
+    plan = plan_student(dcfg, teacher_params, data)
     log.info(
         "distill: student %s %s, %d params (budget %d, ensemble %d)",
         plan.arch.family,
@@ -153,35 +141,46 @@ def train_students(
     stacked = isinstance(teacher, StackedEnsemble)
     with dask_client(st.settings.dask_address, st.settings.dask_workers) as client:
         transfer = build_transfer_set(
-            client, splits.manifest_uri, teacher_uri, stacked, dcfg, seed, st.output_uri("transfer"), so
+            client, manifest_uri, teacher_uri, stacked, dcfg, seed, st.output_uri("transfer"), so
         )
-    log.info(
-        "distill: transfer set has %d real + %d %s points, with soft targets, in %d block(s) made on the workers",
-        transfer.real_rows,
-        transfer.synthetic_rows,
-        dcfg.transfer,
-        len(transfer.blocks),
-    )
-    norm = splits.manifest["normalization"]
-    device = local_device(st.settings.accelerator, st.settings.precision)
-    log.info("distill: training the student on %s (precision %s)", device.accelerator, device.precision)
-    common = {"mean": norm["mean"], "std": norm["std"], "seed": seed, "device": device}
-    student, history = fit_student(plan, dcfg, student_rows(transfer, so), x_val, y_val, soft=True, **common)
-    # The baseline: same student, real data only, as many steps (same LR schedule).
-    baseline_epochs = matching_epochs(dcfg.epochs, transfer.rows, transfer.real_rows)
-    log.info(
-        "distill: training the hard-label baseline (same student, no soft targets, %d epochs)",
-        baseline_epochs,
-    )
-    real = train_split_rows(splits.manifest_uri, so)
-    baseline, _ = fit_student(plan, dcfg, real, x_val, y_val, soft=False, epochs=baseline_epochs, **common)
+        log.info(
+            "distill: transfer set has %d real + %d %s points, with soft targets, in %d block(s) made on the workers",
+            transfer.real_rows,
+            transfer.synthetic_rows,
+            dcfg.transfer,
+            len(transfer.blocks),
+        )
+        device = device_for_cluster(client, st.settings.accelerator, st.settings.precision)
+        # The baseline: same student, real data only, as many steps (same LR schedule).
+        baseline_epochs = matching_epochs(dcfg.epochs, transfer.rows, transfer.real_rows)
+        log.info(
+            "distill: training the student (%d epochs) and the hard-label baseline (%d epochs) on the workers (%s, precision %s)",
+            dcfg.epochs,
+            baseline_epochs,
+            device.accelerator,
+            device.precision,
+        )
+        extra = {"teacher": teacher_uri, "temperature": dcfg.temperature, "alpha": dcfg.alpha}
+        job = StudentJob(plan, dcfg, manifest_uri, seed, device, dict(so), extra)
+        outputs = (st.output_uri("student"), st.output_uri("hard-label-student"))
+        soft, hard = train_students_on_workers(client, job, transfer, baseline_epochs, outputs)
+    student, baseline = soft.module(so), hard.module(so)
     # static INT8 needs the quantizable families' layout (conv-ReLU pairs); others skip it
     static = (
-        quantize_static_int8(student, calibration_rows(splits.manifest_uri, 2048, so))
+        quantize_static_int8(student, calibration_rows(manifest_uri, 2048, so))
         if get_family(plan.arch.family).quantizable
         else None
     )
-    return Students(plan, student, baseline, history, baseline_epochs, quantize_int8(student), static)
+    return Students(
+        plan,
+        soft.bundle_uri,
+        student,
+        baseline,
+        soft.history,
+        baseline_epochs,
+        quantize_int8(student),
+        static,
+    )
 
 
 def evaluation_report(
@@ -190,11 +189,13 @@ def evaluation_report(
     teacher: Any,
     teacher_bundle: Any,
     students: Students,
-    splits: Splits,
+    manifest_uri: str,
 ) -> list[dict[str, Any]]:
-    """Every model the pipeline produced on the same test set, logged as a JSON and Markdown table."""
+    """Every model the pipeline produced on the same test set (read one shard at a time), logged
+    as a JSON and Markdown table."""
     from compression.evaluate import evaluate, format_table, serialized_bytes
     from training.bundle import ProbabilityEnsemble, load_bundle
+    from training.data import split_shards
 
     best = load_bundle(str(ensemble["best_trial_bundle"]), st.storage_options)
     n = students.plan.num_params
@@ -213,7 +214,7 @@ def evaluation_report(
         models["student int8 (static)"] = (static, n, serialized_bytes(static))
     baseline = students.baseline
     models["hard-label student"] = (ProbabilityEnsemble([baseline]).eval(), n, serialized_bytes(baseline))
-    report: list[dict[str, Any]] = evaluate(models, *splits.test)
+    report: list[dict[str, Any]] = evaluate(models, split_shards(manifest_uri, "test", st.storage_options))
     table = format_table(report)
     log.info("distill: evaluation report (test set, CPU, 1 thread)\n%s", table)
     st.tracker.log_dict(st.run_id, report, "evaluation.json")

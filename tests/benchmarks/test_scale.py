@@ -46,3 +46,11 @@ def test_tree_memory_sees_a_child_process_grow() -> None:
         time.sleep(0.1)
     assert memory.worker_peak > 64 * 2**20 > memory.main_peak > 0
     assert os.getpid() not in memory.child_peaks
+
+
+def test_a_big_run_joins_the_recorded_results_dated() -> None:
+    recorded = {"runs": [{"rows": 100_000}], "ratios": {"wall": 6.0}, "big": None}
+    joined = bench.with_big(recorded, {"rows": 10_000_000, "wall_s": 700.0})
+    assert joined["runs"] == recorded["runs"] and joined["ratios"] == recorded["ratios"]
+    assert joined["big"]["rows"] == 10_000_000 and "date" in joined["big"]
+    assert recorded["big"] is None  # the recorded results are not changed in place

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from compression.ensemble import faster_form, greedy_selection
-from compression.evaluate import evaluate, format_table, quantize_int8
+from compression.evaluate import accuracy_of, evaluate, format_table, quantize_int8
 from compression.munge import munge, munge_chunks, nearest_neighbours
 from compression.registry import decide_promotion
 from tests.compression.helpers import fit, separable_blobs
@@ -137,8 +137,11 @@ def test_int8_student_keeps_its_accuracy_and_report_has_every_row() -> None:
     model.eval()
     quantized = quantize_int8(model)
     assert any("quantized" in type(m).__module__ for m in quantized.modules())
-    rows = evaluate({"fp32": (model, 1000, 4000), "int8": (quantized, 1000, 1000)}, x, y, repeats=3)
+    models = {"fp32": (model, 1000, 4000), "int8": (quantized, 1000, 1000)}
+    shards = [(x[:120], y[:120]), (x[120:], y[120:])]  # the test split in two shards
+    rows = evaluate(models, shards, repeats=3)
     assert [r["model"] for r in rows] == ["fp32", "int8"]
+    assert rows[0]["test_acc"] == pytest.approx(accuracy_of(model, x, y))
     assert rows[0]["test_acc"] > 0.9 and abs(rows[0]["test_acc"] - rows[1]["test_acc"]) < 0.02
     assert all(r["latency_ms_b1"] > 0 and r["latency_ms_b256"] > 0 for r in rows)
     assert "| int8 |" in format_table(rows)

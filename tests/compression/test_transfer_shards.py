@@ -18,29 +18,12 @@ from compression.transfer_shards import (
     student_rows,
     train_split_rows,
 )
-from tests.compression.helpers import fit
-from training.bundle import load_bundle, save_bundle
-from training.data import load_manifest, load_split
+from training.bundle import load_bundle
+from training.data import load_manifest, load_split, split_shards
 from training.families import DataSpec
-from training.models import ArchSpec, build_model
 from training.streaming import StreamedRows
 
 CFG = DistillConfig(epochs=2, munge_multiplier=2, temperature=2.0).resolved("table")
-
-
-@pytest.fixture(scope="module")
-def teacher_uri(tmp_path_factory: pytest.TempPathFactory, small_manifest: str) -> str:
-    """A two-member ensemble bundle that has learned something."""
-    columns = load_manifest(small_manifest)["feature_columns"]
-    x, y = load_split(small_manifest, "train")
-    arch = ArchSpec("mlp", {"width": 32, "depth": 1}, len(columns), 10)
-    members = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        member = build_model(arch, x.mean(axis=0).tolist(), (x.std(axis=0) + 1e-6).tolist())
-        fit(member, x, y, 80)
-        members.append(member)
-    return save_bundle(str(tmp_path_factory.mktemp("teacher") / "ensemble"), members, [arch, arch], columns)
 
 
 def test_the_transfer_set_holds_every_shard_with_the_teachers_soft_targets(
@@ -74,7 +57,6 @@ def test_a_student_learns_from_the_blocks_in_memory_or_streamed(
 ) -> None:
     manifest = load_manifest(small_manifest)
     transfer = build_transfer_set(dask_client, small_manifest, teacher_uri, False, CFG, 7, str(tmp_path))
-    x_val, y_val = load_split(small_manifest, "validation")
     plan = plan_student(CFG, load_bundle(teacher_uri).num_params(), DataSpec.from_manifest(manifest))
     norm = manifest["normalization"]
     common = {"mean": norm["mean"], "std": norm["std"], "seed": 0}
@@ -84,7 +66,9 @@ def test_a_student_learns_from_the_blocks_in_memory_or_streamed(
     streamed = student_rows(transfer)
     assert isinstance(streamed, StreamedRows) and streamed.n_rows == transfer.rows
     assert isinstance(train_split_rows(small_manifest), StreamedRows)
-    _, history = fit_student(plan, CFG, streamed, x_val, y_val, soft=True, epochs=4, **common)
+    _, history = fit_student(
+        plan, CFG, streamed, lambda: split_shards(small_manifest, "validation"), soft=True, epochs=4, **common
+    )
     assert len(history) == 4
     assert history[-1]["train_loss"] < history[0]["train_loss"]  # it learns from the stream
     assert history[-1]["val_acc"] > 0.15  # chance is 0.1

@@ -28,9 +28,11 @@ from training.data import (
     parquet_bytes,
     row_unit_interval,
     shard_dataset,
+    split_shard_counts,
     stratified_thresholds,
     take_rows,
     threshold_positions,
+    training_shards,
     verify_manifest,
 )
 
@@ -116,6 +118,50 @@ def test_default_mnist1d_keeps_the_published_split(tmp_path: Path, dask_client: 
     for entry in manifest["splits"]["train"]:
         url = storage.join(result.manifest_uri.rsplit("/", 1)[0], entry["name"])
         assert storage.sha256_url(url) == entry["sha256"]
+
+
+def test_validation_and_test_shards_are_no_larger_than_a_training_shard() -> None:
+    assert split_shard_counts({"train": 800, "validation": 100, "test": 100}, 4) == {
+        "train": 4,
+        "validation": 1,
+        "test": 1,
+    }
+    assert split_shard_counts({"train": 800, "validation": 450, "test": 201}, 4) == {
+        "train": 4,
+        "validation": 3,
+        "test": 2,
+    }
+    assert split_shard_counts({"train": 800, "validation": 0}, 4)["validation"] == 1
+
+
+def test_more_training_shards_are_written_when_n_shards_would_exceed_the_largest_shard() -> None:
+    mb = 2**20
+    assert training_shards(1000, 168, 4, 256.0) == 4  # 0.16 MB of rows: n_shards stands
+    assert training_shards(10 * mb, 168, 4, 256.0) == 7  # 1680 MB in shards of <= 256 MB
+    assert training_shards(10, 2 * mb, 1, 1.0) == 10  # a row over the limit: one per shard at most
+
+
+def test_max_shard_mb_bounds_every_shard_written(tmp_path: Path, dask_client: object) -> None:
+    cfg = DataConfig(num_samples=2000, n_shards=2, max_shard_mb=0.05)  # 52 kB: about 310 rows
+    result = shard_dataset(cfg, str(tmp_path), dask_client)
+    manifest = load_manifest(result.manifest_uri)
+    row_bytes = 4 * len(manifest["feature_columns"]) + 8
+    shards = [e for split in SPLITS for e in manifest["splits"][split]]
+    assert len(manifest["splits"]["train"]) > 2
+    assert all(e["rows"] * row_bytes <= 0.05 * 2**20 for e in shards)
+    default = shard_dataset(DataConfig(num_samples=2000, n_shards=2), str(tmp_path), dask_client)
+    assert default.manifest_uri != result.manifest_uri  # the setting is part of the address
+
+
+def test_a_large_validation_split_is_written_in_several_shards(tmp_path: Path, dask_client: object) -> None:
+    cfg = DataConfig(num_samples=1000, n_shards=8, val_fraction=0.3)
+    result = shard_dataset(cfg, str(tmp_path), dask_client)
+    manifest = load_manifest(result.manifest_uri)
+    largest_train = max(e["rows"] for e in manifest["splits"]["train"])
+    validation = manifest["splits"]["validation"]
+    assert len(validation) > 1 and max(e["rows"] for e in validation) <= largest_train
+    x, y = load_split(result.manifest_uri, "validation")
+    assert len(x) == len(y) == sum(e["rows"] for e in validation)
 
 
 def test_rerun_reuses_the_content_addressed_output(tmp_path: Path, dask_client: object) -> None:

@@ -49,6 +49,7 @@ from training.data.reading import (
     load_split,
     read_shard,
     shard_problem,
+    split_shards,
     verify_manifest,
 )
 from training.data.rules import (
@@ -75,8 +76,10 @@ from training.data.rules import (
     row_unit_interval,
     shard_key,
     split_rule,
+    split_shard_counts,
     stratified_thresholds,
     threshold_positions,
+    training_shards,
     validate_stats,
 )
 from training.data.sharding import shard_dataset
@@ -138,6 +141,9 @@ __all__ = [
     "row_unit_interval",
     "shard_dataset",
     "shard_key",
+    "split_shard_counts",
+    "split_shards",
+    "training_shards",
     "shard_problem",
     "source_partitions",
     "split_rule",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +99,25 @@ def load_split(
     manifest = load_manifest(manifest_uri, storage_options)
     entries = [e for e in manifest["splits"][split] if shard_names is None or e["name"] in shard_names]
     frames = [read_shard(manifest_uri, manifest, e, storage_options, cache_dir) for e in entries]
-    frame = pd.concat(frames, ignore_index=True)
+    return _arrays(pd.concat(frames, ignore_index=True), manifest)
+
+
+def _arrays(frame: pd.DataFrame, manifest: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     # writable and C-ordered (torch takes it without a copy; a read-only view of Arrow's buffers is copied)
     x = np.require(frame[manifest["feature_columns"]].to_numpy(dtype=np.float32), requirements=["C", "W"])
     y = np.require(frame[manifest["label_column"]].to_numpy(dtype=np.int64), requirements=["W"])
     return x, y
+
+
+def split_shards(
+    manifest_uri: str, split: str, storage_options: Mapping[str, Any] | None = None
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """A split's features and labels one verified shard at a time (memory: one shard)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
+    manifest = load_manifest(manifest_uri, storage_options)  # read and verified once, not per shard
+    for entry in manifest["splits"][split]:
+        yield _arrays(read_shard(manifest_uri, manifest, entry, storage_options), manifest)
 
 
 def shard_problem(

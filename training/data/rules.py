@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from infra import storage
-from training.config import DataConfig
+from training.config import DEFAULT_MAX_SHARD_MB, DataConfig
 from training.data.manifest import LABEL_COLUMN, MANIFEST_VERSION, SHARD_FORMAT_VERSION, SPLITS
 
 SPLIT_COLUMN = "_split"
@@ -41,8 +41,10 @@ def feature_columns(n_features: int) -> list[str]:
 def shard_key(source: Mapping[str, Any], cfg: DataConfig) -> str:
     """Content address of a sharded dataset: the source fingerprint plus the shard config."""
     fields = {"n_shards", "val_fraction", "test_fraction", "nan_policy"}
-    # stratify joins the key only when set, so unstratified datasets keep their addresses
-    shard_cfg = cfg.model_dump(include=fields | ({"stratify"} if cfg.stratify else set()))
+    # stratify and max_shard_mb join the key only when set, so other datasets keep their addresses
+    fields |= {"stratify"} if cfg.stratify else set()
+    fields |= {"max_shard_mb"} if cfg.max_shard_mb != DEFAULT_MAX_SHARD_MB else set()
+    shard_cfg = cfg.model_dump(include=fields)
     address = {
         "source": dict(source),
         "shards": shard_cfg,
@@ -63,6 +65,22 @@ def even_chunks(n_rows: int, n_chunks: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def training_shards(train_rows: int, row_bytes: int, n_shards: int, max_shard_mb: float) -> int:
+    """Training shards to write: ``n_shards``, or more when a shard would hold over
+    ``max_shard_mb`` of rows (never more shards than rows)."""
+    needed = -(-train_rows * row_bytes // max(1, int(max_shard_mb * 2**20)))
+    return max(n_shards, min(needed, train_rows))
+
+
+def split_shard_counts(split_rows: Mapping[str, int], train_shards: int) -> dict[str, int]:
+    """Shards per split: the training split in ``train_shards``; validation and test in shards of
+    at most a training shard's rows (one at least), so that no shard a stage reads grows with the
+    data's size."""
+    per_shard = max(1, -(-int(split_rows.get("train", 0)) // max(1, train_shards)))
+    evaluation = {s: max(1, -(-int(split_rows.get(s, 0)) // per_shard)) for s in ("validation", "test")}
+    return {"train": train_shards, **evaluation}
 
 
 def plan_shards(partition_rows: Sequence[int], n_shards: int) -> list[list[tuple[int, int, int]]]:

@@ -28,8 +28,10 @@ from training.data.rules import (
     plan_shards,
     shard_key,
     split_rule,
+    split_shard_counts,
     stratified_thresholds,
     threshold_positions,
+    training_shards,
     validate_stats,
 )
 from training.data.tables import SourceInfo, describe_source, source_partitions
@@ -67,7 +69,6 @@ def shard_dataset(
         return ShardResult(manifest_uri, existing["manifest_hash"], reused=True)
 
     sources = source_partitions(cfg, info, client)
-    per_split_shards = {"train": cfg.n_shards, "validation": 1, "test": 1}
     # every future stays referenced until the end: cancelling a task whose dependents the
     # client no longer wants trips the scheduler (and on success, releasing them is enough)
     held: list[Any] = [s for s in sources if not callable(s)]
@@ -80,7 +81,7 @@ def shard_dataset(
         log.warning("shard: dropped %d row(s) with NaN/inf features (nan_policy='drop')", totals["dropped"])
     log.info("shard: %s rows per split in %d partition(s)", totals["split_rows"], len(partitions))
     try:
-        shards = _plan(stats, per_split_shards)
+        shards = _plan(stats, split_shard_counts(totals["split_rows"], _training_shards(cfg, totals, info)))
         results = _write_shards(client, partitions, shards, whole_pieces, out_dir, storage_options, held)
     except Exception:
         client.cancel(held)
@@ -96,13 +97,27 @@ def shard_dataset(
     rows = {s: sum(e["rows"] for e in manifest["splits"][s]) for s in SPLITS}
     elapsed = time.monotonic() - started
     log.info(
-        "shard: wrote %d train shards (%s rows per split) to %s in %.1fs",
-        cfg.n_shards,
+        "shard: wrote %s shards (%s rows per split) to %s in %.1fs",
+        {s: len(manifest["splits"][s]) for s in SPLITS},
         rows,
         out_dir,
         elapsed,
     )
     return ShardResult(manifest_uri, manifest["manifest_hash"], reused=False)
+
+
+def _training_shards(cfg: DataConfig, totals: Mapping[str, Any], info: SourceInfo) -> int:
+    """``cfg.n_shards``, or more when its shards would exceed ``cfg.max_shard_mb`` (logged)."""
+    train_rows = int(totals["split_rows"].get("train", 0))
+    count = training_shards(train_rows, 4 * len(info.features) + 8, cfg.n_shards, cfg.max_shard_mb)
+    if count > cfg.n_shards:
+        log.info(
+            "shard: writing %d training shards, not n_shards=%d: a shard holds at most max_shard_mb=%g MB",
+            count,
+            cfg.n_shards,
+            cfg.max_shard_mb,
+        )
+    return count
 
 
 def _counted_partitions(
