@@ -145,17 +145,25 @@ def lost_spans(story: Iterable[Sequence[Any]]) -> list[tuple[float, float]]:
     its scheduler story (transitions ``(key, start, finish, recommendations, stimulus, time)``).
 
     A span opens when the task goes to ``processing`` and is lost when it leaves ``processing``
-    for anything but a result (the worker died, the task was rescheduled or cancelled).
+    for anything but a result (the worker died, the task was rescheduled or cancelled). A span
+    that ended in a result is lost too when the task runs again: the result died with its worker
+    before it was fetched.
     """
     spans: list[tuple[float, float]] = []
     opened: float | None = None
+    answered: tuple[float, float] | None = None
     for transition in story:
         before, after, at = str(transition[1]), str(transition[2]), float(transition[-1])
         if after == "processing" and before != "processing":
+            if answered is not None:  # run again: the earlier result was lost
+                spans.append(answered)
+                answered = None
             opened = at
         elif before == "processing" and after != "processing":
             if opened is not None and after not in FINISHED_STATES:
                 spans.append((opened, at))
+            elif opened is not None and after == "memory":
+                answered = (opened, at)
             opened = None
     return spans
 

@@ -213,6 +213,16 @@ def test_lost_spans_and_redone_seconds_from_a_scheduler_story() -> None:
     assert redone_seconds([], [1.0]) == 0.0
     erred = [("k", "waiting", "processing", {}, "s", 1.0), ("k", "processing", "erred", {}, "s", 2.0)]
     assert lost_spans(erred) == []  # an error is an answer, not lost work
+    result_lost = [  # finished, but the worker died holding the result: computed again
+        ("k", "waiting", "processing", {}, "s", 1.0),
+        ("k", "processing", "memory", {}, "task-finished", 3.0),
+        ("k", "memory", "released", {}, "handle-worker-cleanup", 3.5),
+        ("k", "released", "waiting", {}, "s", 3.5),
+        ("k", "waiting", "processing", {}, "s", 4.0),
+        ("k", "processing", "memory", {}, "task-finished", 6.0),
+    ]
+    assert lost_spans(result_lost) == [(1.0, 3.0)]
+    assert lost_spans(result_lost[:3]) == []  # a result fetched and released is not lost
 
 
 def test_unit_stopped_by_a_notice_is_its_models_next_unit() -> None:
