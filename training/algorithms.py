@@ -107,6 +107,9 @@ def _median(min_resource: int, max_resource: int | None) -> optuna.pruners.BaseP
 
 
 PRUNERS: dict[str, Callable[[int, int | None], Any]] = {
+    # asha: the study carries Optuna's successive halving, but a search's controller keeps the
+    # rungs itself (training/rungs.py), so that a model below a rung's top third waits there and
+    # may be promoted later instead of being stopped for good
     "asha": _successive_halving,
     "successive_halving": _successive_halving,
     "hyperband": _hyperband,

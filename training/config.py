@@ -159,8 +159,8 @@ class SearchConfig(StageConfig):
     )
     pruner: PrunerName = Field(
         "asha",
-        description="Pruner at epoch boundaries: asha (= successive_halving, asynchronous), hyperband, "
-        "median, none",
+        description="Pruner at epoch boundaries: asha (waiting models promoted later), "
+        "successive_halving (Optuna's, no waiting), hyperband, median, none",
     )
     grid_points: int = Field(
         3, ge=2, le=32, description="sampler=grid: values per int/float parameter (log-spaced if log)"

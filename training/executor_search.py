@@ -139,7 +139,7 @@ class _Sweep:
     study_name: str
     options: SearchOptions
     results: list[TrialResult]  # every finished trial that counts (those of earlier attempts first)
-    told: set[str] = field(default_factory=set)  # models whose trial was told
+    told: set[int] = field(default_factory=set)  # numbers of the trials told
 
     def run(self, budget: int, min_complete: int) -> None:
         """``budget`` trials; then, while fewer than ``min_complete`` are COMPLETE, more without
@@ -180,12 +180,15 @@ class _Sweep:
 
     def finish(self, controller: SearchController, outcome: ModelOutcome) -> None:
         """Tell Optuna, write the bundle and the trial's record: at once, while the sweep goes on."""
-        if outcome.spec.model_id in self.told:
+        trial = controller.trials[outcome.spec.model_id]
+        if trial.number in self.told:
             return
-        self.told.add(outcome.spec.model_id)
+        self.told.add(trial.number)
         result = self.result_of(controller, outcome)
-        if not tell_result(self.study, controller.trials[outcome.spec.model_id], result):
+        if not tell_result(self.study, trial, result):
             return
+        earlier = controller.promoted_from.get(trial.number)  # its model's trial before, superseded
+        self.results[:] = [r for r in self.results if r.number != earlier]
         self.results.append(result)
         cfg = self.cfg
         log.info(

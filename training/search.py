@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 STALE_ATTR = "mopflow_stale_retried"
 RESUME_ATTR = "mopflow_resume_from"
+PROMOTED_ATTR = "mopflow_promoted_from"  # a trial that continues a model stopped at an ASHA rung
 # the executor's id of a trial's model, which keys its checkpoints; a retry keeps it, so
 # a restarted coordinator's retried trial resumes its model from the last sub-epoch or epoch.
 MODEL_ATTR = "mopflow_model_id"
@@ -321,6 +322,8 @@ def open_study(
         enqueue_grid(study, cfg, space)
     retry_stale_trials(study)
     trials = study.get_trials(deepcopy=False)
-    retried = {n for t in trials if (n := retried_trial(t)) is not None}  # superseded by their retry
+    # superseded by their retry, or by the trial that continued their model from its rung
+    retried = {n for t in trials if (n := retried_trial(t)) is not None}
+    retried |= {int(t.user_attrs[PROMOTED_ATTR]) for t in trials if PROMOTED_ATTR in t.user_attrs}
     already = [t for t in trials if _counted(t) and t.number not in retried]
     return study, space, already, [result_from_frozen(t) for t in already]

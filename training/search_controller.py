@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from infra import progress
+from training.algorithms import REDUCTION_FACTOR
 from training.config import SearchConfig
 from training.devices import CPU, DeviceSpec
-from training.search import MODEL_ATTR
+from training.rungs import Rungs
+from training.search import MODEL_ATTR, PROMOTED_ATTR
 from training.space import sample_params
 
 if TYPE_CHECKING:
@@ -31,7 +33,13 @@ class SearchController:
     """Optuna behind the executor interface (a :class:`~training.executors.base.Controller`), in
     the coordinator: every epoch report reaches the study when it happens, the pruner decides
     there, and a finished model is told at once (``on_done``), so the sampler and the pruner learn
-    from it while the sweep goes on."""
+    from it while the sweep goes on.
+
+    Under ``pruner="asha"`` the controller keeps the rungs itself (:class:`~training.rungs.Rungs`):
+    a model stopped at a rung is told to the study as PRUNED, so the sampler learns from it, and
+    waits there; when it later ranks in the rung's top third, it is promoted before any new trial
+    starts: a new trial with its parameters continues its model from its checkpoint.
+    """
 
     def __init__(
         self,
@@ -50,7 +58,15 @@ class SearchController:
         self.on_done = on_done
         self.trials: dict[str, optuna.trial.Trial] = {}
         self.pruned: dict[str, int] = {}
-        self.reported: dict[str, set[int]] = {}  # epochs each model's trial has had reported
+        self.reported: dict[int, set[int]] = {}  # epochs each trial (by number) has had reported
+        self.trained: dict[str, set[int]] = {}  # epochs each model has trained (replays excluded)
+        self.rungs = (
+            Rungs(cfg.min_resource, REDUCTION_FACTOR, cfg.epochs)
+            if self.prune and cfg.pruner == "asha"
+            else None
+        )
+        self.waiting: dict[str, ModelSpec] = {}  # models stopped at a rung that may be promoted
+        self.promoted_from: dict[int, int] = {}  # a promotion's trial number -> the trial it continues
         minutes = cfg.timeout_minutes if respect_deadline else None
         self.deadline = time.monotonic() + minutes * 60 if minutes else None
         self.goal = cfg.goal_val_acc if respect_deadline else None
@@ -80,6 +96,8 @@ class SearchController:
                 "search: time budget of %.1f min reached; not starting more trials", self.cfg.timeout_minutes
             )
             return specs
+        specs = self._promotions(count)
+        count -= len(specs)
         while count > 0 and len(self.trials) < self.budget:
             trial = self.study.ask()
             params = sample_params(self.space, trial)
@@ -92,9 +110,47 @@ class SearchController:
             count -= 1
         return specs
 
+    def _promotions(self, count: int) -> list[ModelSpec]:
+        """Up to ``count`` waiting models now in their rung's top third, each continued by a new
+        trial with its parameters (none while other enqueued trials wait: they come first)."""
+        if self.rungs is None or not self.waiting or count <= 0:
+            return []
+        if self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+            return []
+        specs = []
+        for model_id in self.rungs.promotable(self.waiting)[:count]:
+            spec, earlier = self.waiting.pop(model_id), self.trials[model_id]
+            attrs = {MODEL_ATTR: model_id, PROMOTED_ATTR: earlier.number}
+            self.study.enqueue_trial(dict(earlier.params), user_attrs=attrs, skip_if_exists=False)
+            trial = self.study.ask()
+            sample_params(self.space, trial)  # records the enqueued parameters on the trial
+            self.trials[model_id], self.promoted_from[trial.number] = trial, earlier.number
+            self.pruned.pop(model_id, None)
+            self.rungs.promote(model_id)
+            log.info(
+                "search: trial %d promotes trial %d's model %s from its rung at epoch %d",
+                trial.number,
+                earlier.number,
+                model_id,
+                len(self.trained.get(model_id, ())),
+            )
+            specs.append(spec)
+        return specs
+
     def on_epoch_end(self, report: EpochReport) -> bool:
-        """Report the epoch to its trial (once per epoch); False when the pruner stops it."""
+        """Report the epoch to its trial (once per epoch); False when the pruner stops it. An
+        epoch the model trained before (a promoted model's history, handed over again) is
+        reported to its new trial and decided no more."""
         trial = self.trials[report.model_id]
+        reported = self.reported.setdefault(trial.number, set())
+        if report.epoch not in reported:  # an epoch trained again after a lost worker: told once
+            trial.report(report.val_acc, report.epoch)
+            reported.add(report.epoch)
+        trained = self.trained.setdefault(report.model_id, set())
+        if report.epoch in trained:
+            return True
+        trained.add(report.epoch)
+        self.epochs_trained += 1
         progress.publish(
             "epoch", model=report.model_id, epoch=report.epoch, epochs=self.cfg.epochs, val_acc=report.val_acc
         )
@@ -107,18 +163,28 @@ class SearchController:
                 self.goal,
                 report.epoch,
             )
-        reported = self.reported.setdefault(report.model_id, set())
-        if report.epoch not in reported:  # an epoch trained again after a lost worker: told once
-            trial.report(report.val_acc, report.epoch)
-            reported.add(report.epoch)
-            self.epochs_trained += 1
+        if self.rungs is not None:
+            rung = self.rungs.rung_at(report.epoch + 1)
+            if rung is None or self.rungs.reach(rung, report.model_id, report.val_acc):
+                return True
+            self.pruned[report.model_id] = report.epoch
+            return False
         if self.prune and trial.should_prune():
             self.pruned[report.model_id] = report.epoch
             return False
         return True
 
     def on_model_done(self, outcome: ModelOutcome) -> None:
-        """Pass a finished model on (``on_done``: tell its trial to the study at once)."""
+        """Pass a finished model on (``on_done``: tell its trial to the study at once). A model
+        stopped at a rung waits there when it can resume (it has a checkpoint)."""
+        model_id = outcome.spec.model_id
+        if (
+            self.rungs is not None
+            and model_id in self.pruned
+            and outcome.error is None
+            and outcome.checkpoint_uri
+        ):
+            self.waiting[model_id] = outcome.spec
         if self.on_done is not None:
             self.on_done(self, outcome)
 

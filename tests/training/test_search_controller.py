@@ -110,3 +110,42 @@ def test_the_epoch_budget_stops_new_trials_once_spent_counting_each_epoch_once()
     controller.on_epoch_end(EpochReport(f"trial-{other.number:04d}", 0, 0.5, 1.0))
     assert controller.new_models(2) == []
     assert len(study.trials) == 2
+
+
+def test_asha_models_wait_at_a_rung_and_the_best_is_promoted_as_a_new_trial() -> None:
+    """Under ``asha`` a model below the rung's top third stops and waits; once the rung fills, the
+    best waiting model is continued by a new trial with its parameters, before any new model."""
+    from training.executors import EpochReport, ModelOutcome
+    from training.search import MODEL_ATTR, PROMOTED_ATTR
+
+    cfg = SearchConfig(n_trials=3, space=SPACE, pruner="asha", min_resource=1, epochs=3)
+    study = optuna.create_study(direction="maximize")
+    controller = SearchController(study, cfg.search_space(), cfg, budget=3)
+    specs = controller.ask(3)
+    for spec, value in zip(specs, [0.9, 0.5, 0.4], strict=True):
+        assert not controller.on_epoch_end(EpochReport(spec.model_id, 0, value, 1.0))  # waits at rung 0
+        controller.on_model_done(ModelOutcome(spec, stopped_early=True, checkpoint_uri="ckpt"))
+        study.tell(controller.trials[spec.model_id], state=optuna.trial.TrialState.PRUNED)
+    assert sorted(controller.waiting) == sorted(s.model_id for s in specs)
+    (promoted,) = controller.ask(2)  # the trial budget is spent: only the promotion starts
+    assert promoted == specs[0]
+    trial = controller.trials[promoted.model_id]
+    assert trial.number == 3 and trial.params == study.trials[0].params
+    assert trial.user_attrs[MODEL_ATTR] == promoted.model_id and trial.user_attrs[PROMOTED_ATTR] == 0
+    assert controller.on_epoch_end(EpochReport(promoted.model_id, 0, 0.9, 1.0))  # its history, again
+    assert controller.epochs_trained == 3  # a handed-over epoch is not trained again
+    assert controller.on_epoch_end(EpochReport(promoted.model_id, 1, 0.95, 1.0))
+    assert controller.epochs_trained == 4 and study.trials[3].intermediate_values == {0: 0.9, 1: 0.95}
+    assert controller.ask(1) == []  # the others stay below the top third
+
+
+def test_asha_models_without_a_checkpoint_stop_for_good() -> None:
+    from training.executors import EpochReport, ModelOutcome
+
+    cfg = SearchConfig(n_trials=3, space=SPACE, pruner="asha", min_resource=1, epochs=3)
+    study = optuna.create_study(direction="maximize")
+    controller = SearchController(study, cfg.search_space(), cfg, budget=3)
+    for spec in controller.ask(3):
+        assert not controller.on_epoch_end(EpochReport(spec.model_id, 0, 0.5, 1.0))
+        controller.on_model_done(ModelOutcome(spec, stopped_early=True))  # nothing to resume from
+    assert controller.waiting == {} and controller.ask(1) == []
