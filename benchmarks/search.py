@@ -11,7 +11,8 @@ learning rates from too low to too high, tiny models; ``--space FILE`` reads ano
 ``--space packaged`` takes mopflow's default space):
 
 * ``random``: random sampling without pruning, the baseline;
-* ``tpe``, ``gp``, ``cmaes``, each with ``asha`` (asynchronous successive halving) and with
+* ``tpe``, ``gp``, ``cmaes``, each with ``asha`` (asynchronous successive halving, models waiting
+  at a rung promoted later), with ``sh`` (Optuna's successive halving, no waiting) and with
   ``hyperband``; min resource ``--min-resource`` epochs, reduction factor 3.
 
 Every arm runs under each strategy of ``--strategies`` (``task``: a trial per worker; ``mop``:
@@ -46,7 +47,7 @@ LocalCluster (on a machine with 2 * J cores or more).
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/search.py                      # 20 seeds x 7 arms x task, mop
+    .venv/bin/python benchmarks/search.py                      # 20 seeds x 10 arms x task, mop
     .venv/bin/python benchmarks/search.py --arms random,tpe+asha --strategies task --seeds 5
     .venv/bin/python benchmarks/search.py --quick              # smoke test: 2 seeds, 2 arms, task
 """
@@ -85,6 +86,10 @@ ARMS: dict[str, tuple[str, str]] = {
     "gp+hyperband": ("gp", "hyperband"),
     "cmaes+asha": ("cmaes", "asha"),
     "cmaes+hyperband": ("cmaes", "hyperband"),
+    # Optuna's SuccessiveHalvingPruner: the same rungs as asha, without waiting and promotion
+    "tpe+sh": ("tpe", "successive_halving"),
+    "gp+sh": ("gp", "successive_halving"),
+    "cmaes+sh": ("cmaes", "successive_halving"),
 }
 GOAL_RATIO, GOAL_LOWER = 2.0, 1.5
 # Wide on purpose: a search has to find the good region (lr too low or too high, tiny models).
