@@ -14,8 +14,15 @@ model's value at each rung and asks it which waiting models to promote when a sl
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from optuna.trial import FrozenTrial
+
+PROMOTED_ATTR = "mopflow_promoted_from"  # a trial that continues a model stopped at a rung
+WAITS_ATTR = "mopflow_waits_with"  # the checkpoint a model stopped at a rung waits with
 
 
 @dataclass
@@ -28,15 +35,19 @@ class Rungs:
     values: dict[int, dict[str, float]] = field(default_factory=dict)  # rung -> model -> value
     promoted: dict[int, set[str]] = field(default_factory=dict)  # rung -> models that went on
 
+    def epochs(self) -> list[int]:
+        """The epoch count of each rung, first to last (all below ``max_epochs``)."""
+        epochs, rungs = self.min_resource, []
+        while epochs < self.max_epochs:
+            rungs.append(epochs)
+            epochs *= self.reduction_factor
+        return rungs
+
     def rung_at(self, epochs_done: int) -> int | None:
         """The rung a model reaches after ``epochs_done`` epochs (None between rungs, and at or
         past the last epoch, where there is nothing left to decide)."""
-        epochs, rung = self.min_resource, 0
-        while epochs < self.max_epochs:
-            if epochs == epochs_done:
-                return rung
-            epochs, rung = epochs * self.reduction_factor, rung + 1
-        return None
+        rungs = self.epochs()
+        return rungs.index(epochs_done) if epochs_done in rungs else None
 
     def top(self, rung: int) -> set[str]:
         """The models in the top ``1/reduction_factor`` at ``rung`` (ties: the earlier id)."""
@@ -71,3 +82,9 @@ class Rungs:
         rung = self.highest_rung(model_id)
         if rung is not None:
             self.promoted.setdefault(rung, set()).add(model_id)
+
+
+def current(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """``trials`` without those a promotion continued (their model's trial is the promotion)."""
+    continued = {int(t.user_attrs[PROMOTED_ATTR]) for t in trials if PROMOTED_ATTR in t.user_attrs}
+    return [t for t in trials if t.number not in continued]

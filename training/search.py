@@ -20,6 +20,7 @@ from infra.optuna_storage import make_storage, quiet_optuna
 from training.algorithms import make_pruner, make_sampler
 from training.config import SearchConfig
 from training.data import verify_manifest
+from training.rungs import PROMOTED_ATTR
 from training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
 from training.trial import TrialResult
 from training.volatile.scaling import RoundScale
@@ -31,7 +32,6 @@ log = logging.getLogger(__name__)
 
 STALE_ATTR = "mopflow_stale_retried"
 RESUME_ATTR = "mopflow_resume_from"
-PROMOTED_ATTR = "mopflow_promoted_from"  # a trial that continues a model stopped at an ASHA rung
 # the executor's id of a trial's model, which keys its checkpoints; a retry keeps it, so
 # a restarted coordinator's retried trial resumes its model from the last sub-epoch or epoch.
 MODEL_ATTR = "mopflow_model_id"

@@ -19,9 +19,9 @@ from infra import progress
 from training.algorithms import REDUCTION_FACTOR
 from training.config import SearchConfig
 from training.devices import CPU, DeviceSpec
-from training.rungs import Rungs
+from training.rungs import WAITS_ATTR, Rungs, current
 from training.search import MODEL_ATTR, PROMOTED_ATTR
-from training.space import sample_params
+from training.space import params_from_optuna, sample_params
 
 if TYPE_CHECKING:
     from training.executors import EpochReport, ModelOutcome, ModelSpec
@@ -66,6 +66,8 @@ class SearchController:
             else None
         )
         self.waiting: dict[str, ModelSpec] = {}  # models stopped at a rung that may be promoted
+        self.waited_before: dict[str, optuna.trial.FrozenTrial] = {}  # their trials, before a restart
+        self.started = 0  # new trials asked (promotions do not count against the budget)
         self.promoted_from: dict[int, int] = {}  # a promotion's trial number -> the trial it continues
         minutes = cfg.timeout_minutes if respect_deadline else None
         self.deadline = time.monotonic() + minutes * 60 if minutes else None
@@ -73,6 +75,8 @@ class SearchController:
         self.goal_reached = False
         self.epoch_budget = cfg.epoch_budget if respect_deadline else None
         self.epochs_trained = 0  # epochs reported over every trial (an epoch trained again: once)
+        if self.rungs is not None:
+            self._resume_rungs()
 
     def out_of_time(self) -> bool:
         """Whether the wall-clock budget is spent (running models finish; no new trial starts)."""
@@ -98,12 +102,12 @@ class SearchController:
             return specs
         specs = self._promotions(count)
         count -= len(specs)
-        while count > 0 and len(self.trials) < self.budget:
+        while count > 0 and self.started < self.budget:
             trial = self.study.ask()
             params = sample_params(self.space, trial)
             model_id = str(trial.user_attrs.get(MODEL_ATTR) or f"trial-{trial.number:04d}")
             trial.set_user_attr(MODEL_ATTR, model_id)
-            self.trials[model_id] = trial
+            self.trials[model_id], self.started = trial, self.started + 1
             number = int(model_id.rsplit("-", 1)[1])  # a retry trains the first attempt's model on
             specs.append(ModelSpec(model_id, params, self.cfg.seed * 1000 + number, self.device))
             log.info("search: started trial %d %s", trial.number, params)
@@ -119,7 +123,8 @@ class SearchController:
             return []
         specs = []
         for model_id in self.rungs.promotable(self.waiting)[:count]:
-            spec, earlier = self.waiting.pop(model_id), self.trials[model_id]
+            spec = self.waiting.pop(model_id)
+            earlier = self.trials[model_id] if model_id in self.trials else self.waited_before.pop(model_id)
             attrs = {MODEL_ATTR: model_id, PROMOTED_ATTR: earlier.number}
             self.study.enqueue_trial(dict(earlier.params), user_attrs=attrs, skip_if_exists=False)
             trial = self.study.ask()
@@ -136,6 +141,34 @@ class SearchController:
             )
             specs.append(spec)
         return specs
+
+    def _resume_rungs(self) -> None:
+        """The rungs of the study's earlier models, and those that wait at one (a coordinator that
+        was restarted goes on promoting the models stopped before it)."""
+        from training.executors import ModelSpec
+
+        assert self.rungs is not None
+        for trial in current(self.study.get_trials(deepcopy=False)):
+            model_id = trial.user_attrs.get(MODEL_ATTR)
+            if model_id is None or not trial.intermediate_values:
+                continue
+            done = max(trial.intermediate_values) + 1  # epochs the model trained
+            for rung, epochs in enumerate(self.rungs.epochs()):
+                value = trial.intermediate_values.get(epochs - 1)
+                if value is not None:
+                    self.rungs.values.setdefault(rung, {})[model_id] = value
+                    if done > epochs or trial.state != optuna.trial.TrialState.PRUNED:
+                        self.rungs.promoted.setdefault(rung, set()).add(model_id)
+            if trial.state == optuna.trial.TrialState.PRUNED and WAITS_ATTR in trial.user_attrs:
+                number = int(str(model_id).rsplit("-", 1)[1])
+                params = params_from_optuna(trial.params)
+                self.waiting[model_id] = ModelSpec(
+                    model_id, params, self.cfg.seed * 1000 + number, self.device
+                )
+                self.waited_before[model_id] = trial
+                self.trained[model_id] = set(range(done))  # handed over again when promoted: not trained
+        if self.waiting:
+            log.info("search: %d model(s) of earlier attempts wait at a rung", len(self.waiting))
 
     def on_epoch_end(self, report: EpochReport) -> bool:
         """Report the epoch to its trial (once per epoch); False when the pruner stops it. An
@@ -183,8 +216,13 @@ class SearchController:
             and model_id in self.pruned
             and outcome.error is None
             and outcome.checkpoint_uri
+            and model_id not in self.waiting
         ):
             self.waiting[model_id] = outcome.spec
+            try:  # recorded on the trial, so that a restarted coordinator finds it waiting
+                self.trials[model_id].set_user_attr(WAITS_ATTR, outcome.checkpoint_uri)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                log.debug("search: trial of %s already told; a restart will not find it waiting", model_id)
         if self.on_done is not None:
             self.on_done(self, outcome)
 

@@ -10,6 +10,7 @@ def test_rungs_sit_at_min_resource_times_powers_of_the_reduction_factor_below_th
     assert [e for e in range(1, 31) if rungs.rung_at(e) is not None] == [3, 9, 27]
     assert (rungs.rung_at(3), rungs.rung_at(9), rungs.rung_at(27)) == (0, 1, 2)
     assert Rungs(15, 3, 15).rung_at(15) is None  # the last epoch: nothing left to decide
+    assert rungs.epochs() == [3, 9, 27] and Rungs(15, 3, 15).epochs() == []
 
 
 def test_early_models_wait_and_the_best_is_promoted_once_the_rung_fills() -> None:

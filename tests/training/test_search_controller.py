@@ -149,3 +149,51 @@ def test_asha_models_without_a_checkpoint_stop_for_good() -> None:
         assert not controller.on_epoch_end(EpochReport(spec.model_id, 0, 0.5, 1.0))
         controller.on_model_done(ModelOutcome(spec, stopped_early=True))  # nothing to resume from
     assert controller.waiting == {} and controller.ask(1) == []
+
+
+def test_a_restarted_coordinator_promotes_the_models_that_waited_before_it() -> None:
+    """The rungs and the waiting models are rebuilt from the study: a model stopped at a rung
+    before the coordinator restarted is promoted once weaker new models fill its rung."""
+    from training.executors import EpochReport, ModelOutcome
+    from training.search import PROMOTED_ATTR
+
+    cfg = SearchConfig(n_trials=4, space=SPACE, pruner="asha", min_resource=1, epochs=3)
+    study = optuna.create_study(direction="maximize")
+    before = SearchController(study, cfg.search_space(), cfg, budget=2)
+    first = before.ask(2)
+    for spec, value in zip(first, [0.9, 0.2], strict=True):
+        assert not before.on_epoch_end(EpochReport(spec.model_id, 0, value, 1.0))
+        before.on_model_done(ModelOutcome(spec, stopped_early=True, checkpoint_uri="ckpt"))
+        study.tell(before.trials[spec.model_id], state=optuna.trial.TrialState.PRUNED)
+
+    after = SearchController(study, cfg.search_space(), cfg, budget=2)  # the restarted coordinator
+    assert after.waiting == {spec.model_id: spec for spec in first}
+    assert after.rungs is not None and after.rungs.values == {
+        0: {first[0].model_id: 0.9, first[1].model_id: 0.2}
+    }
+    new = after.ask(1)  # no waiting model is in the top third yet: a new trial
+    assert [s.model_id for s in new] == ["trial-0002"]
+    assert not after.on_epoch_end(EpochReport(new[0].model_id, 0, 0.3, 1.0))
+    after.on_model_done(ModelOutcome(new[0], stopped_early=True, checkpoint_uri="ckpt"))
+    study.tell(after.trials[new[0].model_id], state=optuna.trial.TrialState.PRUNED)
+    (promoted,) = after.ask(1)  # the model that waited before the restart goes first
+    assert promoted == first[0]
+    assert after.trials[promoted.model_id].user_attrs[PROMOTED_ATTR] == 0
+    assert after.on_epoch_end(EpochReport(promoted.model_id, 0, 0.9, 1.0))  # its history, again
+    assert after.epochs_trained == 1  # only the new model's epoch was trained here
+    assert [s.model_id for s in after.ask(1)] == ["trial-0004"]  # the promotion did not use the budget
+    assert after.ask(1) == []
+
+
+def test_a_restarted_coordinator_does_not_promote_models_that_could_not_wait() -> None:
+    from training.executors import EpochReport, ModelOutcome
+
+    cfg = SearchConfig(n_trials=2, space=SPACE, pruner="asha", min_resource=1, epochs=3)
+    study = optuna.create_study(direction="maximize")
+    before = SearchController(study, cfg.search_space(), cfg, budget=2)
+    for spec in before.ask(2):
+        assert not before.on_epoch_end(EpochReport(spec.model_id, 0, 0.5, 1.0))
+        before.on_model_done(ModelOutcome(spec, stopped_early=True))  # no checkpoint: stopped for good
+        study.tell(before.trials[spec.model_id], state=optuna.trial.TrialState.PRUNED)
+    after = SearchController(study, cfg.search_space(), cfg, budget=0)
+    assert after.waiting == {} and after.rungs is not None and len(after.rungs.values[0]) == 2
