@@ -70,10 +70,10 @@ class Rungs:
     def promotable(self, waiting: Iterable[str]) -> list[str]:
         """The waiting models now in the top of the rung they wait at, highest rung first (ASHA
         promotes from the top down), then by value."""
-        ready = []
+        ready, tops = [], {rung: self.top(rung) for rung in self.values}
         for model in waiting:
             rung = self.highest_rung(model)
-            if rung is not None and model not in self.promoted.get(rung, set()) and model in self.top(rung):
+            if rung is not None and model not in self.promoted.get(rung, set()) and model in tops[rung]:
                 ready.append((-rung, -self.values[rung][model], model))
         return [model for _, _, model in sorted(ready)]
 

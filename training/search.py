@@ -20,7 +20,7 @@ from infra.optuna_storage import make_storage, quiet_optuna
 from training.algorithms import make_pruner, make_sampler
 from training.config import SearchConfig
 from training.data import verify_manifest
-from training.rungs import PROMOTED_ATTR
+from training.rungs import current
 from training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
 from training.trial import TrialResult
 from training.volatile.scaling import RoundScale
@@ -322,8 +322,7 @@ def open_study(
         enqueue_grid(study, cfg, space)
     retry_stale_trials(study)
     trials = study.get_trials(deepcopy=False)
-    # superseded by their retry, or by the trial that continued their model from its rung
-    retried = {n for t in trials if (n := retried_trial(t)) is not None}
-    retried |= {int(t.user_attrs[PROMOTED_ATTR]) for t in trials if PROMOTED_ATTR in t.user_attrs}
-    already = [t for t in trials if _counted(t) and t.number not in retried]
+    retried = {n for t in trials if (n := retried_trial(t)) is not None}  # superseded by their retry
+    # current: not superseded by the trial that continued their model from its rung either
+    already = [t for t in current(trials) if _counted(t) and t.number not in retried]
     return study, space, already, [result_from_frozen(t) for t in already]

@@ -19,8 +19,8 @@ from infra import progress
 from training.algorithms import REDUCTION_FACTOR
 from training.config import SearchConfig
 from training.devices import CPU, DeviceSpec
-from training.rungs import WAITS_ATTR, Rungs, current
-from training.search import MODEL_ATTR, PROMOTED_ATTR
+from training.rungs import PROMOTED_ATTR, WAITS_ATTR, Rungs, current
+from training.search import MODEL_ATTR
 from training.space import params_from_optuna, sample_params
 
 if TYPE_CHECKING:
@@ -86,7 +86,6 @@ class SearchController:
         """Up to ``count`` new trials from the study, as models to train (none once the trial
         budget, the epoch budget or, after the first trial, the time budget is spent, or once a trial
         reached the goal accuracy)."""
-        from training.executors import ModelSpec
 
         specs: list[ModelSpec] = []
         if self.goal_reached:
@@ -108,21 +107,29 @@ class SearchController:
             model_id = str(trial.user_attrs.get(MODEL_ATTR) or f"trial-{trial.number:04d}")
             trial.set_user_attr(MODEL_ATTR, model_id)
             self.trials[model_id], self.started = trial, self.started + 1
-            number = int(model_id.rsplit("-", 1)[1])  # a retry trains the first attempt's model on
-            specs.append(ModelSpec(model_id, params, self.cfg.seed * 1000 + number, self.device))
+            specs.append(self._spec(model_id, params))
             log.info("search: started trial %d %s", trial.number, params)
             count -= 1
         return specs
+
+    def _spec(self, model_id: str, params: dict[str, Any]) -> ModelSpec:
+        """The model to train for ``model_id``, seeded by its number (a retry or a promotion of a
+        model trains it on with the first attempt's seed)."""
+        from training.executors import ModelSpec
+
+        number = int(model_id.rsplit("-", 1)[1])
+        return ModelSpec(model_id, params, self.cfg.seed * 1000 + number, self.device)
 
     def _promotions(self, count: int) -> list[ModelSpec]:
         """Up to ``count`` waiting models now in their rung's top third, each continued by a new
         trial with its parameters (none while other enqueued trials wait: they come first)."""
         if self.rungs is None or not self.waiting or count <= 0:
             return []
-        if self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+        ready = self.rungs.promotable(self.waiting)[:count]
+        if not ready or self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
             return []
         specs = []
-        for model_id in self.rungs.promotable(self.waiting)[:count]:
+        for model_id in ready:
             spec = self.waiting.pop(model_id)
             earlier = self.trials[model_id] if model_id in self.trials else self.waited_before.pop(model_id)
             attrs = {MODEL_ATTR: model_id, PROMOTED_ATTR: earlier.number}
@@ -145,8 +152,6 @@ class SearchController:
     def _resume_rungs(self) -> None:
         """The rungs of the study's earlier models, and those that wait at one (a coordinator that
         was restarted goes on promoting the models stopped before it)."""
-        from training.executors import ModelSpec
-
         assert self.rungs is not None
         for trial in current(self.study.get_trials(deepcopy=False)):
             model_id = trial.user_attrs.get(MODEL_ATTR)
@@ -160,11 +165,7 @@ class SearchController:
                     if done > epochs or trial.state != optuna.trial.TrialState.PRUNED:
                         self.rungs.promoted.setdefault(rung, set()).add(model_id)
             if trial.state == optuna.trial.TrialState.PRUNED and WAITS_ATTR in trial.user_attrs:
-                number = int(str(model_id).rsplit("-", 1)[1])
-                params = params_from_optuna(trial.params)
-                self.waiting[model_id] = ModelSpec(
-                    model_id, params, self.cfg.seed * 1000 + number, self.device
-                )
+                self.waiting[model_id] = self._spec(str(model_id), params_from_optuna(trial.params))
                 self.waited_before[model_id] = trial
                 self.trained[model_id] = set(range(done))  # handed over again when promoted: not trained
         if self.waiting:

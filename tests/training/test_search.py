@@ -14,7 +14,8 @@ from training.executor_search import run_strategy_search
 from training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
 from training.executors.base import TrainAll
 from training.executors.task import TaskExecutor
-from training.search import MODEL_ATTR, PROMOTED_ATTR, STALE_ATTR
+from training.rungs import PROMOTED_ATTR
+from training.search import MODEL_ATTR, STALE_ATTR
 from training.space import parse_space, sample_params
 from training.trial import TrialResult
 

@@ -116,7 +116,8 @@ def test_asha_models_wait_at_a_rung_and_the_best_is_promoted_as_a_new_trial() ->
     """Under ``asha`` a model below the rung's top third stops and waits; once the rung fills, the
     best waiting model is continued by a new trial with its parameters, before any new model."""
     from training.executors import EpochReport, ModelOutcome
-    from training.search import MODEL_ATTR, PROMOTED_ATTR
+    from training.rungs import PROMOTED_ATTR
+    from training.search import MODEL_ATTR
 
     cfg = SearchConfig(n_trials=3, space=SPACE, pruner="asha", min_resource=1, epochs=3)
     study = optuna.create_study(direction="maximize")
@@ -148,14 +149,18 @@ def test_asha_models_without_a_checkpoint_stop_for_good() -> None:
     for spec in controller.ask(3):
         assert not controller.on_epoch_end(EpochReport(spec.model_id, 0, 0.5, 1.0))
         controller.on_model_done(ModelOutcome(spec, stopped_early=True))  # nothing to resume from
+        study.tell(controller.trials[spec.model_id], state=optuna.trial.TrialState.PRUNED)
     assert controller.waiting == {} and controller.ask(1) == []
+    # nor does a restarted coordinator promote them: it rebuilds their rung, not their waiting
+    after = SearchController(study, cfg.search_space(), cfg, budget=0)
+    assert after.waiting == {} and after.rungs is not None and len(after.rungs.values[0]) == 3
 
 
 def test_a_restarted_coordinator_promotes_the_models_that_waited_before_it() -> None:
     """The rungs and the waiting models are rebuilt from the study: a model stopped at a rung
     before the coordinator restarted is promoted once weaker new models fill its rung."""
     from training.executors import EpochReport, ModelOutcome
-    from training.search import PROMOTED_ATTR
+    from training.rungs import PROMOTED_ATTR
 
     cfg = SearchConfig(n_trials=4, space=SPACE, pruner="asha", min_resource=1, epochs=3)
     study = optuna.create_study(direction="maximize")
@@ -183,17 +188,3 @@ def test_a_restarted_coordinator_promotes_the_models_that_waited_before_it() -> 
     assert after.epochs_trained == 1  # only the new model's epoch was trained here
     assert [s.model_id for s in after.ask(1)] == ["trial-0004"]  # the promotion did not use the budget
     assert after.ask(1) == []
-
-
-def test_a_restarted_coordinator_does_not_promote_models_that_could_not_wait() -> None:
-    from training.executors import EpochReport, ModelOutcome
-
-    cfg = SearchConfig(n_trials=2, space=SPACE, pruner="asha", min_resource=1, epochs=3)
-    study = optuna.create_study(direction="maximize")
-    before = SearchController(study, cfg.search_space(), cfg, budget=2)
-    for spec in before.ask(2):
-        assert not before.on_epoch_end(EpochReport(spec.model_id, 0, 0.5, 1.0))
-        before.on_model_done(ModelOutcome(spec, stopped_early=True))  # no checkpoint: stopped for good
-        study.tell(before.trials[spec.model_id], state=optuna.trial.TrialState.PRUNED)
-    after = SearchController(study, cfg.search_space(), cfg, budget=0)
-    assert after.waiting == {} and after.rungs is not None and len(after.rungs.values[0]) == 2
