@@ -191,6 +191,14 @@ class SearchConfig(StageConfig):
     warm_start: bool = Field(
         False, description="Enqueue the current champion's trial parameters as the first trial"
     )
+    warm_start_studies: int = Field(
+        0,
+        ge=0,
+        le=20,
+        description="A new study learns from the trials of up to this many earlier studies in the Optuna "
+        "storage over the same data, space and epochs (newest first): the sampler models them from the "
+        "start, ASHA's rungs hold their values, and their best configuration is tried first; 0 = off",
+    )
 
     worker_schedule: WorkerSchedule | None = Field(
         None,

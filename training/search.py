@@ -24,6 +24,7 @@ from training.rungs import current
 from training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
 from training.trial import TrialResult
 from training.volatile.scaling import RoundScale
+from training.warm_history import WARM_START_ATTR, is_learned, learn_from_earlier, own_trials, search_key
 
 if TYPE_CHECKING:
     from training.volatile.spot_report import SpotReport
@@ -123,8 +124,8 @@ def grid_configurations(space: SearchSpace, points: int, seed: int) -> list[dict
 
 def enqueue_grid(study: optuna.Study, cfg: SearchConfig, space: SearchSpace) -> int:
     """Enqueue the grid (at most ``n_trials`` points) into a new study; returns how many."""
-    if [t for t in study.get_trials(deepcopy=False) if WARM_START_ATTR not in t.user_attrs]:
-        return 0  # a resumed study already holds its grid (a warm-start trial alone does not count)
+    if [t for t in own_trials(study.get_trials(deepcopy=False)) if WARM_START_ATTR not in t.user_attrs]:
+        return 0  # a resumed study already holds its grid (warm-start trials alone do not count)
     configs = grid_configurations(space, cfg.grid_points, cfg.seed)
     if len(configs) > cfg.n_trials:
         log.warning(
@@ -162,7 +163,7 @@ def result_from_frozen(trial: optuna.trial.FrozenTrial) -> TrialResult:
 
 
 def _counted(trial: optuna.trial.FrozenTrial) -> bool:
-    return trial.state in FINISHED and not trial.user_attrs.get(STALE_ATTR)
+    return trial.state in FINISHED and not trial.user_attrs.get(STALE_ATTR) and not is_learned(trial)
 
 
 def retry_stale_trials(study: optuna.Study) -> int:
@@ -262,9 +263,6 @@ def tell_result(study: optuna.Study, trial: optuna.trial.Trial, result: TrialRes
     return True
 
 
-WARM_START_ATTR = "mopflow_warm_start"
-
-
 @dataclass(frozen=True)
 class WarmStart:
     """A known-good configuration (the current champion's best trial) to try first."""
@@ -274,10 +272,12 @@ class WarmStart:
 
 
 def warm_start_study(study: optuna.Study, space: SearchSpace, warm: WarmStart) -> bool:
-    """Enqueue ``warm.params`` as the study's first trial; only into a study with no trials yet, so
-    a resumed or rerun search does not enqueue it twice. A configuration outside the current
+    """Enqueue ``warm.params`` as the study's first trial; only into a study with no trials of its
+    own yet, so a resumed or rerun search does not enqueue it twice. A configuration outside the current
     space is skipped with a warning (the space may have changed since the champion was trained)."""
-    if study.get_trials(deepcopy=False):
+    if [t for t in own_trials(study.get_trials(deepcopy=False)) if WARM_START_ATTR not in t.user_attrs]:
+        return False
+    if any(t.user_attrs.get(WARM_START_ATTR) == warm.source for t in study.get_trials(deepcopy=False)):
         return False
     try:
         fixed = optuna_params_for(space, warm.params)
@@ -298,14 +298,17 @@ def open_study(
     warm_start: WarmStart | None = None,
     client: Any = None,
 ) -> tuple[optuna.Study, Any, list[optuna.trial.FrozenTrial], list[TrialResult]]:
-    """Verify the shards (on the Dask workers of ``client`` when given), then create or resume the study (stale trials retried); return it, the
-    space, the trials that already count towards the budget and their results."""
+    """Verify the shards (on the Dask workers of ``client`` when given), then create or resume the
+    study (a new one learns from earlier studies of the same data when ``cfg.warm_start_studies``;
+    stale trials retried); return it, the space, the trials that already count towards the budget
+    and their results."""
     from training.families import DataSpec
     from training.space import check_space_fits
 
     quiet_optuna()
     # a bad shard, or a family that cannot take the data, fails here, before any training
-    data = DataSpec.from_manifest(verify_manifest(manifest_uri, storage_options, client))
+    manifest = verify_manifest(manifest_uri, storage_options, client)
+    data = DataSpec.from_manifest(manifest)
     space = cfg.search_space(data.modality)
     check_space_fits(space, data)
     study = optuna.create_study(
@@ -316,6 +319,8 @@ def open_study(
         pruner=make_pruner(cfg.pruner, cfg.min_resource, cfg.epochs),
         load_if_exists=True,
     )
+    key = search_key(str(manifest["manifest_hash"]), space, cfg.epochs)
+    learn_from_earlier(study, key, cfg.warm_start_studies)
     if warm_start is not None:
         warm_start_study(study, space, warm_start)
     if cfg.sampler == "grid":

@@ -22,6 +22,7 @@ from training.devices import CPU, DeviceSpec
 from training.rungs import PROMOTED_ATTR, WAITS_ATTR, Rungs, current
 from training.search import MODEL_ATTR
 from training.space import params_from_optuna, sample_params
+from training.warm_history import LEARNED_ATTR
 
 if TYPE_CHECKING:
     from training.executors import EpochReport, ModelOutcome, ModelSpec
@@ -151,10 +152,11 @@ class SearchController:
 
     def _resume_rungs(self) -> None:
         """The rungs of the study's earlier models, and those that wait at one (a coordinator that
-        was restarted goes on promoting the models stopped before it)."""
+        was restarted goes on promoting the models stopped before it). Trials learned from earlier
+        studies hold their rung values too: new models are ranked among them."""
         assert self.rungs is not None
         for trial in current(self.study.get_trials(deepcopy=False)):
-            model_id = trial.user_attrs.get(MODEL_ATTR)
+            model_id = trial.user_attrs.get(MODEL_ATTR, trial.user_attrs.get(LEARNED_ATTR))
             if model_id is None or not trial.intermediate_values:
                 continue
             done = max(trial.intermediate_values) + 1  # epochs the model trained

@@ -67,6 +67,7 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "model_slots": ("search", "model_slots"),
     "grid_points": ("search", "grid_points"),
     "warm_start": ("search", "warm_start"),
+    "warm_start_studies": ("search", "warm_start_studies"),
     "worker_schedule": ("search", "worker_schedule"),
     "scale_timeout_s": ("search", "scale_timeout_s"),
     "spot_trace": ("search", "spot_trace"),

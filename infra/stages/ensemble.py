@@ -121,13 +121,15 @@ def json_figures(metrics: Mapping[str, float]) -> dict[str, float | None]:
 
 
 def load_candidates(study_name: str, storage_url: str) -> list[Any]:
-    """Every trial of the study that may join the ensemble (stale trials of an earlier attempt not)."""
+    """Every trial of the study that may join the ensemble (stale trials of an earlier attempt and
+    trials learned from earlier studies not)."""
     import optuna
 
     from compression.ensemble import Candidate
     from infra.optuna_storage import make_storage, quiet_optuna
     from training.search import STALE_ATTR
     from training.space import params_from_optuna
+    from training.warm_history import is_learned
 
     quiet_optuna()
     study = optuna.load_study(study_name=study_name, storage=make_storage(storage_url))
@@ -136,7 +138,7 @@ def load_candidates(study_name: str, storage_url: str) -> list[Any]:
             t.number, t.state.name, t.value, t.user_attrs.get("bundle_uri"), params_from_optuna(t.params)
         )
         for t in study.get_trials(deepcopy=False)
-        if not t.user_attrs.get(STALE_ATTR)
+        if not t.user_attrs.get(STALE_ATTR) and not is_learned(t)
     ]
 
 

@@ -181,3 +181,28 @@ def test_search_adds_unpruned_trials_until_the_ensemble_has_its_members(
     )
     assert len(outcome.complete()) >= 3
     assert len(outcome.results) >= 3
+
+
+def test_a_study_learns_from_an_earlier_study_of_the_same_data(
+    small_manifest: str, tmp_path: Path, dask_client: object
+) -> None:
+    from infra.stages.ensemble import load_candidates
+    from training.warm_history import LEARNED_ATTR, WARM_START_ATTR
+
+    storage_url = str(tmp_path / "journal.log")
+    cfg = SearchConfig(n_trials=2, epochs=1, parallel_trials=2, space=TINY_SPACE, pruner="none")
+    monday = run_strategy_search(cfg, small_manifest, "mon", storage_url, str(tmp_path / "art"), dask_client)
+    warm = cfg.model_copy(update={"warm_start_studies": 1, "seed": 1})
+    tuesday = run_strategy_search(
+        warm, small_manifest, "tue", storage_url, str(tmp_path / "art"), dask_client
+    )
+
+    trials = optuna.load_study(study_name="tue", storage=make_storage(storage_url)).trials
+    copies = [t for t in trials if LEARNED_ATTR in t.user_attrs]
+    assert sorted(t.user_attrs[LEARNED_ATTR] for t in copies) == ["mon#0", "mon#1"]
+    # its own trials: the budget's two, the first of them monday's best configuration
+    assert [r.number for r in tuesday.results] == [2, 3]
+    best_monday = monday.complete()[0]
+    assert tuesday.results[0].params == best_monday.params
+    assert trials[2].user_attrs[WARM_START_ATTR] == f"study mon#{best_monday.number}"
+    assert [c.number for c in load_candidates("tue", storage_url)] == [2, 3]  # copies join no ensemble
