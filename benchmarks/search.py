@@ -13,7 +13,14 @@ learning rates from too low to too high, tiny models; ``--space FILE`` reads ano
 * ``random``: random sampling without pruning, the baseline;
 * ``tpe``, ``gp``, ``cmaes``, each with ``asha`` (asynchronous successive halving, models waiting
   at a rung promoted later), with ``sh`` (Optuna's successive halving, no waiting) and with
-  ``hyperband``; min resource ``--min-resource`` epochs, reduction factor 3.
+  ``hyperband``; min resource ``--min-resource`` epochs, reduction factor 3;
+* ``tpe+asha+warm``: TPE with ASHA, warm-started from an earlier study of the same data
+  (``warm_start_studies=1``: TPE models the earlier trials from its first ask, ASHA's rungs hold
+  their values, and the best earlier configuration is tried first). The earlier studies are
+  ``--prior-studies`` cold ``tpe+asha`` searches per strategy (seeds 1000, 1001, ...), run first;
+  seed ``s`` learns from prior ``s % --prior-studies``. Their epochs are reported beside the
+  table, not charged: the arm measures a search that follows an earlier one on the same data, as a
+  scheduled retraining does.
 
 Every arm runs under each strategy of ``--strategies`` (``task``: a trial per worker; ``mop``:
 model hopper parallelism, the search learning from each epoch as the sweep goes on) for each of
@@ -30,8 +37,9 @@ pruned search that fails never looks cheaper than one that succeeds.
 
 The verdict: per strategy, the ratio of the baseline's median epochs to the arm's median, with a
 bootstrap 95% interval over seeds (seeds resampled with replacement, paired across arms; 2,000
-resamples). Goal: ``tpe+asha`` needs >= 2x fewer epochs than ``random`` (median ratio >= 2) and
-the interval's lower end is above 1.5, under both ``task`` and ``mop``.
+resamples). Goal: TPE+ASHA needs >= 2x fewer epochs than ``random`` (median ratio >= 2) and
+the interval's lower end is above 1.5, under both ``task`` and ``mop``; the verdict is printed for
+``tpe+asha`` (cold) and ``tpe+asha+warm``.
 
 Why not the packaged space: its residual CNNs reach 0.99 validation accuracy with almost any
 learning rate in it (random search, seed 0, passed 0.995 at its 43rd epoch), so no target on it
@@ -50,6 +58,8 @@ Run it from the repository root::
     .venv/bin/python benchmarks/search.py                      # 20 seeds x 10 arms x task, mop
     .venv/bin/python benchmarks/search.py --arms random,tpe+asha --strategies task --seeds 5
     .venv/bin/python benchmarks/search.py --quick              # smoke test: 2 seeds, 2 arms, task
+    .venv/bin/python benchmarks/search.py --arms tpe+asha+warm --add-to benchmarks/results/search.json
+                                   # runs one more arm with the file's settings, merged into it
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ import multiprocessing
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -90,7 +101,12 @@ ARMS: dict[str, tuple[str, str]] = {
     "tpe+sh": ("tpe", "successive_halving"),
     "gp+sh": ("gp", "successive_halving"),
     "cmaes+sh": ("cmaes", "successive_halving"),
+    # learns from an earlier study of the same data (warm_start_studies=1)
+    "tpe+asha+warm": ("tpe", "asha"),
 }
+WARM_ARMS = ("tpe+asha+warm",)
+PRIOR_ARM, PRIOR_SEED = "tpe+asha", 1000  # the earlier studies the warm arms learn from
+GOAL_ARMS = ("tpe+asha", "tpe+asha+warm")
 GOAL_RATIO, GOAL_LOWER = 2.0, 1.5
 # Wide on purpose: a search has to find the good region (lr too low or too high, tiny models).
 SPACE: dict[str, Any] = {
@@ -179,9 +195,14 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         strategy=job["strategy"],
         space=job["space"],
         goal_val_acc=job["target"],  # past the target a search's compute no longer counts
+        warm_start_studies=1 if job["arm"] in WARM_ARMS else 0,
     )
     work = Path(job["work"])
-    study = f"bench-{job['strategy']}-{job['arm'].replace('+', '-')}-{job['seed']}"
+    study = study_name(job["strategy"], job["arm"], job["seed"])
+    journal = work / "optuna" / f"{study}.log"
+    if job.get("prior"):  # the earlier study lives in the storage the warm search opens
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(job["prior"]["journal"], journal)
     reports: list[tuple[float, float]] = []
     started = time.monotonic()
 
@@ -195,7 +216,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             cfg,
             job["manifest"],
             study,
-            str(work / "optuna" / f"{study}.log"),
+            str(journal),
             str(work / "artifacts" / study),
             _client(job["workers"]),
             min_complete=0,  # no extra trials for an ensemble: the benchmark stops at the target
@@ -215,7 +236,12 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "total_s": round(time.monotonic() - started, 2),
         "best_val_acc": round(max((acc for _, acc in reports), default=0.0), 4),
         "trials": {s: sum(r.state == s for r in results) for s in ("COMPLETE", "PRUNED", "FAIL")},
-    }
+    } | ({"prior_seed": job["prior"]["seed"]} if job.get("prior") else {})
+
+
+def study_name(strategy: str, arm: str, seed: int) -> str:
+    """The study (and journal file) of one search."""
+    return f"bench-{strategy}-{arm.replace('+', '-')}-{seed}"
 
 
 def charged_epochs(row: dict[str, Any], budget_epochs: int) -> int:
@@ -261,21 +287,39 @@ def summarize(
     return table
 
 
-def verdicts(table: list[dict[str, Any]], strategies: Sequence[str]) -> dict[str, str]:
-    """PASS per strategy where tpe+asha's ratio is >= 2 and its interval's lower end > 1.5."""
-    out = {}
+def verdicts(table: list[dict[str, Any]], strategies: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Per strategy and goal arm (:data:`GOAL_ARMS`): PASS where the arm's ratio is >= 2 and its
+    interval's lower end > 1.5."""
+    out: dict[str, dict[str, str]] = {}
     for strategy in strategies:
-        entry = next((e for e in table if e["strategy"] == strategy and e["arm"] == "tpe+asha"), None)
-        if entry is None or "ratio" not in entry:
-            out[strategy] = "NOT MEASURED"
-        else:
-            ok = entry["ratio"] >= GOAL_RATIO and entry["ci95"][0] > GOAL_LOWER
-            out[strategy] = "PASS" if ok else "FAIL"
+        out[strategy] = {}
+        for arm in GOAL_ARMS:
+            entry = next((e for e in table if e["strategy"] == strategy and e["arm"] == arm), None)
+            if entry is None or "ratio" not in entry:
+                out[strategy][arm] = "NOT MEASURED"
+            else:
+                ok = entry["ratio"] >= GOAL_RATIO and entry["ci95"][0] > GOAL_LOWER
+                out[strategy][arm] = "PASS" if ok else "FAIL"
     return out
 
 
-def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], partial: bool) -> dict[str, Any]:
-    """The JSON of every run so far with the summary table (written after each run)."""
+def prior_summary(priors: list[dict[str, Any]], strategies: Sequence[str]) -> dict[str, Any]:
+    """Per strategy: the earlier studies the warm arms learned from and the epochs each trained."""
+    return {
+        strategy: {
+            "seeds": [p["seed"] for p in priors if p["strategy"] == strategy],
+            "epochs_trained": [p["epochs_trained"] for p in priors if p["strategy"] == strategy],
+        }
+        for strategy in strategies
+        if any(p["strategy"] == strategy for p in priors)
+    }
+
+
+def write_results(
+    args: argparse.Namespace, rows: list[dict[str, Any]], partial: bool, priors: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The JSON of every run so far with the summary table (written after each run); ``priors``:
+    the runs of the earlier studies the warm arms learned from."""
     table = summarize(rows, args.strategies, args.arms, args.budget_epochs)
     result = {
         "benchmark": "search",
@@ -283,10 +327,12 @@ def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], partial:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": platform.python_version()},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "goal": f"tpe+asha: median ratio of epochs to target >= {GOAL_RATIO}x random, 95% CI lower end > {GOAL_LOWER}",
+        "goal": f"median ratio of epochs to target >= {GOAL_RATIO}x random, 95% CI lower end > {GOAL_LOWER}",
         "summary": table,
         "verdict": verdicts(table, args.strategies),
+        "priors": prior_summary(priors, args.strategies),
         "rows": sorted(rows, key=lambda r: (r["strategy"], r["arm"], r["seed"])),
+        "prior_rows": sorted(priors, key=lambda r: (r["strategy"], r["seed"])),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
@@ -302,11 +348,17 @@ def print_table(result: dict[str, Any], target: float) -> None:
             f"{e['strategy']:8} {e['arm']:16} {e['reached']:>3}/{e['runs']:<4} "
             f"{e['median_epochs']:10.1f} {e['median_s']:7.1f} {ratio}  {ci}"
         )
-    for strategy, verdict in result["verdict"].items():
-        print(f"{strategy}: tpe+asha vs random, epochs to val_acc >= {target}: {verdict} ({result['goal']})")
+    for strategy, prior in result.get("priors", {}).items():
+        print(
+            f"{strategy}: the warm arm learned from {PRIOR_ARM} studies of seeds {prior['seeds']}, which trained "
+            f"{prior['epochs_trained']} epochs (not charged)"
+        )
+    for strategy, by_arm in result["verdict"].items():
+        for arm, verdict in by_arm.items():
+            print(f"{strategy}: {arm} vs random, epochs to val_acc >= {target}: {verdict} ({result['goal']})")
 
 
-PRIMARY = (BASELINE, "tpe+asha")  # the goal's comparison: run first, on every seed
+PRIMARY = (BASELINE, *GOAL_ARMS)  # the goal's comparisons: run first, on every seed
 
 
 def run_order(args: argparse.Namespace) -> list[tuple[int, str, str]]:
@@ -347,7 +399,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--jobs", type=int, default=1, help="searches at once, each with its own cluster")
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 seeds, random and tpe+asha, task")
+    parser.add_argument(
+        "--prior-studies",
+        type=int,
+        default=4,
+        help="earlier cold tpe+asha studies per strategy that the warm arms learn from (run first)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--add-to",
+        type=Path,
+        default=None,
+        help="run --arms with the settings recorded in this results file and merge the runs into it "
+        "(the baseline may then be the recorded one)",
+    )
     parser.add_argument(
         "--summarize",
         type=Path,
@@ -366,9 +431,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ]
     if unknown:
         parser.error(f"unknown arm(s)/strateg(ies) {unknown}; arms: {', '.join(ARMS)}; strategies: task, mop")
-    if BASELINE not in args.arms:
+    args.runs_to_run, args.strategies_to_run = list(args.arms), list(args.strategies)
+    args.recorded = {"rows": [], "prior_rows": []}
+    if args.prior_studies < 1:
+        parser.error(f"--prior-studies must be >= 1, got {args.prior_studies}")
+    if args.add_to is not None:
+        if not args.add_to.is_file():
+            parser.error(f"--add-to {args.add_to}: no such results file")
+        adopt_recorded(args, json.loads(args.add_to.read_text()))
+    elif BASELINE not in args.arms:
         parser.error(f"the baseline arm {BASELINE!r} must be among --arms (the ratios are against it)")
     return args
+
+
+RECORDED_SETTINGS = (
+    "trials", "budget_epochs", "epochs", "min_resource", "workers", "model_slots", "target", "samples",
+    "val_fraction", "space",
+)  # fmt: skip
+
+
+def adopt_recorded(args: argparse.Namespace, recorded: dict[str, Any]) -> None:
+    """``--add-to``: the new arms run with the file's search settings; the table covers the
+    recorded arms and the new ones, and the merged runs are written back to the file."""
+    settings = recorded["settings"]
+    for key in RECORDED_SETTINGS:
+        if key in settings:
+            setattr(args, key, settings[key])
+    args.runs_to_run, args.strategies_to_run = list(args.arms), list(args.strategies)
+    args.arms = list(dict.fromkeys([*settings["arms"], *args.arms]))
+    args.strategies = list(dict.fromkeys([*settings["strategies"], *args.strategies]))
+    args.seeds = max(args.seeds, int(settings["seeds"]))
+    args.other_seeds = max(args.other_seeds, int(settings.get("other_seeds", settings["seeds"])))
+    args.recorded = recorded
+    args.output = args.add_to
+
+
+def merge_rows(recorded: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``recorded`` runs with ``new`` ones; a new run replaces a recorded run of the same strategy,
+    arm and seed."""
+    key = lambda r: (r["strategy"], r["arm"], r["seed"])  # noqa: E731
+    fresh = {key(r) for r in new}
+    return [r for r in recorded if key(r) not in fresh] + new
 
 
 def resummarize(args: argparse.Namespace) -> int:
@@ -382,10 +485,33 @@ def resummarize(args: argparse.Namespace) -> int:
         setattr(args, key, settings[key])
     args.output = args.summarize
     partial = bool(recorded.get("partial"))
-    result = write_results(args, recorded["rows"], partial=partial)
+    result = write_results(args, recorded["rows"], partial=partial, priors=recorded.get("prior_rows", []))
     print_table(result, args.target)
     print(f"rewrote {args.output}{' (partial: the run was stopped)' if partial else ''}")
     return 0
+
+
+def _job(base: dict[str, Any], seed: int, strategy: str, arm: str) -> dict[str, Any]:
+    return {**base, "strategy": strategy, "arm": arm, "seed": seed}
+
+
+def run_jobs(args: argparse.Namespace, jobs: list[dict[str, Any]], on_row: Any) -> list[dict[str, Any]]:
+    """Run ``jobs`` (``--jobs`` at a time, each in its own process) and report each row."""
+    rows: list[dict[str, Any]] = []
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(run_one, job) for job in jobs]
+        for done, future in enumerate(as_completed(futures), start=1):
+            row = future.result()
+            rows.append(row)
+            print(
+                f"[{done}/{len(jobs)}] {row['strategy']:4} {row['arm']:16} seed {row['seed']:4}: "
+                f"{row['epochs_to_target']:4d} epochs{'' if row['reached'] else ' (not reached)'}, "
+                f"{row['seconds_to_target']:6.1f} s to target; best {row['best_val_acc']:.4f}",
+                flush=True,
+            )
+            on_row(rows, done < len(jobs))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,7 +524,12 @@ def main(argv: list[str] | None = None) -> int:
 
     spaces: dict[str, dict[str, Any] | None] = {"wide": SPACE, "packaged": None}
     space = spaces[args.space] if args.space in spaces else json.loads(Path(args.space).read_text())
-    rows: list[dict[str, Any]] = []
+    recorded = args.recorded
+    order = [
+        (seed, st, arm)
+        for seed, st, arm in run_order(args)
+        if arm in args.runs_to_run and st in args.strategies_to_run
+    ]
     with tempfile.TemporaryDirectory(prefix="mopflow-bench-search-") as tmp:
         with dask_client("", args.workers) as client:
             manifest = shard_dataset(
@@ -407,33 +538,26 @@ def main(argv: list[str] | None = None) -> int:
         base = {
             k: getattr(args, k)
             for k in ("trials", "budget_epochs", "epochs", "min_resource", "workers", "model_slots", "target")
-        }
-        jobs = [
-            {
-                **base,
-                "strategy": strategy,
-                "arm": arm,
-                "seed": seed,
-                "space": space,
-                "manifest": manifest,
-                "work": tmp,
-            }
-            for seed, strategy, arm in run_order(args)
-        ]
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(run_one, job) for job in jobs]
-            for done, future in enumerate(as_completed(futures), start=1):
-                row = future.result()
-                rows.append(row)
-                print(
-                    f"[{done}/{len(jobs)}] {row['strategy']:4} {row['arm']:16} seed {row['seed']:2}: "
-                    f"{row['epochs_to_target']:4d} epochs{'' if row['reached'] else ' (not reached)'}, "
-                    f"{row['seconds_to_target']:6.1f} s to target; best {row['best_val_acc']:.4f}",
-                    flush=True,
-                )
-                write_results(args, rows, partial=done < len(jobs))
-    result = write_results(args, rows, partial=False)
+        } | {"space": space, "manifest": manifest, "work": tmp}
+        warm = sorted({st for _, st, arm in order if arm in WARM_ARMS})
+        priors = run_jobs(  # the earlier studies first: the warm searches copy their journals
+            args,
+            [_job(base, PRIOR_SEED + i, st, PRIOR_ARM) for st in warm for i in range(args.prior_studies)],
+            lambda rows, partial: None,
+        )
+        priors = merge_rows(recorded.get("prior_rows", []), priors)
+        jobs = [_job(base, seed, st, arm) for seed, st, arm in order]
+        for job in jobs:
+            if job["arm"] in WARM_ARMS:
+                prior_seed = PRIOR_SEED + job["seed"] % args.prior_studies
+                name = study_name(job["strategy"], PRIOR_ARM, prior_seed)
+                job["prior"] = {"journal": f"{tmp}/optuna/{name}.log", "seed": prior_seed}
+        rows = run_jobs(
+            args,
+            jobs,
+            lambda rows, partial: write_results(args, merge_rows(recorded["rows"], rows), partial, priors),
+        )
+    result = write_results(args, merge_rows(recorded["rows"], rows), partial=False, priors=priors)
     print_table(result, args.target)
     print(f"wrote {args.output}")
     return 0

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.benchmarks.loader import load_benchmark
@@ -39,11 +42,12 @@ def test_the_verdict_needs_both_the_ratio_and_the_interval() -> None:
     table = [
         {"strategy": "task", "arm": "tpe+asha", "ratio": 2.4, "ci95": [1.7, 3.1]},
         {"strategy": "mop", "arm": "tpe+asha", "ratio": 2.2, "ci95": [1.2, 3.5]},
+        {"strategy": "mop", "arm": "tpe+asha+warm", "ratio": 1.9, "ci95": [1.6, 3.5]},
     ]
     assert bench.verdicts(table, ["task", "mop", "ddp"]) == {
-        "task": "PASS",
-        "mop": "FAIL",
-        "ddp": "NOT MEASURED",
+        "task": {"tpe+asha": "PASS", "tpe+asha+warm": "NOT MEASURED"},
+        "mop": {"tpe+asha": "FAIL", "tpe+asha+warm": "FAIL"},
+        "ddp": {"tpe+asha": "NOT MEASURED", "tpe+asha+warm": "NOT MEASURED"},
     }
 
 
@@ -66,3 +70,29 @@ def test_a_search_that_never_reaches_the_target_is_charged_the_whole_budget() ->
     failed = {"reached": False, "epochs_to_target": 90}  # pruned hard and gave up early
     assert bench.charged_epochs(reached, 720) == 300
     assert bench.charged_epochs(failed, 720) == 720
+
+
+def test_added_arms_take_the_recorded_settings_and_replace_only_their_own_runs(tmp_path: Path) -> None:
+    recorded = {
+        "settings": {"arms": ["random", "tpe+asha"], "strategies": ["task", "mop"], "seeds": 20,
+                     "other_seeds": 8, "epochs": 30, "budget_epochs": 720, "target": 0.96, "trials": 200},
+        "rows": [{"strategy": "task", "arm": a, "seed": 0, "epochs_to_target": 9} for a in ("random", "tpe+asha")],
+    }  # fmt: skip
+    results = tmp_path / "search.json"
+    results.write_text(json.dumps(recorded))
+    args = bench.parse_args(
+        ["--arms", "tpe+asha+warm", "--seeds", "5", "--epochs", "3", "--add-to", str(results)]
+    )
+    assert args.runs_to_run == ["tpe+asha+warm"] and args.arms == ["random", "tpe+asha", "tpe+asha+warm"]
+    assert (args.epochs, args.seeds, args.output) == (30, 20, results)  # the file's settings hold
+    new = [{"strategy": "task", "arm": "tpe+asha", "seed": 0, "epochs_to_target": 7}]
+    merged = bench.merge_rows(recorded["rows"], new)
+    assert sorted((r["arm"], r["epochs_to_target"]) for r in merged) == [("random", 9), ("tpe+asha", 7)]
+
+
+def test_the_warm_arm_runs_with_the_goal_arms_and_needs_an_earlier_study() -> None:
+    args = bench.parse_args(["--seeds", "2", "--arms", "random,tpe+asha+warm", "--strategies", "mop"])
+    assert bench.run_order(args) == [(s, "mop", a) for s in range(2) for a in ("random", "tpe+asha+warm")]
+    assert args.prior_studies == 4
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--prior-studies", "0"])
