@@ -196,7 +196,7 @@ class SearchConfig(StageConfig):
         ge=0,
         le=20,
         description="A new study learns from the trials of up to this many earlier studies in the Optuna "
-        "storage over the same data, space and epochs (newest first): the sampler models them from the "
+        "storage of the same dataset, space and epochs (newest first): the sampler models them from the "
         "start, ASHA's rungs hold their values, and their best configuration is tried first; 0 = off",
     )
 

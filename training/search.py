@@ -24,7 +24,14 @@ from training.rungs import current
 from training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
 from training.trial import TrialResult
 from training.volatile.scaling import RoundScale
-from training.warm_history import WARM_START_ATTR, is_learned, learn_from_earlier, own_trials, search_key
+from training.warm_history import (
+    WARM_START_ATTR,
+    dataset_identity,
+    is_learned,
+    learn_from_earlier,
+    own_trials,
+    search_key,
+)
 
 if TYPE_CHECKING:
     from training.volatile.spot_report import SpotReport
@@ -319,7 +326,7 @@ def open_study(
         pruner=make_pruner(cfg.pruner, cfg.min_resource, cfg.epochs),
         load_if_exists=True,
     )
-    key = search_key(str(manifest["manifest_hash"]), space, cfg.epochs)
+    key = search_key(dataset_identity(manifest), space, cfg.epochs)
     learn_from_earlier(study, key, cfg.warm_start_studies)
     if warm_start is not None:
         warm_start_study(study, space, warm_start)

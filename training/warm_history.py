@@ -1,8 +1,9 @@
 """Warm start from earlier studies of the same data: the sampler learns from their trials.
 
-A study records what makes it comparable with another (:data:`SEARCH_KEY_ATTR`): the data's
-manifest hash, the search space and the epochs per trial (the learning-rate schedule spans them,
-so the values at each epoch depend on them). A new study with ``warm_start_studies=N`` copies the
+A study records what makes it comparable with another (:data:`SEARCH_KEY_ATTR`): the dataset
+(its name, features, input shape and classes, not its rows: a retraining on new rows of the same
+dataset learns from the earlier ones), the search space and the epochs per trial (the
+learning-rate schedule spans them, so the values at each epoch depend on them). A new study with ``warm_start_studies=N`` copies the
 finished trials of the N newest earlier studies with the same key from its Optuna storage:
 
 * TPE, GP and CMA-ES count them as history, so the model-based sampler starts at once (no random
@@ -20,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -36,10 +37,19 @@ WARM_START_ATTR = "mopflow_warm_start"  # trial attr: an enqueued known-good con
 MAX_LEARNED_TRIALS = 1000  # bounds the sampler's work on every ask
 
 
-def search_key(manifest_hash: str, space: Any, epochs: int) -> str:
-    """What makes two studies' trials comparable: the same data, space and epochs per trial."""
+DATASET_FIELDS = ("dataset", "modality", "feature_columns", "input_shape", "label_column", "num_classes")
+
+
+def dataset_identity(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """What names a dataset in a shard manifest, whatever rows it holds this time."""
+    return {name: manifest.get(name) for name in DATASET_FIELDS}
+
+
+def search_key(dataset: Mapping[str, Any], space: Any, epochs: int) -> str:
+    """What makes two studies' trials comparable: the same dataset (:func:`dataset_identity`),
+    space and epochs per trial."""
     spec = space.model_dump(mode="json") if hasattr(space, "model_dump") else space
-    blob = json.dumps({"data": manifest_hash, "space": spec, "epochs": epochs}, sort_keys=True)
+    blob = json.dumps({"data": dict(dataset), "space": spec, "epochs": epochs}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

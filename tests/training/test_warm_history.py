@@ -19,6 +19,7 @@ from training.warm_history import (
     LEARNED_ATTR,
     SEARCH_KEY_ATTR,
     WARM_START_ATTR,
+    dataset_identity,
     learn_from_earlier,
     own_trials,
     search_key,
@@ -26,7 +27,8 @@ from training.warm_history import (
 
 CFG = SearchConfig(n_trials=4, space=SMALL_SEARCH_SPACE, pruner="asha", min_resource=1, epochs=3)
 SPACE = CFG.search_space()
-KEY = search_key("data-hash", SPACE, CFG.epochs)
+MANIFEST = {"dataset": "mnist1d", "modality": "sequence", "input_shape": [1, 40], "num_classes": 10}
+KEY = search_key(dataset_identity(MANIFEST), SPACE, CFG.epochs)
 
 
 def _earlier_study(storage: object, name: str, key: str, values: list[float | None]) -> optuna.Study:
@@ -51,17 +53,24 @@ def _earlier_study(storage: object, name: str, key: str, values: list[float | No
     return study
 
 
-def test_the_key_changes_with_the_data_the_space_and_the_epochs() -> None:
+def test_the_key_names_the_dataset_the_space_and_the_epochs_not_the_rows() -> None:
+    new_rows = MANIFEST | {"source": "other rows", "manifest_hash": "other", "splits": {}}
+    assert search_key(dataset_identity(new_rows), SPACE, 3) == KEY
     other_space = SearchConfig().search_space()  # the packaged default space
-    assert search_key("data-hash", SPACE, 3) == KEY
-    assert len({KEY, search_key("other", SPACE, 3), search_key("data-hash", other_space, 3)}) == 3
-    assert search_key("data-hash", SPACE, 4) != KEY
+    other_data = dataset_identity(MANIFEST | {"dataset": "file:///data/other.csv"})
+    assert (
+        len({KEY, search_key(other_data, SPACE, 3), search_key(dataset_identity(MANIFEST), other_space, 3)})
+        == 3
+    )
+    assert search_key(dataset_identity(MANIFEST), SPACE, 4) != KEY
 
 
 def test_a_new_study_learns_from_earlier_studies_of_the_same_key(tmp_path: Path) -> None:
     storage = make_storage(str(tmp_path / "j.log"))
     earlier = _earlier_study(storage, "monday", KEY, [0.7, 0.9, None, 0.5])
-    _earlier_study(storage, "other-data", search_key("other", SPACE, 3), [0.99])
+    _earlier_study(
+        storage, "other-data", search_key(dataset_identity(MANIFEST | {"num_classes": 2}), SPACE, 3), [0.99]
+    )
     study = optuna.create_study(study_name="tuesday", storage=storage, direction="maximize")
 
     assert learn_from_earlier(study, KEY, studies=1) == 3  # the failed trial teaches nothing
