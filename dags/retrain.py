@@ -7,8 +7,9 @@ timetable (``MOPFLOW_RETRAIN_SCHEDULE``, default ``@weekly``; ``none`` = only on
 new data; such a run trains on the data (and registers the model) the event names, with its
 own Params for the rest. ``MOPFLOW_RETRAIN_CONFIG`` (a YAML file of config keys) sets those Params'
 defaults. Its own shard task publishes no event, so a retrain never triggers another one.
-The search enqueues the current champion's params as its first trial (``warm_start``); the
-register task is the promotion gate (challenger, and champion when it passes).
+The search enqueues the current champion's params as its first trial (``warm_start``) and learns
+from the newest earlier study of the same dataset (``warm_start_studies=1``); the register task is
+the promotion gate (challenger, and champion when it passes).
 """
 
 from __future__ import annotations

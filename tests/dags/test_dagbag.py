@@ -97,6 +97,8 @@ def test_retrain_runs_on_its_timetable_or_new_sharded_data(dagbag: Any) -> None:
 def test_retrain_warm_starts_and_sweep_does_not_by_default(dagbag: Any) -> None:
     assert dagbag.dags["mopflow_retrain"].params["warm_start"] is True
     assert dagbag.dags["mopflow_sweep"].params["warm_start"] is False
+    assert dagbag.dags["mopflow_retrain"].params["warm_start_studies"] == 1
+    assert dagbag.dags["mopflow_sweep"].params["warm_start_studies"] == 0
 
 
 @pytest.mark.parametrize("dag_id", ["mopflow_retrain", "mopflow_sweep"])
