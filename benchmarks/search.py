@@ -431,10 +431,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ]
     if unknown:
         parser.error(f"unknown arm(s)/strateg(ies) {unknown}; arms: {', '.join(ARMS)}; strategies: task, mop")
-    args.runs_to_run, args.strategies_to_run = list(args.arms), list(args.strategies)
     args.recorded = {"rows": [], "prior_rows": []}
     if args.prior_studies < 1:
         parser.error(f"--prior-studies must be >= 1, got {args.prior_studies}")
+    args.to_run = run_order(args)  # the searches this invocation runs (--add-to: only these)
     if args.add_to is not None:
         if not args.add_to.is_file():
             parser.error(f"--add-to {args.add_to}: no such results file")
@@ -457,7 +457,6 @@ def adopt_recorded(args: argparse.Namespace, recorded: dict[str, Any]) -> None:
     for key in RECORDED_SETTINGS:
         if key in settings:
             setattr(args, key, settings[key])
-    args.runs_to_run, args.strategies_to_run = list(args.arms), list(args.strategies)
     args.arms = list(dict.fromkeys([*settings["arms"], *args.arms]))
     args.strategies = list(dict.fromkeys([*settings["strategies"], *args.strategies]))
     args.seeds = max(args.seeds, int(settings["seeds"]))
@@ -525,11 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     spaces: dict[str, dict[str, Any] | None] = {"wide": SPACE, "packaged": None}
     space = spaces[args.space] if args.space in spaces else json.loads(Path(args.space).read_text())
     recorded = args.recorded
-    order = [
-        (seed, st, arm)
-        for seed, st, arm in run_order(args)
-        if arm in args.runs_to_run and st in args.strategies_to_run
-    ]
+    order = args.to_run
     with tempfile.TemporaryDirectory(prefix="mopflow-bench-search-") as tmp:
         with dask_client("", args.workers) as client:
             manifest = shard_dataset(

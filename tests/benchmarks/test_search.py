@@ -80,10 +80,10 @@ def test_added_arms_take_the_recorded_settings_and_replace_only_their_own_runs(t
     }  # fmt: skip
     results = tmp_path / "search.json"
     results.write_text(json.dumps(recorded))
-    args = bench.parse_args(
-        ["--arms", "tpe+asha+warm", "--seeds", "5", "--epochs", "3", "--add-to", str(results)]
-    )
-    assert args.runs_to_run == ["tpe+asha+warm"] and args.arms == ["random", "tpe+asha", "tpe+asha+warm"]
+    argv = ["--arms", "tpe+asha+warm", "--strategies", "mop", "--seeds", "5", "--epochs", "3"]
+    args = bench.parse_args([*argv, "--add-to", str(results)])
+    assert args.to_run == [(s, "mop", "tpe+asha+warm") for s in range(5)]  # only the new runs
+    assert args.arms == ["random", "tpe+asha", "tpe+asha+warm"] and args.strategies == ["task", "mop"]
     assert (args.epochs, args.seeds, args.output) == (30, 20, results)  # the file's settings hold
     new = [{"strategy": "task", "arm": "tpe+asha", "seed": 0, "epochs_to_target": 7}]
     merged = bench.merge_rows(recorded["rows"], new)
