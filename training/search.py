@@ -129,10 +129,17 @@ def grid_configurations(space: SearchSpace, points: int, seed: int) -> list[dict
     return configs
 
 
+def is_fresh(study: optuna.Study) -> bool:
+    """Whether ``study`` has no trial of its own yet besides warm starts still enqueued (copies of
+    earlier studies' trials are not its own)."""
+    trials = own_trials(study.get_trials(deepcopy=False))
+    return all(t.state == TrialState.WAITING and WARM_START_ATTR in t.user_attrs for t in trials)
+
+
 def enqueue_grid(study: optuna.Study, cfg: SearchConfig, space: SearchSpace) -> int:
     """Enqueue the grid (at most ``n_trials`` points) into a new study; returns how many."""
-    if [t for t in own_trials(study.get_trials(deepcopy=False)) if WARM_START_ATTR not in t.user_attrs]:
-        return 0  # a resumed study already holds its grid (warm-start trials alone do not count)
+    if not is_fresh(study):
+        return 0  # a resumed study already holds its grid
     configs = grid_configurations(space, cfg.grid_points, cfg.seed)
     if len(configs) > cfg.n_trials:
         log.warning(
@@ -280,9 +287,10 @@ class WarmStart:
 
 def warm_start_study(study: optuna.Study, space: SearchSpace, warm: WarmStart) -> bool:
     """Enqueue ``warm.params`` as the study's first trial; only into a study with no trials of its
-    own yet, so a resumed or rerun search does not enqueue it twice. A configuration outside the current
-    space is skipped with a warning (the space may have changed since the champion was trained)."""
-    if [t for t in own_trials(study.get_trials(deepcopy=False)) if WARM_START_ATTR not in t.user_attrs]:
+    own yet (other warm starts aside), so a resumed or rerun search does not enqueue it twice. A
+    configuration outside the current space is skipped with a warning (the space may have changed
+    since the champion was trained)."""
+    if not is_fresh(study):
         return False
     if any(t.user_attrs.get(WARM_START_ATTR) == warm.source for t in study.get_trials(deepcopy=False)):
         return False
@@ -292,7 +300,7 @@ def warm_start_study(study: optuna.Study, space: SearchSpace, warm: WarmStart) -
         log.warning("search: not warm-starting from %s: %s", warm.source, exc)
         return False
     study.enqueue_trial(fixed, user_attrs={WARM_START_ATTR: warm.source})
-    log.info("search: warm start: first trial is %s's configuration %s", warm.source, warm.params)
+    log.info("search: warm start: enqueued %s's configuration %s", warm.source, warm.params)
     return True
 
 
@@ -318,16 +326,17 @@ def open_study(
     data = DataSpec.from_manifest(manifest)
     space = cfg.search_space(data.modality)
     check_space_fits(space, data)
+    storage = make_storage(storage_url, cfg.parallel_trials)
     study = optuna.create_study(
         study_name=study_name,
-        storage=make_storage(storage_url, cfg.parallel_trials),
+        storage=storage,
         direction="maximize",
         sampler=make_sampler(cfg, space),
         pruner=make_pruner(cfg.pruner, cfg.min_resource, cfg.epochs),
         load_if_exists=True,
     )
     key = search_key(dataset_identity(manifest), space, cfg.epochs)
-    learn_from_earlier(study, key, cfg.warm_start_studies)
+    learn_from_earlier(study, storage, key, cfg.warm_start_studies)
     if warm_start is not None:
         warm_start_study(study, space, warm_start)
     if cfg.sampler == "grid":

@@ -3,8 +3,9 @@
 A study records what makes it comparable with another (:data:`SEARCH_KEY_ATTR`): the dataset
 (its name, features, input shape and classes, not its rows: a retraining on new rows of the same
 dataset learns from the earlier ones), the search space and the epochs per trial (the
-learning-rate schedule spans them, so the values at each epoch depend on them). A new study with ``warm_start_studies=N`` copies the
-finished trials of the N newest earlier studies with the same key from its Optuna storage:
+learning-rate schedule spans them, so the values at each epoch depend on them). A new study with
+``warm_start_studies=N`` copies the finished trials of the N newest earlier studies with the same
+key from its Optuna storage:
 
 * TPE, GP and CMA-ES count them as history, so the model-based sampler starts at once (no random
   start-up trials) from what those studies learned;
@@ -35,8 +36,6 @@ SEARCH_KEY_ATTR = "mopflow_search_key"  # study attr: data, space and epochs the
 LEARNED_ATTR = "mopflow_learned_from"  # trial attr: a copy of an earlier study's trial
 WARM_START_ATTR = "mopflow_warm_start"  # trial attr: an enqueued known-good configuration's source
 MAX_LEARNED_TRIALS = 1000  # bounds the sampler's work on every ask
-
-
 DATASET_FIELDS = ("dataset", "modality", "feature_columns", "input_shape", "label_column", "num_classes")
 
 
@@ -108,12 +107,11 @@ def best_params(trials: Sequence[FrozenTrial]) -> tuple[dict[str, Any], str] | N
     return dict(best.params), str(best.user_attrs.get(LEARNED_ATTR, best.number))
 
 
-def learn_from_earlier(study: optuna.Study, key: str, studies: int) -> int:
+def learn_from_earlier(study: optuna.Study, storage: Any, key: str, studies: int) -> int:
     """Record ``key`` on ``study``; when it is new (no trial yet) and ``studies`` > 0, copy the
-    trials of the ``studies`` newest earlier studies under ``key`` into it and enqueue the best
-    earlier configuration first. Returns how many trials were copied (0 for a resumed study, so a
-    rerun copies nothing twice)."""
-    storage = study._storage
+    trials of the ``studies`` newest earlier studies under ``key`` in ``storage`` (the study's
+    Optuna storage) into it and enqueue the best earlier configuration first. Returns how many
+    trials were copied (0 for a resumed study, so a rerun copies nothing twice)."""
     if study.user_attrs.get(SEARCH_KEY_ATTR) != key:
         study.set_user_attr(SEARCH_KEY_ATTR, key)
     if studies <= 0 or study.get_trials(deepcopy=False):

@@ -73,7 +73,7 @@ def test_a_new_study_learns_from_earlier_studies_of_the_same_key(tmp_path: Path)
     )
     study = optuna.create_study(study_name="tuesday", storage=storage, direction="maximize")
 
-    assert learn_from_earlier(study, KEY, studies=1) == 3  # the failed trial teaches nothing
+    assert learn_from_earlier(study, storage, KEY, studies=1) == 3  # the failed trial teaches nothing
     assert study.user_attrs[SEARCH_KEY_ATTR] == KEY  # the next study finds this one
     copies = [t for t in study.trials if LEARNED_ATTR in t.user_attrs]
     assert [t.user_attrs[LEARNED_ATTR] for t in copies] == ["monday#0", "monday#1", "monday#3"]
@@ -91,11 +91,11 @@ def test_a_resumed_study_learns_nothing_twice_and_zero_studies_is_off(tmp_path: 
     storage = make_storage(str(tmp_path / "j.log"))
     _earlier_study(storage, "monday", KEY, [0.7, 0.9])
     study = optuna.create_study(study_name="tuesday", storage=storage, direction="maximize")
-    assert learn_from_earlier(study, KEY, studies=2) == 2
-    assert learn_from_earlier(study, KEY, studies=2) == 0
+    assert learn_from_earlier(study, storage, KEY, studies=2) == 2
+    assert learn_from_earlier(study, storage, KEY, studies=2) == 0
     assert len(study.trials) == 3
     cold = optuna.create_study(study_name="cold", storage=storage, direction="maximize")
-    assert learn_from_earlier(cold, KEY, studies=0) == 0 and cold.trials == []
+    assert learn_from_earlier(cold, storage, KEY, studies=0) == 0 and cold.trials == []
     assert cold.user_attrs[SEARCH_KEY_ATTR] == KEY
 
 
@@ -104,13 +104,15 @@ def test_only_the_newest_studies_are_learned_from_and_not_their_copies(tmp_path:
     _earlier_study(storage, "s1", KEY, [0.6, 0.5])
     _earlier_study(storage, "s2", KEY, [0.7, 0.5])
     s3 = optuna.create_study(study_name="s3", storage=storage, direction="maximize")
-    learn_from_earlier(s3, KEY, studies=1)  # learns s2's two trials
+    learn_from_earlier(s3, storage, KEY, studies=1)  # learns s2's two trials
     stale = s3.ask()
     sample_params(SPACE, stale)
     stale.set_user_attr(STALE_ATTR, True)
     s3.tell(stale, state=TrialState.FAIL)
     s4 = optuna.create_study(study_name="s4", storage=storage, direction="maximize")
-    assert learn_from_earlier(s4, KEY, studies=2) == 2  # s3's copies and failed trial are not its own
+    assert (
+        learn_from_earlier(s4, storage, KEY, studies=2) == 2
+    )  # s3's copies and failed trial are not its own
     assert {t.user_attrs[LEARNED_ATTR] for t in s4.trials if LEARNED_ATTR in t.user_attrs} == {"s2#0", "s2#1"}
 
 
@@ -118,7 +120,7 @@ def test_the_rungs_rank_new_models_among_the_copies(tmp_path: Path) -> None:
     storage = make_storage(str(tmp_path / "j.log"))
     _earlier_study(storage, "monday", KEY, [0.9, 0.8, 0.7, 0.6, 0.4])
     study = optuna.create_study(study_name="tuesday", storage=storage, direction="maximize")
-    learn_from_earlier(study, KEY, studies=1)
+    learn_from_earlier(study, storage, KEY, studies=1)
     controller = SearchController(study, SPACE, CFG, budget=4)
     assert controller.rungs is not None
     # rung 0 (after 1 epoch) holds the five earlier values: 0.45, 0.4, 0.35, 0.3, 0.2
