@@ -326,7 +326,9 @@ def write_results(
         "partial": partial,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": platform.python_version()},
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in INTERNAL_ARGS
+        },
         "goal": f"median ratio of epochs to target >= {GOAL_RATIO}x random, 95% CI lower end > {GOAL_LOWER}",
         "summary": table,
         "verdict": verdicts(table, args.strategies),
@@ -444,6 +446,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+INTERNAL_ARGS = {"recorded", "to_run"}  # what parse_args adds: the file's runs, the run order
 RECORDED_SETTINGS = (
     "trials", "budget_epochs", "epochs", "min_resource", "workers", "model_slots", "target", "samples",
     "val_fraction", "space",

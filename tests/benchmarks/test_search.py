@@ -76,7 +76,8 @@ def test_added_arms_take_the_recorded_settings_and_replace_only_their_own_runs(t
     recorded = {
         "settings": {"arms": ["random", "tpe+asha"], "strategies": ["task", "mop"], "seeds": 20,
                      "other_seeds": 8, "epochs": 30, "budget_epochs": 720, "target": 0.96, "trials": 200},
-        "rows": [{"strategy": "task", "arm": a, "seed": 0, "epochs_to_target": 9} for a in ("random", "tpe+asha")],
+        "rows": [{"strategy": "task", "arm": a, "seed": 0, "epochs_to_target": 9, "reached": True,
+                  "seconds_to_target": 1.0} for a in ("random", "tpe+asha")],
     }  # fmt: skip
     results = tmp_path / "search.json"
     results.write_text(json.dumps(recorded))
@@ -85,9 +86,12 @@ def test_added_arms_take_the_recorded_settings_and_replace_only_their_own_runs(t
     assert args.to_run == [(s, "mop", "tpe+asha+warm") for s in range(5)]  # only the new runs
     assert args.arms == ["random", "tpe+asha", "tpe+asha+warm"] and args.strategies == ["task", "mop"]
     assert (args.epochs, args.seeds, args.output) == (30, 20, results)  # the file's settings hold
-    new = [{"strategy": "task", "arm": "tpe+asha", "seed": 0, "epochs_to_target": 7}]
+    new = [recorded["rows"][1] | {"epochs_to_target": 7}]
     merged = bench.merge_rows(recorded["rows"], new)
     assert sorted((r["arm"], r["epochs_to_target"]) for r in merged) == [("random", 9), ("tpe+asha", 7)]
+    written = bench.write_results(args, merged, partial=False, priors=[])
+    assert "recorded" not in written["settings"] and written["settings"]["arms"] == args.arms
+    assert json.loads(results.read_text())["rows"] == written["rows"]
 
 
 def test_the_warm_arm_runs_with_the_goal_arms_and_needs_an_earlier_study() -> None:
