@@ -60,6 +60,8 @@ Run it from the repository root::
     .venv/bin/python benchmarks/search.py --quick              # smoke test: 2 seeds, 2 arms, task
     .venv/bin/python benchmarks/search.py --arms tpe+asha+warm --add-to benchmarks/results/search.json
                                    # runs one more arm with the file's settings, merged into it
+    .venv/bin/python benchmarks/search.py --arms gp+asha --other-seeds 20 --from-seed 8 \
+        --add-to benchmarks/results/search.json                # seeds 8-19 of a recorded arm
 """
 
 from __future__ import annotations
@@ -364,12 +366,15 @@ PRIMARY = (BASELINE, *GOAL_ARMS)  # the goal's comparisons: run first, on every 
 
 
 def run_order(args: argparse.Namespace) -> list[tuple[int, str, str]]:
-    """(seed, strategy, arm) of every search: the goal's two arms on all seeds first, then the other
-    arms on the first ``--other-seeds`` seeds (a benchmark stopped early has the goal's runs)."""
+    """(seed, strategy, arm) of every search: the goal's arms on all seeds first, then the other
+    arms on the first ``--other-seeds`` seeds (a benchmark stopped early has the goal's runs);
+    seeds below ``--from-seed`` are left out (they are recorded already)."""
     primary = [a for a in args.arms if a in PRIMARY]
     others = [a for a in args.arms if a not in PRIMARY]
-    first = [(s, st, a) for s in range(args.seeds) for st in args.strategies for a in primary]
-    later = [(s, st, a) for s in range(args.other_seeds) for st in args.strategies for a in others]
+    first = [(s, st, a) for s in range(args.from_seed, args.seeds) for st in args.strategies for a in primary]
+    later = [
+        (s, st, a) for s in range(args.from_seed, args.other_seeds) for st in args.strategies for a in others
+    ]
     return first + later
 
 
@@ -401,6 +406,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--jobs", type=int, default=1, help="searches at once, each with its own cluster")
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 seeds, random and tpe+asha, task")
+    parser.add_argument(
+        "--from-seed", type=int, default=0, help="first seed to run (with --add-to: the rest are recorded)"
+    )
     parser.add_argument(
         "--prior-studies",
         type=int,

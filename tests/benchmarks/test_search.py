@@ -63,6 +63,10 @@ def test_the_goal_arms_run_on_every_seed_before_the_others() -> None:
         (s, st, a) for s in range(3) for st in ("task", "mop") for a in ("random", "tpe+asha")
     ]
     assert order[12:] == [(0, "task", "gp+asha"), (0, "mop", "gp+asha")]
+    args = bench.parse_args(
+        ["--seeds", "3", "--arms", "random,gp+asha", "--strategies", "task", "--from-seed", "2"]
+    )
+    assert bench.run_order(args) == [(2, "task", "random"), (2, "task", "gp+asha")]
 
 
 def test_a_search_that_never_reaches_the_target_is_charged_the_whole_budget() -> None:
