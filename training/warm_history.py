@@ -7,8 +7,8 @@ learning-rate schedule spans them, so the values at each epoch depend on them). 
 ``warm_start_studies=N`` copies the finished trials of the N newest earlier studies with the same
 key from its Optuna storage:
 
-* TPE, GP and CMA-ES count them as history, so the model-based sampler starts at once (no random
-  start-up trials) from what those studies learned;
+* the samplers count them towards their start-up trials, so the model-based sampler proposes from
+  the first ask; TPE and GP model them (Optuna's CMA-ES learns only from the trials it proposed);
 * ASHA's rungs start from their values at each rung, so a new model must rank among the
   earlier models to go on;
 * the best earlier configuration is enqueued as the first trial.
