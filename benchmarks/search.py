@@ -78,7 +78,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from datetime import UTC, datetime
 from pathlib import Path
@@ -334,7 +334,6 @@ def write_results(
         "goal": f"median ratio of epochs to target >= {GOAL_RATIO}x random, 95% CI lower end > {GOAL_LOWER}",
         "summary": table,
         "verdict": verdicts(table, args.strategies),
-        "priors": prior_summary(priors, args.strategies),
         "rows": sorted(rows, key=lambda r: (r["strategy"], r["arm"], r["seed"])),
         "prior_rows": sorted(priors, key=lambda r: (r["strategy"], r["seed"])),
     }
@@ -352,7 +351,8 @@ def print_table(result: dict[str, Any], target: float) -> None:
             f"{e['strategy']:8} {e['arm']:16} {e['reached']:>3}/{e['runs']:<4} "
             f"{e['median_epochs']:10.1f} {e['median_s']:7.1f} {ratio}  {ci}"
         )
-    for strategy, prior in result.get("priors", {}).items():
+    strategies = list(result["verdict"])
+    for strategy, prior in prior_summary(result.get("prior_rows", []), strategies).items():
         print(
             f"{strategy}: the warm arm learned from {PRIOR_ARM} studies of seeds {prior['seeds']}, which trained "
             f"{prior['epochs_trained']} epochs (not charged)"
@@ -479,9 +479,12 @@ def adopt_recorded(args: argparse.Namespace, recorded: dict[str, Any]) -> None:
 def merge_rows(recorded: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``recorded`` runs with ``new`` ones; a new run replaces a recorded run of the same strategy,
     arm and seed."""
-    key = lambda r: (r["strategy"], r["arm"], r["seed"])  # noqa: E731
-    fresh = {key(r) for r in new}
-    return [r for r in recorded if key(r) not in fresh] + new
+    fresh = {_run_key(r) for r in new}
+    return [r for r in recorded if _run_key(r) not in fresh] + new
+
+
+def _run_key(row: dict[str, Any]) -> tuple[str, str, int]:
+    return row["strategy"], row["arm"], row["seed"]
 
 
 def resummarize(args: argparse.Namespace) -> int:
@@ -505,8 +508,13 @@ def _job(base: dict[str, Any], seed: int, strategy: str, arm: str) -> dict[str, 
     return {**base, "strategy": strategy, "arm": arm, "seed": seed}
 
 
-def run_jobs(args: argparse.Namespace, jobs: list[dict[str, Any]], on_row: Any) -> list[dict[str, Any]]:
-    """Run ``jobs`` (``--jobs`` at a time, each in its own process) and report each row."""
+def run_jobs(
+    args: argparse.Namespace,
+    jobs: list[dict[str, Any]],
+    on_row: Callable[[list[dict[str, Any]], bool], object],
+) -> list[dict[str, Any]]:
+    """Run ``jobs`` (``--jobs`` at a time, each in its own process); ``on_row(rows so far,
+    partial)`` after each."""
     rows: list[dict[str, Any]] = []
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:

@@ -29,6 +29,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from training.rungs import current
+from training.space import SearchSpace
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,10 @@ def dataset_identity(manifest: Mapping[str, Any]) -> dict[str, Any]:
     return {name: manifest.get(name) for name in DATASET_FIELDS}
 
 
-def search_key(dataset: Mapping[str, Any], space: Any, epochs: int) -> str:
+def search_key(dataset: Mapping[str, Any], space: SearchSpace, epochs: int) -> str:
     """What makes two studies' trials comparable: the same dataset (:func:`dataset_identity`),
     space and epochs per trial."""
-    spec = space.model_dump(mode="json") if hasattr(space, "model_dump") else space
+    spec = space.model_dump(mode="json")
     blob = json.dumps({"data": dict(dataset), "space": spec, "epochs": epochs}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -98,13 +99,13 @@ def history_of(study: optuna.Study) -> list[FrozenTrial]:
     ]
 
 
-def best_params(trials: Sequence[FrozenTrial]) -> tuple[dict[str, Any], str] | None:
-    """The parameters of the best COMPLETE trial among ``trials`` and where it came from."""
-    done = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
+def best_params(copies: Sequence[FrozenTrial]) -> tuple[dict[str, Any], str] | None:
+    """The parameters of the best COMPLETE copy and the trial it copies (``"<study>#<n>"``)."""
+    done = [t for t in copies if t.state == TrialState.COMPLETE and t.value is not None]
     if not done:
         return None
     best = max(done, key=lambda t: t.value or 0.0)
-    return dict(best.params), str(best.user_attrs.get(LEARNED_ATTR, best.number))
+    return dict(best.params), str(best.user_attrs[LEARNED_ATTR])
 
 
 def learn_from_earlier(study: optuna.Study, storage: Any, key: str, studies: int) -> int:
