@@ -26,6 +26,7 @@ from training.trial import TrialResult
 from training.volatile.scaling import RoundScale
 from training.warm_history import (
     WARM_START_ATTR,
+    best_params,
     dataset_identity,
     is_learned,
     learn_from_earlier,
@@ -298,6 +299,12 @@ def warm_start_study(study: optuna.Study, space: SearchSpace, warm: WarmStart) -
         fixed = optuna_params_for(space, warm.params)
     except SpaceError as exc:
         log.warning("search: not warm-starting from %s: %s", warm.source, exc)
+        return False
+    earlier = best_params([t for t in study.get_trials(deepcopy=False) if is_learned(t)])
+    if earlier is not None and earlier[0] == fixed:  # enqueued already, as the earlier studies' best
+        log.info(
+            "search: warm start: %s's configuration is the earlier studies' best; not twice", warm.source
+        )
         return False
     study.enqueue_trial(fixed, user_attrs={WARM_START_ATTR: warm.source})
     log.info("search: warm start: enqueued %s's configuration %s", warm.source, warm.params)

@@ -132,3 +132,20 @@ def test_the_rungs_rank_new_models_among_the_copies(tmp_path: Path) -> None:
     controller.on_model_done(ModelOutcome(sampled, stopped_early=True, checkpoint_uri="ckpt"))
     assert controller.waiting == {sampled.model_id: sampled}
     assert controller.started == 2  # the copies use none of the budget
+
+
+def test_the_champion_s_configuration_is_not_enqueued_twice(tmp_path: Path) -> None:
+    from training.search import WarmStart, warm_start_study
+
+    storage = make_storage(str(tmp_path / "j.log"))
+    earlier = _earlier_study(storage, "monday", KEY, [0.7, 0.9])
+    study = optuna.create_study(study_name="tuesday", storage=storage, direction="maximize")
+    learn_from_earlier(study, storage, KEY, studies=1)
+    champion = WarmStart(params_from_optuna(earlier.best_trial.params), "m-student v1 (champion)")
+    assert not warm_start_study(study, SPACE, champion)  # the earlier best is that configuration
+    other = WarmStart(params_from_optuna(earlier.trials[0].params), "m-student v2 (champion)")
+    assert warm_start_study(study, SPACE, other)
+    assert [t.user_attrs[WARM_START_ATTR] for t in own_trials(study.trials)] == [
+        "study monday#1",
+        "m-student v2 (champion)",
+    ]
