@@ -3,6 +3,9 @@
 #   make test   creates or updates .venv and runs the whole test suite
 SHELL := /bin/bash
 PYTHON ?= python3.11
+# Where torch comes from; empty: pip's configured index. A CPU build on a fresh Linux machine:
+#   make demo TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mopflow-installed
@@ -13,8 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "mopflow needs $(PYTHON) on PATH" >&2; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
-	# torch first, pinned: the CPU wheel (a looser range would pull a multi-GB CUDA build)
-	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	# torch first, pinned, so that the constraints cannot pull another build (PyPI's Linux wheel is CUDA's)
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	$(BIN)/python -m pip check
 	@touch $(STAMP)

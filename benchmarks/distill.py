@@ -3,27 +3,27 @@
 What is measured
 ----------------
 1. Data. Default MNIST-1D (``DataConfig()``: 5000 generated samples, seed 42, 4 training shards)
-   is sharded into a temporary data root with ``training.data.shard_dataset`` on a 2-worker Dask
-   ``LocalCluster`` (``training.cluster.dask_client("", 2)``).
+   is sharded into a temporary data root with ``mopflow.training.data.shard_dataset`` on a 2-worker Dask
+   ``LocalCluster`` (``mopflow.training.cluster.dask_client("", 2)``).
 2. Teacher. ``--members`` CNN ensemble members (default 4) with fixed, known-good configurations
    (two architectures, two seeds each; see ``MEMBER_CONFIGS``) are trained for ``--epochs``
-   epochs (default 80) by ``training.executors.task.TaskExecutor`` on the Dask workers (an epoch
+   epochs (default 80) by ``mopflow.training.executors.task.TaskExecutor`` on the Dask workers (an epoch
    per task, as the search's ``task`` strategy trains; no Optuna storage). The COMPLETE members are combined with
-   ``compression.ensemble.build_ensemble`` into a ``ProbabilityEnsemble`` (equal weights); the
+   ``mopflow.compression.ensemble.build_ensemble`` into a ``ProbabilityEnsemble`` (equal weights); the
    cluster is closed before the students are trained.
 3. Students. ``plan_student(DistillConfig(epochs=...), ensemble_params, DataSpec(40, 10))`` sizes a CNN
    student to at most 10% of the ensemble's parameters (the pipeline's ``DistillConfig``
    defaults otherwise: T, alpha, MUNGE multiplier, lr, batch size). The teacher is the ensemble
-   in the form ``compression.ensemble.faster_form`` picks (member loop or ``StackedEnsemble``,
+   in the form ``mopflow.compression.ensemble.faster_form`` picks (member loop or ``StackedEnsemble``,
    whichever is faster here, as in the pipeline). The transfer set is built as in the pipeline
-   (``compression.distill.transfer_set``: the training split plus ``munge_multiplier`` MUNGE
+   (``mopflow.compression.distill.transfer_set``: the training split plus ``munge_multiplier`` MUNGE
    points per example labelled by the teacher). For each of ``--seeds`` seeds (default 1) the
    same student architecture is trained twice, in this process (one torch thread), with
-   ``compression.distill.train_student``: (a) distilled on the transfer set (soft targets at T
+   ``mopflow.compression.distill.train_student``: (a) distilled on the transfer set (soft targets at T
    with weight alpha plus hard labels), and (b) on the real training rows with hard labels
    alone (``teacher=None``) for ``matching_epochs`` epochs: as many optimizer steps, hence the
    same one-cycle schedule, as (a). Both use the manifest's normalisation. Each distilled
-   student is quantized with ``compression.evaluate.quantize_static_int8`` (static INT8 of every
+   student is quantized with ``mopflow.compression.evaluate.quantize_static_int8`` (static INT8 of every
    convolution and the head, ReLU fused, fbgemm-packed, calibrated on 2048 training rows;
    dynamic INT8 converts only Linear layers). The ensemble is trained once and kept fixed
    across student seeds.
@@ -88,23 +88,23 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from compression.config import DistillConfig  # noqa: E402
-from compression.distill import (  # noqa: E402
+from mopflow.compression.config import DistillConfig  # noqa: E402
+from mopflow.compression.distill import (  # noqa: E402
     StudentPlan,
     matching_epochs,
     plan_student,
     train_student,
     transfer_set,
 )
-from compression.ensemble import Candidate, build_ensemble, faster_form  # noqa: E402
-from compression.evaluate import format_table, latency_ms, quantize_static_int8, serialized_bytes  # noqa: E402
-from training.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
-from training.bundle import accuracy as student_accuracy  # noqa: E402
-from training.cluster import dask_client  # noqa: E402
-from training.config import DataConfig  # noqa: E402
-from training.data import load_manifest, load_split, shard_dataset  # noqa: E402
-from training.families import DataSpec  # noqa: E402
-from training.trial import TrialResult  # noqa: E402
+from mopflow.compression.ensemble import Candidate, build_ensemble, faster_form  # noqa: E402
+from mopflow.compression.evaluate import format_table, latency_ms, quantize_static_int8, serialized_bytes  # noqa: E402
+from mopflow.training.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
+from mopflow.training.bundle import accuracy as student_accuracy  # noqa: E402
+from mopflow.training.cluster import dask_client  # noqa: E402
+from mopflow.training.config import DataConfig  # noqa: E402
+from mopflow.training.data import load_manifest, load_split, shard_dataset  # noqa: E402
+from mopflow.training.families import DataSpec  # noqa: E402
+from mopflow.training.trial import TrialResult  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "distill.json"
 N_DASK_WORKERS = 2
@@ -178,10 +178,10 @@ def n_params(module: nn.Module) -> int:
 def train_members(settings: Settings, data_root: str) -> tuple[str, list[TrialResult], float, float]:
     """Shard MNIST-1D and train the ensemble members on a 2-worker Dask LocalCluster with the
     ``task`` executor (an epoch per Dask task, as the search trains trials)."""
-    from training.executors import DataRef, ModelSpec
-    from training.executors.task import TaskExecutor
-    from training.executors.units import state_to_bundle
-    from training.models import ArchSpec, count_params
+    from mopflow.training.executors import DataRef, ModelSpec
+    from mopflow.training.executors.task import TaskExecutor
+    from mopflow.training.executors.units import state_to_bundle
+    from mopflow.training.models import ArchSpec, count_params
 
     with dask_client("", N_DASK_WORKERS) as client:
         started = time.monotonic()

@@ -52,7 +52,7 @@ def run_demo(overrides: list[str]) -> tuple[dict, float]:
         env["MOPFLOW_HOME"] = str(Path(tmp) / "home")
         summary = Path(tmp) / "summary.json"
         sets = [arg for item in overrides for arg in ("--set", item)]
-        command = [sys.executable, "-m", "infra.cli", "run", "--config", str(CONFIG), *sets]
+        command = [sys.executable, "-m", "mopflow.infra.cli", "run", "--config", str(CONFIG), *sets]
         started = time.monotonic()
         proc = subprocess.run(
             [*command, "--summary-json", str(summary)], cwd=REPO, env=env, capture_output=True, text=True

@@ -75,7 +75,7 @@ def verdict(ok: bool) -> str:
 def mopflow_command() -> list[str]:
     """The ``mopflow`` script of the interpreter running this (the venv's), else the module."""
     script = Path(sys.executable).with_name("mopflow")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "infra.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mopflow.infra.cli"]
 
 
 def stage_seconds(log_text: str) -> dict[str, float]:

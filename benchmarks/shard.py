@@ -1,10 +1,10 @@
-"""Benchmark of the data-sharding stage (``training.data.shard_dataset``) on MNIST-1D.
+"""Benchmark of the data-sharding stage (``mopflow.training.data.shard_dataset``) on MNIST-1D.
 
 What is measured
 ----------------
 1. Throughput. Generating and sharding ``--rows`` MNIST-1D rows (default 1,000,000;
    ``DataConfig(num_samples=rows, partition_rows=50_000, n_shards=8)``) with Dask on 1 worker and
-   on 2 workers, each on a fresh ``LocalCluster`` (``training.cluster.dask_client("", n)``, one
+   on 2 workers, each on a fresh ``LocalCluster`` (``mopflow.training.cluster.dask_client("", n)``, one
    thread per worker process, 127.0.0.1 only) and a fresh temporary ``data_root``. The reference
    is a single-process pandas/numpy baseline without Dask that writes the same shards: it calls
    ``generate_mnist1d_partition`` for each partition in turn (same sizes and seeds as the stage),
@@ -28,7 +28,7 @@ What is measured
    3 GiB of fresh memory took 5.1 s once and 3.4 s the next time; the same 1.6 GB in a process
    that reuses freed memory 0.5 s), and a fresh LocalCluster grows three processes' heaps at
    once; cold runs of the same configuration spread by 10% and more. Both sides have
-   ``training.data`` (and with it pandas and numpy) imported before their first run.
+   ``mopflow.training.data`` (and with it pandas and numpy) imported before their first run.
 2. Peak memory per process. Every configuration runs in a fresh subprocess (this script
    re-invoked with ``--run NAME``) so that peaks are not polluted by earlier runs. The driver's
    (or the baseline's) peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss`` of that subprocess; note
@@ -211,7 +211,7 @@ def _self_cpu_s() -> float:
 
 
 def _data_config(rows: int) -> Any:
-    from training.config import DataConfig
+    from mopflow.training.config import DataConfig
 
     return DataConfig(num_samples=rows, partition_rows=PARTITION_ROWS, n_shards=N_SHARDS)
 
@@ -233,7 +233,7 @@ def _baseline_once(cfg: Any, out_dir: Path) -> tuple[int, dict[str, str], dict[s
     manifest figures the stage computes; the rows written, each shard's sha256 and the figures."""
     import pandas as pd
 
-    from training.data import (
+    from mopflow.training.data import (
         HASH_COLUMN,
         LABEL_COLUMN,
         PARQUET_WRITE_OPTIONS,
@@ -284,7 +284,7 @@ def _baseline_once(cfg: Any, out_dir: Path) -> tuple[int, dict[str, str], dict[s
 def run_baseline(rows: int, warmup: int = 1) -> RunResult:
     """Generate and shard in one process with pandas/numpy only: no Dask. ``warmup`` untimed
     runs first, in this process (the first one's wall time is kept as ``cold_wall_s``)."""
-    import training.data  # noqa: F401  (imported before the window, as on the Dask workers)
+    import mopflow.training.data  # noqa: F401  (imported before the window, as on the Dask workers)
 
     cfg = _data_config(rows)
     cold_wall = None
@@ -320,8 +320,8 @@ def run_dask(name: str, rows: int, warmup: int = 1) -> RunResult:
     """Shard with ``shard_dataset`` on a fresh LocalCluster of ``WORKERS[name]`` workers;
     ``warmup`` untimed runs first, on the same cluster, each into its own fresh folder (the
     first one's wall time is kept as ``cold_wall_s``)."""
-    from training.cluster import dask_client
-    from training.data import SPLITS, load_manifest, shard_dataset
+    from mopflow.training.cluster import dask_client
+    from mopflow.training.data import SPLITS, load_manifest, shard_dataset
 
     n_workers = WORKERS[name]
     cfg = _data_config(rows)
@@ -333,7 +333,7 @@ def run_dask(name: str, rows: int, warmup: int = 1) -> RunResult:
         cluster_start = time.perf_counter() - t0
         # Like the baseline, which imports training.data before its timed window: the workers
         # import it before theirs (each import costs a fresh process about a second).
-        client.run(importlib.import_module, "training.data")
+        client.run(importlib.import_module, "mopflow.training.data")
         cold_wall = None
         for i in range(warmup):
             with tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as warm_root:

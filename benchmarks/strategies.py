@@ -4,7 +4,7 @@ What is measured
 ----------------
 8 fixed configurations (small 1-D CNNs and MLPs, ``CONFIGS``; seeds 0..7, batch 256, AdamW with
 weight decay 1e-5) are trained for 4 epochs each on MNIST-1D by every strategy in
-``training.executors``:
+``mopflow.training.executors``:
 
 * ``sequential``: ``SequentialExecutor``, one model after another in one process.
 * ``task``: ``TaskExecutor`` on a fresh 2-worker Dask ``LocalCluster``: one model-epoch per
@@ -17,7 +17,7 @@ weight decay 1e-5) are trained for 4 epochs each on MNIST-1D by every strategy i
 
 Data: ``DataConfig(num_samples=142_000, partition_rows=50_000, n_shards=4)`` (>= 100,000
 training rows; the row counts are read from the manifest) is sharded once with
-``training.data.shard_dataset`` into a temporary data root and reused by every strategy.
+``mopflow.training.data.shard_dataset`` into a temporary data root and reused by every strategy.
 
 Each strategy runs in its own subprocess (this script re-invoked with ``--run-strategy``), so
 that none inherits another's partition cache, and under a wall-clock limit (``--timeout-s``):
@@ -170,15 +170,15 @@ def _warm_imports() -> int:
     import pytorch_lightning  # noqa: F401
     import torch  # noqa: F401
 
-    import training.executors.units  # noqa: F401
-    import training.lit  # noqa: F401
+    import mopflow.training.executors.units  # noqa: F401
+    import mopflow.training.lit  # noqa: F401
 
     return os.getpid()
 
 
 def _final_accuracy(outcomes: dict[str, Any], specs: Sequence[Any], data: Any) -> dict[str, Any]:
     """Validation accuracy of each model's returned state, and its last reported accuracy."""
-    from training.executors.units import evaluate_state
+    from mopflow.training.executors.units import evaluate_state
 
     acc: dict[str, float | None] = {}
     reported: dict[str, float | None] = {}
@@ -237,7 +237,7 @@ def _records_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
     """Train the job's models with one strategy; return its figures (see the module docstring)."""
-    from training.executors.units import DataRef, ModelSpec, cached_bytes, clear_partitions
+    from mopflow.training.executors.units import DataRef, ModelSpec, cached_bytes, clear_partitions
 
     data = DataRef(manifest_uri=job["manifest_uri"])
     specs = [ModelSpec.from_dict(m) for m in job["models"]]
@@ -247,7 +247,7 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"strategy": name, "loadavg_before": list(os.getloadavg())}
 
     if name == "sequential":
-        from training.executors.task import SequentialExecutor
+        from mopflow.training.executors.task import SequentialExecutor
 
         _warm_imports()
         clear_partitions()
@@ -264,10 +264,10 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
         result["moved_is_estimate"] = False
         result["records"] = _records_summary(executor.records)
     elif name in ("task", "mop"):
-        from training.cluster import dask_client
-        from training.executors.gantt import idle_fraction
-        from training.executors.mop import MopExecutor
-        from training.executors.task import TaskExecutor
+        from mopflow.training.cluster import dask_client
+        from mopflow.training.executors.gantt import idle_fraction
+        from mopflow.training.executors.mop import MopExecutor
+        from mopflow.training.executors.task import TaskExecutor
 
         cluster_started = time.perf_counter()
         on_gpu = job.get("device") == "cuda"
@@ -319,9 +319,9 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
         else:
             result["idle_fraction_all_records"] = idle_fraction(executor.records)
     elif name == "ddp":
-        from training.executors.ddp import DDPExecutor
-        from training.families import DataSpec
-        from training.models import ArchSpec, count_params
+        from mopflow.training.executors.ddp import DDPExecutor
+        from mopflow.training.families import DataSpec
+        from mopflow.training.models import ArchSpec, count_params
 
         world = DDP_WORLD_SIZE
         if job.get("device") == "cuda":  # nccl: one rank per GPU
@@ -329,7 +329,7 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
 
             world = max(1, min(DDP_WORLD_SIZE, torch.cuda.device_count()))
         result["world_size"] = world
-        from training.cluster import dask_client
+        from mopflow.training.cluster import dask_client
 
         on_gpu = job.get("device") == "cuda"
         with dask_client("", world, accelerator="gpu" if on_gpu else "cpu") as client:
@@ -454,9 +454,9 @@ def launch(name: str, job_path: Path, work: Path, timeout_s: float) -> dict[str,
 
 def shard(settings: Settings, data_root: str) -> tuple[str, dict[str, Any], float]:
     """Shard MNIST-1D once; return the manifest URI, the manifest and the time it took."""
-    from training.cluster import dask_client
-    from training.config import DataConfig
-    from training.data import load_manifest, shard_dataset
+    from mopflow.training.cluster import dask_client
+    from mopflow.training.config import DataConfig
+    from mopflow.training.data import load_manifest, shard_dataset
 
     logging.getLogger("distributed").setLevel(logging.WARNING)  # its INFO chatter hides the table
     cfg = DataConfig(num_samples=settings.num_samples, partition_rows=50_000, n_shards=settings.n_shards)

@@ -1,8 +1,8 @@
 """Benchmark: training on volatile (spot) workers, issue #8 (a) growing workers and (b) bidding strategies.
 
 After Zhang, Wang, Joshi, Joe-Wong, "Machine Learning on Volatile Instances" (INFOCOM 2020). Both
-parts train for real with :func:`training.volatile.growing.train_growing` on MNIST-1D and account the cost with
-``training.volatile.cost`` over the same seeded synthetic price trace; the bids are ``training.volatile.spot_plan.plan_spot``'s.
+parts train for real with :func:`mopflow.training.volatile.growing.train_growing` on MNIST-1D and account the cost with
+``mopflow.training.volatile.cost`` over the same seeded synthetic price trace; the bids are ``mopflow.training.volatile.spot_plan.plan_spot``'s.
 
 Common settings
 ---------------
@@ -37,9 +37,9 @@ Each strategy trains the planner's number of workers (static) for 10,000 iterati
   b_l < p <= b_h runs with the n_h high-bid workers only (fewer gradients, same step size), one with
   p > b_h is idle.
 
-The cost over time is :func:`training.volatile.growing_report.cost_curve` (each active worker pays the slot's price);
-the cost, wall, active and idle time to a target accuracy come from :func:`training.volatile.growing_report.account_prefix`
-(``training.volatile.cost.account_run``) up to the first evaluation (every 50 iterations) at or above it. Repeated
+The cost over time is :func:`mopflow.training.volatile.growing_report.cost_curve` (each active worker pays the slot's price);
+the cost, wall, active and idle time to a target accuracy come from :func:`mopflow.training.volatile.growing_report.account_prefix`
+(``mopflow.training.volatile.cost.account_run``) up to the first evaluation (every 50 iterations) at or above it. Repeated
 over 5 seeds (model initialisation and sample order ``s``, price trace ``100 + s``; the strategies of a
 seed share both). Target accuracy: 0.80, a round figure on the steep part of the learning curve that
 every strategy reaches well inside the 10,000 iterations (the no-interruption runs reach it after about
@@ -78,14 +78,14 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` and ``i
 
 import torch  # noqa: E402
 
-from training.models import ArchSpec  # noqa: E402
-from training.volatile.growing import GrowingConfig, GrowingResult, Volatility, train_growing  # noqa: E402
-from training.volatile.growing_report import account_prefix, cost_curve  # noqa: E402
-from training.volatile.price_trace import PriceTrace, sample_price_trace  # noqa: E402
-from training.volatile.prices import SECONDS_PER_HOUR, UniformPrices  # noqa: E402
-from training.volatile.spot_plan import plan_spot  # noqa: E402
-from training.volatile.spot_plan_model import STRATEGIES, Plan, PlanReport, SpotPlanConfig  # noqa: E402
-from training.volatile.workers import WorkerSchedule  # noqa: E402
+from mopflow.training.models import ArchSpec  # noqa: E402
+from mopflow.training.volatile.growing import GrowingConfig, GrowingResult, Volatility, train_growing  # noqa: E402
+from mopflow.training.volatile.growing_report import account_prefix, cost_curve  # noqa: E402
+from mopflow.training.volatile.price_trace import PriceTrace, sample_price_trace  # noqa: E402
+from mopflow.training.volatile.prices import SECONDS_PER_HOUR, UniformPrices  # noqa: E402
+from mopflow.training.volatile.spot_plan import plan_spot  # noqa: E402
+from mopflow.training.volatile.spot_plan_model import STRATEGIES, Plan, PlanReport, SpotPlanConfig  # noqa: E402
+from mopflow.training.volatile.workers import WorkerSchedule  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "volatile.json"
 PLOT_PATH = REPO_ROOT / "benchmarks" / "results" / "volatile_cost_accuracy.png"

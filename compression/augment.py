@@ -1,6 +1,6 @@
 """A transfer set for images and sequences: mixup of randomly shifted training examples.
 
-MUNGE (``compression.munge``) perturbs a table's attributes one by one, which means nothing for
+MUNGE (``mopflow.compression.munge``) perturbs a table's attributes one by one, which means nothing for
 pixels or time steps. For images and sequences the synthetic points are instead made the way
 those models are augmented: each example is shifted by a few pixels (steps) and mixed with a
 random partner (mixup, Zhang et al. 2018); the ensemble then labels them.

@@ -1,6 +1,6 @@
 """The configs of the compression stages: ensemble selection, distillation and the registry.
 
-Each is a frozen, validated model; :mod:`infra.stages.config` joins them with the data and search
+Each is a frozen, validated model; :mod:`mopflow.infra.stages.config` joins them with the data and search
 configs into the pipeline config and the flat conf keys.
 """
 
@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from training.config import (
+from mopflow.training.config import (
     StageConfig,
     check_name,
 )
@@ -73,7 +73,7 @@ class DistillConfig(StageConfig):
     @field_validator("family")
     @classmethod
     def _student_family(cls, value: str) -> str:
-        from training.families import FamilyError, registered_families
+        from mopflow.training.families import FamilyError, registered_families
 
         if value == "auto":
             return value
@@ -99,7 +99,7 @@ class DistillConfig(StageConfig):
     def student_params(self, size: int | None = None) -> dict[str, Any]:
         """The student's family params: the family's defaults, ``depth`` where it has one, and
         ``size`` (else ``width``) as its size parameter (when given)."""
-        from training.families import get_family
+        from mopflow.training.families import get_family
 
         family = get_family(self.family)
         params = family.default_params()

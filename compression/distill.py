@@ -13,11 +13,11 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from compression.config import DistillConfig
-from infra import progress
-from training.devices import CPU, DeviceSpec
-from training.families import DataSpec
-from training.models import ArchSpec, build_model, count_params, largest_size_within
+from mopflow.compression.config import DistillConfig
+from mopflow.infra import progress
+from mopflow.training.devices import CPU, DeviceSpec
+from mopflow.training.families import DataSpec
+from mopflow.training.models import ArchSpec, build_model, count_params, largest_size_within
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +133,12 @@ def fit_student(
     on_epoch: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> tuple[nn.Module, list[dict[str, float]]]:
     """Train the student on ``rows``: ``(x, y)`` or, with ``soft``, ``(x, y, soft targets)``
-    tensors, or a :class:`~training.streaming.StreamedRows` of them read pass by pass. After each
+    tensors, or a :class:`~mopflow.training.streaming.StreamedRows` of them read pass by pass. After each
     epoch the student is validated on ``validation()``'s shards, one at a time, and the epoch is
     told to ``on_epoch`` (default :func:`report_epoch`). The model comes back on the CPU."""
-    from training.streaming import StreamedRows
-    from training.trial import quiet_lightning
-    from training.unit import ModelSpec, TrainableUnit
+    from mopflow.training.streaming import StreamedRows
+    from mopflow.training.trial import quiet_lightning
+    from mopflow.training.unit import ModelSpec, TrainableUnit
 
     quiet_lightning()
     pl.seed_everything(seed, workers=False, verbose=False)
@@ -205,8 +205,8 @@ def transfer_set(
     with the teacher's class (the soft targets of every point come from the teacher later,
     :func:`soft_targets`): MUNGE points (Bucilua et al. 2006) for tables, mixup of shifted
     examples for images and sequences (``cfg.transfer``; ``data`` gives the shape)."""
-    from compression.augment import mixup_points
-    from compression.munge import munge
+    from mopflow.compression.augment import mixup_points
+    from mopflow.compression.munge import munge
 
     data = data or DataSpec(x_train.shape[1], int(y_train.max()) + 1)
     cfg = cfg.resolved(data.modality)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.bundle import (
+from mopflow.training.bundle import (
     Bundle,
     ProbabilityEnsemble,
     StackedEnsemble,
@@ -19,8 +19,8 @@ from training.bundle import (
     predict_proba,
     save_bundle,
 )
-from training.metrics import top1_accuracy
-from training.models import ArchSpec
+from mopflow.training.metrics import top1_accuracy
+from mopflow.training.models import ArchSpec
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def choose_members(
 ) -> tuple[list[Candidate], list[float]]:
     """The ensemble's members and weights on in-memory validation data: top-k (equal weights) or
     greedy selection (counts). The pipeline's stage selects on the shards
-    (:class:`compression.shard_eval.ShardEvaluator`)."""
+    (:class:`mopflow.compression.shard_eval.ShardEvaluator`)."""
     pool = selection_pool(candidates, method, size)
     if method == "top_k":
         return members_from_picks(pool, range(len(pool)))

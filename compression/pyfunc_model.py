@@ -20,8 +20,8 @@ class BundleProbabilities(PythonModel):
     ``TensorSpec``). Output: one ``prob_<class>`` column per class."""
 
     def load_context(self, context: Any) -> None:
-        from compression.ensemble import faster_form
-        from training.bundle import load_bundle
+        from mopflow.compression.ensemble import faster_form
+        from mopflow.training.bundle import load_bundle
 
         self.bundle = load_bundle(context.artifacts["bundle"])
         # Members sharing an architecture can run stacked in one vmap call; whether that beats
@@ -29,7 +29,7 @@ class BundleProbabilities(PythonModel):
         self.forward, _ = faster_form(self.bundle.module, len(self.bundle.feature_columns))
 
     def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        from training.bundle import predict_proba
+        from mopflow.training.bundle import predict_proba
 
         columns = self.bundle.feature_columns
         if isinstance(model_input, pd.DataFrame):

@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from infra.storage import filesystem
+from mopflow.infra.storage import filesystem
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,8 @@ def log_bundle_model(
     import mlflow
     from mlflow.models import infer_signature
 
-    from compression.pyfunc_model import BundleProbabilities
+    from mopflow.compression.pyfunc_model import BundleProbabilities
 
-    repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         fs, path = filesystem(bundle_uri, storage_options)
         local = Path(tmp) / "bundle"
@@ -106,9 +105,16 @@ def log_bundle_model(
                 signature=signature,
                 input_example=example,
                 pip_requirements=_pip_requirements(),
-                code_paths=[str(repo / "training"), str(repo / "infra")],
+                code_paths=[str(_package_dir())],
             )
     return str(info.model_uri)
+
+
+def _package_dir() -> Path:
+    """The ``mopflow`` package folder, to ship with a logged model (its links followed on copy)."""
+    import mopflow
+
+    return Path(mopflow.__file__).parent
 
 
 def register_version(client: Any, name: str, model_uri: str, run_key: str, tags: Mapping[str, str]) -> Any:
@@ -197,8 +203,8 @@ def rollback(client: Any, name: str) -> str:
 
 def registry_client(settings: Any | None = None) -> Any:
     """An ``MlflowClient`` on the configured tracking and registry URI (``Settings.from_env()`` by default)."""
-    from infra.settings import Settings
-    from infra.tracking import MlflowTracker
+    from mopflow.infra.settings import Settings
+    from mopflow.infra.tracking import MlflowTracker
 
     settings = settings or Settings.from_env()
     return MlflowTracker(

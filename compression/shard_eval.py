@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from infra import storage
-from infra.storage import canonical_hash
+from mopflow.infra import storage
+from mopflow.infra.storage import canonical_hash
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ def predict_shard(
     ``out_uri``; an existing file is reused. Returns ``out_uri``."""
     if storage.exists(out_uri, storage_options):
         return out_uri
-    from training.bundle import load_bundle, predict_proba
-    from training.data import load_split
+    from mopflow.training.bundle import load_bundle, predict_proba
+    from mopflow.training.data import load_split
 
     x, y = load_split(manifest_uri, split, storage_options, shard_names=[shard])
     probs = np.stack(
@@ -72,8 +72,8 @@ def read_probabilities(
     uri: str, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """A probability shard: ``(models, rows, classes)`` probabilities and the rows' labels; one
-    that cannot be read raises :class:`~training.data.ShardIntegrityError` naming it."""
-    from training.data import ShardIntegrityError
+    that cannot be read raises :class:`~mopflow.training.data.ShardIntegrityError` naming it."""
+    from mopflow.training.data import ShardIntegrityError
 
     try:
         with np.load(io.BytesIO(storage.read_bytes(uri, storage_options))) as saved:
@@ -89,7 +89,7 @@ def selection_counts(
 ) -> ShardCounts:
     """On a worker: for every candidate of a probability shard, the correct rows and summed log loss
     of the average of the ``chosen`` models (repeats count twice) with that candidate added."""
-    from training.metrics import top1_correct
+    from mopflow.training.metrics import top1_correct
 
     probs, labels = read_probabilities(uri, storage_options)
     rows = np.arange(len(labels))
@@ -107,7 +107,7 @@ def weighted_counts(
 ) -> ShardCounts:
     """On a worker: the correct rows of each weighting's average of a probability shard's models
     (a weighting names a weight per model; a one-hot weighting is a single model)."""
-    from training.metrics import top1_correct
+    from mopflow.training.metrics import top1_correct
 
     probs, labels = read_probabilities(uri, storage_options)
     correct = []
@@ -127,7 +127,7 @@ class ShardEvaluator:
         out_dir: str,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from training.data import load_manifest
+        from mopflow.training.data import load_manifest
 
         self.client, self.manifest_uri, self.out_dir = client, manifest_uri, out_dir
         self.storage_options = dict(storage_options or {})

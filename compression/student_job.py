@@ -1,6 +1,6 @@
 """The students trained on the Dask workers, from the shards.
 
-The distilled student (on the transfer blocks, :mod:`compression.transfer_shards`) and its
+The distilled student (on the transfer blocks, :mod:`mopflow.compression.transfer_shards`) and its
 hard-label twin (on the real training shards) are two Dask tasks, run side by side on two
 workers. Each reads its rows all at once when they fit ``MOPFLOW_DISTILL_MEMORY_MB`` or streams
 them, validates after every epoch on the validation shards one at a time, and writes the trained
@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from compression.config import DistillConfig
-from compression.distill import StudentPlan
-from compression.transfer_shards import TransferSet
-from training.devices import CPU, DeviceSpec
+from mopflow.compression.config import DistillConfig
+from mopflow.compression.distill import StudentPlan
+from mopflow.compression.transfer_shards import TransferSet
+from mopflow.training.devices import CPU, DeviceSpec
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class TrainedStudent:
 
     def module(self, storage_options: Mapping[str, Any] | None = None) -> Any:
         """The student itself (a plain classifier returning logits), on the CPU."""
-        from training.bundle import load_bundle
+        from mopflow.training.bundle import load_bundle
 
         return load_bundle(self.bundle_uri, storage_options).module.members[0].eval()
 
@@ -61,11 +61,11 @@ def train_student_job(
     the real training shards alone (hard labels) for ``epochs``; save it at ``out_uri``."""
     import torch
 
-    from compression.distill import fit_student
-    from compression.transfer_shards import student_rows, train_split_rows
-    from infra import storage
-    from training.bundle import SPEC_NAME, load_bundle, save_bundle
-    from training.data import load_manifest, split_shards
+    from mopflow.compression.distill import fit_student
+    from mopflow.compression.transfer_shards import student_rows, train_split_rows
+    from mopflow.infra import storage
+    from mopflow.training.bundle import SPEC_NAME, load_bundle, save_bundle
+    from mopflow.training.data import load_manifest, split_shards
 
     so = dict(job.storage_options)
     if storage.exists(storage.join(out_uri, SPEC_NAME), so):
@@ -98,7 +98,7 @@ def _relay_epoch(event: Mapping[str, Any]) -> None:
     """Send an epoch to the task process (as a Dask event); outside a worker, report it here."""
     from distributed import get_worker
 
-    from compression.distill import report_epoch
+    from mopflow.compression.distill import report_epoch
 
     try:
         worker = get_worker()
@@ -121,7 +121,7 @@ def train_students_on_workers(
     task run again on another worker, from the first epoch."""
     from uuid import uuid4
 
-    from compression.distill import report_epoch
+    from mopflow.compression.distill import report_epoch
 
     runs = [(transfer, None, "soft"), (None, baseline_epochs, "hard")]
     client.subscribe_topic(EPOCH_TOPIC, lambda event: report_epoch(event[1]))

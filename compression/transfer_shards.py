@@ -2,15 +2,15 @@
 
 Each training shard becomes, on a worker, its real rows plus ``munge_multiplier`` synthetic
 points per row (MUNGE among the shard's rows of the same class for tables, mixup of shifted
-examples for images and sequences: :func:`compression.distill.transfer_set`), every row with a
+examples for images and sequences: :func:`mopflow.compression.distill.transfer_set`), every row with a
 hard label (the true one for real rows, the teacher's class for synthetic ones) and the teacher's
 probabilities at the distillation temperature (the soft targets). The rows are written in blocks
 of at most :data:`BLOCK_ROWS` (``.npz``: ``x``, ``y``, ``soft``) under the run's outputs, keyed
 by the shard's checksum, the teacher and the settings, so a rerun reuses them.
 
-The student then reads the blocks on a worker (:mod:`compression.student_job`): all at once when
+The student then reads the blocks on a worker (:mod:`mopflow.compression.student_job`): all at once when
 they fit ``MOPFLOW_DISTILL_MEMORY_MB``, else streamed pass by pass
-(:class:`training.streaming.StreamedRows`, a seeded block order through a shuffle buffer), so no
+(:class:`mopflow.training.streaming.StreamedRows`, a seeded block order through a shuffle buffer), so no
 process holds the transfer set beyond that budget.
 """
 
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from infra import storage
-from infra.storage import canonical_hash
-from training.streaming import Block
+from mopflow.infra import storage
+from mopflow.infra.storage import canonical_hash
+from mopflow.training.streaming import Block
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ DEFAULT_DISTILL_MEMORY_MB = 256.0
 
 def distill_memory_bytes() -> float:
     """The training rows a process training a student may hold (bytes); more streams."""
-    from training.streaming import memory_budget_bytes
+    from mopflow.training.streaming import memory_budget_bytes
 
     return memory_budget_bytes(DISTILL_MEMORY_ENV, DEFAULT_DISTILL_MEMORY_MB)
 
@@ -57,7 +57,7 @@ class TransferSet:
 
 
 def _teacher(bundle_uri: str, stacked: bool, storage_options: Mapping[str, Any] | None) -> Any:
-    from training.bundle import StackedEnsemble, load_bundle
+    from mopflow.training.bundle import StackedEnsemble, load_bundle
 
     module = load_bundle(bundle_uri, storage_options).module.eval()
     return StackedEnsemble(module).eval() if stacked else module
@@ -77,10 +77,10 @@ def transfer_shard(
     (reused when an earlier attempt wrote them all). Returns ``(uri, rows, real rows)`` per block."""
     import torch
 
-    from compression.config import DistillConfig
-    from compression.distill import soft_targets, transfer_set
-    from training.data import load_manifest, load_split
-    from training.families import DataSpec
+    from mopflow.compression.config import DistillConfig
+    from mopflow.compression.distill import soft_targets, transfer_set
+    from mopflow.training.data import load_manifest, load_split
+    from mopflow.training.families import DataSpec
 
     index_uri = f"{out_prefix}.json"
     if storage.exists(index_uri, storage_options):
@@ -115,8 +115,8 @@ def build_transfer_set(
     storage_options: Mapping[str, Any] | None = None,
 ) -> TransferSet:
     """The transfer set of every training shard, made on the workers (one task per shard)."""
-    from training.data import load_manifest
-    from training.families import DataSpec
+    from mopflow.training.data import load_manifest
+    from mopflow.training.families import DataSpec
 
     manifest = load_manifest(manifest_uri, storage_options)
     entries = manifest["splits"]["train"]
@@ -148,8 +148,8 @@ def build_transfer_set(
 
 def read_block(block: Block, storage_options: Mapping[str, Any] | None = None) -> tuple[np.ndarray, ...]:
     """A transfer block's features, labels and soft targets; a block that cannot be read (deleted,
-    damaged) raises :class:`~training.data.ShardIntegrityError` naming it."""
-    from training.data import ShardIntegrityError
+    damaged) raises :class:`~mopflow.training.data.ShardIntegrityError` naming it."""
+    from mopflow.training.data import ShardIntegrityError
 
     try:
         with np.load(io.BytesIO(storage.read_bytes(block.shard, storage_options))) as saved:
@@ -165,11 +165,11 @@ def read_block(block: Block, storage_options: Mapping[str, Any] | None = None) -
 
 def student_rows(transfer: TransferSet, storage_options: Mapping[str, Any] | None = None) -> Any:
     """The transfer rows for training: ``(x, y, soft)`` tensors when they fit the distill stage's
-    budget (``MOPFLOW_DISTILL_MEMORY_MB``), else a :class:`~training.streaming.StreamedRows` over
+    budget (``MOPFLOW_DISTILL_MEMORY_MB``), else a :class:`~mopflow.training.streaming.StreamedRows` over
     the blocks."""
     import torch
 
-    from training.streaming import StreamedRows, shuffle_buffer_rows
+    from mopflow.training.streaming import StreamedRows, shuffle_buffer_rows
 
     held, budget = transfer.rows * transfer.row_bytes, distill_memory_bytes()
     if held > budget:
@@ -191,8 +191,8 @@ def train_split_rows(manifest_uri: str, storage_options: Mapping[str, Any] | Non
     budget, else streamed from the shards' row groups."""
     import torch
 
-    from training.data import load_manifest, load_split
-    from training.streaming import (
+    from mopflow.training.data import load_manifest, load_split
+    from mopflow.training.streaming import (
         StreamedRows,
         block_reader,
         shard_blocks,
@@ -219,7 +219,7 @@ def train_split_rows(manifest_uri: str, storage_options: Mapping[str, Any] | Non
 
 def calibration_rows(manifest_uri: str, rows: int, storage_options: Mapping[str, Any] | None = None) -> Any:
     """The first ``rows`` training rows (of the first shard): static quantization's calibration."""
-    from training.data import load_manifest, load_split
+    from mopflow.training.data import load_manifest, load_split
 
     first = load_manifest(manifest_uri, storage_options)["splits"]["train"][0]["name"]
     x, _ = load_split(manifest_uri, "train", storage_options, shard_names=[first])

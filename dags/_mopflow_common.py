@@ -1,8 +1,8 @@
 """Wiring shared by the pipeline DAGs (``mopflow_retrain``, ``mopflow_sweep``): Params and tasks.
 
-Not a DAG file itself. Every task body makes one call into the stage layer, ``infra.stages``
+Not a DAG file itself. Every task body makes one call into the stage layer, ``mopflow.infra.stages``
 (imported inside the task), and passes small references (URIs, ids) through XCom; the Params are generated
-from ``infra.stages.config.conf_json_schema``, so the trigger form, the REST API and the tasks
+from ``mopflow.infra.stages.config.conf_json_schema``, so the trigger form, the REST API and the tasks
 validate the same way.
 
 Asset design (no trigger loop): ``mopflow_retrain`` is scheduled on the ``mopflow_sharded_dataset``
@@ -20,8 +20,8 @@ from typing import Any
 
 from airflow.sdk import Asset, AssetAlias, Param, task
 
-from infra.airflow_home import TRAINING_POOL  # created by `mopflow up` / `mopflow run`
-from infra.stages.config import ADVANCED_SECTION, FORM_KEYS, conf_json_schema
+from mopflow.infra.airflow_home import TRAINING_POOL  # created by `mopflow up` / `mopflow run`
+from mopflow.infra.stages.config import ADVANCED_SECTION, FORM_KEYS, conf_json_schema
 
 # The sharded dataset: an event means "a sweep sharded data nobody had sharded before".
 SHARDED_DATASET = Asset("mopflow_sharded_dataset")
@@ -72,7 +72,7 @@ def _call(stage: str, *args: Any) -> Any:
     from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
-    from infra.stages import permanent_errors, stage_function
+    from mopflow.infra.stages import permanent_errors, stage_function
 
     context = get_current_context()
     try:
@@ -88,7 +88,7 @@ def _call(stage: str, *args: Any) -> Any:
 
 def _run_conf(context: Any) -> dict[str, Any]:
     """The run's Params; in a run triggered by new shards, with the data and model the event carries."""
-    from infra.stages.data_events import conf_with_data_events
+    from mopflow.infra.stages.data_events import conf_with_data_events
 
     events = (context.get("triggering_asset_events") or {}).get(SHARDED_DATASET, [])
     extras = [dict(event.extra or {}) for event in sorted(events, key=lambda event: event.timestamp)]
@@ -98,7 +98,7 @@ def _run_conf(context: Any) -> dict[str, Any]:
 def retrain_defaults() -> dict[str, Any]:
     """mopflow_retrain's Param defaults: ``warm_start``, ``warm_start_studies`` and the keys of
     ``MOPFLOW_RETRAIN_CONFIG`` (a YAML file of config keys, validated when the DAG file is parsed)."""
-    from infra.stages.data_events import read_conf_file
+    from mopflow.infra.stages.data_events import read_conf_file
 
     path = os.environ.get("MOPFLOW_RETRAIN_CONFIG", "").strip()
     return {"warm_start": True, "warm_start_studies": 1, **(read_conf_file(path) if path else {})}
@@ -125,7 +125,7 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     def shard(ctx: Ref) -> dict[str, Any]:
         from airflow.sdk import get_current_context
 
-        from infra.stages.data_events import EVENT_CONF_KEY, event_conf
+        from mopflow.infra.stages.data_events import EVENT_CONF_KEY, event_conf
 
         result: dict[str, Any] = _call("shard_stage", ctx)
         if publish_new_shards and not result.get("reused"):

@@ -4,21 +4,17 @@ Trigger with ``{"action": "promote", "name": "mopflow-student", "version": 3}`` 
 ``{"action": "rollback", "name": "mopflow-student"}``. The Params are validated in the trigger
 form and the REST API (action enum, model-name pattern, version >= 1); the task refuses a
 promotion without a version, an unknown model or version, and a rollback with no previous
-champion, without retrying. Each task body is one call into ``compression.registry``.
+champion, without retrying. Each task body is one call into ``mopflow.compression.registry``.
 """
 
 from __future__ import annotations
 
-import sys
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from airflow.sdk import Param, dag, task
 
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _mopflow_common import retry_args  # noqa: E402
+from mopflow.dags._mopflow_common import retry_args
 
 # Same rule as compression's registered-model names (training.config.check_name).
 MODEL_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"
@@ -66,7 +62,7 @@ def mopflow_promote() -> None:
 
     @task(execution_timeout=timedelta(minutes=5), **retry_args())
     def promote(params: dict[str, Any] | None = None) -> str:
-        from compression.registry import RegistryError, promote, registry_client
+        from mopflow.compression.registry import RegistryError, promote, registry_client
 
         if (params or {}).get("version") is None:
             raise _fail(ValueError("action=promote needs a version (an integer >= 1)"))
@@ -77,7 +73,7 @@ def mopflow_promote() -> None:
 
     @task(execution_timeout=timedelta(minutes=5), **retry_args())
     def rollback(params: dict[str, Any] | None = None) -> str:
-        from compression.registry import RegistryError, registry_client, rollback
+        from mopflow.compression.registry import RegistryError, registry_client, rollback
 
         try:
             return rollback(registry_client(), str((params or {})["name"]))

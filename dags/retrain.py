@@ -1,7 +1,7 @@
 """mopflow_retrain: scheduled retraining, warm-started from the champion, ending with the promotion gate.
 
 Runs ``start → shard → search → ensemble → distill → register → finalize`` (wiring in
-``_mopflow_common``; each task makes one call into ``infra.stages``). It runs on its
+``mopflow.dags._mopflow_common``; each task makes one call into ``mopflow.infra.stages``). It runs on its
 timetable (``MOPFLOW_RETRAIN_SCHEDULE``, default ``@weekly``; ``none`` = only on data events)
 *and* whenever the ``mopflow_sharded_dataset`` Asset gets an event, i.e. when a sweep sharded
 new data; such a run trains on the data (and registers the model) the event names, with its
@@ -15,16 +15,11 @@ the promotion gate (challenger, and champion when it passes).
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag
 
-# DagBag and `mopflow run` load DAG files by path without the dags folder on sys.path.
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _mopflow_common import (  # noqa: E402
+from mopflow.dags._mopflow_common import (
     SHARDED_DATASET,
     conf_params,
     pipeline_tasks,

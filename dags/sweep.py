@@ -10,16 +10,11 @@ writes new shards it publishes the ``mopflow_sharded_dataset`` Asset, which trig
 
 from __future__ import annotations
 
-import sys
 from datetime import datetime
-from pathlib import Path
 
 from airflow.sdk import dag
 
-# DagBag and `mopflow run` load DAG files by path without the dags folder on sys.path.
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _mopflow_common import conf_params, pipeline_tasks, retry_args  # noqa: E402
+from mopflow.dags._mopflow_common import conf_params, pipeline_tasks, retry_args
 
 
 @dag(

@@ -6,12 +6,15 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parent.parent
+# The installed package (site-packages/mopflow, or the checkout through its mopflow/ links): the
+# DAG files ship in it as mopflow/dags.
+PACKAGED_DAGS = Path(__file__).resolve().parent.parent / "dags"
 # The Airflow pool the training tasks (search, distill) share: at most its slots train at once.
 TRAINING_POOL = "mopflow_training"
 
@@ -20,13 +23,19 @@ class AirflowSetupError(RuntimeError):
     """Airflow's metadata database could not be created or upgraded; the message has its output."""
 
 
-def embedded_airflow_env(airflow_home: str, environ: Mapping[str, str], repo: Path = REPO) -> dict[str, str]:
+def dags_folder(environ: Mapping[str, str]) -> Path:
+    """The DAGs folder of the Airflow mopflow runs: ``MOPFLOW_DAGS_FOLDER``, else the packaged DAGs."""
+    return Path(environ.get("MOPFLOW_DAGS_FOLDER") or PACKAGED_DAGS)
+
+
+def embedded_airflow_env(airflow_home: str, environ: Mapping[str, str]) -> dict[str, str]:
     """Airflow's settings shared by every Airflow mopflow starts: its home (SQLite metadata there),
-    this repository's dags/ (or ``MOPFLOW_DAGS_FOLDER``) and plugins/, no example DAGs."""
+    the DAGs folder (:func:`dags_folder`), its home's own plugins folder (mopflow's plugin loads
+    through its entry point), no example DAGs."""
     return {
         "AIRFLOW_HOME": airflow_home,
-        "AIRFLOW__CORE__DAGS_FOLDER": environ.get("MOPFLOW_DAGS_FOLDER") or str(repo / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(repo / "plugins"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder(environ)),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(Path(airflow_home) / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
     }
@@ -38,12 +47,14 @@ def migrate_airflow_db(env: Mapping[str, str], bin_dir: str, inherit: bool = Tru
     the ``airflow`` of ``bin_dir`` when it has one."""
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
     airflow_bin = Path(bin_dir) / "airflow"
-    cmd = [str(airflow_bin) if airflow_bin.exists() else "airflow", "db", "migrate"]
+    # Without the venv's script (a bare environment), the Airflow this interpreter imports.
+    cmd = [str(airflow_bin)] if airflow_bin.exists() else [sys.executable, "-m", "airflow"]
+    cmd += ["db", "migrate"]
     log.info("airflow: migrating metadata DB in %s", env["AIRFLOW_HOME"])
     proc = subprocess.run(
         cmd,
         env={**(os.environ if inherit else {}), **env},
-        cwd=REPO,
+        cwd=env["AIRFLOW_HOME"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -3,7 +3,7 @@ can be resumed.
 
 Every run has a record, ``$MOPFLOW_HOME/runs/<run key>.json`` (its key, Airflow run id, logical
 date, conf and state). While the DAG runs, this process owns SIGINT and SIGTERM: the first one
-asks the run to stop (``infra.stopping``): the stage in progress is interrupted, its Dask cluster
+asks the run to stop (``mopflow.infra.stopping``): the stage in progress is interrupted, its Dask cluster
 closed, its MLflow runs end ``KILLED``, no task is retried, ``finalize`` closes the rest and
 the process exits with 130 (SIGINT) or 143 (SIGTERM) within ``MOPFLOW_STOP_TIMEOUT_S``
 (default 30 s). A second signal stops at once. ``--resume`` runs the same DAG run again (same
@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from infra import stopping
+from mopflow.infra import stopping
 
 log = logging.getLogger("mopflow")
 FailDagRun = Callable[[str, str], None]  # (dag_id, run_id): mark that DAG run failed
@@ -79,7 +79,7 @@ def load_records(home: str) -> list[RunRecord]:
 
 def find_resumable(home: str, run_key: str | None) -> RunRecord:
     """The run to resume: ``run_key``'s, or the latest that did not succeed."""
-    from infra.cli import CliError
+    from mopflow.infra.cli import CliError
 
     records = load_records(home)
     if run_key:
@@ -98,7 +98,7 @@ def find_resumable(home: str, run_key: str | None) -> RunRecord:
 
 def stop_timeout_s() -> float:
     """Seconds a stop may take before the process ends at once (``MOPFLOW_STOP_TIMEOUT_S``)."""
-    from infra.cli import CliError
+    from mopflow.infra.cli import CliError
 
     raw = os.environ.get(STOP_TIMEOUT_ENV, str(DEFAULT_STOP_TIMEOUT_S))
     try:
@@ -163,7 +163,7 @@ def end_child_processes(grace_s: float = 5.0) -> None:
 
 def kill_leftover_runs(tracking_uri: str, experiment: str, run_key: str) -> int:
     """End this pipeline run's MLflow runs still RUNNING as KILLED; how many there were."""
-    from infra.tracking import MlflowTracker
+    from mopflow.infra.tracking import MlflowTracker
 
     tracker = MlflowTracker(tracking_uri, experiment)
     leftovers = [r for r in tracker.find_runs({"mopflow.run_key": run_key}) if r.info.status == "RUNNING"]
@@ -280,7 +280,7 @@ def stopping_handlers(
     failed in Airflow's DB: the operator's face, which may import Airflow, passes it)."""
 
     def first(signum: int) -> None:
-        from infra import progress
+        from mopflow.infra import progress
 
         stopping.request_stop(signum)
         progress.publish(
@@ -306,7 +306,7 @@ def stopping_handlers(
 
 def started_record(dag_id: str, conf: Mapping[str, Any], run_id: str, logical: datetime) -> RunRecord:
     """A new run's record: its logical date, its Airflow run id (as dag.test makes it) and its key."""
-    from infra.stages import make_run_key
+    from mopflow.infra.stages import make_run_key
 
     return RunRecord(
         run_key=make_run_key(dag_id, run_id),

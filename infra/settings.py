@@ -187,7 +187,7 @@ class Settings:
                     k: ("***" if "secret" in k or "key" in k or "token" in k else v) for k, v in value.items()
                 }
             if f.name in ("optuna_storage", "tracking_uri"):  # database URLs may hold a password
-                from infra.optuna_storage import redact_url
+                from mopflow.infra.optuna_storage import redact_url
 
                 value = redact_url(str(value))
             out[f.name] = str(value)

@@ -1,6 +1,6 @@
 """A pipeline run asked to stop (SIGINT, SIGTERM): one flag per process, read by the stages.
 
-``mopflow run`` owns the signals while the DAG runs (``infra.local_runs``): the first one sets
+``mopflow run`` owns the signals while the DAG runs (``mopflow.infra.local_runs``): the first one sets
 the flag and raises :class:`PipelineStopped` where the run is; the stages then end their MLflow
 runs ``KILLED`` (not ``FAILED``) and no task is retried. Nothing here imports Airflow.
 """

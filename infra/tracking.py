@@ -211,7 +211,7 @@ class MlflowTracker:
         self, run_id: str, url: str, artifact_path: str, storage_options: Mapping[str, Any] | None
     ) -> None:
         """Copy a folder from any fsspec URL into the run's artifacts."""
-        from infra.storage import filesystem
+        from mopflow.infra.storage import filesystem
 
         fs, path = filesystem(url, storage_options)
         with tempfile.TemporaryDirectory() as tmp:

@@ -16,6 +16,8 @@ def code_version() -> str:
     except metadata.PackageNotFoundError:
         version = "0+unknown"
     repo = Path(__file__).resolve().parent.parent
+    if not (repo / ".git").exists():  # an installed wheel: never the commit of a repository around it
+        return version
     try:
         commit = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"],

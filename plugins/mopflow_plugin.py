@@ -17,11 +17,11 @@ import logging
 from http.cookies import SimpleCookie
 from typing import Any
 
-import sweeps_page
-import trigger_guard
 from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, Response
+
+from mopflow.plugins import sweeps_page, trigger_guard
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ require_user = _require_user()
 
 
 def _client_and_settings() -> tuple[Any, Any]:
-    from infra.settings import Settings
-    from infra.tracking import bound_mlflow_retries
+    from mopflow.infra.settings import Settings
+    from mopflow.infra.tracking import bound_mlflow_retries
 
     bound_mlflow_retries()  # a down tracking server must not hang the page for minutes
     from mlflow import MlflowClient
@@ -154,7 +154,7 @@ def _guarded_dag(call: trigger_guard.Call, user: Any) -> trigger_guard.GuardedDa
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
-    from infra.stages.config import CONF_FIELDS, validate_conf
+    from mopflow.infra.stages.config import CONF_FIELDS, validate_conf
 
     with create_session() as session:
         dag_id = call.dag_id or call.endpoint.dag_id
@@ -202,7 +202,7 @@ async def resolve_trigger(call: trigger_guard.Call, user: Any) -> trigger_guard.
 
 def guard_kwargs() -> dict[str, Any]:
     """The trigger guard's injected Airflow side and its limits."""
-    from infra.stages.config import MAX_CONF_BYTES
+    from mopflow.infra.stages.config import MAX_CONF_BYTES
 
     return {
         "authenticate": authenticate_caller,
@@ -216,7 +216,7 @@ def conf_limit() -> int | ValueError:
     """``[mopflow] max_conf_bytes`` (default and most: the pipeline's own limit), or why it is bad."""
     from airflow.configuration import conf
 
-    from infra.stages.config import MAX_CONF_BYTES
+    from mopflow.infra.stages.config import MAX_CONF_BYTES
 
     try:
         return trigger_guard.parse_limit(conf.get("mopflow", "max_conf_bytes", fallback=None), MAX_CONF_BYTES)

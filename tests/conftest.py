@@ -58,7 +58,7 @@ def mopflow_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session")
 def dask_client() -> Iterator[object]:
     """One real LocalCluster (2 worker processes) shared by the tests that need Dask."""
-    from training.cluster import dask_client as make_client
+    from mopflow.training.cluster import dask_client as make_client
 
     with make_client("", 2) as client:
         yield client
@@ -67,8 +67,8 @@ def dask_client() -> Iterator[object]:
 @pytest.fixture(scope="session")
 def small_manifest(tmp_path_factory: pytest.TempPathFactory, dask_client: object) -> str:
     """MNIST-1D with 1000 samples, sharded into 2 train shards."""
-    from training.config import DataConfig
-    from training.data import shard_dataset
+    from mopflow.training.config import DataConfig
+    from mopflow.training.data import shard_dataset
 
     root = tmp_path_factory.mktemp("data")
     result = shard_dataset(DataConfig(num_samples=1000, n_shards=2), str(root), dask_client)

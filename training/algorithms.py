@@ -4,7 +4,7 @@ The names a config may choose (``sampler=``, ``pruner=``) are the keys here; the
 (:data:`SamplerName`, :data:`PrunerName`) are checked against them when this module is imported,
 so adding one is one entry in one place. Everything decides in the coordinator, where every epoch
 is reported. The strategies' names (:data:`StrategyName`) live here too; their executors are the
-registry ``training.executor_search.STRATEGY_EXECUTORS``.
+registry ``mopflow.training.executor_search.STRATEGY_EXECUTORS``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 if TYPE_CHECKING:
     import optuna
 
-    from training.config import SearchConfig
+    from mopflow.training.config import SearchConfig
 
 SamplerName = Literal["tpe", "random", "grid", "gp", "cmaes"]
 PrunerName = Literal["asha", "successive_halving", "hyperband", "median", "none"]

@@ -13,9 +13,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from infra import storage
-from training.metrics import top1_accuracy
-from training.models import ArchSpec, build_model
+from mopflow.infra import storage
+from mopflow.training.metrics import top1_accuracy
+from mopflow.training.models import ArchSpec, build_model
 
 SPEC_NAME = "spec.json"
 WEIGHTS_NAME = "weights.safetensors"

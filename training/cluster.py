@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import dask
 from distributed import Client, LocalCluster
 
-from training.devices import DeviceError, WorkerSpec, gpu_worker_plan, visible_gpus
+from mopflow.training.devices import DeviceError, WorkerSpec, gpu_worker_plan, visible_gpus
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from training.algorithms import PrunerName, SamplerName, StrategyName
-from training.space import SearchSpace, default_space, parse_space
-from training.volatile.workers import WorkerSchedule
+from mopflow.training.algorithms import PrunerName, SamplerName, StrategyName
+from mopflow.training.space import SearchSpace, default_space, parse_space
+from mopflow.training.volatile.workers import WorkerSchedule
 
 KNOWN_DATASETS = ("mnist1d", "shapes")
 
@@ -117,14 +117,14 @@ class DataConfig(StageConfig):
 
 
 def known_data_spec(cfg: DataConfig) -> Any:
-    """The :class:`~training.families.DataSpec` of a generated dataset (known before sharding);
+    """The :class:`~mopflow.training.families.DataSpec` of a generated dataset (known before sharding);
     None for a user's data, whose shape is known once it is read."""
-    from training.families import DataSpec
+    from mopflow.training.families import DataSpec
 
     if cfg.dataset == "mnist1d":
         return DataSpec(40, 10)  # a table of 40 features (the signal's samples), 10 classes
     if cfg.dataset == "shapes":
-        from training.sources import shapes_data_spec
+        from mopflow.training.sources import shapes_data_spec
 
         shape, classes = shapes_data_spec()
         return DataSpec(shape[0] * shape[1] * shape[2], classes, shape, "image")

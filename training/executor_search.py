@@ -15,23 +15,23 @@ from typing import Any, TypedDict, Unpack, get_args
 
 import optuna
 
-from infra import progress, storage
-from training.algorithms import StrategyName
-from training.config import SearchConfig
-from training.devices import CPU, DeviceSpec
-from training.executors.base import Executor, ModelOutcome
-from training.search import (
+from mopflow.infra import progress, storage
+from mopflow.training.algorithms import StrategyName
+from mopflow.training.config import SearchConfig
+from mopflow.training.devices import CPU, DeviceSpec
+from mopflow.training.executors.base import Executor, ModelOutcome
+from mopflow.training.search import (
     SearchOutcome,
     WarmStart,
     open_study,
     result_detail,
     tell_result,
 )
-from training.search_controller import SearchController
-from training.trial import TrialResult, shard_cache_dir
-from training.unit import DataRef, ModelSpec
-from training.volatile.preempt import register_preemption
-from training.volatile.scaling import RoundScaling, round_scaling, with_spot_replay
+from mopflow.training.search_controller import SearchController
+from mopflow.training.trial import TrialResult, shard_cache_dir
+from mopflow.training.unit import DataRef, ModelSpec
+from mopflow.training.volatile.preempt import register_preemption
+from mopflow.training.volatile.scaling import RoundScaling, round_scaling, with_spot_replay
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def run_search_with_executor(
     If pruning left fewer than ``min_complete`` COMPLETE trials (the ensemble needs its members),
     extra trials run with pruning off until there are enough (at most ``2 * min_complete``).
     """
-    from training.data import load_manifest
+    from mopflow.training.data import load_manifest
 
     opts = SearchOptions(**{**DEFAULT_OPTIONS, **options})
     study, space, already, results = open_study(
@@ -122,7 +122,7 @@ def run_strategy_search(
 def _forward_worker_logs(client: Any) -> None:
     """Show the workers' per-epoch progress in this (task) log."""
     try:
-        client.forward_logging("training", level=logging.INFO)
+        client.forward_logging("mopflow.training", level=logging.INFO)
     except Exception:  # an older scheduler without log forwarding still trains
         log.debug("worker log forwarding unavailable")
 
@@ -216,7 +216,7 @@ class _Sweep:
 
     def result_of(self, controller: SearchController, outcome: ModelOutcome) -> TrialResult:
         """A finished model as a trial result; its bundle is written when it has a usable state."""
-        from training.executors.units import state_to_bundle
+        from mopflow.training.executors.units import state_to_bundle
 
         executor, data, model_id = self.executor, self.executor.data, outcome.spec.model_id
         trial = controller.trials[model_id]
@@ -259,9 +259,9 @@ class _Sweep:
 
 def _num_params(spec: ModelSpec, data: DataRef) -> int:
     """The parameters of the model ``spec`` builds on this data."""
-    from training.data import load_manifest
-    from training.families import DataSpec
-    from training.models import ArchSpec, count_params
+    from mopflow.training.data import load_manifest
+    from mopflow.training.families import DataSpec
+    from mopflow.training.models import ArchSpec, count_params
 
     manifest = load_manifest(data.manifest_uri, data.storage_options)
     return count_params(ArchSpec.from_params(dict(spec.params), DataSpec.from_manifest(manifest)))
@@ -284,7 +284,7 @@ class ExecutorSetting:
 
 
 def _task_executor(s: ExecutorSetting) -> Executor:
-    from training.executors.task import TaskExecutor
+    from mopflow.training.executors.task import TaskExecutor
 
     register_preemption(s.client)  # spot notices: epochs checkpoint mid-pass and move on
     return TaskExecutor(
@@ -293,7 +293,7 @@ def _task_executor(s: ExecutorSetting) -> Executor:
 
 
 def _mop_executor(s: ExecutorSetting) -> Executor:
-    from training.executors.mop import MopExecutor
+    from mopflow.training.executors.mop import MopExecutor
 
     register_preemption(s.client)  # spot notices: units checkpoint mid-pass and move on
     return MopExecutor(
@@ -310,7 +310,7 @@ def _mop_executor(s: ExecutorSetting) -> Executor:
 
 
 def _ddp_executor(s: ExecutorSetting) -> Executor:
-    from training.executors.ddp import DDPExecutor
+    from mopflow.training.executors.ddp import DDPExecutor
 
     return DDPExecutor(
         s.client, s.data, s.cfg.ddp_world_size, s.checkpoint_root, bf16_compress=s.cfg.bf16_compress

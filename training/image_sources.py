@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from infra import storage
-from training.sources import SourceError, SplitSettings, prepared_partition
+from mopflow.infra import storage
+from mopflow.training.sources import SourceError, SplitSettings, prepared_partition
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 _MODE_CHANNELS = {

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from torch import nn
 
-from training.devices import CPU, DeviceSpec
-from training.metrics import top1_accuracy
-from training.schedule import one_cycle
+from mopflow.training.devices import CPU, DeviceSpec
+from mopflow.training.metrics import top1_accuracy
+from mopflow.training.schedule import one_cycle
 
 
 class NonFiniteLossError(FloatingPointError):

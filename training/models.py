@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.families import DataSpec, FamilyError, ModelFamily, get_family
+from mopflow.training.families import DataSpec, FamilyError, ModelFamily, get_family
 
 
 @dataclass(frozen=True)

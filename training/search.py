@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import TrialState
 
-from infra import storage
-from infra.optuna_storage import make_storage, quiet_optuna
-from training.algorithms import make_pruner, make_sampler
-from training.config import SearchConfig
-from training.data import verify_manifest
-from training.rungs import current
-from training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
-from training.trial import TrialResult
-from training.volatile.scaling import RoundScale
-from training.warm_history import (
+from mopflow.infra import storage
+from mopflow.infra.optuna_storage import make_storage, quiet_optuna
+from mopflow.training.algorithms import make_pruner, make_sampler
+from mopflow.training.config import SearchConfig
+from mopflow.training.data import verify_manifest
+from mopflow.training.rungs import current
+from mopflow.training.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
+from mopflow.training.trial import TrialResult
+from mopflow.training.volatile.scaling import RoundScale
+from mopflow.training.warm_history import (
     WARM_START_ATTR,
     best_params,
     dataset_identity,
@@ -35,7 +35,7 @@ from training.warm_history import (
 )
 
 if TYPE_CHECKING:
-    from training.volatile.spot_report import SpotReport
+    from mopflow.training.volatile.spot_report import SpotReport
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def grid_values(spec: Any, points: int) -> list[Any]:
     rounded and de-duplicated for ints."""
     import numpy as np
 
-    from training.space import CategoricalParam, IntParam
+    from mopflow.training.space import CategoricalParam, IntParam
 
     if isinstance(spec, CategoricalParam):
         return list(spec.choices)
@@ -89,7 +89,7 @@ def grid_values(spec: Any, points: int) -> list[Any]:
 
 def grid_search_space(space: SearchSpace, points: int) -> dict[str, list[Any]]:
     """Every parameter's grid values under the names ``sample_params`` suggests (all families)."""
-    from training.space import DEFAULT_COMMON
+    from mopflow.training.space import DEFAULT_COMMON
 
     grid: dict[str, list[Any]] = {}
     families = sorted(space.families)
@@ -114,7 +114,7 @@ def grid_configurations(space: SearchSpace, points: int, seed: int) -> list[dict
     import itertools
     import random
 
-    from training.space import DEFAULT_COMMON
+    from mopflow.training.space import DEFAULT_COMMON
 
     grid = grid_search_space(space, points)
     common = [name for name in DEFAULT_COMMON if name in space.common]
@@ -324,8 +324,8 @@ def open_study(
     study (a new one learns from earlier studies of the same data when ``cfg.warm_start_studies``;
     stale trials retried); return it, the space, the trials that already count towards the budget
     and their results."""
-    from training.families import DataSpec
-    from training.space import check_space_fits
+    from mopflow.training.families import DataSpec
+    from mopflow.training.space import check_space_fits
 
     quiet_optuna()
     # a bad shard, or a family that cannot take the data, fails here, before any training

@@ -15,28 +15,28 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from infra import progress
-from training.algorithms import REDUCTION_FACTOR
-from training.config import SearchConfig
-from training.devices import CPU, DeviceSpec
-from training.rungs import PROMOTED_ATTR, WAITS_ATTR, Rungs, current
-from training.search import MODEL_ATTR
-from training.space import params_from_optuna, sample_params
-from training.warm_history import LEARNED_ATTR
+from mopflow.infra import progress
+from mopflow.training.algorithms import REDUCTION_FACTOR
+from mopflow.training.config import SearchConfig
+from mopflow.training.devices import CPU, DeviceSpec
+from mopflow.training.rungs import PROMOTED_ATTR, WAITS_ATTR, Rungs, current
+from mopflow.training.search import MODEL_ATTR
+from mopflow.training.space import params_from_optuna, sample_params
+from mopflow.training.warm_history import LEARNED_ATTR
 
 if TYPE_CHECKING:
-    from training.executors import EpochReport, ModelOutcome, ModelSpec
+    from mopflow.training.executors import EpochReport, ModelOutcome, ModelSpec
 
 log = logging.getLogger(__name__)
 
 
 class SearchController:
-    """Optuna behind the executor interface (a :class:`~training.executors.base.Controller`), in
+    """Optuna behind the executor interface (a :class:`~mopflow.training.executors.base.Controller`), in
     the coordinator: every epoch report reaches the study when it happens, the pruner decides
     there, and a finished model is told at once (``on_done``), so the sampler and the pruner learn
     from it while the sweep goes on.
 
-    Under ``pruner="asha"`` the controller keeps the rungs itself (:class:`~training.rungs.Rungs`):
+    Under ``pruner="asha"`` the controller keeps the rungs itself (:class:`~mopflow.training.rungs.Rungs`):
     a model stopped at a rung is told to the study as PRUNED, so the sampler learns from it, and
     waits there; when it later ranks in the rung's top third, it is promoted before any new trial
     starts: a new trial with its parameters continues its model from its checkpoint.
@@ -116,7 +116,7 @@ class SearchController:
     def _spec(self, model_id: str, params: dict[str, Any]) -> ModelSpec:
         """The model to train for ``model_id``, seeded by its number (a retry or a promotion of a
         model trains it on with the first attempt's seed)."""
-        from training.executors import ModelSpec
+        from mopflow.training.executors import ModelSpec
 
         number = int(model_id.rsplit("-", 1)[1])
         return ModelSpec(model_id, params, self.cfg.seed * 1000 + number, self.device)

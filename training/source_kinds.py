@@ -1,6 +1,6 @@
 """The shard stage's image and array sources: what each is (fingerprint, example shape,
-modality) and its partitions, started on the Dask workers (``training.sources`` and
-``training.image_sources`` do the work)."""
+modality) and its partitions, started on the Dask workers (``mopflow.training.sources`` and
+``mopflow.training.image_sources`` do the work)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from training.config import DataConfig
-from training.image_sources import (
+from mopflow.training.config import DataConfig
+from mopflow.training.image_sources import (
     image_partition,
     image_shape,
     is_image_folder,
@@ -19,7 +19,7 @@ from training.image_sources import (
     tensor_column,
     tensor_partition,
 )
-from training.sources import (
+from mopflow.training.sources import (
     SourceError,
     SplitSettings,
     is_npy_folder,
@@ -39,10 +39,10 @@ def _split(cfg: DataConfig) -> SplitSettings:
 
 
 def describe(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> Any:
-    """The :class:`~training.data.SourceInfo` of a generated image dataset, an image folder or a
+    """The :class:`~mopflow.training.data.SourceInfo` of a generated image dataset, an image folder or a
     ``.npy`` pair; None for other sources. Unusable items are refused here, before anything is
     written, naming them."""
-    from training.data import DataValidationError, SourceInfo, feature_columns
+    from mopflow.training.data import DataValidationError, SourceInfo, feature_columns
 
     try:
         if cfg.dataset == "shapes":
@@ -72,9 +72,9 @@ def describe(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client:
 
 
 def _describe_npy(cfg: DataConfig, storage_options: Mapping[str, Any] | None) -> Any:
-    from infra import storage
-    from training.data import SourceInfo, feature_columns
-    from training.sources import check_npy_pair
+    from mopflow.infra import storage
+    from mopflow.training.data import SourceInfo, feature_columns
+    from mopflow.training.sources import check_npy_pair
 
     headers = (
         npy_header(storage.join(cfg.dataset, "x.npy"), storage_options),
@@ -96,7 +96,7 @@ def _describe_npy(cfg: DataConfig, storage_options: Mapping[str, Any] | None) ->
 
 
 def _files_fingerprint(cfg: DataConfig, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
-    from infra import storage
+    from mopflow.infra import storage
 
     fs, path = storage.filesystem(cfg.dataset, storage_options)
     entries = []
@@ -108,7 +108,7 @@ def _files_fingerprint(cfg: DataConfig, storage_options: Mapping[str, Any] | Non
 
 
 def _describe_images(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> Any:
-    from training.data import SourceInfo, feature_columns
+    from mopflow.training.data import SourceInfo, feature_columns
 
     listing = list_image_folder(cfg.dataset, storage_options)
     chunks = [listing.files[i : i + PROBE_CHUNK] for i in range(0, len(listing.files), PROBE_CHUNK)]
@@ -133,7 +133,7 @@ def _describe_images(cfg: DataConfig, storage_options: Mapping[str, Any] | None,
 
 
 def _describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> Any:
-    from training.data import SourceInfo, feature_columns, table_fingerprint
+    from mopflow.training.data import SourceInfo, feature_columns, table_fingerprint
 
     assert cfg.tensor_column is not None
     source = tensor_column(cfg.dataset, cfg.tensor_column, cfg.label_column, storage_options)
@@ -179,7 +179,7 @@ def _describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None
 
 def partitions(cfg: DataConfig, info: Any, client: Any) -> list[Any]:
     """Futures of the source's partitions, prepared on the workers."""
-    from training.data import PARTITION_SEED_STRIDE, even_chunks
+    from mopflow.training.data import PARTITION_SEED_STRIDE, even_chunks
 
     split = _split(cfg)
     if info.kind == "shapes":

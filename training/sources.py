@@ -1,5 +1,5 @@
 """Sources of image and sequence data: the generated image dataset and NumPy arrays (image
-folders and parquet tensor columns: ``training.image_sources``).
+folders and parquet tensor columns: ``mopflow.training.image_sources``).
 
 Each source turns into the partitions the shard stage already handles (flat ``x_<i>`` feature
 columns, a label, a content hash and a split per row); the example's shape and the modality go
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from infra import storage
+from mopflow.infra import storage
 
 NPY_FILES = ("x.npy", "y.npy")
 SHAPES_CLASSES = ("disk", "ring", "square", "frame", "triangle", "diamond", "cross", "bar")
@@ -187,7 +187,7 @@ class SplitSettings:
 
 def prepared_partition(x: np.ndarray, y: np.ndarray, split: SplitSettings) -> pd.DataFrame:
     """Flat rows and labels as a partition: typed, split by content hash, NaN/inf marked."""
-    from training.data import LABEL_COLUMN, feature_columns, prepare_table_partition
+    from mopflow.training.data import LABEL_COLUMN, feature_columns, prepare_table_partition
 
     columns = feature_columns(x.shape[1])
     frame = arrays_frame(x, y, columns, LABEL_COLUMN)

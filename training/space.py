@@ -98,7 +98,7 @@ ParamSpec = Annotated[IntParam | FloatParam | CategoricalParam, Field(discrimina
 def _family_params(family: str) -> Mapping[str, Mapping[str, Any]]:
     """The registered family's parameter specs (an unknown family is refused naming the
     registered ones)."""
-    from training.families import FamilyError, get_family
+    from mopflow.training.families import FamilyError, get_family
 
     try:
         return get_family(family).params
@@ -214,7 +214,7 @@ def default_space(modality: str = "table") -> SearchSpace:
         raise SpaceError(
             f"no default search space for modality {modality!r}; expected {sorted(DEFAULT_SPACE_FILES)}"
         )
-    text = resources.files("training").joinpath(f"spaces/{DEFAULT_SPACE_FILES[modality]}").read_text()
+    text = resources.files("mopflow.training").joinpath(f"spaces/{DEFAULT_SPACE_FILES[modality]}").read_text()
     return parse_space(text)
 
 
@@ -222,7 +222,7 @@ def check_space_fits(space: SearchSpace, data: Any) -> None:
     """Refuse, before any training, a family of the space that does not take the data (its
     modality, or its own check or builder on the data's shape at the space's smallest values),
     with the family's own error."""
-    from training.families import FamilyError, get_family
+    from mopflow.training.families import FamilyError, get_family
 
     for name, params in sorted(space.families.items()):
         family = get_family(name)
@@ -287,7 +287,7 @@ def sample_params(space: SearchSpace, trial: Suggester) -> dict[str, Any]:
 
 def params_from_optuna(optuna_params: Mapping[str, Any]) -> dict[str, Any]:
     """Turn a trial's Optuna param names back into a model configuration."""
-    from training.families import registered_families
+    from mopflow.training.families import registered_families
 
     family = str(optuna_params.get("family", ""))
     if not family:

@@ -6,7 +6,7 @@ bounded shuffle buffer, and cuts the rows into batches. Memory stays at about th
 block, whatever the partition's size. The order is a function of (seed, epoch, pass) alone, so a
 pass stopped at batch k and resumed reads the same stream again and goes on at batch k with
 exactly the batches it had left. A shard that cannot be read mid-stream (deleted, corrupted)
-raises :class:`~training.data.ShardIntegrityError` naming it.
+raises :class:`~mopflow.training.data.ShardIntegrityError` naming it.
 
 Partitions within the budget are held in memory and shuffled by a whole permutation, as before.
 """
@@ -196,8 +196,8 @@ def shard_blocks(
     """The row groups of these training shards (read from the parquet footers only)."""
     import pyarrow.parquet as pq
 
-    from infra import storage
-    from training.data import ShardIntegrityError
+    from mopflow.infra import storage
+    from mopflow.training.data import ShardIntegrityError
 
     blocks = []
     base = manifest_uri.rsplit("/", 1)[0]
@@ -227,8 +227,8 @@ def cache_shards(
     local paths by shard name. Local shards are read where they are."""
     from pathlib import Path
 
-    from infra import storage
-    from training.data import ShardIntegrityError
+    from mopflow.infra import storage
+    from mopflow.training.data import ShardIntegrityError
 
     base = manifest_uri.rsplit("/", 1)[0]
     if "://" not in base or base.startswith("file://") or not cache_dir:
@@ -260,11 +260,11 @@ def block_reader(
 ) -> Reader:
     """A function reading one block's features (float32) and labels (int64), from the shard's
     local copy when ``local`` has one; a shard that fails mid-stream raises
-    :class:`~training.data.ShardIntegrityError` naming it."""
+    :class:`~mopflow.training.data.ShardIntegrityError` naming it."""
     import pyarrow.parquet as pq
 
-    from infra import storage
-    from training.data import ShardIntegrityError
+    from mopflow.infra import storage
+    from mopflow.training.data import ShardIntegrityError
 
     base = manifest_uri.rsplit("/", 1)[0]
     features, label = list(manifest["feature_columns"]), str(manifest["label_column"])

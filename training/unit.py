@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from training.batches import Batches, pass_order, rank_share
-from training.devices import CPU, DeviceSpec
-from training.unit_state import load_moments, moments_of, state_metadata
+from mopflow.training.batches import Batches, pass_order, rank_share
+from mopflow.training.devices import CPU, DeviceSpec
+from mopflow.training.unit_state import load_moments, moments_of, state_metadata
 
 EVAL_BATCH = 4096  # rows per evaluation batch: a split need not fit on the device at once
 
@@ -118,8 +118,8 @@ class TrainableUnit:
         """A fresh unit: the spec's architecture on the manifest's features, seeded by the spec."""
         import torch
 
-        from training.families import DataSpec
-        from training.models import ArchSpec, build_model
+        from mopflow.training.families import DataSpec
+        from mopflow.training.models import ArchSpec, build_model
 
         arch = ArchSpec.from_params(spec.params, DataSpec.from_manifest(manifest))
         norm = manifest["normalization"]
@@ -152,11 +152,11 @@ class TrainableUnit:
         """
         import pytorch_lightning as pl
 
-        from training.lit import cache_callback_factories, quiet_trainer_kwargs
+        from mopflow.training.lit import cache_callback_factories, quiet_trainer_kwargs
 
         cache_callback_factories()
 
-        from training.streaming import StreamedRows
+        from mopflow.training.streaming import StreamedRows
 
         batch_size = int(self.spec.params["batch_size"])
         streamed = tensors if isinstance(tensors, StreamedRows) else None
@@ -227,7 +227,7 @@ class TrainableUnit:
         unit's moments (and kept in ``holder``), its schedule going on from the global step."""
         import torch
 
-        from training.lit import Classifier
+        from mopflow.training.lit import Classifier
 
         unit = self
         loss_so_far = plan.loss_so_far
@@ -305,7 +305,7 @@ class TrainableUnit:
         (split shards add up to the split's accuracy)."""
         import torch
 
-        from training.metrics import top1_correct
+        from mopflow.training.metrics import top1_correct
 
         device = self.spec.device.torch_device()
         self.model.to(device).eval()

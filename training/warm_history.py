@@ -28,8 +28,8 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from training.rungs import current
-from training.space import SearchSpace
+from mopflow.training.rungs import current
+from mopflow.training.space import SearchSpace
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.families import DataSpec, ModelFamily
+from mopflow.training.families import DataSpec, ModelFamily
 
 
 def as_signal(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Draw docs/img/gantt.png: the schedule mopflow's MOP scheduler produces for a small sweep.
 
-The schedule comes from ``training.executors.scheduler.MopScheduler`` itself (the pure, seeded
+The schedule comes from ``mopflow.training.executors.scheduler.MopScheduler`` itself (the pure, seeded
 state machine the ``mop`` executor drives): 4 models, 3 partitions held by 3 workers, 2 epochs,
 seed 0. Every unit is drawn one step long, so the picture shows the order and placement of the
 units (which model trains on which partition, on which worker, when), not measured timings.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from training.executors.scheduler import MopScheduler, check_invariants, round_robin
+from mopflow.training.executors.scheduler import MopScheduler, check_invariants, round_robin
 
 MODELS = ["m0", "m1", "m2", "m3"]
 PARTITIONS = ["p0", "p1", "p2"]

@@ -1,7 +1,7 @@
-"""``python -m infra.cli``: the ``mopflow`` command."""
+"""``python -m mopflow.infra.cli``: the ``mopflow`` command."""
 
 import sys
 
-from infra.cli.parser import main
+from mopflow.infra.cli.parser import main
 
 sys.exit(main())

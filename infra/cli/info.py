@@ -12,12 +12,12 @@ from pathlib import Path
 
 def cmd_settings(args: argparse.Namespace) -> int:
     """Print the effective settings and the local stack's knobs with their environment variables."""
-    from infra.settings import SETTING_ENV, Settings
+    from mopflow.infra.settings import SETTING_ENV, Settings
 
     settings = Settings.from_env().describe()
     for name, (env, help_text) in SETTING_ENV.items():
         print(f"{name:26} {env:28} {settings[name]}\n{'':26} {help_text}")
-    from infra.stack import PORT_ENV, STACK_ENV
+    from mopflow.infra.stack import PORT_ENV, STACK_ENV
 
     print("\nlocal stack (mopflow up):")
     for name, (env, default) in PORT_ENV.items():
@@ -30,7 +30,7 @@ def cmd_settings(args: argparse.Namespace) -> int:
 def cmd_config_keys(args: argparse.Namespace) -> int:
     """Print every pipeline config key with its default and meaning (the table in
     docs/user-guide/configuration.md)."""
-    from infra.stages.config import conf_markdown_table
+    from mopflow.infra.stages.config import conf_markdown_table
 
     print(conf_markdown_table())
     return 0
@@ -38,8 +38,8 @@ def cmd_config_keys(args: argparse.Namespace) -> int:
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     """Run optuna-dashboard on the study storage (until it is stopped)."""
-    from infra.optuna_storage import journal_path, make_storage, storage_kind
-    from infra.settings import Settings
+    from mopflow.infra.optuna_storage import journal_path, make_storage, storage_kind
+    from mopflow.infra.settings import Settings
 
     url = Settings.from_env().optuna_storage
     make_storage(url)  # creates an empty journal on a fresh machine (optuna-dashboard needs the file)

@@ -10,14 +10,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from infra.airflow_home import AirflowSetupError
-from infra.cli.errors import CliError
-from infra.cli.info import cmd_config_keys, cmd_dashboard, cmd_settings
-from infra.cli.registry import cmd_promote, cmd_rollback, cmd_serve
-from infra.cli.run import cmd_run, cmd_runs
-from infra.cli.spot import cmd_plan_spot
-from infra.cli.stack_commands import cmd_down, cmd_status, cmd_up
-from infra.local_runs import RunEnded
+from mopflow.infra.airflow_home import AirflowSetupError
+from mopflow.infra.cli.airflow_integration import cmd_dags_install, cmd_dags_path
+from mopflow.infra.cli.errors import CliError
+from mopflow.infra.cli.info import cmd_config_keys, cmd_dashboard, cmd_settings
+from mopflow.infra.cli.registry import cmd_promote, cmd_rollback, cmd_serve
+from mopflow.infra.cli.run import cmd_run, cmd_runs
+from mopflow.infra.cli.spot import cmd_plan_spot
+from mopflow.infra.cli.stack_commands import cmd_down, cmd_status, cmd_up
+from mopflow.infra.local_runs import RunEnded
 
 log = logging.getLogger("mopflow")
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_registry_parsers(sub)
     _add_plan_spot_parser(sub)
     _add_stack_parsers(sub)
+    _add_dags_parsers(sub)
     return parser
 
 
@@ -158,7 +160,7 @@ def _add_plan_spot_parser(sub: Any) -> None:
 
 
 def _port_flags() -> dict[str, tuple[str, int]]:
-    from infra.stack import PORT_ENV
+    from mopflow.infra.stack import PORT_ENV
 
     return PORT_ENV
 
@@ -197,12 +199,26 @@ def _add_stack_parsers(sub: Any) -> None:
     stat.set_defaults(func=cmd_status)
 
 
+def _add_dags_parsers(sub: Any) -> None:
+    """``dags install`` and ``dags path``: mopflow's DAGs in an Airflow of the user's own."""
+    dags = sub.add_parser("dags", help="mopflow's DAGs in your own Airflow deployment")
+    dags_sub = dags.add_subparsers(dest="dags_command", required=True)
+    install = dags_sub.add_parser(
+        "install", help="write a loader file into an Airflow DAGs folder that imports mopflow's DAGs"
+    )
+    install.add_argument("folder", metavar="DAGS_FOLDER", help="the Airflow deployment's [core] dags_folder")
+    install.add_argument("--force", action="store_true", help="replace a file of the same name")
+    install.set_defaults(func=cmd_dags_install)
+    path = dags_sub.add_parser("path", help="print the DAGs folder `mopflow run` and `mopflow up` use")
+    path.set_defaults(func=cmd_dags_path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mopflow`` command."""
     args = build_parser().parse_args(argv)
     setup_logging()
     try:
-        from infra.profile import ProfileError, apply_profile
+        from mopflow.infra.profile import ProfileError, apply_profile
 
         try:  # before anything reads settings or imports Airflow
             applied = apply_profile(os.environ, args.profile)
@@ -218,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mopflow: {exc}", file=sys.stderr)
         return exc.code
     except Exception as exc:
-        from infra.stages.config import ConfigError
+        from mopflow.infra.stages.config import ConfigError
 
         if isinstance(exc, ConfigError):
             print(f"mopflow: invalid config: {exc}", file=sys.stderr)

@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from infra.cli.errors import CliError
-from infra.cli.pipeline import run_pipeline
+from mopflow.infra.cli.errors import CliError
+from mopflow.infra.cli.pipeline import run_pipeline
 
 DEFAULT_CONFIG = Path(__file__).parents[1] / "configs" / "demo.yaml"
 
@@ -99,8 +99,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     """List the runs `mopflow run` started on this machine, newest first."""
-    from infra import local_runs
-    from infra.settings import Settings
+    from mopflow.infra import local_runs
+    from mopflow.infra.settings import Settings
 
     print(local_runs.format_runs(local_runs.load_records(Settings.from_env().home)))
     return 0

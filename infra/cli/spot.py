@@ -9,13 +9,13 @@ from typing import Any
 
 import yaml
 
-from infra.cli.errors import CliError
+from mopflow.infra.cli.errors import CliError
 
 
 def _spot_prices(args: argparse.Namespace) -> Any:
     """The price distribution named by the plan-spot flags (a trace gives its empirical distribution)."""
-    from training.volatile.price_trace import empirical_prices, load_price_trace
-    from training.volatile.prices import GaussianPrices, UniformPrices
+    from mopflow.training.volatile.price_trace import empirical_prices, load_price_trace
+    from mopflow.training.volatile.prices import GaussianPrices, UniformPrices
 
     if args.trace:
         return empirical_prices(load_price_trace(args.trace))
@@ -32,10 +32,10 @@ def cmd_plan_spot(args: argparse.Namespace) -> int:
     """Print the cheapest plan that meets the deadline and error target (and write it as JSON)."""
     from pydantic import ValidationError
 
-    from training.volatile.prices import PriceError
-    from training.volatile.spot_plan import plan_spot
-    from training.volatile.spot_plan_model import PlanError, SpotPlanConfig
-    from training.volatile.spot_plan_report import format_report, report_as_dict
+    from mopflow.training.volatile.prices import PriceError
+    from mopflow.training.volatile.spot_plan import plan_spot
+    from mopflow.training.volatile.spot_plan_model import PlanError, SpotPlanConfig
+    from mopflow.training.volatile.spot_plan_report import format_report, report_as_dict
 
     constants: dict[str, Any] = {}
     for item in args.convergence or []:

@@ -1,4 +1,4 @@
-"""``mopflow up``, ``down`` and ``status``: the local stack (:mod:`infra.stack`) from the command
+"""``mopflow up``, ``down`` and ``status``: the local stack (:mod:`mopflow.infra.stack`) from the command
 line, its errors printed as the CLI's."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from infra.cli.errors import CliError
+from mopflow.infra.cli.errors import CliError
 
 
 def _stack_call(fn: Callable[..., Any], *args: Any) -> Any:
     """Run a stack function, turning its errors into CLI errors (printed, exit code 2)."""
-    from infra.settings import SettingsError
-    from infra.stack import StackError
+    from mopflow.infra.settings import SettingsError
+    from mopflow.infra.stack import StackError
 
     try:
         return fn(*args)
@@ -23,15 +23,15 @@ def _stack_call(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _stack_home() -> str:
-    from infra.settings import Settings
+    from mopflow.infra.settings import Settings
 
     return Settings.from_env().home
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Start the local stack with the ports and knobs of the flags and the environment."""
-    from infra import stack
-    from infra.settings import Settings
+    from mopflow.infra import stack
+    from mopflow.infra.settings import Settings
 
     def start() -> object:
         settings = Settings.from_env()
@@ -44,13 +44,17 @@ def cmd_up(args: argparse.Namespace) -> int:
             config = config.model_copy(update={"timeout_s": args.timeout})
         return stack.up(settings, config, os.environ)
 
+    from mopflow.infra.cli.airflow_integration import check_plugin_loads, checked_dags_folder
+
+    checked_dags_folder(os.environ)  # before any service starts: one line naming what is wrong
+    check_plugin_loads({**os.environ, "AIRFLOW_HOME": Settings.from_env().airflow_home})
     _stack_call(start)
     return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:
     """Stop the local stack (``--grace``, else ``MOPFLOW_STACK_GRACE_S``, between SIGTERM and SIGKILL)."""
-    from infra import stack
+    from mopflow.infra import stack
 
     def stop() -> object:
         grace = args.grace
@@ -64,7 +68,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Show the local stack's services; exit code 0 when every one is healthy."""
-    from infra import stack
+    from mopflow.infra import stack
 
     healthy = _stack_call(stack.status, _stack_home())
     return 0 if healthy else 1

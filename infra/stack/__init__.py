@@ -24,22 +24,35 @@ ports, URLs and health checks are recorded in ``<home>/stack/state.json`` so tha
 and ``down`` work from any shell. The pure parts are separate from the edges so that they can be
 tested without starting anything:
 
-- :mod:`~infra.stack.config`: ports and knobs from flags and the environment (``StackConfig``);
-- :mod:`~infra.stack.services`: what a service is (spec, health check, record);
-- :mod:`~infra.stack.environment`: the services' environments, Airflow's shared with ``mopflow run``;
-- :mod:`~infra.stack.specs` and :mod:`~infra.stack.airflow_services`: the command lines;
-- :mod:`~infra.stack.auth`: MLflow's basic-auth files and Airflow's password file;
-- :mod:`~infra.stack.state`: the state file, its lock and how a state is printed;
-- the edges: :mod:`~infra.stack.probes` (ports, health checks), :mod:`~infra.stack.processes`
-  (spawn, stop, wait) and :mod:`~infra.stack.lifecycle` (``up``, ``down``, ``status``).
+- :mod:`~mopflow.infra.stack.config`: ports and knobs from flags and the environment (``StackConfig``);
+- :mod:`~mopflow.infra.stack.services`: what a service is (spec, health check, record);
+- :mod:`~mopflow.infra.stack.environment`: the services' environments, Airflow's shared with ``mopflow run``;
+- :mod:`~mopflow.infra.stack.specs` and :mod:`~mopflow.infra.stack.airflow_services`: the command lines;
+- :mod:`~mopflow.infra.stack.auth`: MLflow's basic-auth files and Airflow's password file;
+- :mod:`~mopflow.infra.stack.state`: the state file, its lock and how a state is printed;
+- the edges: :mod:`~mopflow.infra.stack.probes` (ports, health checks), :mod:`~mopflow.infra.stack.processes`
+  (spawn, stop, wait) and :mod:`~mopflow.infra.stack.lifecycle` (``up``, ``down``, ``status``).
 """
 
-from infra.stack.config import PORT_ENV, STACK_ENV, StackConfig, StackError, StackPorts, config_from_env
-from infra.stack.lifecycle import down, status, up
-from infra.stack.probes import free_port, port_answers
-from infra.stack.services import CELERY_SERVICES, SERVICE_ORDER, HealthCheck, ServiceRecord, ServiceSpec
-from infra.stack.specs import build_specs
-from infra.stack.state import StackState, read_state, state_path
+from mopflow.infra.stack.config import (
+    PORT_ENV,
+    STACK_ENV,
+    StackConfig,
+    StackError,
+    StackPorts,
+    config_from_env,
+)
+from mopflow.infra.stack.lifecycle import down, status, up
+from mopflow.infra.stack.probes import free_port, port_answers
+from mopflow.infra.stack.services import (
+    CELERY_SERVICES,
+    SERVICE_ORDER,
+    HealthCheck,
+    ServiceRecord,
+    ServiceSpec,
+)
+from mopflow.infra.stack.specs import build_specs
+from mopflow.infra.stack.state import StackState, read_state, state_path
 
 __all__ = [
     "CELERY_SERVICES",

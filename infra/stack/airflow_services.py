@@ -7,9 +7,9 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from infra.airflow_home import TRAINING_POOL
-from infra.stack.config import HOST, REPO, StackError, StackPorts
-from infra.stack.services import HealthCheck, ServiceSpec
+from mopflow.infra.airflow_home import TRAINING_POOL
+from mopflow.infra.stack.config import HOST, StackError, StackPorts
+from mopflow.infra.stack.services import HealthCheck, ServiceSpec
 
 
 def airflow_executor(environ: Mapping[str, str]) -> str:
@@ -101,6 +101,6 @@ def set_training_pool(env: Mapping[str, str], bin_dir: str, slots: int) -> None:
         str(slots),
         "mopflow training tasks",
     ]
-    proc = subprocess.run(cmd, env=dict(env), cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise StackError(f"`{' '.join(cmd[1:])}` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

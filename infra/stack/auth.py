@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, SecretStr
 
-from infra.stack.state import stack_dir
+from mopflow.infra.stack.state import stack_dir
 
 
 class MlflowAuth(BaseModel):

@@ -4,11 +4,9 @@ environment, validated before anything starts."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"  # every server binds loopback (but Airflow's log servers: hard-coded to all)
 
 # port name -> (environment variable, default). Defaults keep optuna-dashboard off Airflow's 8080.

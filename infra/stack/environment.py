@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
-from infra.airflow_home import embedded_airflow_env
-from infra.settings import Settings
-from infra.stack.config import HOST, REPO, StackPorts
+from mopflow.infra.airflow_home import embedded_airflow_env
+from mopflow.infra.settings import Settings
+from mopflow.infra.stack.config import HOST, StackPorts
 
 # MLflow client variables that say where runs go (``set_tracking_uri`` exports some of them): a stale
 # one would send a server's or a task's writes elsewhere. Others (``MLFLOW_S3_ENDPOINT_URL``) are kept.
@@ -57,16 +56,15 @@ def airflow_env(
     environ: Mapping[str, str],
     bin_dir: str,
     ports: StackPorts | None = None,
-    repo: Path = REPO,
 ) -> dict[str, str]:
     """Airflow's settings for an Airflow mopflow runs: its home (SQLite metadata there unless the
-    environment names a database), this repo's dags/ and plugins/, the venv's ``bin`` on PATH.
+    environment names a database), its DAGs and plugins folders, the venv's ``bin`` on PATH.
 
     ``mopflow run``'s embedded Airflow needs no more. The stack's (``ports`` given) also serves
     the api-server, and the Execution API the tasks call, on the stack's port, its log servers on
     the stack's ports, and tunables the environment may override."""
     env = {
-        **embedded_airflow_env(airflow_home, environ, repo),
+        **embedded_airflow_env(airflow_home, environ),
         "PATH": bin_first_on_path(environ.get("PATH", ""), bin_dir),
     }
     if ports is None:

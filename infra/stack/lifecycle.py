@@ -9,17 +9,17 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from infra.airflow_home import TRAINING_POOL, migrate_airflow_db
-from infra.optuna_storage import journal_path, storage_kind
-from infra.settings import Settings
-from infra.stack.airflow_services import set_training_pool
-from infra.stack.auth import MlflowAuth, airflow_password_file, owner_only, prepare_mlflow_auth
-from infra.stack.config import StackConfig, StackError
-from infra.stack.probes import port_answers, port_bindable, probe_all
-from infra.stack.processes import is_running, spawn, stop_services, wait_healthy
-from infra.stack.services import CELERY_SERVICES, SERVICE_ORDER, ServiceRecord, ServiceSpec
-from infra.stack.specs import build_specs, mlflow_server_stores
-from infra.stack.state import (
+from mopflow.infra.airflow_home import TRAINING_POOL, migrate_airflow_db
+from mopflow.infra.optuna_storage import journal_path, storage_kind
+from mopflow.infra.settings import Settings
+from mopflow.infra.stack.airflow_services import set_training_pool
+from mopflow.infra.stack.auth import MlflowAuth, airflow_password_file, owner_only, prepare_mlflow_auth
+from mopflow.infra.stack.config import StackConfig, StackError
+from mopflow.infra.stack.probes import port_answers, port_bindable, probe_all
+from mopflow.infra.stack.processes import is_running, spawn, stop_services, wait_healthy
+from mopflow.infra.stack.services import CELERY_SERVICES, SERVICE_ORDER, ServiceRecord, ServiceSpec
+from mopflow.infra.stack.specs import build_specs, mlflow_server_stores
+from mopflow.infra.stack.state import (
     StackState,
     dask_dashboard_url,
     format_status,
@@ -46,7 +46,7 @@ def create_optuna_tables(url: str) -> None:
     """Create (or upgrade) Optuna's tables in an RDB storage, as any Optuna client would."""
     from optuna.storages import RDBStorage
 
-    from infra.optuna_storage import redact_url
+    from mopflow.infra.optuna_storage import redact_url
 
     try:
         RDBStorage(url).engine.dispose()

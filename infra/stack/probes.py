@@ -9,8 +9,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
-from infra.stack.config import HOST
-from infra.stack.services import HealthCheck
+from mopflow.infra.stack.config import HOST
+from mopflow.infra.stack.services import HealthCheck
 
 
 def free_port() -> int:

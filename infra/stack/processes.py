@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from infra.stack.config import REPO, StackError
-from infra.stack.probes import probe_all
-from infra.stack.services import ServiceRecord, ServiceSpec
+from mopflow.infra.stack.config import StackError
+from mopflow.infra.stack.probes import probe_all
+from mopflow.infra.stack.services import ServiceRecord, ServiceSpec
 
 
 def _process(rec: ServiceRecord) -> object | None:
@@ -36,7 +36,7 @@ def is_running(rec: ServiceRecord) -> bool:
     return _process(rec) is not None
 
 
-def spawn(spec: ServiceSpec, log_dir: Path, cwd: Path = REPO) -> ServiceRecord:
+def spawn(spec: ServiceSpec, log_dir: Path) -> ServiceRecord:
     """Start one service in its own session (process group), output appended to its log file."""
     import psutil
 
@@ -48,7 +48,7 @@ def spawn(spec: ServiceSpec, log_dir: Path, cwd: Path = REPO) -> ServiceRecord:
         proc = subprocess.Popen(
             list(spec.argv),
             env=spec.env,
-            cwd=cwd,
+            cwd=log_dir,  # anything a service writes relative to its cwd stays in the stack's folder
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from infra.optuna_storage import journal_path, storage_kind
-from infra.settings import Settings
-from infra.stack.airflow_services import airflow_executor, airflow_specs
-from infra.stack.auth import MlflowAuth
-from infra.stack.config import HOST, REPO, StackConfig, StackError, StackPorts
-from infra.stack.environment import airflow_env, base_env, mopflow_env
-from infra.stack.services import HealthCheck, ServiceSpec
-from infra.stack.state import stack_dir
+from mopflow.infra.optuna_storage import journal_path, storage_kind
+from mopflow.infra.settings import Settings
+from mopflow.infra.stack.airflow_services import airflow_executor, airflow_specs
+from mopflow.infra.stack.auth import MlflowAuth
+from mopflow.infra.stack.config import HOST, StackConfig, StackError, StackPorts
+from mopflow.infra.stack.environment import airflow_env, base_env, mopflow_env
+from mopflow.infra.stack.services import HealthCheck, ServiceSpec
+from mopflow.infra.stack.state import stack_dir
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -65,7 +65,6 @@ def build_specs(
     config: StackConfig,
     bin_dir: str,
     environ: Mapping[str, str],
-    repo: Path = REPO,
     auth: MlflowAuth | None = None,
 ) -> list[ServiceSpec]:
     """The services' command lines, environments and health checks (nothing is started), in
@@ -84,7 +83,7 @@ def build_specs(
     executor = airflow_executor(environ)
     p = config.ports
     common = _common_env(settings, p, bin_dir, environ, auth)
-    airflow = {**common, **airflow_env(settings.airflow_home, environ, bin_dir, p, repo)}
+    airflow = {**common, **airflow_env(settings.airflow_home, environ, bin_dir, p)}
     return [
         _mlflow_spec(bin_dir, p, stores, common, environ, auth),
         *_dask_specs(bin_dir, config, stack_dir(settings.home), common),

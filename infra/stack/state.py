@@ -12,8 +12,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from infra.stack.config import HOST, StackError, StackPorts, validation_message
-from infra.stack.services import ServiceRecord
+from mopflow.infra.stack.config import HOST, StackError, StackPorts, validation_message
+from mopflow.infra.stack.services import ServiceRecord
 
 STATE_VERSION = 1
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from infra.stages.config import CONF_FIELDS, ConfigError, PipelineConfig
+from mopflow.infra.stages.config import CONF_FIELDS, ConfigError, PipelineConfig
 
 EVENT_CONF_KEY = "conf"  # the key of the event's extra that holds the carried config keys
 

@@ -7,9 +7,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from infra.settings import Settings
-from infra.stages.context import Stage, stage
-from training.families import DataSpec
+from mopflow.infra.settings import Settings
+from mopflow.infra.stages.context import Stage, stage
+from mopflow.training.families import DataSpec
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +23,10 @@ def ensemble_stage(
 ) -> dict[str, Any]:
     """Choose, evaluate and save the ensemble of the study's best trials; returns its URIs and
     figures. Predictions and accuracies are computed on the Dask workers shard by shard
-    (:mod:`compression.shard_eval`); this process holds counts, not the data."""
-    from compression.ensemble import build_ensemble, save_ensemble
-    from compression.registry import log_bundle_model
-    from training.cluster import dask_client
+    (:mod:`mopflow.compression.shard_eval`); this process holds counts, not the data."""
+    from mopflow.compression.ensemble import build_ensemble, save_ensemble
+    from mopflow.compression.registry import log_bundle_model
+    from mopflow.training.cluster import dask_client
 
     lineage = {
         "mopflow.manifest_hash": str(shard["manifest_hash"]),
@@ -86,8 +86,8 @@ def choose_on_shards(
 ) -> tuple[list[Any], list[float], Any, dict[str, float]]:
     """Members, weights, the best member and the figures, from predictions made on the workers:
     the selection pool on the validation shards, the members on the test shards."""
-    from compression.ensemble import members_from_picks, selection_pool
-    from compression.shard_eval import ShardEvaluator
+    from mopflow.compression.ensemble import members_from_picks, selection_pool
+    from mopflow.compression.shard_eval import ShardEvaluator
 
     ecfg = st.cfg.ensemble
     evaluator = ShardEvaluator(client, manifest_uri, st.output_uri("predictions"), st.storage_options)
@@ -125,11 +125,11 @@ def load_candidates(study_name: str, storage_url: str) -> list[Any]:
     trials learned from earlier studies not)."""
     import optuna
 
-    from compression.ensemble import Candidate
-    from infra.optuna_storage import make_storage, quiet_optuna
-    from training.search import STALE_ATTR
-    from training.space import params_from_optuna
-    from training.warm_history import is_learned
+    from mopflow.compression.ensemble import Candidate
+    from mopflow.infra.optuna_storage import make_storage, quiet_optuna
+    from mopflow.training.search import STALE_ATTR
+    from mopflow.training.space import params_from_optuna
+    from mopflow.training.warm_history import is_learned
 
     quiet_optuna()
     study = optuna.load_study(study_name=study_name, storage=make_storage(storage_url))
@@ -147,7 +147,7 @@ def example_input(manifest_uri: str, storage_options: Mapping[str, Any]) -> Any:
     an array of tensors ``(n, *shape)`` for images and sequences."""
     import pandas as pd
 
-    from training.data import load_manifest, load_split
+    from mopflow.training.data import load_manifest, load_split
 
     manifest = load_manifest(manifest_uri, storage_options)
     first = manifest["splits"]["validation"][:1]  # one shard is enough for five rows

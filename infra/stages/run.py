@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from infra import storage
-from infra.settings import Settings
-from infra.stages.config import PipelineConfig
-from infra.stages.context import (
+from mopflow.infra import storage
+from mopflow.infra.settings import Settings
+from mopflow.infra.stages.config import PipelineConfig
+from mopflow.infra.stages.context import (
     STAGE_TAG,
     PipelineFailed,
     RunContext,
@@ -19,7 +19,7 @@ from infra.stages.context import (
     run_tags,
     tracker_for,
 )
-from infra.stopping import ended_status, raise_if_stopped
+from mopflow.infra.stopping import ended_status, raise_if_stopped
 
 log = logging.getLogger(__name__)
 

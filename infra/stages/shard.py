@@ -5,17 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from infra import storage
-from infra.settings import Settings
-from infra.stages.context import stage
+from mopflow.infra import storage
+from mopflow.infra.settings import Settings
+from mopflow.infra.stages.context import stage
 
 
 def shard_stage(
     conf: Mapping[str, Any] | None, ctx_dict: Mapping[str, Any], settings: Settings | None = None
 ) -> dict[str, Any]:
     """Shard the dataset on Dask; returns the manifest URI and hash (reused when unchanged)."""
-    from training.cluster import dask_client
-    from training.data import shard_dataset
+    from mopflow.training.cluster import dask_client
+    from mopflow.training.data import shard_dataset
 
     with stage("shard", conf, ctx_dict, settings) as st:
         settings = st.settings

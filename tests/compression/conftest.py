@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mopflow.training.bundle import save_bundle
+from mopflow.training.data import load_manifest, load_split
+from mopflow.training.models import ArchSpec, build_model
 from tests.compression.helpers import fit
-from training.bundle import save_bundle
-from training.data import load_manifest, load_split
-from training.models import ArchSpec, build_model
 
 
 @pytest.fixture(scope="session")

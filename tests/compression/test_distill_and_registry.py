@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from compression.config import DistillConfig
-from compression.distill import (
+from mopflow.compression.config import DistillConfig
+from mopflow.compression.distill import (
     StudentBudgetError,
     matching_epochs,
     plan_student,
@@ -13,12 +13,12 @@ from compression.distill import (
     train_student,
     transfer_set,
 )
-from compression.registry import decide_promotion
+from mopflow.compression.registry import decide_promotion
+from mopflow.training.bundle import ProbabilityEnsemble
+from mopflow.training.bundle import accuracy as student_accuracy
+from mopflow.training.families import DataSpec
+from mopflow.training.models import ArchSpec, build_model, count_params
 from tests.compression.helpers import fit, separable_blobs
-from training.bundle import ProbabilityEnsemble
-from training.bundle import accuracy as student_accuracy
-from training.families import DataSpec
-from training.models import ArchSpec, build_model, count_params
 
 
 def test_auto_sized_student_is_the_largest_within_budget() -> None:

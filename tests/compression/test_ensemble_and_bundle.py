@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compression.ensemble import Candidate, build_ensemble, select_top_k
-from training.bundle import BundleError, ProbabilityEnsemble, load_bundle, predict_proba, save_bundle
-from training.models import ArchSpec, build_model
+from mopflow.compression.ensemble import Candidate, build_ensemble, select_top_k
+from mopflow.training.bundle import BundleError, ProbabilityEnsemble, load_bundle, predict_proba, save_bundle
+from mopflow.training.models import ArchSpec, build_model
 
 COLUMNS = [f"x{i:03d}" for i in range(40)]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compression.evaluate import accuracy_of
-from training.metrics import top1_accuracy
+from mopflow.compression.evaluate import accuracy_of
+from mopflow.training.metrics import top1_accuracy
 
 
 def test_accuracy_is_measured_batch_by_batch_and_adds_up() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from compression.registry import CHAMPION, RegistryError, promote, rollback, set_alias
+from mopflow.compression.registry import CHAMPION, RegistryError, promote, rollback, set_alias
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def test_cli_promote_and_rollback(tmp_path: Path) -> None:
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "infra.cli", *args],
+            [sys.executable, "-m", "mopflow.infra.cli", *args],
             cwd=REPO,
             env=env,
             capture_output=True,

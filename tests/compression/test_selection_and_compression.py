@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from compression.ensemble import faster_form, greedy_selection
-from compression.evaluate import accuracy_of, evaluate, format_table, quantize_int8
-from compression.munge import munge, munge_chunks, nearest_neighbours
-from compression.registry import decide_promotion
+from mopflow.compression.ensemble import faster_form, greedy_selection
+from mopflow.compression.evaluate import accuracy_of, evaluate, format_table, quantize_int8
+from mopflow.compression.munge import munge, munge_chunks, nearest_neighbours
+from mopflow.compression.registry import decide_promotion
+from mopflow.training.bundle import ProbabilityEnsemble, StackedEnsemble, predict_proba
+from mopflow.training.models import ArchSpec, build_model
 from tests.compression.helpers import fit, separable_blobs
-from training.bundle import ProbabilityEnsemble, StackedEnsemble, predict_proba
-from training.models import ArchSpec, build_model
 
 
 def _onehot(labels: np.ndarray, confidence: float = 0.9, classes: int = 3) -> np.ndarray:
@@ -101,7 +101,7 @@ def test_tree_neighbours_match_brute_force_and_respect_classes_and_duplicates() 
 
 
 def test_large_groups_are_searched_in_bounded_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import compression.munge as munge_module
+    import mopflow.compression.munge as munge_module
 
     x = np.random.default_rng(1).normal(size=(1000, 3)).astype(np.float32)
     exact = nearest_neighbours(x)
@@ -165,7 +165,7 @@ def test_gate_needs_champion_and_ensemble_conditions(
 
 
 def test_static_int8_quantizes_the_convolutions_and_keeps_accuracy() -> None:
-    from compression.evaluate import quantize_static_int8
+    from mopflow.compression.evaluate import quantize_static_int8
 
     x, y = separable_blobs(400, seed=1)
     torch.manual_seed(0)

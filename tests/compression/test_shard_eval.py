@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from compression.ensemble import Candidate, build_ensemble, greedy_selection
-from compression.shard_eval import ShardEvaluator, read_probabilities
+from mopflow.compression.ensemble import Candidate, build_ensemble, greedy_selection
+from mopflow.compression.shard_eval import ShardEvaluator, read_probabilities
+from mopflow.training.bundle import accuracy, load_bundle, predict_proba, save_bundle
+from mopflow.training.data import load_manifest, load_split
+from mopflow.training.models import ArchSpec, build_model
 from tests.compression.helpers import fit
-from training.bundle import accuracy, load_bundle, predict_proba, save_bundle
-from training.data import load_manifest, load_split
-from training.models import ArchSpec, build_model
 
 SPLIT = "train"  # the split with more than one shard: the counts are added up over shards
 

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from compression.config import DistillConfig
-from compression.distill import plan_student
-from compression.student_job import StudentJob, train_student_job, train_students_on_workers
-from compression.transfer_shards import build_transfer_set
-from infra import progress
-from training.bundle import load_bundle
-from training.data import load_manifest, load_split
-from training.families import DataSpec
-from training.metrics import top1_accuracy
+from mopflow.compression.config import DistillConfig
+from mopflow.compression.distill import plan_student
+from mopflow.compression.student_job import StudentJob, train_student_job, train_students_on_workers
+from mopflow.compression.transfer_shards import build_transfer_set
+from mopflow.infra import progress
+from mopflow.training.bundle import load_bundle
+from mopflow.training.data import load_manifest, load_split
+from mopflow.training.families import DataSpec
+from mopflow.training.metrics import top1_accuracy
 
 CFG = DistillConfig(epochs=3, munge_multiplier=1, temperature=2.0).resolved("table")
 
@@ -45,7 +45,7 @@ def test_both_students_train_on_the_workers_and_report_every_epoch(
     seen: list[dict[str, Any]] = []
     unsubscribe = progress.subscribe(seen.append)
     try:
-        with caplog.at_level(logging.INFO, logger="compression.distill"):
+        with caplog.at_level(logging.INFO, logger="mopflow.compression.distill"):
             soft, hard = train_students_on_workers(dask_client, job, transfer, 5, outputs)
     finally:
         unsubscribe()
@@ -76,7 +76,7 @@ def test_a_rerun_reuses_a_trained_student(tmp_path: Path, small_manifest: str, t
 def test_a_damaged_transfer_block_fails_the_student_naming_it(
     tmp_path: Path, dask_client: Any, small_manifest: str, teacher_uri: str
 ) -> None:
-    from training.data import ShardIntegrityError
+    from mopflow.training.data import ShardIntegrityError
 
     transfer = build_transfer_set(
         dask_client, small_manifest, teacher_uri, False, CFG, 0, str(tmp_path / "t")
@@ -106,7 +106,7 @@ def test_a_student_whose_worker_is_killed_is_trained_again_on_the_restarted_work
 
     import dask
 
-    from training.cluster import dask_client
+    from mopflow.training.cluster import dask_client
 
     epochs, events, outcome = 12, [], {}
     first_epoch = threading.Event()

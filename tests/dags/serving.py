@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
+from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from tests.server_waits import wait_until_answering
 
 

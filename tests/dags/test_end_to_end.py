@@ -37,7 +37,7 @@ def _env(home: Path) -> dict[str, str]:
 
 def _mopflow(home: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "infra.cli", *args],
+        [sys.executable, "-m", "mopflow.infra.cli", *args],
         cwd=REPO,
         env=_env(home),
         capture_output=True,
@@ -100,8 +100,8 @@ def test_runs_carry_lineage_and_match_the_study(pipeline_run: tuple[Path, dict])
     from mlflow import MlflowClient
     from optuna.trial import TrialState
 
-    from infra import storage
-    from infra.optuna_storage import make_storage
+    from mopflow.infra import storage
+    from mopflow.infra.optuna_storage import make_storage
 
     uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)

@@ -80,7 +80,7 @@ def test_an_installed_family_goes_through_every_stage_and_is_served(tmp_path: Pa
         [
             sys.executable,
             "-m",
-            "infra.cli",
+            "mopflow.infra.cli",
             "run",
             "--config",
             str(config),
@@ -114,7 +114,7 @@ def test_an_installed_family_goes_through_every_stage_and_is_served(tmp_path: Pa
 def test_without_the_package_the_family_is_refused_naming_the_registered_ones(tmp_path: Path) -> None:
     home = tmp_path / "home"
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "run", "--set", f"search_space={json.dumps(SPACE)}"],
+        [sys.executable, "-m", "mopflow.infra.cli", "run", "--set", f"search_space={json.dumps(SPACE)}"],
         cwd=REPO,
         env=_env(home),
         capture_output=True,

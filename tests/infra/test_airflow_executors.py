@@ -29,10 +29,10 @@ from typing import Any
 
 import pytest
 
-from infra import stack
-from infra.profile import apply_profile, read_profile
-from infra.settings import Settings
-from infra.stack import free_port
+from mopflow.infra import stack
+from mopflow.infra.profile import apply_profile, read_profile
+from mopflow.infra.settings import Settings
+from mopflow.infra.stack import free_port
 from tests.conftest import PG, pg_admin_sql, require_service
 from tests.rest import request_json
 
@@ -55,7 +55,7 @@ def _scale_out(home: Path, **extra: str) -> dict[str, str]:
 
 def _specs(env: dict[str, str]) -> dict[str, stack.ServiceSpec]:
     config = stack.config_from_env(env, {}, True, 2, _counter())
-    specs = stack.build_specs(Settings.from_env(env), config, BIN, env, repo=REPO)
+    specs = stack.build_specs(Settings.from_env(env), config, BIN, env)
     return {s.name: s for s in specs}
 
 
@@ -172,7 +172,7 @@ class ScaleOutStack:
 
     def mopflow(self, *args: str, timeout: int = 420) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "infra.cli", *args],
+            [sys.executable, "-m", "mopflow.infra.cli", *args],
             cwd=REPO,
             env=self.env,
             capture_output=True,

@@ -34,7 +34,7 @@ def test_run_refuses_a_bad_config_before_anything_runs(
         config.write_text(override[1:])
         args = ["--config", str(config)]
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "run", *args],
+        [sys.executable, "-m", "mopflow.infra.cli", "run", *args],
         cwd=REPO,
         env=env,
         capture_output=True,

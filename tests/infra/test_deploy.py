@@ -24,10 +24,11 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from packaging.specifiers import SpecifierSet
 
-from infra import stack
-from infra.airflow_home import TRAINING_POOL
-from infra.settings import LOCAL_ENV, RUNTIME_ENV, SETTING_ENV, Settings
+from mopflow.infra import stack
+from mopflow.infra.airflow_home import TRAINING_POOL
+from mopflow.infra.settings import LOCAL_ENV, RUNTIME_ENV, SETTING_ENV, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -452,7 +453,7 @@ def test_compose_settings_resolve_to_the_services(name: str) -> None:
         assert host == "airflow-apiserver" and port == int(env["AIRFLOW__API__PORT"])
         assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
         assert env["AIRFLOW__CORE__DAGS_FOLDER"] == f"{IMAGE_ROOT}/dags"
-        assert env["AIRFLOW__CORE__PLUGINS_FOLDER"] == f"{IMAGE_ROOT}/plugins"
+        assert env["AIRFLOW__CORE__PLUGINS_FOLDER"] == "/opt/airflow/plugins"  # the entry point loads it
 
 
 def test_compose_mlflow_server_uses_postgres_and_s3() -> None:
@@ -1069,7 +1070,7 @@ def test_commands_run_files_the_image_contains() -> None:
     copied = set(re.findall(r"^COPY (\S+) ", dockerfile, flags=re.M))
     ignored = {line.strip() for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()}
     paths = {arg for argv in every_command() for arg in argv if arg.startswith(f"{IMAGE_ROOT}/")}
-    paths |= {f"{IMAGE_ROOT}/dags", f"{IMAGE_ROOT}/plugins"}
+    paths |= {f"{IMAGE_ROOT}/dags", f"{IMAGE_ROOT}/mopflow"}
     assert any(p.endswith(".sh") for p in paths)
     for path in paths:
         relative = path.removeprefix(f"{IMAGE_ROOT}/")
@@ -1082,12 +1083,14 @@ def test_commands_run_files_the_image_contains() -> None:
 
 
 def test_dockerfile_installs_like_the_makefile() -> None:
-    """torch pinned as in pyproject.toml, installed before the project, with a documented index
-    build argument; then the project with constraints.txt."""
+    """torch pinned as in the Makefile (pyproject.toml accepts a range, so that a machine's own
+    CPU or CUDA build is used), installed before the project, with a documented index build
+    argument; then the project with constraints.txt."""
     dockerfile = DOCKERFILE.read_text()
-    pyproject = (REPO / "pyproject.toml").read_text()
-    pinned = re.search(r'"torch==([^"]+)"', pyproject)
+    pinned = re.search(r'"torch==([^"]+)"', (REPO / "Makefile").read_text())
     assert pinned
+    requirement = re.search(r'"torch([^"]*)"', (REPO / "pyproject.toml").read_text())
+    assert requirement and SpecifierSet(requirement.group(1)).contains(pinned.group(1))
     assert f"ARG TORCH_VERSION={pinned.group(1)}" in dockerfile
     assert (
         "ARG TORCH_INDEX_URL" in dockerfile

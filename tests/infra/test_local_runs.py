@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from infra import local_runs, stopping
-from infra.cli import CliError
+from mopflow.infra import local_runs, stopping
+from mopflow.infra.cli import CliError
 from tests.dags.test_end_to_end import REPO, _env
 
 STOP_BOUND_S = 30.0
@@ -38,7 +38,7 @@ def _start(home: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
     log = home.parent / f"run-{time.monotonic_ns()}.log"
     handle = log.open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "infra.cli", "run", "--verbose", *args],
+        [sys.executable, "-m", "mopflow.infra.cli", "run", "--verbose", *args],
         cwd=REPO,
         env=_env(home),
         stdout=handle,
@@ -69,7 +69,7 @@ def _stop(proc: subprocess.Popen[str], signum: int) -> tuple[int, float, list[in
 
 
 def _mlflow_runs(home: Path, run_key: str) -> dict[str, tuple[str, str]]:
-    from infra.tracking import MlflowTracker
+    from mopflow.infra.tracking import MlflowTracker
 
     tracker = MlflowTracker(f"sqlite:///{home / 'mlflow' / 'mlflow.db'}", "mopflow")
     return {
@@ -85,7 +85,16 @@ def _record(home: Path) -> local_runs.RunRecord:
 
 def _resume(home: Path, summary: Path) -> tuple[dict, str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "run", "--resume", "--verbose", "--summary-json", str(summary)],
+        [
+            sys.executable,
+            "-m",
+            "mopflow.infra.cli",
+            "run",
+            "--resume",
+            "--verbose",
+            "--summary-json",
+            str(summary),
+        ],
         cwd=REPO,
         env=_env(home),
         capture_output=True,
@@ -137,7 +146,7 @@ def test_sigint_mid_search_stops_cleanly_and_resume_finishes_the_same_study(tmp_
     assert summary["registered"]["version"] == "1" and _record(home).state == "succeeded"
     import optuna
 
-    from infra.optuna_storage import make_storage
+    from mopflow.infra.optuna_storage import make_storage
 
     study = optuna.load_study(
         study_name=summary["optuna"]["study_name"], storage=make_storage(str(home / "optuna" / "journal.log"))
@@ -223,7 +232,7 @@ def test_run_records_and_what_can_be_resumed(tmp_path: Path, monkeypatch: pytest
 
 def test_resume_refuses_a_new_config(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "run", "--resume", "--set", "epochs=3"],
+        [sys.executable, "-m", "mopflow.infra.cli", "run", "--resume", "--set", "epochs=3"],
         cwd=REPO,
         env=_env(tmp_path / "home"),
         capture_output=True,
@@ -245,7 +254,7 @@ def test_a_failed_run_names_its_root_cause_and_exits_2_for_bad_input(tmp_path: P
     table.to_csv(tmp_path / "nan.csv", index=False)
     home = tmp_path / "home"
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "run", "--set", f"dataset={tmp_path / 'nan.csv'}"],
+        [sys.executable, "-m", "mopflow.infra.cli", "run", "--set", f"dataset={tmp_path / 'nan.csv'}"],
         cwd=REPO,
         env=_env(home) | {"MOPFLOW_RETRY_DELAY_S": "30"},
         capture_output=True,

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import torch
 
-from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
+from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from tests.dags.test_end_to_end import REPO
 from tests.server_waits import wait_until_answering
 
@@ -31,9 +31,9 @@ def _register_two_versions(home: Path) -> str:
     import mlflow
     from mlflow import MlflowClient
 
-    from compression.registry import log_bundle_model
-    from training.bundle import save_bundle
-    from training.models import ArchSpec, build_model
+    from mopflow.compression.registry import log_bundle_model
+    from mopflow.training.bundle import save_bundle
+    from mopflow.training.models import ArchSpec, build_model
 
     uri = f"sqlite:///{home / 'mlflow.db'}"
     while mlflow.active_run() is not None:  # a run another test left open in this process
@@ -94,7 +94,7 @@ def test_serve_switches_to_a_new_champion_without_a_failed_request(tmp_path: Pat
     command = ["serve", "--model", "served", "--port", str(port), "--poll-s", "0.5"]
     with server_log.open("w") as sink:
         server = subprocess.Popen(
-            [sys.executable, "-m", "infra.cli", *command],
+            [sys.executable, "-m", "mopflow.infra.cli", *command],
             cwd=REPO,
             env=env,
             stdout=sink,
@@ -138,7 +138,16 @@ def test_serve_without_a_champion_says_so(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "MOPFLOW_"))}
     env |= {"MOPFLOW_HOME": str(tmp_path), "MOPFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "serve", "--model", "nothing", "--port", str(free_port())],
+        [
+            sys.executable,
+            "-m",
+            "mopflow.infra.cli",
+            "serve",
+            "--model",
+            "nothing",
+            "--port",
+            str(free_port()),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -154,7 +163,7 @@ def test_a_waiting_server_is_up_without_a_champion_and_serves_one_once_it_exists
 
     from mlflow import MlflowClient
 
-    from infra.serve import ChampionFollower, make_app
+    from mopflow.infra.serve import ChampionFollower, make_app
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

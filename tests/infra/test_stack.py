@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from infra import stack
-from infra.airflow_home import TRAINING_POOL
-from infra.stack.processes import is_running
+from mopflow.infra import stack
+from mopflow.infra.airflow_home import TRAINING_POOL
+from mopflow.infra.stack.processes import is_running
 from tests.rest import request_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def _env(home: Path) -> dict[str, str]:
 
 def _mopflow(home: Path, *args: str, timeout: int = 420) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "infra.cli", *args],
+        [sys.executable, "-m", "mopflow.infra.cli", *args],
         cwd=REPO,
         env=_env(home),
         capture_output=True,

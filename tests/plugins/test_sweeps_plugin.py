@@ -13,9 +13,6 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PLUGINS = REPO / "plugins"
-if str(PLUGINS) not in sys.path:
-    sys.path.insert(0, str(PLUGINS))
 
 EVIL = "<script>alert('x')</script>"
 # The smallest valid PNG (1x1, transparent), standing in for a Gantt chart.
@@ -78,8 +75,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         mp.setenv("MOPFLOW_HOME", str(home))
         mp.setenv("MOPFLOW_OPTUNA_DASHBOARD_URL", "http://127.0.0.1:18081")
         mp.setenv("MLFLOW_TRACKING_URI", "")  # restored by the monkeypatch after MLflow exports its own
-        from infra.settings import Settings
-        from infra.tracking import MlflowTracker
+        from mopflow.infra.settings import Settings
+        from mopflow.infra.tracking import MlflowTracker
 
         settings = Settings.from_env()
         tracker = MlflowTracker(
@@ -94,8 +91,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 @pytest.fixture()
 def client(store: dict[str, Any]) -> Any:
-    import mopflow_plugin
     from fastapi.testclient import TestClient
+
+    from mopflow.plugins import mopflow_plugin
 
     app = mopflow_plugin.create_app()
     app.dependency_overrides[mopflow_plugin.require_user] = lambda: None  # auth is tested below
@@ -114,7 +112,7 @@ print(json.dumps({"errors": errors, "prefixes": [a["url_prefix"] for a in apps],
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MOPFLOW_"))}
     env |= {
         "AIRFLOW_HOME": str(tmp_path),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(PLUGINS),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(tmp_path / "plugins"),  # none: the entry point loads it
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "MOPFLOW_MLFLOW_UI_URL": "http://127.0.0.1:15000",
     }
@@ -159,7 +157,7 @@ def test_sweeps_page_renders_the_leaderboards(client: Any, store: dict[str, Any]
 
 
 def test_the_gate_s_verdict_is_shown_with_its_reason() -> None:
-    import sweeps_page
+    from mopflow.plugins import sweeps_page
 
     reason = "test accuracy 0.9510 < champion's 0.9670 on the same test set"
     assert sweeps_page.render_promotion("false", reason) == f"not promoted: {reason}"
@@ -197,8 +195,9 @@ def test_gantt_chart_is_served_and_names_are_checked(client: Any, store: dict[st
 
 
 def test_page_needs_an_authenticated_user(store: dict[str, Any]) -> None:
-    import mopflow_plugin
     from fastapi.testclient import TestClient
+
+    from mopflow.plugins import mopflow_plugin
 
     anonymous = TestClient(mopflow_plugin.create_app())
     assert anonymous.get("/sweeps").status_code == 401
@@ -208,7 +207,7 @@ def test_page_needs_an_authenticated_user(store: dict[str, Any]) -> None:
 
 
 def test_no_sweeps_yet() -> None:
-    from sweeps_page import Links, PageData, render_page
+    from mopflow.plugins.sweeps_page import Links, PageData, render_page
 
     page = render_page(PageData([], Links(), "mopflow"))
     assert "No sweeps yet" in page and "mopflow_sweep" in page

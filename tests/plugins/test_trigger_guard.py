@@ -13,14 +13,8 @@ from typing import Any
 
 import pytest
 
-from infra.stages.config import CONF_FIELDS, MAX_CONF_BYTES, conf_json_schema, validate_conf
-
-REPO = Path(__file__).resolve().parents[2]
-PLUGINS = REPO / "plugins"
-if str(PLUGINS) not in sys.path:
-    sys.path.insert(0, str(PLUGINS))
-
-import trigger_guard  # noqa: E402
+from mopflow.infra.stages.config import CONF_FIELDS, MAX_CONF_BYTES, conf_json_schema, validate_conf
+from mopflow.plugins import trigger_guard
 
 PIPELINE = trigger_guard.GuardedDag(
     "mopflow_sweep",
@@ -279,7 +273,7 @@ print(json.dumps({"errors": errors, "n": len(guard), "limit": guard[0]["kwargs"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MOPFLOW_"))}
     env |= {
         "AIRFLOW_HOME": str(tmp_path),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(PLUGINS),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(tmp_path / "plugins"),  # none: the entry point loads it
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__MOPFLOW__MAX_CONF_BYTES": "65536",
     }

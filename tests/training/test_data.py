@@ -8,9 +8,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from infra import storage
-from training.config import DataConfig
-from training.data import (
+from mopflow.infra import storage
+from mopflow.training.config import DataConfig
+from mopflow.training.data import (
     PARQUET_WRITE_OPTIONS,
     SPLIT_COLUMN,
     SPLITS,
@@ -331,8 +331,8 @@ def test_shard_writers_never_pull_whole_partitions(tmp_path: Path, dask_client: 
 def test_small_tasks_follow_a_partition_to_the_worker_that_computed_it(dask_client: object) -> None:
     from distributed import wait
 
-    from training.data import feature_columns
-    from training.data.placement import per_partition_as_done
+    from mopflow.training.data import feature_columns
+    from mopflow.training.data.placement import per_partition_as_done
 
     workers = sorted(dask_client.nthreads())  # type: ignore[attr-defined]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.data import balance_writers, contiguous_runs, feed_cap, next_partition
+from mopflow.training.data import balance_writers, contiguous_runs, feed_cap, next_partition
 
 
 def test_the_last_partitions_go_only_to_free_threads() -> None:

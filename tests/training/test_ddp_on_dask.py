@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from training.executors import DataRef, ModelSpec
-from training.executors.ddp import DDPExecutor
+from mopflow.training.executors import DataRef, ModelSpec
+from mopflow.training.executors.ddp import DDPExecutor
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.02, "weight_decay": 0.0, "batch_size": 16}
 
@@ -40,7 +40,7 @@ def killable_client() -> Iterator[Any]:
     """A cluster of its own (its workers get killed), waiting long enough for a restarted worker."""
     import dask
 
-    from training.cluster import dask_client
+    from mopflow.training.cluster import dask_client
 
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"}), dask_client("", 2) as client:
         yield client

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from infra.settings import Settings, SettingsError
-from training.cluster import dask_client, local_gpus
-from training.devices import (
+from mopflow.infra.settings import Settings, SettingsError
+from mopflow.training.cluster import dask_client, local_gpus
+from mopflow.training.devices import (
     CPU,
     DeviceError,
     DeviceSpec,
@@ -22,7 +22,7 @@ from training.devices import (
     resolve_device,
     visible_gpus,
 )
-from training.executors import DataRef, ModelSpec
+from mopflow.training.executors import DataRef, ModelSpec
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
 
@@ -127,9 +127,9 @@ GPU = DeviceSpec("gpu", "32")
 def test_gpu_optimizer_state_is_on_the_device_after_a_hop(small_manifest: str) -> None:
     import torch
 
-    from training.data import load_manifest
-    from training.executors.units import init_state, train_pass
-    from training.unit import TrainableUnit
+    from mopflow.training.data import load_manifest
+    from mopflow.training.executors.units import init_state, train_pass
+    from mopflow.training.unit import TrainableUnit
 
     spec = ModelSpec("m", CNN, 0, GPU)
     data = DataRef(small_manifest)
@@ -148,9 +148,9 @@ def test_gpu_optimizer_state_is_on_the_device_after_a_hop(small_manifest: str) -
 
 @pytest.mark.gpu
 def test_gpu_task_trial_and_mop_sweep(small_manifest: str, tmp_path: Path) -> None:
+    from mopflow.training.config import SearchConfig
+    from mopflow.training.executor_search import run_search_with_executor, run_strategy_search
     from tests.spaces import fixed_cnn_space
-    from training.config import SearchConfig
-    from training.executor_search import run_search_with_executor, run_strategy_search
 
     space = fixed_cnn_space(batch_size=32, lr=0.01)
     with dask_client("", 1, accelerator="gpu") as client:
@@ -185,7 +185,7 @@ def test_gpu_task_trial_and_mop_sweep(small_manifest: str, tmp_path: Path) -> No
 def test_gpu_ddp_trial_over_nccl(small_manifest: str) -> None:
     import torch
 
-    from training.executors.ddp import DDPExecutor
+    from mopflow.training.executors.ddp import DDPExecutor
 
     world = min(2, torch.cuda.device_count())  # nccl: one rank per GPU
     with dask_client("", 1, accelerator="gpu") as client:
@@ -198,7 +198,7 @@ def test_gpu_ddp_trial_over_nccl(small_manifest: str) -> None:
 def test_the_student_s_device_resolves_in_its_own_process() -> None:
     import torch
 
-    from training.devices import local_device
+    from mopflow.training.devices import local_device
 
     if torch.cuda.is_available():
         assert local_device("auto", "32").accelerator == "gpu"
@@ -213,9 +213,9 @@ def test_the_student_s_device_resolves_in_its_own_process() -> None:
 def test_gpu_student_trains_on_the_gpu_and_comes_back_on_the_cpu() -> None:
     import numpy as np
 
-    from compression.config import DistillConfig
-    from compression.distill import plan_student, train_student
-    from training.families import DataSpec
+    from mopflow.compression.config import DistillConfig
+    from mopflow.compression.distill import plan_student, train_student
+    from mopflow.training.families import DataSpec
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 40)).astype(np.float32)

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
-from training.executors.base import TrainAll
-from training.executors.gantt import gantt_png, idle_fraction
-from training.executors.mop import MopExecutor, cluster_size, partition_shards
-from training.executors.scheduler import MopScheduler, check_invariants, round_robin
-from training.executors.task import SequentialExecutor, TaskExecutor
+from mopflow.training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
+from mopflow.training.executors.base import TrainAll
+from mopflow.training.executors.gantt import gantt_png, idle_fraction
+from mopflow.training.executors.mop import MopExecutor, cluster_size, partition_shards
+from mopflow.training.executors.scheduler import MopScheduler, check_invariants, round_robin
+from mopflow.training.executors.task import SequentialExecutor, TaskExecutor
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
 
@@ -84,7 +84,7 @@ def test_lost_worker_requeues_its_unit_and_moves_its_partitions() -> None:
 
 
 def _shards(manifest: str) -> list[str]:
-    from training.data import load_manifest
+    from mopflow.training.data import load_manifest
 
     return [e["name"] for e in load_manifest(manifest)["splits"]["train"]]
 
@@ -187,7 +187,7 @@ def test_mop_resumes_from_its_sub_epoch_checkpoints(
 def test_ddp_over_two_workers_matches_one_worker_at_the_global_batch(
     small_manifest: str, dask_client: object
 ) -> None:
-    from training.executors.ddp import DDPExecutor
+    from mopflow.training.executors.ddp import DDPExecutor
 
     spec = ModelSpec("d", CNN | {"width": 16, "depth": 3, "batch_size": 64, "lr": 0.02}, seed=0)
     two = DDPExecutor(dask_client, DataRef(small_manifest), world_size=2).run([spec], epochs=5)["d"]
@@ -203,7 +203,7 @@ def test_ddp_over_two_workers_matches_one_worker_at_the_global_batch(
 def test_ddp_resumes_from_its_epoch_checkpoint(
     small_manifest: str, dask_client: object, tmp_path: Path
 ) -> None:
-    from training.executors.ddp import DDPExecutor
+    from mopflow.training.executors.ddp import DDPExecutor
 
     spec = ModelSpec("d", CNN, seed=0)
     first = DDPExecutor(
@@ -223,7 +223,7 @@ def test_ddp_resumes_from_its_epoch_checkpoint(
 def test_ddp_job_stops_between_epochs_when_the_caller_says_so(
     small_manifest: str, dask_client: object
 ) -> None:
-    from training.executors.ddp import DDPExecutor
+    from mopflow.training.executors.ddp import DDPExecutor
 
     class StopAfterFirst(TrainAll):
         def on_epoch_end(self, report: EpochReport) -> bool:
@@ -240,7 +240,7 @@ def test_packed_state_that_is_a_pickle_is_refused() -> None:
     """A checkpoint replaced by a pickle payload: refused with a clear error, never unpickled."""
     import pickle
 
-    from training.unit_state import StateFormatError, read_meta
+    from mopflow.training.unit_state import StateFormatError, read_meta
 
     class Payload:
         def __reduce__(self) -> tuple[object, tuple[str]]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from training.families import (
+from mopflow.training.families import (
     DataSpec,
     FamilyError,
     ModelFamily,
@@ -19,8 +19,8 @@ from training.families import (
     registered_families,
     reload_families,
 )
-from training.models import ArchSpec, build_model
-from training.space import SpaceError, parse_space
+from mopflow.training.models import ArchSpec, build_model
+from mopflow.training.space import SpaceError, parse_space
 
 
 @pytest.fixture()
@@ -30,7 +30,7 @@ def extra_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
         textwrap.dedent(
             """
             from torch import nn
-            from training.families import ModelFamily
+            from mopflow.training.families import ModelFamily
 
             def build(params, data):
                 return nn.Sequential(nn.Linear(data.input_dim, params["hidden"]), nn.Tanh(),

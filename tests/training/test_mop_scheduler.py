@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from training.executors.gantt import idle_fraction
-from training.executors.scheduler import MopScheduler, Unit, check_invariants, round_robin
+from mopflow.training.executors.gantt import idle_fraction
+from mopflow.training.executors.scheduler import MopScheduler, Unit, check_invariants, round_robin
 
 
 def _epoch(scheduler: MopScheduler, models: list[str], seconds: dict[str, float]) -> list[dict]:

@@ -10,9 +10,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
-from training.config import DataConfig
-from training.data import ShardIntegrityError, load_manifest, load_split, shard_dataset, verify_manifest
+from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
+from mopflow.training.config import DataConfig
+from mopflow.training.data import (
+    ShardIntegrityError,
+    load_manifest,
+    load_split,
+    shard_dataset,
+    verify_manifest,
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +73,9 @@ def test_shards_round_trip_through_s3(s3_options: dict, dask_client: object, tmp
 def test_a_partition_over_the_budget_streams_from_its_local_copies(
     s3_options: dict, dask_client: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from training.executors.units import clear_partitions, training_rows
-    from training.streaming import StreamedRows
-    from training.unit import DataRef
+    from mopflow.training.executors.units import clear_partitions, training_rows
+    from mopflow.training.streaming import StreamedRows
+    from mopflow.training.unit import DataRef
 
     result = shard_dataset(
         DataConfig(num_samples=700, n_shards=2), "s3://mopflow-test/stream", dask_client, s3_options

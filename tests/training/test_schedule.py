@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from training.executors import DataRef, ModelSpec
-from training.schedule import one_cycle, steps_per_epoch
+from mopflow.training.executors import DataRef, ModelSpec
+from mopflow.training.schedule import one_cycle, steps_per_epoch
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.02, "weight_decay": 0.0, "batch_size": 32}
 
@@ -53,14 +53,14 @@ def test_steps_per_epoch_count_each_partition_s_short_last_batch() -> None:
 
 
 def _train_rows(manifest: str) -> dict[str, int]:
-    from training.data import load_manifest
+    from mopflow.training.data import load_manifest
 
     return {e["name"]: int(e["rows"]) for e in load_manifest(manifest)["splits"]["train"]}
 
 
 def test_mop_and_task_follow_the_schedule_in_global_steps(small_manifest: str, dask_client: Any) -> None:
-    from training.executors.mop import MopExecutor
-    from training.executors.task import TaskExecutor
+    from mopflow.training.executors.mop import MopExecutor
+    from mopflow.training.executors.task import TaskExecutor
 
     rows = _train_rows(small_manifest)
     spec = ModelSpec("m", CNN, seed=0)
@@ -91,7 +91,7 @@ def test_a_resumed_ddp_trial_continues_its_schedule_and_its_optimizer(
 ) -> None:
     from safetensors.torch import load
 
-    from training.executors.ddp import DDPExecutor
+    from mopflow.training.executors.ddp import DDPExecutor
 
     spec = ModelSpec("d", CNN | {"batch_size": 64}, seed=0)
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"

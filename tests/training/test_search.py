@@ -6,18 +6,18 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from infra.optuna_storage import StorageConfigError, make_storage
+from mopflow.infra.optuna_storage import StorageConfigError, make_storage
+from mopflow.training.config import SearchConfig
+from mopflow.training.data import load_manifest
+from mopflow.training.executor_search import run_strategy_search
+from mopflow.training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
+from mopflow.training.executors.base import TrainAll
+from mopflow.training.executors.task import TaskExecutor
+from mopflow.training.rungs import PROMOTED_ATTR
+from mopflow.training.search import MODEL_ATTR, STALE_ATTR
+from mopflow.training.space import parse_space, sample_params
+from mopflow.training.trial import TrialResult
 from tests.spaces import fixed_cnn_space
-from training.config import SearchConfig
-from training.data import load_manifest
-from training.executor_search import run_strategy_search
-from training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
-from training.executors.base import TrainAll
-from training.executors.task import TaskExecutor
-from training.rungs import PROMOTED_ATTR
-from training.search import MODEL_ATTR, STALE_ATTR
-from training.space import parse_space, sample_params
-from training.trial import TrialResult
 
 TINY_SPACE = {
     "families": {
@@ -85,8 +85,8 @@ def _poison_train_shard(manifest_uri: str, tmp_path: Path) -> str:
 
     import pandas as pd
 
-    from infra import storage
-    from training.data import manifest_hash
+    from mopflow.infra import storage
+    from mopflow.training.data import manifest_hash
 
     src = Path(manifest_uri).parent
     dst = tmp_path / "poisoned"
@@ -186,8 +186,8 @@ def test_search_adds_unpruned_trials_until_the_ensemble_has_its_members(
 def test_a_study_learns_from_an_earlier_study_of_the_same_data(
     small_manifest: str, tmp_path: Path, dask_client: object
 ) -> None:
-    from infra.stages.ensemble import load_candidates
-    from training.warm_history import LEARNED_ATTR, WARM_START_ATTR
+    from mopflow.infra.stages.ensemble import load_candidates
+    from mopflow.training.warm_history import LEARNED_ATTR, WARM_START_ATTR
 
     storage_url = str(tmp_path / "journal.log")
     cfg = SearchConfig(n_trials=2, epochs=1, parallel_trials=2, space=TINY_SPACE, pruner="none")

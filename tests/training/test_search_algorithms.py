@@ -8,11 +8,10 @@ from typing import Any
 import optuna
 import pytest
 
-from infra.optuna_storage import make_storage
-from tests.spaces import SMALL_SEARCH_SPACE
-from training.algorithms import make_pruner
-from training.config import SearchConfig
-from training.search import (
+from mopflow.infra.optuna_storage import make_storage
+from mopflow.training.algorithms import make_pruner
+from mopflow.training.config import SearchConfig
+from mopflow.training.search import (
     WARM_START_ATTR,
     WarmStart,
     enqueue_grid,
@@ -21,7 +20,8 @@ from training.search import (
     make_sampler,
     warm_start_study,
 )
-from training.space import SpaceError, default_space, optuna_params_for, parse_space, sample_params
+from mopflow.training.space import SpaceError, default_space, optuna_params_for, parse_space, sample_params
+from tests.spaces import SMALL_SEARCH_SPACE
 
 SPACE = SMALL_SEARCH_SPACE
 
@@ -183,9 +183,9 @@ def test_optuna_params_for_names_the_bad_value() -> None:
 
 
 def test_the_registries_are_the_configs_choices_and_each_entry_builds() -> None:
-    from training.algorithms import PRUNERS, SAMPLERS
-    from training.config import SearchConfig
-    from training.executor_search import STRATEGY_EXECUTORS
+    from mopflow.training.algorithms import PRUNERS, SAMPLERS
+    from mopflow.training.config import SearchConfig
+    from mopflow.training.executor_search import STRATEGY_EXECUTORS
 
     properties = SearchConfig.model_json_schema()["properties"]
     assert set(properties["sampler"]["enum"]) == set(SAMPLERS)

@@ -7,10 +7,10 @@ import time
 import optuna
 import pytest
 
+from mopflow.training.algorithms import make_pruner
+from mopflow.training.config import SearchConfig
+from mopflow.training.search_controller import SearchController
 from tests.spaces import SMALL_SEARCH_SPACE
-from training.algorithms import make_pruner
-from training.config import SearchConfig
-from training.search_controller import SearchController
 
 SPACE = SMALL_SEARCH_SPACE
 
@@ -26,7 +26,7 @@ def test_executor_search_stops_asking_when_the_time_budget_is_spent() -> None:
 
 
 def test_executor_search_prunes_in_the_coordinator() -> None:
-    from training.executors import EpochReport
+    from mopflow.training.executors import EpochReport
 
     cfg = SearchConfig(n_trials=6, space=SPACE, pruner="median", min_resource=2)
     study = optuna.create_study(direction="maximize", pruner=make_pruner("median", 2, 10))
@@ -47,7 +47,7 @@ def test_executor_search_prunes_in_the_coordinator() -> None:
 
 
 def test_an_epoch_trained_again_is_reported_to_optuna_once(recwarn: pytest.WarningsRecorder) -> None:
-    from training.executors import EpochReport
+    from mopflow.training.executors import EpochReport
 
     cfg = SearchConfig(n_trials=2, space=SPACE, pruner="none")
     study = optuna.create_study(direction="maximize")
@@ -61,8 +61,8 @@ def test_an_epoch_trained_again_is_reported_to_optuna_once(recwarn: pytest.Warni
 
 
 def test_a_trial_reaching_the_goal_stops_new_trials_and_every_epoch_is_published() -> None:
-    from infra import progress
-    from training.executors import EpochReport
+    from mopflow.infra import progress
+    from mopflow.training.executors import EpochReport
 
     cfg = SearchConfig(n_trials=20, space=SPACE, pruner="none", goal_val_acc=0.95)
     study = optuna.create_study(direction="maximize")
@@ -85,7 +85,7 @@ def test_a_trial_reaching_the_goal_stops_new_trials_and_every_epoch_is_published
 
 
 def test_extra_trials_for_the_ensemble_ignore_the_goal() -> None:
-    from training.executors import EpochReport
+    from mopflow.training.executors import EpochReport
 
     cfg = SearchConfig(n_trials=4, space=SPACE, pruner="none", goal_val_acc=0.5)
     study = optuna.create_study(direction="maximize")
@@ -96,7 +96,7 @@ def test_extra_trials_for_the_ensemble_ignore_the_goal() -> None:
 
 
 def test_the_epoch_budget_stops_new_trials_once_spent_counting_each_epoch_once() -> None:
-    from training.executors import EpochReport
+    from mopflow.training.executors import EpochReport
 
     cfg = SearchConfig(n_trials=50, space=SPACE, pruner="none", epoch_budget=3)
     study = optuna.create_study(direction="maximize")
@@ -115,9 +115,9 @@ def test_the_epoch_budget_stops_new_trials_once_spent_counting_each_epoch_once()
 def test_asha_models_wait_at_a_rung_and_the_best_is_promoted_as_a_new_trial() -> None:
     """Under ``asha`` a model below the rung's top third stops and waits; once the rung fills, the
     best waiting model is continued by a new trial with its parameters, before any new model."""
-    from training.executors import EpochReport, ModelOutcome
-    from training.rungs import PROMOTED_ATTR
-    from training.search import MODEL_ATTR
+    from mopflow.training.executors import EpochReport, ModelOutcome
+    from mopflow.training.rungs import PROMOTED_ATTR
+    from mopflow.training.search import MODEL_ATTR
 
     cfg = SearchConfig(n_trials=3, space=SPACE, pruner="asha", min_resource=1, epochs=3)
     study = optuna.create_study(direction="maximize")
@@ -141,7 +141,7 @@ def test_asha_models_wait_at_a_rung_and_the_best_is_promoted_as_a_new_trial() ->
 
 
 def test_asha_models_without_a_checkpoint_stop_for_good() -> None:
-    from training.executors import EpochReport, ModelOutcome
+    from mopflow.training.executors import EpochReport, ModelOutcome
 
     cfg = SearchConfig(n_trials=3, space=SPACE, pruner="asha", min_resource=1, epochs=3)
     study = optuna.create_study(direction="maximize")
@@ -159,8 +159,8 @@ def test_asha_models_without_a_checkpoint_stop_for_good() -> None:
 def test_a_restarted_coordinator_promotes_the_models_that_waited_before_it() -> None:
     """The rungs and the waiting models are rebuilt from the study: a model stopped at a rung
     before the coordinator restarted is promoted once weaker new models fill its rung."""
-    from training.executors import EpochReport, ModelOutcome
-    from training.rungs import PROMOTED_ATTR
+    from mopflow.training.executors import EpochReport, ModelOutcome
+    from mopflow.training.rungs import PROMOTED_ATTR
 
     cfg = SearchConfig(n_trials=4, space=SPACE, pruner="asha", min_resource=1, epochs=3)
     study = optuna.create_study(direction="maximize")

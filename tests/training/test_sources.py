@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.config import DataConfig
-from training.data import DataValidationError, load_manifest, load_split, shard_dataset
-from training.sources import (
+from mopflow.training.config import DataConfig
+from mopflow.training.data import DataValidationError, load_manifest, load_split, shard_dataset
+from mopflow.training.sources import (
     SHAPES_CLASSES,
     channel_normalization,
     expand_channels,

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from training.data import ShardIntegrityError, load_manifest
-from training.executors.units import clear_partitions, training_rows
-from training.schedule import steps_per_epoch
-from training.streaming import (
+from mopflow.training.data import ShardIntegrityError, load_manifest
+from mopflow.training.executors.units import clear_partitions, training_rows
+from mopflow.training.schedule import steps_per_epoch
+from mopflow.training.streaming import (
     Block,
     StreamedRows,
     rank_batches,
@@ -20,7 +20,7 @@ from training.streaming import (
     stream_rows,
     train_memory_bytes,
 )
-from training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
+from mopflow.training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 1e-4, "batch_size": 32}
 

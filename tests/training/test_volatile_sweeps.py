@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from training.config import SearchConfig
-from training.executor_search import run_search_with_executor, run_strategy_search
-from training.executors.base import CHECKPOINT_FILE
-from training.search import SearchOutcome, checkpoint_folder
+from mopflow.training.config import SearchConfig
+from mopflow.training.executor_search import run_search_with_executor, run_strategy_search
+from mopflow.training.executors.base import CHECKPOINT_FILE
+from mopflow.training.search import SearchOutcome, checkpoint_folder
 
 SPACE = {
     "families": {
@@ -42,7 +42,7 @@ def volatile_client() -> Iterator[Any]:
     than that to exit and restart on a loaded 2-core machine, so the test waits longer."""
     import dask
 
-    from training.cluster import dask_client
+    from mopflow.training.cluster import dask_client
 
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"}), dask_client("", 2) as client:
         yield client
@@ -117,11 +117,11 @@ def _replay(outcome: SearchOutcome, cfg: SearchConfig, manifest_uri: str) -> dic
     trial number (the executor's own unit function, model seed and partitioning)."""
     import torch
 
-    from training.data import load_manifest
-    from training.executors import DataRef, ModelSpec
-    from training.executors.mop import partition_rows, partition_shards
-    from training.executors.units import clear_partitions, init_state, train_pass_and_validate
-    from training.schedule import steps_per_epoch
+    from mopflow.training.data import load_manifest
+    from mopflow.training.executors import DataRef, ModelSpec
+    from mopflow.training.executors.mop import partition_rows, partition_shards
+    from mopflow.training.executors.units import clear_partitions, init_state, train_pass_and_validate
+    from mopflow.training.schedule import steps_per_epoch
 
     data = DataRef(manifest_uri, {})
     manifest = load_manifest(manifest_uri, {})
@@ -280,7 +280,7 @@ def test_a_unit_result_lost_with_its_killed_worker_is_reported_not_awaited(volat
     pinned to: the coordinator used to wait on it forever, a test sweep hung for 240 s.)"""
     from distributed import wait
 
-    from training.executors.mop_workers import UnitResultLost, fetch_unit_result
+    from mopflow.training.executors.mop_workers import UnitResultLost, fetch_unit_result
 
     client = volatile_client
     client.wait_for_workers(2, timeout=60)

@@ -8,14 +8,13 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from infra.optuna_storage import make_storage
-from tests.spaces import SMALL_SEARCH_SPACE
-from training.config import SearchConfig
-from training.executors import EpochReport, ModelOutcome
-from training.search import STALE_ATTR
-from training.search_controller import SearchController
-from training.space import params_from_optuna, sample_params
-from training.warm_history import (
+from mopflow.infra.optuna_storage import make_storage
+from mopflow.training.config import SearchConfig
+from mopflow.training.executors import EpochReport, ModelOutcome
+from mopflow.training.search import STALE_ATTR
+from mopflow.training.search_controller import SearchController
+from mopflow.training.space import params_from_optuna, sample_params
+from mopflow.training.warm_history import (
     LEARNED_ATTR,
     SEARCH_KEY_ATTR,
     WARM_START_ATTR,
@@ -24,6 +23,7 @@ from training.warm_history import (
     own_trials,
     search_key,
 )
+from tests.spaces import SMALL_SEARCH_SPACE
 
 CFG = SearchConfig(n_trials=4, space=SMALL_SEARCH_SPACE, pruner="asha", min_resource=1, epochs=3)
 SPACE = CFG.search_space()
@@ -135,7 +135,7 @@ def test_the_rungs_rank_new_models_among_the_copies(tmp_path: Path) -> None:
 
 
 def test_the_champion_s_configuration_is_not_enqueued_twice(tmp_path: Path) -> None:
-    from training.search import WarmStart, warm_start_study
+    from mopflow.training.search import WarmStart, warm_start_study
 
     storage = make_storage(str(tmp_path / "j.log"))
     earlier = _earlier_study(storage, "monday", KEY, [0.7, 0.9])

@@ -5,18 +5,18 @@ Output is content-addressed: the folder name is a hash of the source and the sha
 so a rerun with the same input reuses the shards (the manifest is written last, so its
 presence means the shards are complete).
 
-- :mod:`training.data.manifest`: the format (constants, errors, the sharding result);
-- :mod:`training.data.rules`: pure rules (keys, shard plans, splits, statistics, validation);
-- :mod:`training.data.partitions`: what runs on the workers (partitions, shard writing);
-- :mod:`training.data.tables`: a user's table as a source;
-- :mod:`training.data.sharding`: the sharding stage itself (:func:`shard_dataset`);
-- :mod:`training.data.placement`: where its tasks run on the Dask workers;
-- :mod:`training.data.reading`: manifests, shards and splits read back and verified.
+- :mod:`mopflow.training.data.manifest`: the format (constants, errors, the sharding result);
+- :mod:`mopflow.training.data.rules`: pure rules (keys, shard plans, splits, statistics, validation);
+- :mod:`mopflow.training.data.partitions`: what runs on the workers (partitions, shard writing);
+- :mod:`mopflow.training.data.tables`: a user's table as a source;
+- :mod:`mopflow.training.data.sharding`: the sharding stage itself (:func:`shard_dataset`);
+- :mod:`mopflow.training.data.placement`: where its tasks run on the Dask workers;
+- :mod:`mopflow.training.data.reading`: manifests, shards and splits read back and verified.
 """
 
 from __future__ import annotations
 
-from training.data.manifest import (
+from mopflow.training.data.manifest import (
     LABEL_COLUMN,
     MANIFEST_NAME,
     MANIFEST_VERSION,
@@ -26,7 +26,7 @@ from training.data.manifest import (
     ShardIntegrityError,
     ShardResult,
 )
-from training.data.partitions import (
+from mopflow.training.data.partitions import (
     generate_mnist1d_partition,
     parquet_bytes,
     partition_stats,
@@ -35,13 +35,13 @@ from training.data.partitions import (
     take_rows,
     write_shard,
 )
-from training.data.placement import (
+from mopflow.training.data.placement import (
     SLICE_PRIORITY,
     contiguous_runs,
     feed_cap,
     next_partition,
 )
-from training.data.reading import (
+from mopflow.training.data.reading import (
     _fetch_shard,
     _is_local,
     _manifest_dir,
@@ -52,7 +52,7 @@ from training.data.reading import (
     split_shards,
     verify_manifest,
 )
-from training.data.rules import (
+from mopflow.training.data.rules import (
     DROPPED,
     HASH_BINS,
     HASH_COLUMN,
@@ -82,8 +82,8 @@ from training.data.rules import (
     training_shards,
     validate_stats,
 )
-from training.data.sharding import shard_dataset
-from training.data.tables import (
+from mopflow.training.data.sharding import shard_dataset
+from mopflow.training.data.tables import (
     SourceInfo,
     describe_source,
     read_table,

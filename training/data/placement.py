@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from training.data.partitions import partition_stats, take_rows, write_shard
+from mopflow.training.data.partitions import partition_stats, take_rows, write_shard
 
 SLICE_PRIORITY = 1 << 40  # above any shard's row count
 

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from infra import storage
-from training.data.manifest import MANIFEST_VERSION, SPLITS, ShardIntegrityError
-from training.data.rules import manifest_hash
+from mopflow.infra import storage
+from mopflow.training.data.manifest import MANIFEST_VERSION, SPLITS, ShardIntegrityError
+from mopflow.training.data.rules import manifest_hash
 
 
 def load_manifest(manifest_uri: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from infra import storage
-from training.config import DEFAULT_MAX_SHARD_MB, DataConfig
-from training.data.manifest import LABEL_COLUMN, MANIFEST_VERSION, SHARD_FORMAT_VERSION, SPLITS
+from mopflow.infra import storage
+from mopflow.training.config import DEFAULT_MAX_SHARD_MB, DataConfig
+from mopflow.training.data.manifest import LABEL_COLUMN, MANIFEST_VERSION, SHARD_FORMAT_VERSION, SPLITS
 
 SPLIT_COLUMN = "_split"
 HASH_COLUMN = "_u"  # the row's hash in [0, 1): kept until the shards are written (stratified splits)

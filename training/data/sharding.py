@@ -2,7 +2,7 @@
 with a manifest; content-addressed, so a rerun with the same input reuses the shards.
 
 Where its tasks run (partitions handed out as workers free up, shards sliced where their rows
-live) is :mod:`training.data.placement`."""
+live) is :mod:`mopflow.training.data.placement`."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from infra import storage
-from training.config import DataConfig
-from training.data.manifest import LABEL_COLUMN, MANIFEST_NAME, MANIFEST_VERSION, SPLITS, ShardResult
-from training.data.partitions import partition_stats, restratify_partition
-from training.data.placement import on_holders, partition_holders, per_partition_as_done, submit_shard
-from training.data.rules import (
+from mopflow.infra import storage
+from mopflow.training.config import DataConfig
+from mopflow.training.data.manifest import LABEL_COLUMN, MANIFEST_NAME, MANIFEST_VERSION, SPLITS, ShardResult
+from mopflow.training.data.partitions import partition_stats, restratify_partition
+from mopflow.training.data.placement import on_holders, partition_holders, per_partition_as_done, submit_shard
+from mopflow.training.data.rules import (
     SplitRule,
     balance_writers,
     class_hash_histogram,
@@ -34,7 +34,7 @@ from training.data.rules import (
     training_shards,
     validate_stats,
 )
-from training.data.tables import SourceInfo, describe_source, source_partitions
+from mopflow.training.data.tables import SourceInfo, describe_source, source_partitions
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def _normalization(mean: list[float], std: list[float], info: SourceInfo) -> dic
     pixel of a channel shares its statistics)."""
     if info.modality != "image":
         return {"mean": mean, "std": std}
-    from training.sources import channel_normalization, expand_channels
+    from mopflow.training.sources import channel_normalization, expand_channels
 
     channel_mean, channel_std = channel_normalization(mean, std, info.input_shape)
     return {

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from infra import storage
-from training.config import DataConfig
-from training.data.partitions import generate_mnist1d_partition, prepare_table_partition
-from training.data.rules import (
+from mopflow.infra import storage
+from mopflow.training.config import DataConfig
+from mopflow.training.data.partitions import generate_mnist1d_partition, prepare_table_partition
+from mopflow.training.data.rules import (
     PARTITION_SEED_STRIDE,
     DataValidationError,
     check_columns,
@@ -85,7 +85,7 @@ def describe_source(
 ) -> SourceInfo:
     """Fingerprint and columns of the source; a user table's columns are validated here, from
     metadata (images: their headers, read on the workers of ``client``)."""
-    from training import source_kinds
+    from mopflow.training import source_kinds
 
     other = source_kinds.describe(cfg, storage_options, client)
     if other is not None:
@@ -111,7 +111,7 @@ def source_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[An
     """The source's prepared partitions (the rows stay on the workers): futures, or for
     MNIST-1D functions ``submit(worker)`` that start generating partition ``i`` on ``worker``
     (``per_partition_as_done`` hands them out as workers free up)."""
-    from training import source_kinds
+    from mopflow.training import source_kinds
 
     if info.kind in source_kinds.KINDS:
         return source_kinds.partitions(cfg, info, client)

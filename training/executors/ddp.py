@@ -19,8 +19,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from training.executors.base import Controller, EpochReport, ModelOutcome, OneModelAtATime
-from training.unit import DataRef, ModelSpec
+from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome, OneModelAtATime
+from mopflow.training.unit import DataRef, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class DDPExecutor(OneModelAtATime):
         queue and stop event."""
         from distributed import Event, Queue
 
-        from training.executors.ddp_rank import free_port, run_rank
+        from mopflow.training.executors.ddp_rank import free_port, run_rank
 
         checkpoint = self.kept_checkpoint(spec.model_id) or ""
         workers = self.rank_workers(spec)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_fabric.plugins.environments import ClusterEnvironment
 
 if TYPE_CHECKING:
-    from training.unit import DataRef, TrainableUnit
+    from mopflow.training.unit import DataRef, TrainableUnit
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     import torch
     from pytorch_lightning.strategies import DDPStrategy
 
-    from training.trial import quiet_lightning
+    from mopflow.training.trial import quiet_lightning
 
     torch.set_num_threads(1)
     quiet_lightning()
@@ -135,11 +135,11 @@ def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
     """The rank's trainable unit (resumed from the job's checkpoint, if any), its training rows
     (in memory when within the worker's budget, else streamed: every rank reads its share) and
     the data's :class:`DataRef`."""
-    from infra import storage
-    from training.data import load_manifest
-    from training.executors.units import training_rows
-    from training.schedule import steps_per_epoch
-    from training.unit import DataRef, ModelSpec, TrainableUnit
+    from mopflow.infra import storage
+    from mopflow.training.data import load_manifest
+    from mopflow.training.executors.units import training_rows
+    from mopflow.training.schedule import steps_per_epoch
+    from mopflow.training.unit import DataRef, ModelSpec, TrainableUnit
 
     world, epochs = int(job["world_size"]), int(job["epochs"])
     spec = ModelSpec.from_dict(job["spec"])
@@ -177,8 +177,8 @@ class _RankZero:
 
         from distributed import Event, Queue
 
-        from infra import storage
-        from training.executors.units import load_eval_split
+        from mopflow.infra import storage
+        from mopflow.training.executors.units import load_eval_split
 
         report = {
             "model_id": self.unit.spec.model_id,

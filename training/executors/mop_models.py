@@ -12,13 +12,13 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from training.executors.base import Controller, EpochReport, ModelOutcome
-from training.executors.units import evaluate_state
-from training.unit import ModelSpec
-from training.unit_state import partial_meta, read_meta
+from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome
+from mopflow.training.executors.units import evaluate_state
+from mopflow.training.unit import ModelSpec
+from mopflow.training.unit_state import partial_meta, read_meta
 
 if TYPE_CHECKING:
-    from training.executors.mop import MopExecutor
+    from mopflow.training.executors.mop import MopExecutor
 
 log = logging.getLogger(__name__)
 

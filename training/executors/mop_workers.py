@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from training.executors.scheduler import MopScheduler, Unit
-from training.volatile.preempt import lost_spans, redone_seconds, task_story
+from mopflow.training.executors.scheduler import MopScheduler, Unit
+from mopflow.training.volatile.preempt import lost_spans, redone_seconds, task_story
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Stopping a training run whose units are in flight on Dask workers.
 
-Asked to stop (``infra.stopping``), a coordinator gives every worker the spot notice once
+Asked to stop (``mopflow.infra.stopping``), a coordinator gives every worker the spot notice once
 (``training/volatile/preempt.py``): the units in flight save their state at their next batch
 and come back, so the run resumes from there. The notice is withdrawn once they are back, so
 the workers can train again.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from training.volatile.preempt import clear_notice, raise_notice
+from mopflow.training.volatile.preempt import clear_notice, raise_notice
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from infra import stopping
-from training.executors.base import Controller, EpochReport, Executor, ModelOutcome, OneModelAtATime
-from training.executors.stop_notice import StopNotice
-from training.executors.units import evaluate_state, init_state, train_pass, train_pass_and_validate
-from training.unit import DataRef, ModelSpec
-from training.unit_state import StateFormatError, global_step, partial_meta
-from training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
+from mopflow.infra import stopping
+from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome, OneModelAtATime
+from mopflow.training.executors.stop_notice import StopNotice
+from mopflow.training.executors.units import evaluate_state, init_state, train_pass, train_pass_and_validate
+from mopflow.training.unit import DataRef, ModelSpec
+from mopflow.training.unit_state import StateFormatError, global_step, partial_meta
+from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
 
 # How long an epoch handed back by a spot notice waits for its worker to leave before it is
 # submitted anyway (the worker leaves within its grace period, MOPFLOW_PREEMPT_GRACE_S).

@@ -1,6 +1,6 @@
 """Training passes that run on workers: one pass of one model over some shards, state in and out.
 
-Each pass is a :class:`training.unit.TrainableUnit` rebuilt from the state it is handed, so a
+Each pass is a :class:`mopflow.training.unit.TrainableUnit` rebuilt from the state it is handed, so a
 model hops between workers (MOP), moves epoch by epoch (``task``) or is checkpointed after
 every pass; its state travels as safetensors bytes and loading it never unpickles.
 """
@@ -13,10 +13,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from training.schedule import steps_per_epoch
-from training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
-from training.volatile import preempt
-from training.volatile.preempt import UnitPreempted, notice_received
+from mopflow.training.schedule import steps_per_epoch
+from mopflow.training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
+from mopflow.training.volatile import preempt
+from mopflow.training.volatile.preempt import UnitPreempted, notice_received
 
 __all__ = ["DataRef", "ModelSpec", "train_pass", "train_pass_and_validate", "init_state", "evaluate_state"]
 
@@ -34,9 +34,9 @@ _EVAL_SPLITS: dict[tuple[str, str], tuple[Any, Any]] = {}
 def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu") -> Any:
     """The training rows of these shards: ``(x, y)`` tensors held on ``device``
     (:func:`load_partition`) when they fit the worker's memory budget (``MOPFLOW_TRAIN_MEMORY_MB``),
-    else a :class:`~training.streaming.StreamedRows` that reads them from the shards each pass."""
-    from training.data import load_manifest
-    from training.streaming import (
+    else a :class:`~mopflow.training.streaming.StreamedRows` that reads them from the shards each pass."""
+    from mopflow.training.data import load_manifest
+    from mopflow.training.streaming import (
         StreamedRows,
         block_reader,
         cache_shards,
@@ -77,7 +77,7 @@ def load_partition(data: DataRef, shard_names: Sequence[str], device: str = "cpu
     worker process and kept on ``device``."""
     import torch
 
-    from training.data import load_split
+    from mopflow.training.data import load_split
 
     names = tuple(sorted(shard_names))
     key = (data.manifest_uri, names, device)
@@ -115,7 +115,7 @@ def load_eval_split(data: DataRef, split: str) -> tuple[Any, Any]:
     (evaluation moves them to the device a batch at a time)."""
     import torch
 
-    from training.data import load_split
+    from mopflow.training.data import load_split
 
     key = (data.manifest_uri, split)
     if key not in _EVAL_SPLITS:
@@ -126,7 +126,7 @@ def load_eval_split(data: DataRef, split: str) -> tuple[Any, Any]:
 
 def _unit(spec: ModelSpec, data: DataRef, state: bytes | None, total_steps: int) -> TrainableUnit:
     """The unit of ``spec`` on this data, carrying ``state`` (a fresh seeded one without)."""
-    from training.data import load_manifest
+    from mopflow.training.data import load_manifest
 
     unit = TrainableUnit.build(spec, load_manifest(data.manifest_uri, data.storage_options), total_steps)
     if state is not None:
@@ -156,7 +156,7 @@ def train_pass(
     """
     import torch
 
-    from training.trial import quiet_lightning
+    from mopflow.training.trial import quiet_lightning
 
     started = time.time()
     if notice_received():  # this worker is going away: hand the unit back untouched
@@ -263,8 +263,8 @@ def train_pass_and_validate(
 
 def state_to_bundle(spec: ModelSpec, state: bytes, data: DataRef, url: str) -> str:
     """Write a packed state as a model bundle (the checkpoint format the ensemble stage reads)."""
-    from training.bundle import save_bundle
-    from training.data import load_manifest
+    from mopflow.training.bundle import save_bundle
+    from mopflow.training.data import load_manifest
 
     manifest = load_manifest(data.manifest_uri, data.storage_options)
     unit = _unit(spec, data, state, 1)

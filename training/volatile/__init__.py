@@ -1,19 +1,19 @@
 """The volatile-worker wing: training on workers that come and go, and what they cost.
 
-- :mod:`~training.volatile.workers`: worker schedules ``n_j`` and step-size scaling (pure);
-- :mod:`~training.volatile.scaling`: a sweep's rounds on ``n_j`` workers, and spot replay in a sweep;
-- :mod:`~training.volatile.preempt`: spot notices (SIGTERM) on a worker: checkpoint and leave;
-- :mod:`~training.volatile.growing`: the growing-workers experiment (Zhang et al. 2020);
-- :mod:`~training.volatile.growing_report`: a growing run's cost over time and its tracking;
-- :mod:`~training.volatile.prices`: spot price distributions and the price errors;
-- :mod:`~training.volatile.price_trace`: price traces (CSV, sampled, repeated) and their distribution;
-- :mod:`~training.volatile.cost`: accounting a run's work against a price trace and bids;
-- :mod:`~training.volatile.run_account`: a run's cost account and its tracking;
-- :mod:`~training.volatile.spot_plan_model`: the error bound and a spot plan's expected cost and time;
-- :mod:`~training.volatile.spot_plan`: planning bids on spot workers (on-demand, one bid, two bids);
-- :mod:`~training.volatile.spot_plan_report`: the plan-spot table and JSON;
-- :mod:`~training.volatile.spot_replay`: replaying a spot price trace against a LocalCluster's workers;
-- :mod:`~training.volatile.spot_report`: a replay's events and account, and their tracking.
+- :mod:`~mopflow.training.volatile.workers`: worker schedules ``n_j`` and step-size scaling (pure);
+- :mod:`~mopflow.training.volatile.scaling`: a sweep's rounds on ``n_j`` workers, and spot replay in a sweep;
+- :mod:`~mopflow.training.volatile.preempt`: spot notices (SIGTERM) on a worker: checkpoint and leave;
+- :mod:`~mopflow.training.volatile.growing`: the growing-workers experiment (Zhang et al. 2020);
+- :mod:`~mopflow.training.volatile.growing_report`: a growing run's cost over time and its tracking;
+- :mod:`~mopflow.training.volatile.prices`: spot price distributions and the price errors;
+- :mod:`~mopflow.training.volatile.price_trace`: price traces (CSV, sampled, repeated) and their distribution;
+- :mod:`~mopflow.training.volatile.cost`: accounting a run's work against a price trace and bids;
+- :mod:`~mopflow.training.volatile.run_account`: a run's cost account and its tracking;
+- :mod:`~mopflow.training.volatile.spot_plan_model`: the error bound and a spot plan's expected cost and time;
+- :mod:`~mopflow.training.volatile.spot_plan`: planning bids on spot workers (on-demand, one bid, two bids);
+- :mod:`~mopflow.training.volatile.spot_plan_report`: the plan-spot table and JSON;
+- :mod:`~mopflow.training.volatile.spot_replay`: replaying a spot price trace against a LocalCluster's workers;
+- :mod:`~mopflow.training.volatile.spot_report`: a replay's events and account, and their tracking.
 
-Nothing here imports the operator's tools (``infra.cli``, ``infra.stack``) or Airflow.
+Nothing here imports the operator's tools (``mopflow.infra.cli``, ``mopflow.infra.stack``) or Airflow.
 """

@@ -2,14 +2,14 @@
 
 A worker with bid ``b`` is active (running and billed at the current price) while the price is
 ``<= b``; above its bid it is preempted and costs nothing. Three accountings return a
-:class:`~training.volatile.run_account.RunAccount`:
+:class:`~mopflow.training.volatile.run_account.RunAccount`:
 
 * :func:`account_run`: a record of synchronous work (iterations or units, optionally on a worker
   schedule ``n_j``) replayed against the trace with each worker's bid;
 * :func:`account_parallel_units`: task-parallel work (MOP units, trials), each worker on its own bid;
 * :func:`account_intervals`: the real billed intervals of a replay on a live cluster.
 
-Everything here is pure. Prices come from :mod:`training.volatile.price_trace`.
+Everything here is pure. Prices come from :mod:`mopflow.training.volatile.price_trace`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from training.volatile.price_trace import PriceTrace, repeat_trace
-from training.volatile.prices import SECONDS_PER_HOUR, PriceError, TraceExhaustedError
-from training.volatile.run_account import RunAccount
+from mopflow.training.volatile.price_trace import PriceTrace, repeat_trace
+from mopflow.training.volatile.prices import SECONDS_PER_HOUR, PriceError, TraceExhaustedError
+from mopflow.training.volatile.run_account import RunAccount
 
 
 @dataclass(frozen=True)

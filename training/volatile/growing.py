@@ -1,9 +1,9 @@
 """Data-parallel SGD with a growing number of workers, optionally on volatile (spot) workers.
 
 After Zhang, Wang, Joshi, Joe-Wong, "Machine Learning on Volatile Instances" (INFOCOM 2020): at
-iteration j, ``n_j`` workers (a :class:`~training.volatile.workers.WorkerSchedule`) each compute the gradient
+iteration j, ``n_j`` workers (a :class:`~mopflow.training.volatile.workers.WorkerSchedule`) each compute the gradient
 of a mini-batch of ``b`` samples, the parameter server averages them and takes a step whose size is
-scaled with the workers (``linear`` / ``sqrt`` / ``none``, :func:`~training.volatile.workers.scaled_step_size`).
+scaled with the workers (``linear`` / ``sqrt`` / ``none``, :func:`~mopflow.training.volatile.workers.scaled_step_size`).
 
 **Emulation.** The workers are emulated in one process: worker k's gradient is the gradient of the
 mean loss over micro-batch k, and the average of ``y`` such gradients of equal-sized micro-batches is
@@ -16,9 +16,9 @@ are fewer real processes than workers; it reproduces the maths of synchronous SG
 **Volatility.** With a :class:`Volatility` (a price trace and one bid per worker), time runs in slots of
 ``iteration_seconds``; in each slot, iteration j's provisioned workers (the first ``n_j`` bids) whose bid
 is >= the slot's price are active (``y_j``). Only they contribute micro-batches; a slot with no active
-worker is idle: no update, j waits. The run is accounted with :func:`training.volatile.cost.account_run` (cost,
-active / idle time, wasted work) over the same slots; :mod:`training.volatile.growing_report` gives
-its cost over time and logs records and account through the :class:`~infra.tracking.Tracker` protocol.
+worker is idle: no update, j waits. The run is accounted with :func:`mopflow.training.volatile.cost.account_run` (cost,
+active / idle time, wasted work) over the same slots; :mod:`mopflow.training.volatile.growing_report` gives
+its cost over time and logs records and account through the :class:`~mopflow.infra.tracking.Tracker` protocol.
 """
 
 from __future__ import annotations
@@ -33,13 +33,18 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from training.metrics import top1_accuracy
-from training.models import ArchSpec, build_model
-from training.volatile.cost import account_run
-from training.volatile.price_trace import PriceTrace
-from training.volatile.prices import PriceError, TraceExhaustedError
-from training.volatile.run_account import RunAccount
-from training.volatile.workers import ScalingRule, WorkerSchedule, scaled_step_size, workers_at_iteration
+from mopflow.training.metrics import top1_accuracy
+from mopflow.training.models import ArchSpec, build_model
+from mopflow.training.volatile.cost import account_run
+from mopflow.training.volatile.price_trace import PriceTrace
+from mopflow.training.volatile.prices import PriceError, TraceExhaustedError
+from mopflow.training.volatile.run_account import RunAccount
+from mopflow.training.volatile.workers import (
+    ScalingRule,
+    WorkerSchedule,
+    scaled_step_size,
+    workers_at_iteration,
+)
 
 Emulation = Literal["concatenated", "per_worker"]
 _ALIGN_TOL = 1e-6  # relative slack when checking that price changes fall on slot boundaries
@@ -76,8 +81,8 @@ class Volatility:
     """Spot prices and bids: worker w (0-based) is active in a slot while the price is <= ``bids[w]``.
 
     Price changes must fall on slot boundaries (``start + k * iteration_seconds``), as with
-    :func:`training.volatile.price_trace.sample_price_trace` at ``slot_seconds = iteration_seconds``: a worker then never
-    loses an iteration half-way, and :func:`training.volatile.cost.account_run` sees the same y_j as training.
+    :func:`mopflow.training.volatile.price_trace.sample_price_trace` at ``slot_seconds = iteration_seconds``: a worker then never
+    loses an iteration half-way, and :func:`mopflow.training.volatile.cost.account_run` sees the same y_j as training.
     """
 
     trace: PriceTrace
@@ -264,7 +269,7 @@ def train_growing(
     depend on the prices); the active ones' gradients are averaged and the step size is
     ``scaled_step_size(base_lr, n_j (or y_j), scaling, reference_workers)``. With ``volatility``,
     idle slots (no active worker) are recorded with ``active == 0`` and no update, and the run is
-    accounted with :func:`training.volatile.cost.account_run`.
+    accounted with :func:`mopflow.training.volatile.cost.account_run`.
     """
     x, y = train
     _check_inputs(config, arch, x, y, volatility)

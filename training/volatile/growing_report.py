@@ -1,18 +1,18 @@
 """A growing-workers run after the fact: its cost over time, the cost of a prefix, its tracking.
 
-:func:`~training.volatile.growing.train_growing` returns a :class:`~training.volatile.growing.GrowingResult`;
+:func:`~mopflow.training.volatile.growing.train_growing` returns a :class:`~mopflow.training.volatile.growing.GrowingResult`;
 :func:`cost_curve` and :func:`account_prefix` say what it cost up to any point (e.g. a target accuracy),
 and :func:`log_growing_run` logs the config, the per-slot histories and the cost account through the
-:class:`~infra.tracking.Tracker` protocol.
+:class:`~mopflow.infra.tracking.Tracker` protocol.
 """
 
 from __future__ import annotations
 
-from infra.tracking import Tracker
-from training.volatile.cost import account_run
-from training.volatile.growing import GrowingConfig, GrowingResult, Volatility
-from training.volatile.prices import SECONDS_PER_HOUR
-from training.volatile.run_account import RunAccount, log_run_account
+from mopflow.infra.tracking import Tracker
+from mopflow.training.volatile.cost import account_run
+from mopflow.training.volatile.growing import GrowingConfig, GrowingResult, Volatility
+from mopflow.training.volatile.prices import SECONDS_PER_HOUR
+from mopflow.training.volatile.run_account import RunAccount, log_run_account
 
 
 def account_prefix(
@@ -36,7 +36,7 @@ def cost_curve(result: GrowingResult, volatility: Volatility, config: GrowingCon
     """The run's cumulative cost after each record (slot): the cost over time.
 
     Each active worker of a slot pays that slot's price for ``iteration_seconds`` (idle slots cost
-    nothing), the billing of :func:`training.volatile.cost.account_run` on slot-aligned prices: the value after
+    nothing), the billing of :func:`mopflow.training.volatile.cost.account_run` on slot-aligned prices: the value after
     iteration j's record equals ``account_prefix(result, volatility, config, j).cost``.
     """
     trace, r = volatility.trace, config.iteration_seconds

@@ -22,7 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from training.volatile.prices import EmpiricalPrices, PriceDistribution, PriceError, TraceExhaustedError
+from mopflow.training.volatile.prices import (
+    EmpiricalPrices,
+    PriceDistribution,
+    PriceError,
+    TraceExhaustedError,
+)
 
 MAX_REPEATS = 100_000  # segments of an unrolled trace, so a tiny trace at a huge speed fails clearly
 
@@ -141,7 +146,7 @@ def load_price_trace(path: str | Path, end: float | None = None) -> PriceTrace:
 
 def read_price_trace(location: str, storage_options: Mapping[str, Any] | None = None) -> PriceTrace:
     """A ``timestamp,price`` CSV from a local path or an fsspec URL (``s3://...``)."""
-    from infra import storage
+    from mopflow.infra import storage
 
     try:
         data = storage.read_bytes(location, storage_options)

@@ -1,8 +1,8 @@
 """A run's cost account on volatile workers: what it cost, where its time went, and its tracking.
 
-:class:`RunAccount` is what every accounting in :mod:`training.volatile.cost` returns (a record of
+:class:`RunAccount` is what every accounting in :mod:`mopflow.training.volatile.cost` returns (a record of
 work replayed against a price trace, task-parallel units, or a replay's real billed intervals);
-:func:`log_run_account` writes it through an injected :class:`~infra.tracking.Tracker`.
+:func:`log_run_account` writes it through an injected :class:`~mopflow.infra.tracking.Tracker`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from infra.tracking import Tracker
-from training.volatile.prices import SECONDS_PER_HOUR
+from mopflow.infra.tracking import Tracker
+from mopflow.training.volatile.prices import SECONDS_PER_HOUR
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from training.volatile.workers import WorkerSchedule, workers_at
+from mopflow.training.volatile.workers import WorkerSchedule, workers_at
 
 if TYPE_CHECKING:
-    from infra.tracking import Tracker
-    from training.config import SearchConfig
+    from mopflow.infra.tracking import Tracker
+    from mopflow.training.config import SearchConfig
 
 log = logging.getLogger(__name__)
 
@@ -222,11 +222,11 @@ def log_worker_rounds(
 
 
 def log_volatile(tracker: Tracker, run_id: str, outcome: Any) -> None:
-    """Log what a sweep on scaled or spot workers recorded (a :class:`~training.search.SearchOutcome`)."""
+    """Log what a sweep on scaled or spot workers recorded (a :class:`~mopflow.training.search.SearchOutcome`)."""
     log_worker_rounds(tracker, run_id, tuple(getattr(outcome, "worker_rounds", ())))
     spot = getattr(outcome, "spot", None)
     if spot is not None:
-        from training.volatile.spot_report import log_replay
+        from mopflow.training.volatile.spot_report import log_replay
 
         log_replay(tracker, run_id, spot)
 
@@ -234,13 +234,13 @@ def log_volatile(tracker: Tracker, run_id: str, outcome: Any) -> None:
 def spot_replay_for(
     cfg: SearchConfig, client: Any, grace_s: float, storage_options: Mapping[str, Any] | None = None
 ) -> Any:
-    """A :class:`~training.volatile.spot_replay.SpotReplay` for ``cfg.spot_trace`` (a path or fsspec URL) on this
+    """A :class:`~mopflow.training.volatile.spot_replay.SpotReplay` for ``cfg.spot_trace`` (a path or fsspec URL) on this
     client's LocalCluster, validated before any training: the trace file, the cluster, one bid per worker."""
     from distributed import Nanny, SpecCluster
 
-    from training.volatile.price_trace import read_price_trace
-    from training.volatile.prices import PriceError
-    from training.volatile.spot_replay import SpotReplay
+    from mopflow.training.volatile.price_trace import read_price_trace
+    from mopflow.training.volatile.prices import PriceError
+    from mopflow.training.volatile.spot_replay import SpotReplay
 
     cluster = getattr(client, "cluster", None)
     if not isinstance(cluster, SpecCluster):
@@ -265,7 +265,7 @@ def spot_replay_for(
 def with_spot_replay(search: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a search function (``cfg`` and ``client`` arguments, a ``SearchOutcome`` result): with
     ``cfg.spot_trace`` set, the trace is replayed against the cluster while the search runs and the
-    outcome carries the :class:`~training.volatile.spot_report.SpotReport` as ``spot``."""
+    outcome carries the :class:`~mopflow.training.volatile.spot_report.SpotReport` as ``spot``."""
     import dataclasses
     import functools
     import inspect
@@ -278,7 +278,7 @@ def with_spot_replay(search: Callable[..., Any]) -> Callable[..., Any]:
         cfg, client = bound.arguments["cfg"], bound.arguments["client"]
         if not cfg.spot_trace:
             return search(*args, **kwargs)
-        from training.volatile.preempt import register_preemption
+        from mopflow.training.volatile.preempt import register_preemption
 
         grace = register_preemption(client)  # before the first notice can come
         replay = spot_replay_for(cfg, client, grace, bound.arguments.get("storage_options"))

@@ -1,6 +1,6 @@
 """Planning a training run on volatile workers: on-demand, one bid, or two bids, and how many workers.
 
-The cost, time and error of a plan are the paper's expressions (:mod:`training.volatile.spot_plan_model`);
+The cost, time and error of a plan are the paper's expressions (:mod:`mopflow.training.volatile.spot_plan_model`);
 this module finds the cheapest plan of each strategy and picks among them. How the optimum is found
 (exact on the same expressions, no closed-form approximation):
 
@@ -13,7 +13,7 @@ this module finds the cheapest plan of each strategy and picks among them. How t
   paper's Fig. 3 argument); J is then searched numerically (a geometric grid refined with a dense scan
   around the best point), for every n <= n_max and split n_h < n.
 
-The printed table and JSON form of a report are :mod:`training.volatile.spot_plan_report`.
+The printed table and JSON form of a report are :mod:`mopflow.training.volatile.spot_plan_report`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from training.volatile.prices import SECONDS_PER_HOUR
-from training.volatile.spot_plan_model import (
+from mopflow.training.volatile.prices import SECONDS_PER_HOUR
+from mopflow.training.volatile.spot_plan_model import (
     ROUNDOFF_TOL,
     ConvergenceModel,
     Plan,

@@ -16,7 +16,7 @@ Convergence, Runtime, and Cost Tradeoffs" (INFOCOM 2020):
 
 Bids are capped at ``max_bid`` (default: the on-demand price, as clouds do); a plan is feasible when
 its expected completion time is within the deadline and its error bound within the target. The
-search for the cheapest plan is :mod:`training.volatile.spot_plan`.
+search for the cheapest plan is :mod:`mopflow.training.volatile.spot_plan`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from training.volatile.prices import SECONDS_PER_HOUR, PriceDistribution
+from mopflow.training.volatile.prices import SECONDS_PER_HOUR, PriceDistribution
 
 Strategy = Literal["on-demand", "one-bid", "two-bids"]
 STRATEGIES: tuple[Strategy, ...] = ("on-demand", "one-bid", "two-bids")

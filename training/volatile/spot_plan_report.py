@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from training.volatile.spot_plan_model import STRATEGIES, Plan, PlanReport, SpotPlanConfig
+from mopflow.training.volatile.spot_plan_model import STRATEGIES, Plan, PlanReport, SpotPlanConfig
 
 
 def format_report(config: SpotPlanConfig, report: PlanReport) -> str:

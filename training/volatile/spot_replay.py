@@ -3,7 +3,7 @@
 Each worker of the cluster has a bid. A background thread walks the trace, time-compressed
 (``speed`` trace seconds per real second; past its end the trace repeats from its start), and when
 the price rises above a worker's bid it gives that worker the spot notice: SIGTERM to its worker
-process, so :class:`~training.volatile.preempt.PreemptionPlugin` checkpoints the running trial and the
+process, so :class:`~mopflow.training.volatile.preempt.PreemptionPlugin` checkpoints the running trial and the
 worker leaves. The worker's nanny is told first that the exit is final (``close_gracefully``), so
 no fresh process takes its place; once the process is gone the worker is removed from the
 cluster's spec. When the price is back at or under the bid the worker is started again (a new
@@ -12,8 +12,8 @@ notice is killed.
 
 Every worker's *billed* intervals are recorded: from its start (the instance is requested) until
 its process is gone (the instance is returned); the run is accounted over those real intervals
-(:func:`training.volatile.cost.account_intervals`, in trace time) into a
-:class:`~training.volatile.spot_report.SpotReport`, logged with :func:`training.volatile.spot_report.log_replay`:
+(:func:`mopflow.training.volatile.cost.account_intervals`, in trace time) into a
+:class:`~mopflow.training.volatile.spot_report.SpotReport`, logged with :func:`mopflow.training.volatile.spot_report.log_replay`:
 
 * cost: the trace's price integrated over each billed interval;
 * idle: time with no worker billed (the sweep waits for prices to fall);
@@ -22,7 +22,7 @@ its process is gone (the instance is returned); the run is accounted over those 
   work before the notice is kept by the notice checkpoint);
 * ``spot_failed_attempts``: notices that interrupted a running task.
 
-The account's ideal counterpart, :func:`training.volatile.cost.bill_interval` over the same span with the bids
+The account's ideal counterpart, :func:`mopflow.training.volatile.cost.bill_interval` over the same span with the bids
 (workers switching at the exact price changes), is reported as ``ideal_cost``.
 """
 
@@ -40,11 +40,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from training.volatile.cost import account_intervals, bill_interval
-from training.volatile.price_trace import PriceTrace, price_at, repeat_trace
-from training.volatile.prices import SECONDS_PER_HOUR, PriceError
-from training.volatile.run_account import RunAccount
-from training.volatile.spot_report import EventKind, SpotEvent, SpotReport, notice_to_exit_seconds
+from mopflow.training.volatile.cost import account_intervals, bill_interval
+from mopflow.training.volatile.price_trace import PriceTrace, price_at, repeat_trace
+from mopflow.training.volatile.prices import SECONDS_PER_HOUR, PriceError
+from mopflow.training.volatile.run_account import RunAccount
+from mopflow.training.volatile.spot_report import EventKind, SpotEvent, SpotReport, notice_to_exit_seconds
 
 log = logging.getLogger(__name__)
 

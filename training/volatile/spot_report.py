@@ -1,7 +1,7 @@
 """What a spot price replay recorded: the workers' events, the run's account, and its tracking.
 
-:class:`~training.volatile.spot_replay.SpotReplay` produces a :class:`SpotReport`; :func:`log_replay`
-writes it to MLflow through the :class:`~infra.tracking.Tracker` protocol.
+:class:`~mopflow.training.volatile.spot_replay.SpotReplay` produces a :class:`SpotReport`; :func:`log_replay`
+writes it to MLflow through the :class:`~mopflow.infra.tracking.Tracker` protocol.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from infra.tracking import Tracker
-from training.volatile.run_account import RunAccount, log_run_account
+from mopflow.infra.tracking import Tracker
+from mopflow.training.volatile.run_account import RunAccount, log_run_account
 
 EventKind = Literal["notice", "exit", "killed", "start", "joined"]
 

@@ -8,14 +8,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from infra.settings import Settings
-from infra.stack import config_from_env
-from infra.stack.config import StackConfig
-from infra.stack.probes import free_port
-from infra.stack.processes import spawn
-from infra.stack.services import HealthCheck, ServiceRecord, ServiceSpec
-from infra.stack.specs import build_specs
-from infra.stack.state import StackState, dask_dashboard_url
+from mopflow.infra.settings import Settings
+from mopflow.infra.stack import config_from_env
+from mopflow.infra.stack.config import StackConfig
+from mopflow.infra.stack.probes import free_port
+from mopflow.infra.stack.processes import spawn
+from mopflow.infra.stack.services import HealthCheck, ServiceRecord, ServiceSpec
+from mopflow.infra.stack.specs import build_specs
+from mopflow.infra.stack.state import StackState, dask_dashboard_url
 
 REPO = Path(__file__).resolve().parents[3]
 BIN = str(Path(sys.executable).parent)
@@ -76,4 +76,4 @@ def python_service(name: str, code: str, port: int, env: dict[str, str]) -> Serv
 def live_record(name: str, tmp_path: Path, env: dict[str, str]) -> ServiceRecord:
     """A started process that sleeps, recorded without health checks."""
     spec = python_service(name, "import time; time.sleep(120)", free_port(), env)
-    return spawn(spec, tmp_path / "logs", cwd=tmp_path).model_copy(update={"checks": ()})
+    return spawn(spec, tmp_path / "logs").model_copy(update={"checks": ()})

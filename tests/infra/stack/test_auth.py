@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from infra.stack.auth import airflow_password_file, owner_only, prepare_mlflow_auth
-from infra.stack.config import config_from_env
-from infra.stack.probes import free_port
-from infra.stack.processes import spawn, stop_services, wait_healthy
-from infra.stack.specs import build_specs
+from mopflow.infra.stack.auth import airflow_password_file, owner_only, prepare_mlflow_auth
+from mopflow.infra.stack.config import config_from_env
+from mopflow.infra.stack.probes import free_port
+from mopflow.infra.stack.processes import spawn, stop_services, wait_healthy
+from mopflow.infra.stack.specs import build_specs
 from tests.infra.stack.helpers import BIN, settings_at
 from tests.rest import request_json
 
@@ -59,7 +59,7 @@ def test_mlflow_with_auth_refuses_anonymous_clients(tmp_path: Path) -> None:
     spec = next(
         s for s in build_specs(settings_at(tmp_path), config, BIN, environ, auth=auth) if s.name == "mlflow"
     )
-    rec = spawn(spec, tmp_path / "logs", cwd=tmp_path)
+    rec = spawn(spec, tmp_path / "logs")
     try:
         wait_healthy([rec], 180, lambda _: None)  # /health needs no credentials
         url = f"{rec.url}/api/2.0/mlflow/experiments/search?max_results=1"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.stack.config import PORT_ENV, StackError, choose_ports, config_from_env
+from mopflow.infra.stack.config import PORT_ENV, StackError, choose_ports, config_from_env
 from tests.infra.stack.helpers import counter
 
 

@@ -6,21 +6,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from infra.stack.environment import airflow_env, base_env
-from tests.infra.stack.helpers import BIN, REPO, stack_config
+from mopflow.infra.stack.environment import airflow_env, base_env
+from tests.infra.stack.helpers import BIN, stack_config
 
 
 def test_user_airflow_tunables_win_but_wiring_does_not(tmp_path: Path) -> None:
     environ = {"AIRFLOW__API__WORKERS": "3", "AIRFLOW__API__PORT": "1"}
-    env = airflow_env(str(tmp_path), environ, BIN, stack_config().ports, REPO)
+    env = airflow_env(str(tmp_path), environ, BIN, stack_config().ports)
     assert "AIRFLOW__API__WORKERS" not in env  # the user's value is inherited unchanged
     assert env["AIRFLOW__API__PORT"] != "1"
 
 
 def test_the_embedded_airflow_shares_home_dags_and_venv_but_serves_nothing(tmp_path: Path) -> None:
     environ = {"PATH": "/usr/bin", "MOPFLOW_DAGS_FOLDER": str(tmp_path / "dags")}
-    env = airflow_env(str(tmp_path / "airflow"), environ, BIN, repo=REPO)
-    served = airflow_env(str(tmp_path / "airflow"), environ, BIN, stack_config().ports, REPO)
+    env = airflow_env(str(tmp_path / "airflow"), environ, BIN)
+    served = airflow_env(str(tmp_path / "airflow"), environ, BIN, stack_config().ports)
     assert {k: served[k] for k in env} == env  # the stack's is the embedded one, and more
     assert env["AIRFLOW_HOME"] == str(tmp_path / "airflow")
     assert env["AIRFLOW__CORE__DAGS_FOLDER"] == str(tmp_path / "dags")

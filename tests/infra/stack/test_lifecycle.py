@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.stack.config import StackError, config_from_env
-from infra.stack.lifecycle import down, status, up
-from infra.stack.processes import stop_services
-from infra.stack.state import read_state, stack_dir, state_path, write_state
+from mopflow.infra.stack.config import StackError, config_from_env
+from mopflow.infra.stack.lifecycle import down, status, up
+from mopflow.infra.stack.processes import stop_services
+from mopflow.infra.stack.state import read_state, stack_dir, state_path, write_state
 from tests.infra.stack.helpers import BIN, counter, live_record, sample_state, settings_at, stack_config
 
 

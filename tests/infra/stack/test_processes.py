@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.stack.config import StackError
-from infra.stack.probes import free_port, port_answers, probe_all
-from infra.stack.processes import is_running, spawn, stop_services, wait_healthy
+from mopflow.infra.stack.config import StackError
+from mopflow.infra.stack.probes import free_port, port_answers, probe_all
+from mopflow.infra.stack.processes import is_running, spawn, stop_services, wait_healthy
 from tests.infra.stack.helpers import python_service
 
 # A web server whose child ignores SIGTERM: `stop_services` must still leave nothing behind.
@@ -26,9 +26,7 @@ def test_spawn_probe_and_stop_a_process_group(tmp_path: Path) -> None:
     import psutil
 
     port = free_port()
-    rec = spawn(
-        python_service("web", STUBBORN_SERVER, port, dict(os.environ)), tmp_path / "logs", cwd=tmp_path
-    )
+    rec = spawn(python_service("web", STUBBORN_SERVER, port, dict(os.environ)), tmp_path / "logs")
     try:
         wait_healthy([rec], 60, lambda _: None)
         assert is_running(rec)
@@ -49,18 +47,14 @@ def test_spawn_probe_and_stop_a_process_group(tmp_path: Path) -> None:
 
 def test_a_service_that_dies_at_start_fails_with_its_log(tmp_path: Path) -> None:
     code = "import sys; print('cannot open the backend store', flush=True); sys.exit(3)"
-    rec = spawn(
-        python_service("broken", code, free_port(), dict(os.environ)), tmp_path / "logs", cwd=tmp_path
-    )
+    rec = spawn(python_service("broken", code, free_port(), dict(os.environ)), tmp_path / "logs")
     with pytest.raises(StackError, match="broken exited during start-up(.|\n)*cannot open the backend store"):
         wait_healthy([rec], 60, lambda _: None)
 
 
 def test_health_timeout_names_the_waiting_service(tmp_path: Path) -> None:
     code = "import time; time.sleep(60)"
-    rec = spawn(
-        python_service("sleepy", code, free_port(), dict(os.environ)), tmp_path / "logs", cwd=tmp_path
-    )
+    rec = spawn(python_service("sleepy", code, free_port(), dict(os.environ)), tmp_path / "logs")
     ticks = iter(range(0, 1000, 5))
     try:
         with pytest.raises(StackError, match="not healthy after 10 s: sleepy"):

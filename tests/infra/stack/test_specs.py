@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.stack.auth import prepare_mlflow_auth
-from infra.stack.config import StackError, config_from_env
-from infra.stack.services import SERVICE_ORDER
-from infra.stack.specs import build_specs
+from mopflow.infra.stack.auth import prepare_mlflow_auth
+from mopflow.infra.stack.config import StackError, config_from_env
+from mopflow.infra.stack.services import SERVICE_ORDER
+from mopflow.infra.stack.specs import build_specs
 from tests.infra.stack.helpers import BIN, REPO, counter, settings_at, stack_config
 
 
@@ -20,7 +20,7 @@ def test_services_are_wired_to_one_another(tmp_path: Path) -> None:
     config = stack_config()
     p = config.ports
     environ = {"PATH": "/usr/bin", "MLFLOW_TRACKING_URI": "sqlite:///elsewhere.db", "HOME": "/root"}
-    specs = {s.name: s for s in build_specs(settings_at(home), config, BIN, environ, repo=REPO)}
+    specs = {s.name: s for s in build_specs(settings_at(home), config, BIN, environ)}
     assert list(specs) == list(SERVICE_ORDER)
     airflow = specs["airflow"].env
     assert airflow["MOPFLOW_TRACKING_URI"] == f"http://127.0.0.1:{p.mlflow}"
@@ -28,8 +28,9 @@ def test_services_are_wired_to_one_another(tmp_path: Path) -> None:
     assert airflow["MOPFLOW_HOME"] == str(home.resolve())
     assert airflow["MOPFLOW_OPTUNA_STORAGE"] == str(home.resolve() / "optuna" / "journal.log")
     assert airflow["AIRFLOW_HOME"] == str(home.resolve() / "airflow")
-    assert airflow["AIRFLOW__CORE__DAGS_FOLDER"] == str(REPO / "dags")
-    assert airflow["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(REPO / "plugins")
+    assert airflow["AIRFLOW__CORE__DAGS_FOLDER"] == str(REPO / "dags")  # the package's, through mopflow/dags
+    # not the package's plugins/: the plugin loads through its entry point, and only once
+    assert airflow["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(home.resolve() / "airflow" / "plugins")
     assert airflow["AIRFLOW__CORE__LOAD_EXAMPLES"] == "False"
     assert airflow["AIRFLOW__API__PORT"] == str(p.airflow)
     assert airflow["AIRFLOW__API__BASE_URL"] == f"http://127.0.0.1:{p.airflow}"

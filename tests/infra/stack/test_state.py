@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.stack.config import StackError
-from infra.stack.state import (
+from mopflow.infra.stack.config import StackError
+from mopflow.infra.stack.state import (
     dask_dashboard_url,
     format_status,
     format_up_summary,

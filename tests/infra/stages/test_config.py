@@ -4,7 +4,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from infra.stages.config import CONF_FIELDS, ConfigError, PipelineConfig, conf_json_schema
+from mopflow.infra.stages.config import CONF_FIELDS, ConfigError, PipelineConfig, conf_json_schema
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_volatile_keys_in_the_trigger_form_schema() -> None:
 def test_docs_config_table_is_the_generated_one() -> None:
     from pathlib import Path
 
-    from infra.stages.config import CONF_FIELDS, conf_markdown_table
+    from mopflow.infra.stages.config import CONF_FIELDS, conf_markdown_table
 
     page = Path(__file__).resolve().parents[3] / "docs" / "user-guide" / "configuration.md"
     text = page.read_text()

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from infra import stages
-from infra.settings import Settings
-from infra.stages.context import STAGE_TAG, stage
+from mopflow.infra import stages
+from mopflow.infra.settings import Settings
+from mopflow.infra.stages.context import STAGE_TAG, stage
 
 CONF = {"n_trials": 2, "top_k": 1, "model_name": "ctx"}
 
@@ -61,7 +61,7 @@ def test_a_failing_stage_ends_its_run_and_records_the_root_cause(settings: Setti
 
 
 def test_a_bad_conf_is_refused_before_any_run_opens(settings: Settings) -> None:
-    from infra.stages.config import ConfigError
+    from mopflow.infra.stages.config import ConfigError
 
     ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__ctx_bad", settings)
     with pytest.raises(ConfigError, match="n_trials"), stage("shard", {"n_trials": -1}, ctx, settings):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.stages.config import ConfigError
-from infra.stages.data_events import carried_keys, conf_with_data_events, event_conf, read_conf_file
+from mopflow.infra.stages.config import ConfigError
+from mopflow.infra.stages.data_events import carried_keys, conf_with_data_events, event_conf, read_conf_file
 
 SWEEP = {"dataset": "mnist1d", "num_samples": 1200, "n_shards": 3, "n_trials": 7, "model_name": "sweep"}
 

@@ -19,17 +19,17 @@ import pytest
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-from infra import stages, storage
-from infra.optuna_storage import make_storage
-from infra.settings import Settings
-from infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
-from infra.stages.config import PipelineConfig
+from mopflow.infra import stages, storage
+from mopflow.infra.optuna_storage import make_storage
+from mopflow.infra.settings import Settings
+from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
+from mopflow.infra.stages.config import PipelineConfig
+from mopflow.training.config import SearchConfig
+from mopflow.training.data import ShardIntegrityError, load_manifest
+from mopflow.training.executor_search import run_strategy_search
+from mopflow.training.search import STALE_ATTR
 from tests.infra.stages.confs import SMALL_CONF
 from tests.server_waits import wait_until_answering
-from training.config import SearchConfig
-from training.data import ShardIntegrityError, load_manifest
-from training.executor_search import run_strategy_search
-from training.search import STALE_ATTR
 
 CONF = SMALL_CONF | {"model_name": "faults"}
 
@@ -353,7 +353,7 @@ def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_pat
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 
-    mop_log = logging.getLogger("training.executors.mop")
+    mop_log = logging.getLogger("mopflow.training.executors.mop")
     mop_log.addHandler(watcher)
     level = mop_log.level
     mop_log.setLevel(logging.INFO)

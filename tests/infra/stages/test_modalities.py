@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from infra import stages
-from infra.settings import Settings
-from training.bundle import load_bundle
+from mopflow.infra import stages
+from mopflow.infra.settings import Settings
+from mopflow.training.bundle import load_bundle
 
 IMAGE_SPACE = {
     "families": {

@@ -9,13 +9,13 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from infra import stages
-from infra.optuna_storage import make_storage
-from infra.settings import Settings
-from infra.stages.config import PipelineConfig
+from mopflow.infra import stages
+from mopflow.infra.optuna_storage import make_storage
+from mopflow.infra.settings import Settings
+from mopflow.infra.stages.config import PipelineConfig
+from mopflow.training.search import WARM_START_ATTR
+from mopflow.training.space import params_from_optuna
 from tests.infra.stages.confs import SMALL_CONF
-from training.search import WARM_START_ATTR
-from training.space import params_from_optuna
 
 # "always": the warm-start test below needs a champion, whatever the accuracies
 CONF = SMALL_CONF | {"model_name": "idem", "promotion": "always"}

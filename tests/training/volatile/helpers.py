@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from training.models import ArchSpec
-from training.volatile.growing import GrowingConfig
-from training.volatile.price_trace import PriceTrace
-from training.volatile.prices import UniformPrices
-from training.volatile.spot_plan_model import SpotPlanConfig
-from training.volatile.workers import WorkerSchedule
+from mopflow.training.models import ArchSpec
+from mopflow.training.volatile.growing import GrowingConfig
+from mopflow.training.volatile.price_trace import PriceTrace
+from mopflow.training.volatile.prices import UniformPrices
+from mopflow.training.volatile.spot_plan_model import SpotPlanConfig
+from mopflow.training.volatile.workers import WorkerSchedule
 
 UNIFORM = UniformPrices(low=0.1, high=1.2)
 ARCH = ArchSpec("mlp", {"width": 8, "depth": 1}, 6, 3)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from training.volatile.cost import (
+from mopflow.training.volatile.cost import (
     account_intervals,
     account_parallel_units,
     account_run,
     on_demand_account,
     unit_durations,
 )
-from training.volatile.price_trace import PriceTrace, sample_price_trace
-from training.volatile.prices import PriceError, TraceExhaustedError, UniformPrices, conditional_mean
+from mopflow.training.volatile.price_trace import PriceTrace, sample_price_trace
+from mopflow.training.volatile.prices import PriceError, TraceExhaustedError, UniformPrices, conditional_mean
 
 H = 3600.0
 

@@ -5,6 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mopflow.training.models import ArchSpec, build_model
+from mopflow.training.volatile.cost import account_run
+from mopflow.training.volatile.growing import (
+    GrowingConfig,
+    Volatility,
+    aggregated_gradient,
+    concatenated_gradient,
+    train_growing,
+)
+from mopflow.training.volatile.price_trace import PriceTrace
+from mopflow.training.volatile.prices import SECONDS_PER_HOUR, PriceError, TraceExhaustedError
+from mopflow.training.volatile.workers import WorkerSchedule, schedule_values
 from tests.training.volatile.helpers import (
     ARCH,
     TRACE,
@@ -12,18 +24,6 @@ from tests.training.volatile.helpers import (
     growing_data,
     volatile_growing_config,
 )
-from training.models import ArchSpec, build_model
-from training.volatile.cost import account_run
-from training.volatile.growing import (
-    GrowingConfig,
-    Volatility,
-    aggregated_gradient,
-    concatenated_gradient,
-    train_growing,
-)
-from training.volatile.price_trace import PriceTrace
-from training.volatile.prices import SECONDS_PER_HOUR, PriceError, TraceExhaustedError
-from training.volatile.workers import WorkerSchedule, schedule_values
 
 
 def test_workers_follow_the_schedule_and_worker_iterations_add_up() -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from mopflow.training.volatile.growing import Volatility, train_growing
+from mopflow.training.volatile.growing_report import account_prefix, cost_curve, log_growing_run
+from mopflow.training.volatile.prices import SECONDS_PER_HOUR
 from tests.training.volatile.helpers import ARCH, TRACE, growing_data, volatile_growing_config
-from training.volatile.growing import Volatility, train_growing
-from training.volatile.growing_report import account_prefix, cost_curve, log_growing_run
-from training.volatile.prices import SECONDS_PER_HOUR
 
 
 def test_the_cost_curve_adds_each_slots_price_times_its_active_workers() -> None:
@@ -31,7 +31,7 @@ def test_the_cost_curve_adds_each_slots_price_times_its_active_workers() -> None
 
 @pytest.mark.slow
 def test_the_run_and_its_cost_are_logged_to_a_real_mlflow_store(tmp_path: Path) -> None:
-    from infra.tracking import MlflowTracker
+    from mopflow.infra.tracking import MlflowTracker
 
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "growing", str(tmp_path / "artifacts"))
     run_id = tracker.start_run("growing", {"stage": "growing"})

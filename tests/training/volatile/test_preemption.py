@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 
+from mopflow.training.config import SearchConfig
+from mopflow.training.data import load_manifest
+from mopflow.training.executor_search import run_strategy_search
+from mopflow.training.executors import DataRef, ModelSpec
+from mopflow.training.executors.base import CHECKPOINT_FILE
+from mopflow.training.search import checkpoint_folder
+from mopflow.training.unit_state import global_step
+from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, register_preemption
 from tests.dask_waits import wait_until_executing
 from tests.spaces import fixed_cnn_space
-from training.config import SearchConfig
-from training.data import load_manifest
-from training.executor_search import run_strategy_search
-from training.executors import DataRef, ModelSpec
-from training.executors.base import CHECKPOINT_FILE
-from training.search import checkpoint_folder
-from training.unit_state import global_step
-from training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, register_preemption
 
 CNN_PARAMS = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
 SPACE = fixed_cnn_space(batch_size=32)
@@ -48,7 +48,7 @@ def test_sigterm_checkpoints_mid_epoch_and_the_trial_resumes_there(
     """Fault: the worker training a trial gets SIGTERM (a spot notice) mid-epoch.
     Expected: the trial checkpoints at the next batch, the worker leaves, and the trial resumes
     on the restarted worker from the checkpoint written on the notice, with the full history."""
-    from training.cluster import dask_client
+    from mopflow.training.cluster import dask_client
 
     storage_url, art, epochs = str(tmp_path / "journal.log"), str(tmp_path / "art"), 8
     # batches of 4 through a wide CNN: an epoch is a pass of some 200 slow steps (about a second),
@@ -106,8 +106,8 @@ def test_a_trial_stopped_by_a_notice_resumes_exactly_where_it_stopped(
     epoch. Expected: the epoch hands itself back with its state at that batch (or whole, when the
     notice came on its last batch), and continued from that state the model ends exactly as an
     undisturbed one: every epoch once, the same validation accuracies and epoch losses."""
-    from training.executors.units import train_pass_and_validate
-    from training.volatile import preempt
+    from mopflow.training.executors.units import train_pass_and_validate
+    from mopflow.training.volatile import preempt
 
     data = DataRef(small_manifest)
     shards = sorted(e["name"] for e in load_manifest(small_manifest)["splits"]["train"])
@@ -159,10 +159,10 @@ def test_unit_stopped_by_a_notice_continues_in_the_same_data_order(
     import torch
     from safetensors.torch import load
 
-    from training.executors.units import DataRef, ModelSpec, init_state, train_pass
-    from training.unit_state import partial_meta
-    from training.volatile import preempt
-    from training.volatile.preempt import UnitPreempted
+    from mopflow.training.executors.units import DataRef, ModelSpec, init_state, train_pass
+    from mopflow.training.unit_state import partial_meta
+    from mopflow.training.volatile import preempt
+    from mopflow.training.volatile.preempt import UnitPreempted
 
     data = DataRef(small_manifest)
     shards = sorted(e["name"] for e in load_manifest(small_manifest)["splits"]["train"])[:1]
@@ -228,7 +228,7 @@ def test_lost_spans_and_redone_seconds_from_a_scheduler_story() -> None:
 def test_unit_stopped_by_a_notice_is_its_models_next_unit() -> None:
     """The MOP invariants hold around a notice: the stopped unit goes back to the queue and its
     model runs no other unit before it; a restarted worker takes a partition back."""
-    from training.executors.scheduler import MopScheduler, round_robin
+    from mopflow.training.executors.scheduler import MopScheduler, round_robin
 
     scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0", "w1"]), seed=0)
     scheduler.start_epoch(["a", "b"])

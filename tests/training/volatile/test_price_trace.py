@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from training.volatile.price_trace import (
+from mopflow.training.volatile.price_trace import (
     PriceTrace,
     empirical_prices,
     load_price_trace,
@@ -16,7 +16,7 @@ from training.volatile.price_trace import (
     repeat_trace,
     sample_price_trace,
 )
-from training.volatile.prices import EmpiricalPrices, PriceError, UniformPrices
+from mopflow.training.volatile.prices import EmpiricalPrices, PriceError, UniformPrices
 
 
 def test_csv_trace_with_seconds_and_iso_timestamps(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from training.volatile.prices import GaussianPrices, PriceError, UniformPrices, conditional_mean
+from mopflow.training.volatile.prices import GaussianPrices, PriceError, UniformPrices, conditional_mean
 
 
 def test_uniform_cdf_partial_mean_and_quantile() -> None:

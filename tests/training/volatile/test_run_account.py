@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from mopflow.training.volatile.cost import account_run
+from mopflow.training.volatile.price_trace import PriceTrace
+from mopflow.training.volatile.run_account import RunAccount, log_run_account
 from tests.training.volatile.helpers import RecordingTracker
-from training.volatile.cost import account_run
-from training.volatile.price_trace import PriceTrace
-from training.volatile.run_account import RunAccount, log_run_account
 
 H = 3600.0
 
@@ -47,7 +47,7 @@ def test_log_run_account_logs_cost_times_and_active_workers() -> None:
 
 @pytest.mark.slow
 def test_log_run_account_to_a_real_mlflow(tmp_path: Path) -> None:
-    from infra.tracking import MlflowTracker
+    from mopflow.infra.tracking import MlflowTracker
 
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "cost", str(tmp_path / "artifacts"))
     run_id = tracker.start_run("spot", {"stage": "cost"})

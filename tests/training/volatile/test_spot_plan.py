@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from infra.cli import main
-from tests.training.volatile.helpers import UNIFORM, plan_config
-from training.volatile.cost import account_run
-from training.volatile.price_trace import empirical_prices, sample_price_trace
-from training.volatile.prices import GaussianPrices, UniformPrices
-from training.volatile.spot_plan import best_on_demand, plan_spot, theorem7_workers_iterations
-from training.volatile.spot_plan_model import (
+from mopflow.infra.cli import main
+from mopflow.training.volatile.cost import account_run
+from mopflow.training.volatile.price_trace import empirical_prices, sample_price_trace
+from mopflow.training.volatile.prices import GaussianPrices, UniformPrices
+from mopflow.training.volatile.spot_plan import best_on_demand, plan_spot, theorem7_workers_iterations
+from mopflow.training.volatile.spot_plan_model import (
     ConvergenceModel,
     Plan,
     PlanError,
@@ -24,6 +23,7 @@ from training.volatile.spot_plan_model import (
     evaluate,
     feasible,
 )
+from tests.training.volatile.helpers import UNIFORM, plan_config
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -255,7 +255,7 @@ def test_cli_plan_spot_from_a_trace_and_bad_input(capsys: pytest.CaptureFixture[
 
 def test_cli_plan_spot_as_a_command() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "plan-spot", "--distribution", "gaussian", "--mean", "0.5",
+        [sys.executable, "-m", "mopflow.infra.cli", "plan-spot", "--distribution", "gaussian", "--mean", "0.5",
          "--std", "0.2", "--on-demand-price", "1", "--deadline-hours", "0.5", "--error-target", "0.05"],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from mopflow.training.volatile.prices import UniformPrices
+from mopflow.training.volatile.spot_plan_model import ConvergenceModel, evaluate
 from tests.training.volatile.helpers import plan_config
-from training.volatile.prices import UniformPrices
-from training.volatile.spot_plan_model import ConvergenceModel, evaluate
 
 
 def test_min_iterations_is_the_fewest_that_reach_the_target() -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
+from mopflow.training.volatile.prices import EmpiricalPrices, GaussianPrices
+from mopflow.training.volatile.spot_plan import plan_spot
+from mopflow.training.volatile.spot_plan_model import STRATEGIES
+from mopflow.training.volatile.spot_plan_report import describe_prices, format_report, report_as_dict
 from tests.training.volatile.helpers import plan_config
-from training.volatile.prices import EmpiricalPrices, GaussianPrices
-from training.volatile.spot_plan import plan_spot
-from training.volatile.spot_plan_model import STRATEGIES
-from training.volatile.spot_plan_report import describe_prices, format_report, report_as_dict
 
 
 def test_the_table_lists_every_strategy_and_the_chosen_plan() -> None:

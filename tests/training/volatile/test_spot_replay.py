@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from mopflow.training.config import SearchConfig
+from mopflow.training.volatile.cost import bill_interval
+from mopflow.training.volatile.price_trace import PriceTrace
+from mopflow.training.volatile.prices import PriceError
 from tests.spaces import fixed_cnn_space
-from training.config import SearchConfig
-from training.volatile.cost import bill_interval
-from training.volatile.price_trace import PriceTrace
-from training.volatile.prices import PriceError
 
 SPACE = fixed_cnn_space(batch_size=64)
 
@@ -32,8 +32,8 @@ def test_spot_settings_are_validated_early(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bad_replay_input_fails_before_training(tmp_path: Path, small_manifest: str) -> None:
-    from training.cluster import dask_client
-    from training.executor_search import run_strategy_search
+    from mopflow.training.cluster import dask_client
+    from mopflow.training.executor_search import run_strategy_search
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,oops\n")
@@ -61,10 +61,10 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     back as a new process at a new address; the account bills what really ran."""
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking import MlflowTracker
-    from training.cluster import dask_client
-    from training.executor_search import run_strategy_search
-    from training.volatile.scaling import log_volatile
+    from mopflow.infra.tracking import MlflowTracker
+    from mopflow.training.cluster import dask_client
+    from mopflow.training.executor_search import run_strategy_search
+    from mopflow.training.volatile.scaling import log_volatile
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,0.8\n600,0.3\n100000,0.3\n")
@@ -142,10 +142,10 @@ def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
     import dask
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking import MlflowTracker
-    from training.cluster import dask_client
-    from training.executor_search import run_search_with_executor
-    from training.volatile.scaling import log_volatile
+    from mopflow.infra.tracking import MlflowTracker
+    from mopflow.training.cluster import dask_client
+    from mopflow.training.executor_search import run_search_with_executor
+    from mopflow.training.volatile.scaling import log_volatile
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,0.8\n180,0.3\n100000,0.3\n")

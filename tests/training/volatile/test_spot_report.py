@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from mopflow.training.volatile.run_account import RunAccount
+from mopflow.training.volatile.spot_report import (
+    EventKind,
+    SpotEvent,
+    SpotReport,
+    log_replay,
+    notice_to_exit_seconds,
+)
 from tests.training.volatile.helpers import RecordingTracker
-from training.volatile.run_account import RunAccount
-from training.volatile.spot_report import EventKind, SpotEvent, SpotReport, log_replay, notice_to_exit_seconds
 
 
 def event(worker: str, kind: EventKind, wall: float, busy: bool = False) -> SpotEvent:

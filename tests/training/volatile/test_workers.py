@@ -9,7 +9,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from training.volatile.workers import (
+from mopflow.training.volatile.workers import (
     WorkerSchedule,
     saving_vs_static,
     scaled_step_size,

@@ -4,7 +4,7 @@ Installing this package (``pip install examples/custom_family``) registers the f
 through the ``mopflow.models`` entry point; a search space, a trigger conf or
 ``student_family`` can then name it. The family brings its own module and its own parameters
 (``channels``, ``levels``, ``kernel``, ``dropout``); mopflow only sees the
-:class:`~training.families.ModelFamily` below.
+:class:`mopflow.ModelFamily` below.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.families import DataSpec, ModelFamily
+from mopflow import DataSpec, ModelFamily
 
 
 class CausalBlock(nn.Module):

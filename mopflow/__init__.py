@@ -1,0 +1,19 @@
+"""mopflow: Airflow-orchestrated model selection, ensembling and distillation with Dask, Optuna,
+Lightning and MLflow.
+
+The package's parts are ``mopflow.training`` (the training core), ``mopflow.compression``
+(ensembles, distillation, registry), ``mopflow.infra`` (settings, stages, the ``mopflow``
+command), ``mopflow.dags`` (the Airflow DAG files) and ``mopflow.plugins`` (the Airflow plugin).
+
+A model-family plugin needs only what this module exports::
+
+    from mopflow import DataSpec, ModelFamily
+"""
+
+from __future__ import annotations
+
+from mopflow.training.families import DataSpec, ModelFamily
+
+__version__ = "0.2.0"
+
+__all__ = ["DataSpec", "ModelFamily", "__version__"]

@@ -1,0 +1,252 @@
+"""The wheel, installed the way a user installs it: built from the checkout, installed into a fresh
+virtual environment, and run from a folder outside the checkout.
+
+The fresh environment sees the project's venv's libraries (the lock's versions) through a path
+file, all but the checkout's editable mopflow, so only the wheel's ``mopflow`` is there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RUN = {
+    "num_samples": 600,
+    "n_shards": 2,
+    "n_trials": 2,
+    "epochs": 1,
+    "min_resource": 1,
+    "top_k": 2,
+    "distill_epochs": 1,
+    "model_name": "wheel",
+    "max_gap_to_ensemble": 100,
+}
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The wheel built from the checkout, installed in a fresh venv; a work folder outside both."""
+    root = tmp_path_factory.mktemp("wheel")
+    dist = root / "dist"
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(dist),
+            ".",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
+    (wheel,) = dist.glob("mopflow-*.whl")
+    env_dir = root / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    # The lock's libraries, after the venv's own site-packages (a plain path: no .pth runs from it),
+    # without the checkout's editable mopflow (its dist-info would register a second plugin).
+    libraries = root / "libraries"
+    libraries.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(("mopflow", "__editable__")):
+            (libraries / entry.name).symlink_to(entry)
+    (site / "project_libraries.pth").write_text(f"{libraries}\n")
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
+    work = root / "work"
+    work.mkdir()
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_", "PYTHON"))
+    }
+    env |= {
+        "MOPFLOW_HOME": str(root / "home"),
+        "MOPFLOW_RETRY_DELAY_S": "1",
+        "PATH": f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        "AIRFLOW_HOME": str(root / "airflow-of-the-user"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    }
+    return {"wheel": wheel, "python": python, "bin": env_dir / "bin", "work": work, "env": env, "root": root}
+
+
+def _run(installed: dict[str, Any], *argv: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(argv),
+        cwd=installed["work"],
+        env=installed["env"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _python(installed: dict[str, Any], code: str) -> subprocess.CompletedProcess[str]:
+    return _run(installed, str(installed["python"]), "-c", code)
+
+
+def test_the_wheel_holds_one_namespace_with_the_dags_and_the_plugin(installed: dict[str, Any]) -> None:
+    names = zipfile.ZipFile(installed["wheel"]).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert tops == {"mopflow", installed["wheel"].name.split("-py")[0] + ".dist-info"}, tops
+    for packaged in (
+        "mopflow/dags/retrain.py",
+        "mopflow/dags/sweep.py",
+        "mopflow/dags/promote.py",
+        "mopflow/dags/.airflowignore",
+        "mopflow/plugins/mopflow_plugin.py",
+        "mopflow/training/spaces/default.json",
+        "mopflow/infra/configs/demo.yaml",
+        "mopflow/py.typed",
+    ):
+        assert packaged in names, packaged
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(installed["wheel"]).read(entry_points).decode()
+    assert "[airflow.plugins]" in text and "[apache_airflow_provider]" in text
+
+
+def test_only_mopflow_is_importable_from_the_install(installed: dict[str, Any]) -> None:
+    code = """
+import importlib, json, mopflow
+from mopflow import DataSpec, ModelFamily
+found = {}
+for name in ("training", "infra", "compression", "dags", "plugins"):
+    try:
+        importlib.import_module(name)
+        found[name] = True
+    except ImportError:
+        found[name] = False
+print(json.dumps({"file": mopflow.__file__, "version": mopflow.__version__, "generic": found}))
+"""
+    proc = _python(installed, code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["file"].startswith(str(installed["root"] / "venv")), seen[
+        "file"
+    ]  # the wheel's, not the checkout's
+    assert seen["version"] == installed["wheel"].name.split("-")[1]
+    assert seen["generic"] == dict.fromkeys(("training", "infra", "compression", "dags", "plugins"), False)
+
+
+def test_airflow_finds_the_plugin_the_provider_and_the_packaged_dags(installed: dict[str, Any]) -> None:
+    folder = installed["root"] / "user-dags"
+    folder.mkdir()
+    wrote = _run(installed, str(installed["bin"] / "mopflow"), "dags", "install", str(folder))
+    assert wrote.returncode == 0, wrote.stderr[-3000:]
+    code = f"""
+import json
+from airflow import plugins_manager
+from airflow.providers_manager import ProvidersManager
+from airflow.dag_processing.dagbag import DagBag
+plugins, errors = plugins_manager._get_plugins()
+bag = DagBag(dag_folder={str(folder)!r})
+print(json.dumps({{
+    "plugins": [[p.name, str(p.source)] for p in plugins], "plugin_errors": errors,
+    "provider": "mopflow" in ProvidersManager().providers,
+    "dags": sorted(bag.dag_ids), "dag_errors": bag.import_errors,
+    "fileloc": sorted({{d.fileloc for d in bag.dags.values()}}),
+}}))
+"""
+    proc = _python(installed, code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["plugin_errors"] == {}
+    assert [name for name, _ in seen["plugins"]] == ["mopflow"]
+    assert "mopflow" in seen["plugins"][0][1]  # its source is the entry point, not a plugins folder
+    assert seen["provider"] is True
+    assert seen["dags"] == ["mopflow_promote", "mopflow_retrain", "mopflow_sweep"]
+    assert seen["dag_errors"] == {}
+    assert seen["fileloc"] == [
+        str(folder / "mopflow_dags.py")
+    ]  # the tasks find their DAG in the user's folder
+
+
+@pytest.mark.slow
+def test_mopflow_run_from_outside_the_checkout_registers_a_model(installed: dict[str, Any]) -> None:
+    config = installed["work"] / "tiny.json"
+    config.write_text(json.dumps(TINY_RUN))
+    summary = installed["work"] / "summary.json"
+    proc = _run(
+        installed,
+        str(installed["bin"] / "mopflow"),
+        "run",
+        "--config",
+        str(config),
+        "--summary-json",
+        str(summary),
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    registered = json.loads(summary.read_text())["registered"]
+    assert registered["name"] == "wheel-student" and int(registered["version"]) >= 1
+    assert str(REPO) not in json.loads(summary.read_text()).get("log_file", "")
+
+
+def test_a_missing_dags_folder_is_one_line_and_exit_2(installed: dict[str, Any]) -> None:
+    missing = installed["root"] / "no-such-dags"
+    installed_env = installed["env"] | {"MOPFLOW_DAGS_FOLDER": str(missing)}
+    proc = subprocess.run(
+        [str(installed["bin"] / "mopflow"), "run"],
+        cwd=installed["work"],
+        env=installed_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"mopflow: DAGs folder '{missing}' (MOPFLOW_DAGS_FOLDER) does not exist or is not a folder"
+    )
+
+
+def test_an_airflow_that_cannot_load_the_plugin_is_one_line_and_exit_2(installed: dict[str, Any]) -> None:
+    broken = installed["root"] / "broken-airflow"
+    (broken / "airflow").mkdir(parents=True)
+    (broken / "airflow" / "__init__.py").write_text('raise ImportError("this Airflow is broken")\n')
+    folder = installed["root"] / "dags-of-a-broken-airflow"
+    folder.mkdir()
+    proc = subprocess.run(
+        [str(installed["bin"] / "mopflow"), "dags", "install", str(folder)],
+        cwd=installed["work"],
+        env=installed["env"] | {"PYTHONPATH": str(broken)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "mopflow: Airflow cannot load mopflow's plugin mopflow.plugins.mopflow_plugin:MopflowPlugin: "
+        "ImportError: this Airflow is broken"
+    )
+    assert not (folder / "mopflow_dags.py").exists()  # nothing written for an Airflow that cannot use it
