@@ -116,7 +116,11 @@ print(json.dumps({"errors": errors, "prefixes": [a["url_prefix"] for a in apps],
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "MOPFLOW_MLFLOW_UI_URL": "http://127.0.0.1:15000",
     }
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    # cwd outside the checkout: its mopflow.egg-info (from `pip install -e`) would be a second
+    # distribution with the same plugin entry point
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["errors"] == {}
@@ -215,7 +219,7 @@ def test_no_sweeps_yet() -> None:
 
 def test_an_experiment_without_sweeps_renders_none(store: dict[str, Any]) -> None:
     from mlflow import MlflowClient
-    from sweeps_page import load_sweeps
+    from mopflow.plugins.sweeps_page import load_sweeps
 
     client = MlflowClient(tracking_uri=store["settings"].tracking_uri)
     assert load_sweeps(client, "no-such-experiment") == []
@@ -224,7 +228,7 @@ def test_an_experiment_without_sweeps_renders_none(store: dict[str, Any]) -> Non
 
 
 def test_ui_links_from_settings_and_stack() -> None:
-    from sweeps_page import ui_links
+    from mopflow.plugins.sweeps_page import ui_links
 
     assert ui_links({}).mlflow_ui == "http://127.0.0.1:5000"
     assert ui_links({}).optuna_dashboard == "http://127.0.0.1:8081"

@@ -277,7 +277,11 @@ print(json.dumps({"errors": errors, "n": len(guard), "limit": guard[0]["kwargs"]
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__MOPFLOW__MAX_CONF_BYTES": "65536",
     }
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    # cwd outside the checkout: its mopflow.egg-info (from `pip install -e`) would be a second
+    # distribution with the same plugin entry point
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found == {"errors": {}, "n": 1, "limit": 65536, "class": "TriggerGuard"}
