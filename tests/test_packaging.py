@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,6 +21,16 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE_SOURCES = (
+    "pyproject.toml",
+    "README.md",
+    "mopflow",
+    "training",
+    "compression",
+    "infra",
+    "dags",
+    "plugins",
+)
 TINY_RUN = {
     "num_samples": 600,
     "n_shards": 2,
@@ -37,6 +48,16 @@ TINY_RUN = {
 def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The wheel built from the checkout, installed in a fresh venv; a work folder outside both."""
     root = tmp_path_factory.mktemp("wheel")
+    # A copy of what the wheel is built from: no leftovers of an earlier build (build/) get in.
+    source = root / "source"
+    source.mkdir()
+    for name in PACKAGE_SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(
+                REPO / name, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        else:
+            shutil.copy2(REPO / name, source / name)
     dist = root / "dist"
     build = subprocess.run(
         [
@@ -51,7 +72,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             str(dist),
             ".",
         ],
-        cwd=REPO,
+        cwd=source,
         capture_output=True,
         text=True,
         timeout=300,

@@ -219,6 +219,7 @@ def test_no_sweeps_yet() -> None:
 
 def test_an_experiment_without_sweeps_renders_none(store: dict[str, Any]) -> None:
     from mlflow import MlflowClient
+
     from mopflow.plugins.sweeps_page import load_sweeps
 
     client = MlflowClient(tracking_uri=store["settings"].tracking_uri)
