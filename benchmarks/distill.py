@@ -4,7 +4,7 @@ What is measured
 ----------------
 1. Data. Default MNIST-1D (``DataConfig()``: 5000 generated samples, seed 42, 4 training shards)
    is sharded into a temporary data root with ``mopflow.training.data.shard_dataset`` on a 2-worker Dask
-   ``LocalCluster`` (``mopflow.training.cluster.dask_client("", 2)``).
+   ``LocalCluster`` (``mopflow.training.compute.cluster.dask_client("", 2)``).
 2. Teacher. ``--members`` CNN ensemble members (default 4) with fixed, known-good configurations
    (two architectures, two seeds each; see ``MEMBER_CONFIGS``) are trained for ``--epochs``
    epochs (default 80) by ``mopflow.training.executors.task.TaskExecutor`` on the Dask workers (an epoch
@@ -16,10 +16,10 @@ What is measured
    defaults otherwise: T, alpha, MUNGE multiplier, lr, batch size). The teacher is the ensemble
    in the form ``mopflow.compression.ensemble.faster_form`` picks (member loop or ``StackedEnsemble``,
    whichever is faster here, as in the pipeline). The transfer set is built as in the pipeline
-   (``mopflow.compression.distill.transfer_set``: the training split plus ``munge_multiplier`` MUNGE
+   (``mopflow.compression.distill.distill.transfer_set``: the training split plus ``munge_multiplier`` MUNGE
    points per example labelled by the teacher). For each of ``--seeds`` seeds (default 1) the
    same student architecture is trained twice, in this process (one torch thread), with
-   ``mopflow.compression.distill.train_student``: (a) distilled on the transfer set (soft targets at T
+   ``mopflow.compression.distill.distill.train_student``: (a) distilled on the transfer set (soft targets at T
    with weight alpha plus hard labels), and (b) on the real training rows with hard labels
    alone (``teacher=None``) for ``matching_epochs`` epochs: as many optimizer steps, hence the
    same one-cycle schedule, as (a). Both use the manifest's normalisation. Each distilled
@@ -89,7 +89,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mopflow.compression.config import DistillConfig  # noqa: E402
-from mopflow.compression.distill import (  # noqa: E402
+from mopflow.compression.distill.distill import (  # noqa: E402
     StudentPlan,
     matching_epochs,
     plan_student,
@@ -98,13 +98,13 @@ from mopflow.compression.distill import (  # noqa: E402
 )
 from mopflow.compression.ensemble import Candidate, build_ensemble, faster_form  # noqa: E402
 from mopflow.compression.evaluate import format_table, latency_ms, quantize_static_int8, serialized_bytes  # noqa: E402
-from mopflow.training.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
-from mopflow.training.bundle import accuracy as student_accuracy  # noqa: E402
-from mopflow.training.cluster import dask_client  # noqa: E402
+from mopflow.training.compute.cluster import dask_client  # noqa: E402
 from mopflow.training.config import DataConfig  # noqa: E402
 from mopflow.training.data import load_manifest, load_split, shard_dataset  # noqa: E402
-from mopflow.training.families import DataSpec  # noqa: E402
-from mopflow.training.trial import TrialResult  # noqa: E402
+from mopflow.training.models.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
+from mopflow.training.models.bundle import accuracy as student_accuracy  # noqa: E402
+from mopflow.training.models.families import DataSpec  # noqa: E402
+from mopflow.training.search.trial import TrialResult  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "distill.json"
 N_DASK_WORKERS = 2
@@ -181,7 +181,7 @@ def train_members(settings: Settings, data_root: str) -> tuple[str, list[TrialRe
     from mopflow.training.executors import DataRef, ModelSpec
     from mopflow.training.executors.task import TaskExecutor
     from mopflow.training.executors.units import state_to_bundle
-    from mopflow.training.models import ArchSpec, count_params
+    from mopflow.training.models.builtin import ArchSpec, count_params
 
     with dask_client("", N_DASK_WORKERS) as client:
         started = time.monotonic()

@@ -6,10 +6,10 @@ Small models are where a framework's overhead shows, so both loops train the sam
 ``build_model(ArchSpec("cnn", {"width": 16, "depth": 3}, 40, 10))`` (seeded, so every run starts from the same
 weights), on the same data: ``--rows`` rows (default 20,000) of MNIST-1D-like random data
 (40 float32 features, 10 classes whose labels come from a fixed random linear teacher), in the
-same batches of 64 (``mopflow.training.batches.Batches`` in the unit's seeded per-epoch order), for
+same batches of 64 (``mopflow.training.trainable.batches.Batches`` in the unit's seeded per-epoch order), for
 ``--epochs`` epochs (default 3), with one torch thread.
 
-* ``lightning``: the product path, ``mopflow.training.unit.TrainableUnit.train_pass`` once per epoch,
+* ``lightning``: the product path, ``mopflow.training.trainable.unit.TrainableUnit.train_pass`` once per epoch,
   as every strategy trains (a Lightning ``Trainer`` per pass with the quiet settings, the
   ``Classifier`` module with AdamW and the per-step one-cycle schedule positioned at the unit's
   global step, the optimizer moments carried between passes; manual optimization, which on one
@@ -65,10 +65,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from mopflow.training.batches import Batches, pass_order  # noqa: E402
-from mopflow.training.models import ArchSpec, build_model  # noqa: E402
-from mopflow.training.trial import quiet_lightning  # noqa: E402
-from mopflow.training.unit import ModelSpec, TrainableUnit  # noqa: E402
+from mopflow.training.models.builtin import ArchSpec, build_model  # noqa: E402
+from mopflow.training.search.trial import quiet_lightning  # noqa: E402
+from mopflow.training.trainable.batches import Batches, pass_order  # noqa: E402
+from mopflow.training.trainable.unit import ModelSpec, TrainableUnit  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "overhead.json"
 ARCH = ArchSpec("cnn", {"width": 16, "depth": 3}, 40, 10)

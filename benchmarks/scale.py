@@ -169,10 +169,10 @@ def big_run(rows: int, work: Path) -> dict[str, Any]:
     code = f"""
 import json, resource, sys
 sys.path.insert(0, {str(REPO_ROOT)!r})
-from mopflow.training.cluster import dask_client
+from mopflow.training.compute.cluster import dask_client
 from mopflow.training.config import DataConfig, SearchConfig
 from mopflow.training.data import shard_dataset
-from mopflow.training.executor_search import run_strategy_search
+from mopflow.training.search.sweep import run_strategy_search
 if __name__ == "__main__":
     with dask_client("", 2) as client:
         manifest = shard_dataset(DataConfig(num_samples={rows}, n_shards=max(2, {rows} // 250_000)),

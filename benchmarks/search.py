@@ -3,7 +3,7 @@
 What is measured
 ----------------
 Each *arm* is a sampler with a pruner, run as a real mopflow search
-(``mopflow.training.executor_search.run_strategy_search``: Optuna in this process, trials training with
+(``mopflow.training.search.sweep.run_strategy_search``: Optuna in this process, trials training with
 Lightning on a Dask LocalCluster of ``--workers`` workers) with the same compute budget
 (``--budget-epochs`` epochs over all trials, the search's ``epoch_budget``; default 720, what 24
 trials of ``--epochs`` 30 epochs train without pruning; at most ``--trials`` trials) over a wide search space (:data:`SPACE`: plain CNNs and MLPs,
@@ -178,9 +178,9 @@ def _client(workers: int) -> Any:
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
     """One search of one arm under one strategy and seed; every epoch report is recorded."""
-    from mopflow.infra import progress
+    from mopflow.infra.base import progress
     from mopflow.training.config import SearchConfig
-    from mopflow.training.executor_search import run_strategy_search
+    from mopflow.training.search.sweep import run_strategy_search
 
     logging.basicConfig(level=logging.WARNING)
     sampler, pruner = ARMS[job["arm"]]
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.summarize is not None:
         return resummarize(args)
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
     from mopflow.training.config import DataConfig
     from mopflow.training.data import shard_dataset
 

@@ -4,7 +4,7 @@ What is measured
 ----------------
 1. Throughput. Generating and sharding ``--rows`` MNIST-1D rows (default 1,000,000;
    ``DataConfig(num_samples=rows, partition_rows=50_000, n_shards=8)``) with Dask on 1 worker and
-   on 2 workers, each on a fresh ``LocalCluster`` (``mopflow.training.cluster.dask_client("", n)``, one
+   on 2 workers, each on a fresh ``LocalCluster`` (``mopflow.training.compute.cluster.dask_client("", n)``, one
    thread per worker process, 127.0.0.1 only) and a fresh temporary ``data_root``. The reference
    is a single-process pandas/numpy baseline without Dask that writes the same shards: it calls
    ``generate_mnist1d_partition`` for each partition in turn (same sizes and seeds as the stage),
@@ -320,7 +320,7 @@ def run_dask(name: str, rows: int, warmup: int = 1) -> RunResult:
     """Shard with ``shard_dataset`` on a fresh LocalCluster of ``WORKERS[name]`` workers;
     ``warmup`` untimed runs first, on the same cluster, each into its own fresh folder (the
     first one's wall time is kept as ``cold_wall_s``)."""
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
     from mopflow.training.data import SPLITS, load_manifest, shard_dataset
 
     n_workers = WORKERS[name]

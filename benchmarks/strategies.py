@@ -171,7 +171,7 @@ def _warm_imports() -> int:
     import torch  # noqa: F401
 
     import mopflow.training.executors.units  # noqa: F401
-    import mopflow.training.lit  # noqa: F401
+    import mopflow.training.trainable.lit  # noqa: F401
 
     return os.getpid()
 
@@ -264,7 +264,7 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
         result["moved_is_estimate"] = False
         result["records"] = _records_summary(executor.records)
     elif name in ("task", "mop"):
-        from mopflow.training.cluster import dask_client
+        from mopflow.training.compute.cluster import dask_client
         from mopflow.training.executors.gantt import idle_fraction
         from mopflow.training.executors.mop import MopExecutor
         from mopflow.training.executors.task import TaskExecutor
@@ -320,8 +320,8 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
             result["idle_fraction_all_records"] = idle_fraction(executor.records)
     elif name == "ddp":
         from mopflow.training.executors.ddp import DDPExecutor
-        from mopflow.training.families import DataSpec
-        from mopflow.training.models import ArchSpec, count_params
+        from mopflow.training.models.builtin import ArchSpec, count_params
+        from mopflow.training.models.families import DataSpec
 
         world = DDP_WORLD_SIZE
         if job.get("device") == "cuda":  # nccl: one rank per GPU
@@ -329,7 +329,7 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
 
             world = max(1, min(DDP_WORLD_SIZE, torch.cuda.device_count()))
         result["world_size"] = world
-        from mopflow.training.cluster import dask_client
+        from mopflow.training.compute.cluster import dask_client
 
         on_gpu = job.get("device") == "cuda"
         with dask_client("", world, accelerator="gpu" if on_gpu else "cpu") as client:
@@ -454,7 +454,7 @@ def launch(name: str, job_path: Path, work: Path, timeout_s: float) -> dict[str,
 
 def shard(settings: Settings, data_root: str) -> tuple[str, dict[str, Any], float]:
     """Shard MNIST-1D once; return the manifest URI, the manifest and the time it took."""
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
     from mopflow.training.config import DataConfig
     from mopflow.training.data import load_manifest, shard_dataset
 

@@ -78,7 +78,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` and ``i
 
 import torch  # noqa: E402
 
-from mopflow.training.models import ArchSpec  # noqa: E402
+from mopflow.training.models.builtin import ArchSpec  # noqa: E402
 from mopflow.training.volatile.growing import GrowingConfig, GrowingResult, Volatility, train_growing  # noqa: E402
 from mopflow.training.volatile.growing_report import account_prefix, cost_curve  # noqa: E402
 from mopflow.training.volatile.price_trace import PriceTrace, sample_price_trace  # noqa: E402

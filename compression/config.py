@@ -73,7 +73,7 @@ class DistillConfig(StageConfig):
     @field_validator("family")
     @classmethod
     def _student_family(cls, value: str) -> str:
-        from mopflow.training.families import FamilyError, registered_families
+        from mopflow.training.models.families import FamilyError, registered_families
 
         if value == "auto":
             return value
@@ -99,7 +99,7 @@ class DistillConfig(StageConfig):
     def student_params(self, size: int | None = None) -> dict[str, Any]:
         """The student's family params: the family's defaults, ``depth`` where it has one, and
         ``size`` (else ``width``) as its size parameter (when given)."""
-        from mopflow.training.families import get_family
+        from mopflow.training.models.families import get_family
 
         family = get_family(self.family)
         params = family.default_params()

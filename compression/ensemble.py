@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mopflow.training.bundle import (
+from mopflow.training.models.builtin import ArchSpec
+from mopflow.training.models.bundle import (
     Bundle,
     ProbabilityEnsemble,
     StackedEnsemble,
@@ -19,8 +20,7 @@ from mopflow.training.bundle import (
     predict_proba,
     save_bundle,
 )
-from mopflow.training.metrics import top1_accuracy
-from mopflow.training.models import ArchSpec
+from mopflow.training.models.metrics import top1_accuracy
 
 
 @dataclass(frozen=True)

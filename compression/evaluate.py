@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mopflow.training.metrics import top1_correct
+from mopflow.training.models.metrics import top1_correct
 
 # Rows per forward pass when measuring accuracy: an ensemble's activations for 4096 rows took
 # about 190 MB more than for 1024 (2 residual CNN members), for 16% less time.

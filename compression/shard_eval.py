@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from mopflow.infra import storage
-from mopflow.infra.storage import canonical_hash
+from mopflow.infra.base import storage
+from mopflow.infra.base.storage import canonical_hash
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ def predict_shard(
     ``out_uri``; an existing file is reused. Returns ``out_uri``."""
     if storage.exists(out_uri, storage_options):
         return out_uri
-    from mopflow.training.bundle import load_bundle, predict_proba
     from mopflow.training.data import load_split
+    from mopflow.training.models.bundle import load_bundle, predict_proba
 
     x, y = load_split(manifest_uri, split, storage_options, shard_names=[shard])
     probs = np.stack(
@@ -89,7 +89,7 @@ def selection_counts(
 ) -> ShardCounts:
     """On a worker: for every candidate of a probability shard, the correct rows and summed log loss
     of the average of the ``chosen`` models (repeats count twice) with that candidate added."""
-    from mopflow.training.metrics import top1_correct
+    from mopflow.training.models.metrics import top1_correct
 
     probs, labels = read_probabilities(uri, storage_options)
     rows = np.arange(len(labels))
@@ -107,7 +107,7 @@ def weighted_counts(
 ) -> ShardCounts:
     """On a worker: the correct rows of each weighting's average of a probability shard's models
     (a weighting names a weight per model; a one-hot weighting is a single model)."""
-    from mopflow.training.metrics import top1_correct
+    from mopflow.training.models.metrics import top1_correct
 
     probs, labels = read_probabilities(uri, storage_options)
     correct = []

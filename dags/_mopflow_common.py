@@ -20,7 +20,7 @@ from typing import Any
 
 from airflow.sdk import Asset, AssetAlias, Param, task
 
-from mopflow.infra.airflow_home import TRAINING_POOL  # created by `mopflow up` / `mopflow run`
+from mopflow.infra.base.settings import TRAINING_POOL  # created by `mopflow up` / `mopflow run`
 from mopflow.infra.stages.config import ADVANCED_SECTION, FORM_KEYS, conf_json_schema
 
 # The sharded dataset: an event means "a sweep sharded data nobody had sharded before".

@@ -12,7 +12,7 @@ A model-family plugin needs only what this module exports::
 
 from __future__ import annotations
 
-from mopflow.training.families import DataSpec, ModelFamily
+from mopflow.training.models.families import DataSpec, ModelFamily
 
 __version__ = "0.2.0"
 

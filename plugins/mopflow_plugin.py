@@ -39,8 +39,8 @@ require_user = _require_user()
 
 
 def _client_and_settings() -> tuple[Any, Any]:
-    from mopflow.infra.settings import Settings
-    from mopflow.infra.tracking import bound_mlflow_retries
+    from mopflow.infra.base.settings import Settings
+    from mopflow.infra.base.tracking import bound_mlflow_retries
 
     bound_mlflow_retries()  # a down tracking server must not hang the page for minutes
     from mlflow import MlflowClient

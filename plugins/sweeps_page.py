@@ -233,7 +233,7 @@ def load_sweeps(
 @functools.lru_cache(maxsize=4)
 def _storage(storage_url: str) -> Any:
     """One storage (one database engine) per URL for the life of the web server process."""
-    from mopflow.infra.optuna_storage import make_storage
+    from mopflow.infra.base.optuna_storage import make_storage
 
     return make_storage(storage_url)
 

@@ -58,7 +58,7 @@ def mopflow_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session")
 def dask_client() -> Iterator[object]:
     """One real LocalCluster (2 worker processes) shared by the tests that need Dask."""
-    from mopflow.training.cluster import dask_client as make_client
+    from mopflow.training.compute.cluster import dask_client as make_client
 
     with make_client("", 2) as client:
         yield client

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mopflow.training.algorithms import PrunerName, SamplerName, StrategyName
-from mopflow.training.space import SearchSpace, default_space, parse_space
+from mopflow.training.search.algorithms import PrunerName, SamplerName, StrategyName
+from mopflow.training.search.space import SearchSpace, default_space, parse_space
 from mopflow.training.volatile.workers import WorkerSchedule
 
 KNOWN_DATASETS = ("mnist1d", "shapes")
@@ -114,21 +114,6 @@ class DataConfig(StageConfig):
             if len(set(value)) != len(value):
                 raise ValueError("feature_columns has duplicates")
         return value
-
-
-def known_data_spec(cfg: DataConfig) -> Any:
-    """The :class:`~mopflow.training.families.DataSpec` of a generated dataset (known before sharding);
-    None for a user's data, whose shape is known once it is read."""
-    from mopflow.training.families import DataSpec
-
-    if cfg.dataset == "mnist1d":
-        return DataSpec(40, 10)  # a table of 40 features (the signal's samples), 10 classes
-    if cfg.dataset == "shapes":
-        from mopflow.training.sources import shapes_data_spec
-
-        shape, classes = shapes_data_spec()
-        return DataSpec(shape[0] * shape[1] * shape[2], classes, shape, "image")
-    return None
 
 
 def is_table_url(value: str) -> bool:

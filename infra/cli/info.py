@@ -12,7 +12,7 @@ from pathlib import Path
 
 def cmd_settings(args: argparse.Namespace) -> int:
     """Print the effective settings and the local stack's knobs with their environment variables."""
-    from mopflow.infra.settings import SETTING_ENV, Settings
+    from mopflow.infra.base.settings import SETTING_ENV, Settings
 
     settings = Settings.from_env().describe()
     for name, (env, help_text) in SETTING_ENV.items():
@@ -38,8 +38,8 @@ def cmd_config_keys(args: argparse.Namespace) -> int:
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     """Run optuna-dashboard on the study storage (until it is stopped)."""
-    from mopflow.infra.optuna_storage import journal_path, make_storage, storage_kind
-    from mopflow.infra.settings import Settings
+    from mopflow.infra.base.optuna_storage import journal_path, make_storage, storage_kind
+    from mopflow.infra.base.settings import Settings
 
     url = Settings.from_env().optuna_storage
     make_storage(url)  # creates an empty journal on a fresh machine (optuna-dashboard needs the file)

@@ -10,15 +10,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mopflow.infra.airflow_home import AirflowSetupError
 from mopflow.infra.cli.airflow_integration import cmd_dags_install, cmd_dags_path
 from mopflow.infra.cli.errors import CliError
 from mopflow.infra.cli.info import cmd_config_keys, cmd_dashboard, cmd_settings
+from mopflow.infra.cli.local_runs import RunEnded
 from mopflow.infra.cli.registry import cmd_promote, cmd_rollback, cmd_serve
 from mopflow.infra.cli.run import cmd_run, cmd_runs
 from mopflow.infra.cli.spot import cmd_plan_spot
 from mopflow.infra.cli.stack_commands import cmd_down, cmd_status, cmd_up
-from mopflow.infra.local_runs import RunEnded
+from mopflow.infra.stack.airflow_home import AirflowSetupError
 
 log = logging.getLogger("mopflow")
 
@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     try:
-        from mopflow.infra.profile import ProfileError, apply_profile
+        from mopflow.infra.stack.profile import ProfileError, apply_profile
 
         try:  # before anything reads settings or imports Airflow
             applied = apply_profile(os.environ, args.profile)

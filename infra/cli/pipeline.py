@@ -14,10 +14,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from mopflow.infra import local_runs
+from mopflow.infra.cli import local_runs
 from mopflow.infra.cli.airflow_integration import checked_dags_folder
 from mopflow.infra.cli.errors import CliError
-from mopflow.infra.local_runs import RunRecord
+from mopflow.infra.cli.local_runs import RunRecord
 
 DAG_ID = "mopflow_retrain"
 
@@ -28,12 +28,12 @@ def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bo
     """Run the retraining DAG once through ``dag.test()`` (the product path) and return its summary.
 
     ``resume`` (a run key, or ``""`` for the latest unfinished run) runs an earlier run again
-    with its conf instead. SIGINT/SIGTERM stop the run (:mod:`mopflow.infra.local_runs`): ``RunStopped``.
+    with its conf instead. SIGINT/SIGTERM stop the run (:mod:`mopflow.infra.cli.local_runs`): ``RunStopped``.
     Unless ``verbose``, the logs go to ``$MOPFLOW_HOME/logs/<run key>.log`` and the terminal
-    shows the run's progress (:mod:`mopflow.infra.progress`).
+    shows the run's progress (:mod:`mopflow.infra.base.progress`).
     """
-    from mopflow.infra import stopping
-    from mopflow.infra.settings import Settings
+    from mopflow.infra.base import stopping
+    from mopflow.infra.base.settings import Settings
 
     settings = Settings.from_env()
     record, run_conf = _run_conf(settings.home, conf, resume)
@@ -74,7 +74,7 @@ def _run_conf(
 def _prepare_airflow(airflow_home: str) -> dict[str, str]:
     """Point this process's embedded Airflow at ``airflow_home`` and migrate its metadata DB
     (idempotent) so that ``dag.test()`` has one; returns Airflow's settings."""
-    from mopflow.infra.airflow_home import migrate_airflow_db
+    from mopflow.infra.stack.airflow_home import migrate_airflow_db
     from mopflow.infra.stack.environment import airflow_env
 
     bin_dir = str(Path(sys.executable).parent)
@@ -121,7 +121,7 @@ def _run_dag(
     """``dag.test()`` with this process owning SIGINT/SIGTERM (``handlers``) and, unless
     ``verbose``, the output in the run's log file and its progress on the terminal. Returns the
     DAG run, or None when a stop came between tasks."""
-    from mopflow.infra import progress, stopping
+    from mopflow.infra.base import progress, stopping
 
     when = datetime.fromisoformat(record.logical_date)
     if not verbose:
@@ -147,7 +147,7 @@ def _finished_summary(
 ) -> dict[str, Any]:
     """Close the record of a finished DAG run: the run's summary when it succeeded, else
     ``RunFailed`` with the failed stage's error (exit code 2 when retrying cannot help)."""
-    from mopflow.infra import storage
+    from mopflow.infra.base import storage
 
     summary_uri = storage.join(settings.artifact_root, "runs", record.run_key, "summary.json")
     if not state.endswith("success") or not storage.exists(summary_uri, settings.storage_options):
@@ -176,7 +176,7 @@ def _stopped(record: RunRecord, home: str, tracking: tuple[str, str]) -> Excepti
     """Close a stopped run: DAG run failed, MLflow runs KILLED, children ended, record stopped."""
     import signal
 
-    from mopflow.infra import stopping
+    from mopflow.infra.base import stopping
 
     signum = stopping.stop_signal() or signal.SIGINT
     fail_dag_run(DAG_ID, record.airflow_run_id)
@@ -244,7 +244,7 @@ def forget_dag_run(dag_id: str, run_id: str) -> None:
 
 def ui_hints(settings: Any, summary: Mapping[str, Any]) -> dict[str, str]:
     """Commands that open the MLflow and Optuna UIs on this run's data."""
-    from mopflow.infra.optuna_storage import journal_path, redact_url, storage_kind
+    from mopflow.infra.base.optuna_storage import journal_path, redact_url, storage_kind
 
     optuna_url = settings.optuna_storage
     optuna_arg = journal_path(optuna_url) if storage_kind(optuna_url) == "journal" else redact_url(optuna_url)

@@ -11,8 +11,8 @@ from mopflow.infra.cli.errors import CliError
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve models:/<model>@champion (MLflow's scoring protocol), reloading when the alias moves."""
-    from mopflow.infra.serve import NoChampion, serve
-    from mopflow.infra.settings import Settings
+    from mopflow.infra.base.settings import Settings
+    from mopflow.infra.stack.serve import NoChampion, serve
 
     if not 0.5 <= args.poll_s <= 3600:
         raise CliError(f"--poll-s {args.poll_s} must be between 0.5 and 3600 seconds")
@@ -39,8 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _registry_client() -> Any:
-    from mopflow.infra.settings import Settings
-    from mopflow.infra.tracking import MlflowTracker
+    from mopflow.infra.base.settings import Settings
+    from mopflow.infra.base.tracking import MlflowTracker
 
     settings = Settings.from_env()
     return MlflowTracker(
@@ -50,7 +50,7 @@ def _registry_client() -> Any:
 
 def _print_registry_change(change: Any, *args: Any) -> int:
     """Run one registry change (promote, rollback) and print what it did; its refusal is a CliError."""
-    from mopflow.compression.registry import RegistryError
+    from mopflow.compression.registry.model_registry import RegistryError
 
     try:
         print(change(_registry_client(), *args))
@@ -61,13 +61,13 @@ def _print_registry_change(change: Any, *args: Any) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """Make a registered model version the champion."""
-    from mopflow.compression.registry import promote
+    from mopflow.compression.registry.model_registry import promote
 
     return _print_registry_change(promote, args.name, str(args.version))
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     """Bring the previous champion back."""
-    from mopflow.compression.registry import rollback
+    from mopflow.compression.registry.model_registry import rollback
 
     return _print_registry_change(rollback, args.name)

@@ -99,8 +99,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     """List the runs `mopflow run` started on this machine, newest first."""
-    from mopflow.infra import local_runs
-    from mopflow.infra.settings import Settings
+    from mopflow.infra.base.settings import Settings
+    from mopflow.infra.cli import local_runs
 
     print(local_runs.format_runs(local_runs.load_records(Settings.from_env().home)))
     return 0

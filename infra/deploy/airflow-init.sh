@@ -12,5 +12,5 @@ fi
 
 airflow db migrate
 # Training tasks (search, distill) of all DAG runs queue on this pool instead of oversubscribing
-# the Dask workers (README: DAGs). Same name as infra/airflow_home.py's TRAINING_POOL.
+# the Dask workers (README: DAGs). Same name as infra/stack/airflow_home.py's TRAINING_POOL.
 airflow pools set mopflow_training "$slots" "mopflow training tasks (search, distill)"

@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from mopflow.infra.airflow_home import TRAINING_POOL, migrate_airflow_db
-from mopflow.infra.optuna_storage import journal_path, storage_kind
-from mopflow.infra.settings import Settings
+from mopflow.infra.base.optuna_storage import journal_path, storage_kind
+from mopflow.infra.base.settings import TRAINING_POOL, Settings
+from mopflow.infra.stack.airflow_home import migrate_airflow_db
 from mopflow.infra.stack.airflow_services import set_training_pool
 from mopflow.infra.stack.auth import MlflowAuth, airflow_password_file, owner_only, prepare_mlflow_auth
 from mopflow.infra.stack.config import StackConfig, StackError
@@ -46,7 +46,7 @@ def create_optuna_tables(url: str) -> None:
     """Create (or upgrade) Optuna's tables in an RDB storage, as any Optuna client would."""
     from optuna.storages import RDBStorage
 
-    from mopflow.infra.optuna_storage import redact_url
+    from mopflow.infra.base.optuna_storage import redact_url
 
     try:
         RDBStorage(url).engine.dispose()

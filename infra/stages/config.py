@@ -22,9 +22,9 @@ from mopflow.training.config import (
     SearchConfig,
     StageConfig,
     format_worker_schedule,
-    known_data_spec,
 )
-from mopflow.training.space import SearchSpace, SpaceError, check_space_fits, parse_space
+from mopflow.training.data.sources.select import known_data_spec
+from mopflow.training.search.space import SearchSpace, SpaceError, check_space_fits, parse_space
 
 MAX_CONF_BYTES = 128 * 1024
 
@@ -131,7 +131,7 @@ def max_member_params(space: SearchSpace, data: Any) -> int:
     every integer of a short range, else both ends)."""
     from itertools import product
 
-    from mopflow.training.models import ArchSpec, count_params  # torch: imported only when validating
+    from mopflow.training.models.builtin import ArchSpec, count_params  # torch: imported only when validating
 
     best = 0
     for family, params in space.families.items():
@@ -178,7 +178,7 @@ class PipelineConfig(BaseModel):
         if data is not None:
             check_space_fits(space, data)
         if data is not None:
-            from mopflow.training.families import get_family
+            from mopflow.training.models.families import get_family
 
             student_family = get_family(self.distill.resolved(data.modality).family)
             if not student_family.fits(data):
@@ -187,7 +187,7 @@ class PipelineConfig(BaseModel):
                     f"the dataset is {data.modality!r}"
                 )
         if self.distill.width is not None and data is not None:
-            from mopflow.training.models import ArchSpec, count_params
+            from mopflow.training.models.builtin import ArchSpec, count_params
 
             distill = self.distill.resolved(data.modality)
             try:

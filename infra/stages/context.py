@@ -1,5 +1,5 @@
 """What every stage shares: the run's identity, and one stage context that parses the config once,
-owns the stage's MLflow run through the :class:`~mopflow.infra.tracking.Tracker`, sets the lineage tags,
+owns the stage's MLflow run through the :class:`~mopflow.infra.base.tracking.Tracker`, sets the lineage tags,
 logs the stage's peak memory, and records the root cause when the stage fails."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from mopflow.infra import progress, storage
-from mopflow.infra.memory import peak_memory_logged
-from mopflow.infra.settings import Settings
+from mopflow.infra.base import progress, storage
+from mopflow.infra.base.settings import Settings
+from mopflow.infra.base.stopping import PipelineStopped, ended_status, raise_if_stopped
+from mopflow.infra.base.tracking import MlflowTracker, Tracker
 from mopflow.infra.stages.config import ConfigError, PipelineConfig
-from mopflow.infra.stopping import PipelineStopped, ended_status, raise_if_stopped
-from mopflow.infra.tracking import MlflowTracker, Tracker
-from mopflow.infra.version import code_version
+from mopflow.infra.stages.memory import peak_memory_logged
+from mopflow.infra.stages.version import code_version
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,10 @@ class PipelineFailed(RuntimeError):
 
 def permanent_errors() -> tuple[type[BaseException], ...]:
     """Errors that a retry cannot fix (bad config, bad data): the task fails at once."""
-    from mopflow.compression.distill import StudentBudgetError
-    from mopflow.infra.optuna_storage import StorageConfigError
+    from mopflow.compression.distill.distill import StudentBudgetError
+    from mopflow.infra.base.optuna_storage import StorageConfigError
     from mopflow.training.data import DataValidationError, ShardIntegrityError
-    from mopflow.training.space import SpaceError
+    from mopflow.training.search.space import SpaceError
 
     return (
         PipelineStopped,

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mopflow.infra.settings import Settings
+from mopflow.infra.base.settings import Settings
 from mopflow.infra.stages.context import Stage, stage
 from mopflow.infra.stages.ensemble import example_input, json_figures
-from mopflow.training.families import DataSpec, get_family
+from mopflow.training.models.families import DataSpec, get_family
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,9 @@ def distill_stage(
     import torch
 
     from mopflow.compression.ensemble import faster_form
-    from mopflow.compression.registry import log_bundle_model
-    from mopflow.training.bundle import load_bundle
+    from mopflow.compression.registry.model_registry import log_bundle_model
     from mopflow.training.data import load_manifest
+    from mopflow.training.models.bundle import load_bundle
 
     lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"])}
     with stage("distill", conf, ctx_dict, settings, lineage) as st:
@@ -116,16 +116,16 @@ def train_students(
     teacher_params: int,
 ) -> Students:
     """Plan the student within its budget, make the transfer set with the teacher's soft targets on
-    the workers (:mod:`mopflow.compression.transfer_shards`), train the student on it and the same student
+    the workers (:mod:`mopflow.compression.distill.transfer_shards`), train the student on it and the same student
     on the real data alone (the baseline) side by side on the workers
-    (:mod:`mopflow.compression.student_job`), and quantize it."""
-    from mopflow.compression.distill import matching_epochs, plan_student
+    (:mod:`mopflow.compression.distill.student_job`), and quantize it."""
+    from mopflow.compression.distill.distill import matching_epochs, plan_student
+    from mopflow.compression.distill.student_job import StudentJob, train_students_on_workers
+    from mopflow.compression.distill.transfer_shards import build_transfer_set, calibration_rows
     from mopflow.compression.evaluate import quantize_int8, quantize_static_int8
-    from mopflow.compression.student_job import StudentJob, train_students_on_workers
-    from mopflow.compression.transfer_shards import build_transfer_set, calibration_rows
-    from mopflow.training.bundle import StackedEnsemble
-    from mopflow.training.cluster import dask_client
-    from mopflow.training.devices import device_for_cluster
+    from mopflow.training.compute.cluster import dask_client
+    from mopflow.training.compute.devices import device_for_cluster
+    from mopflow.training.models.bundle import StackedEnsemble
 
     seed, so, teacher_uri = st.cfg.search.seed, st.storage_options, str(ensemble["bundle_uri"])
     plan = plan_student(dcfg, teacher_params, data)
@@ -194,8 +194,8 @@ def evaluation_report(
     """Every model the pipeline produced on the same test set (read one shard at a time), logged
     as a JSON and Markdown table."""
     from mopflow.compression.evaluate import evaluate, format_table, serialized_bytes
-    from mopflow.training.bundle import ProbabilityEnsemble, load_bundle
     from mopflow.training.data import split_shards
+    from mopflow.training.models.bundle import ProbabilityEnsemble, load_bundle
 
     best = load_bundle(str(ensemble["best_trial_bundle"]), st.storage_options)
     n = students.plan.num_params

@@ -7,9 +7,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mopflow.infra.settings import Settings
+from mopflow.infra.base.settings import Settings
 from mopflow.infra.stages.context import Stage, stage
-from mopflow.training.families import DataSpec
+from mopflow.training.models.families import DataSpec
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,8 @@ def ensemble_stage(
     figures. Predictions and accuracies are computed on the Dask workers shard by shard
     (:mod:`mopflow.compression.shard_eval`); this process holds counts, not the data."""
     from mopflow.compression.ensemble import build_ensemble, save_ensemble
-    from mopflow.compression.registry import log_bundle_model
-    from mopflow.training.cluster import dask_client
+    from mopflow.compression.registry.model_registry import log_bundle_model
+    from mopflow.training.compute.cluster import dask_client
 
     lineage = {
         "mopflow.manifest_hash": str(shard["manifest_hash"]),
@@ -126,10 +126,10 @@ def load_candidates(study_name: str, storage_url: str) -> list[Any]:
     import optuna
 
     from mopflow.compression.ensemble import Candidate
-    from mopflow.infra.optuna_storage import make_storage, quiet_optuna
-    from mopflow.training.search import STALE_ATTR
-    from mopflow.training.space import params_from_optuna
-    from mopflow.training.warm_history import is_learned
+    from mopflow.infra.base.optuna_storage import make_storage, quiet_optuna
+    from mopflow.training.search.space import params_from_optuna
+    from mopflow.training.search.study import STALE_ATTR
+    from mopflow.training.search.warm_history import is_learned
 
     quiet_optuna()
     study = optuna.load_study(study_name=study_name, storage=make_storage(storage_url))

@@ -8,13 +8,13 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from mopflow.infra import storage
-from mopflow.infra.settings import Settings
+from mopflow.infra.base import storage
+from mopflow.infra.base.settings import Settings
 from mopflow.infra.stages.context import Stage, stage
 from mopflow.infra.stages.search import BEST_PARAMS_TAG
 
 if TYPE_CHECKING:
-    from mopflow.compression.registry import PromotionDecision
+    from mopflow.compression.registry.model_registry import PromotionDecision
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def register_stage(
     settings: Settings | None = None,
 ) -> dict[str, Any]:
     """Register both models, apply the promotion gate, and return (and store) the run's summary."""
-    from mopflow.compression.registry import CHALLENGER, CHAMPION, registry_client
+    from mopflow.compression.registry.model_registry import CHALLENGER, CHAMPION, registry_client
 
     lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"])}
     with stage("register", conf, ctx_dict, settings, lineage) as st:
@@ -84,7 +84,7 @@ def _register_versions(
 ) -> dict[str, str]:
     """Register the ensemble and the student with ``version_tags`` (the student with its
     accuracy and the best trial's parameters too); their versions, by ``names``' kinds."""
-    from mopflow.compression.registry import register_version
+    from mopflow.compression.registry.model_registry import register_version
 
     ens_version = register_version(
         client, names["ensemble"], str(ensemble["model_uri"]), run_key, version_tags
@@ -112,7 +112,12 @@ def _promotion(
 ) -> tuple[PromotionDecision, float | None]:
     """Whether ``version`` of the ``student`` model becomes the champion, and the current
     champion's accuracy it was compared with (None: no champion, or this version already is)."""
-    from mopflow.compression.registry import CHAMPION, PromotionDecision, alias_version, decide_promotion
+    from mopflow.compression.registry.model_registry import (
+        CHAMPION,
+        PromotionDecision,
+        alias_version,
+        decide_promotion,
+    )
 
     champion = alias_version(client, student, CHAMPION)
     already = champion is not None and str(champion.version) == version
@@ -135,7 +140,7 @@ def _set_aliases(
 ) -> list[str]:
     """Point the challenger alias (and the champion's, when promoted) of both models at their new
     versions; the aliases set."""
-    from mopflow.compression.registry import CHALLENGER, CHAMPION, set_alias
+    from mopflow.compression.registry.model_registry import CHALLENGER, CHAMPION, set_alias
 
     aliases = [CHALLENGER] + ([CHAMPION] if promote else [])
     for alias in aliases:
@@ -150,9 +155,9 @@ def champion_accuracy(name: str, shard: Mapping[str, Any], st: Stage) -> float:
     import mlflow
     import pandas as pd
 
-    from mopflow.compression.registry import CHAMPION
+    from mopflow.compression.registry.model_registry import CHAMPION
     from mopflow.training.data import load_manifest, load_split
-    from mopflow.training.metrics import top1_correct
+    from mopflow.training.models.metrics import top1_correct
 
     manifest_uri = str(shard["manifest_uri"])
     manifest = load_manifest(manifest_uri, st.storage_options)

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from mopflow.infra import storage
-from mopflow.infra.settings import Settings
+from mopflow.infra.base import storage
+from mopflow.infra.base.settings import Settings
+from mopflow.infra.base.stopping import ended_status, raise_if_stopped
 from mopflow.infra.stages.config import PipelineConfig
 from mopflow.infra.stages.context import (
     STAGE_TAG,
@@ -19,7 +20,6 @@ from mopflow.infra.stages.context import (
     run_tags,
     tracker_for,
 )
-from mopflow.infra.stopping import ended_status, raise_if_stopped
 
 log = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mopflow.infra.optuna_storage import redact_url
-from mopflow.infra.settings import Settings
+from mopflow.infra.base.optuna_storage import redact_url
+from mopflow.infra.base.settings import Settings
+from mopflow.infra.base.tracking import Tracker
 from mopflow.infra.stages.config import PipelineConfig
 from mopflow.infra.stages.context import STAGE_TAG, RunContext, Stage, stage, study_name_for
-from mopflow.infra.tracking import Tracker
-from mopflow.training.families import DataSpec
+from mopflow.training.models.families import DataSpec
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +23,8 @@ TRIAL_STATES = ("COMPLETE", "PRUNED", "FAIL")
 def champion_warm_start(client: Any, cfg: PipelineConfig) -> Any:
     """The current champion student's best-trial configuration as a warm start, or None when
     there is no champion yet or its version does not record the configuration."""
-    from mopflow.compression.registry import CHAMPION, alias_version
-    from mopflow.training.search import WarmStart
+    from mopflow.compression.registry.model_registry import CHAMPION, alias_version
+    from mopflow.training.search.study import WarmStart
 
     name = f"{cfg.registry.model_name}-student"
     champion = alias_version(client, name, CHAMPION)
@@ -45,11 +45,11 @@ def search_stage(
     settings: Settings | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) the pipeline run's study; returns its name, trial counts and best trial."""
-    from mopflow.compression.registry import registry_client
-    from mopflow.training.cluster import dask_client
+    from mopflow.compression.registry.model_registry import registry_client
+    from mopflow.training.compute.cluster import dask_client
+    from mopflow.training.compute.devices import device_for_cluster
     from mopflow.training.data import load_manifest
-    from mopflow.training.devices import device_for_cluster
-    from mopflow.training.executor_search import run_strategy_search
+    from mopflow.training.search.sweep import run_strategy_search
     from mopflow.training.volatile.scaling import log_volatile
 
     def lineage(cfg: PipelineConfig, run: RunContext) -> dict[str, str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mopflow.infra import storage
-from mopflow.infra.settings import Settings
+from mopflow.infra.base import storage
+from mopflow.infra.base.settings import Settings
 from mopflow.infra.stages.context import stage
 
 
@@ -14,7 +14,7 @@ def shard_stage(
     conf: Mapping[str, Any] | None, ctx_dict: Mapping[str, Any], settings: Settings | None = None
 ) -> dict[str, Any]:
     """Shard the dataset on Dask; returns the manifest URI and hash (reused when unchanged)."""
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
     from mopflow.training.data import shard_dataset
 
     with stage("shard", conf, ctx_dict, settings) as st:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mopflow.training.bundle import save_bundle
 from mopflow.training.data import load_manifest, load_split
-from mopflow.training.models import ArchSpec, build_model
+from mopflow.training.models.builtin import ArchSpec, build_model
+from mopflow.training.models.bundle import save_bundle
 from tests.compression.helpers import fit
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mopflow.compression.augment import mixup_points, random_shift
+from mopflow.compression.distill.augment import mixup_points, random_shift
 
 
 def test_image_shift_moves_pixels_and_brings_in_zeros() -> None:

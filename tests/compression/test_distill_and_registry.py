@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mopflow.compression.config import DistillConfig
-from mopflow.compression.distill import (
+from mopflow.compression.distill.distill import (
     StudentBudgetError,
     matching_epochs,
     plan_student,
@@ -13,11 +13,11 @@ from mopflow.compression.distill import (
     train_student,
     transfer_set,
 )
-from mopflow.compression.registry import decide_promotion
-from mopflow.training.bundle import ProbabilityEnsemble
-from mopflow.training.bundle import accuracy as student_accuracy
-from mopflow.training.families import DataSpec
-from mopflow.training.models import ArchSpec, build_model, count_params
+from mopflow.compression.registry.model_registry import decide_promotion
+from mopflow.training.models.builtin import ArchSpec, build_model, count_params
+from mopflow.training.models.bundle import ProbabilityEnsemble
+from mopflow.training.models.bundle import accuracy as student_accuracy
+from mopflow.training.models.families import DataSpec
 from tests.compression.helpers import fit, separable_blobs
 
 

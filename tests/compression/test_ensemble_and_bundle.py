@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from mopflow.compression.ensemble import Candidate, build_ensemble, select_top_k
-from mopflow.training.bundle import BundleError, ProbabilityEnsemble, load_bundle, predict_proba, save_bundle
-from mopflow.training.models import ArchSpec, build_model
+from mopflow.training.models.builtin import ArchSpec, build_model
+from mopflow.training.models.bundle import (
+    BundleError,
+    ProbabilityEnsemble,
+    load_bundle,
+    predict_proba,
+    save_bundle,
+)
 
 COLUMNS = [f"x{i:03d}" for i in range(40)]
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from mopflow.compression.evaluate import accuracy_of
-from mopflow.training.metrics import top1_accuracy
+from mopflow.training.models.metrics import top1_accuracy
 
 
 def test_accuracy_is_measured_batch_by_batch_and_adds_up() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from mopflow.compression.registry import CHAMPION, RegistryError, promote, rollback, set_alias
+from mopflow.compression.registry.model_registry import CHAMPION, RegistryError, promote, rollback, set_alias
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
+from mopflow.compression.distill.munge import munge, munge_chunks, nearest_neighbours
 from mopflow.compression.ensemble import faster_form, greedy_selection
 from mopflow.compression.evaluate import accuracy_of, evaluate, format_table, quantize_int8
-from mopflow.compression.munge import munge, munge_chunks, nearest_neighbours
-from mopflow.compression.registry import decide_promotion
-from mopflow.training.bundle import ProbabilityEnsemble, StackedEnsemble, predict_proba
-from mopflow.training.models import ArchSpec, build_model
+from mopflow.compression.registry.model_registry import decide_promotion
+from mopflow.training.models.builtin import ArchSpec, build_model
+from mopflow.training.models.bundle import ProbabilityEnsemble, StackedEnsemble, predict_proba
 from tests.compression.helpers import fit, separable_blobs
 
 
@@ -101,7 +101,7 @@ def test_tree_neighbours_match_brute_force_and_respect_classes_and_duplicates() 
 
 
 def test_large_groups_are_searched_in_bounded_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import mopflow.compression.munge as munge_module
+    import mopflow.compression.distill.munge as munge_module
 
     x = np.random.default_rng(1).normal(size=(1000, 3)).astype(np.float32)
     exact = nearest_neighbours(x)

@@ -12,9 +12,9 @@ import torch
 
 from mopflow.compression.ensemble import Candidate, build_ensemble, greedy_selection
 from mopflow.compression.shard_eval import ShardEvaluator, read_probabilities
-from mopflow.training.bundle import accuracy, load_bundle, predict_proba, save_bundle
 from mopflow.training.data import load_manifest, load_split
-from mopflow.training.models import ArchSpec, build_model
+from mopflow.training.models.builtin import ArchSpec, build_model
+from mopflow.training.models.bundle import accuracy, load_bundle, predict_proba, save_bundle
 from tests.compression.helpers import fit
 
 SPLIT = "train"  # the split with more than one shard: the counts are added up over shards

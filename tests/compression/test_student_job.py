@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from mopflow.compression.config import DistillConfig
-from mopflow.compression.distill import plan_student
-from mopflow.compression.student_job import StudentJob, train_student_job, train_students_on_workers
-from mopflow.compression.transfer_shards import build_transfer_set
-from mopflow.infra import progress
-from mopflow.training.bundle import load_bundle
+from mopflow.compression.distill.distill import plan_student
+from mopflow.compression.distill.student_job import StudentJob, train_student_job, train_students_on_workers
+from mopflow.compression.distill.transfer_shards import build_transfer_set
+from mopflow.infra.base import progress
 from mopflow.training.data import load_manifest, load_split
-from mopflow.training.families import DataSpec
-from mopflow.training.metrics import top1_accuracy
+from mopflow.training.models.bundle import load_bundle
+from mopflow.training.models.families import DataSpec
+from mopflow.training.models.metrics import top1_accuracy
 
 CFG = DistillConfig(epochs=3, munge_multiplier=1, temperature=2.0).resolved("table")
 
@@ -45,7 +45,7 @@ def test_both_students_train_on_the_workers_and_report_every_epoch(
     seen: list[dict[str, Any]] = []
     unsubscribe = progress.subscribe(seen.append)
     try:
-        with caplog.at_level(logging.INFO, logger="mopflow.compression.distill"):
+        with caplog.at_level(logging.INFO, logger="mopflow.compression.distill.distill"):
             soft, hard = train_students_on_workers(dask_client, job, transfer, 5, outputs)
     finally:
         unsubscribe()
@@ -106,7 +106,7 @@ def test_a_student_whose_worker_is_killed_is_trained_again_on_the_restarted_work
 
     import dask
 
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
 
     epochs, events, outcome = 12, [], {}
     first_epoch = threading.Event()

@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from mopflow.compression.config import DistillConfig
-from mopflow.compression.distill import fit_student, plan_student
-from mopflow.compression.transfer_shards import (
+from mopflow.compression.distill.distill import fit_student, plan_student
+from mopflow.compression.distill.transfer_shards import (
     build_transfer_set,
     read_block,
     student_rows,
     train_split_rows,
 )
-from mopflow.training.bundle import load_bundle
 from mopflow.training.data import load_manifest, load_split, split_shards
-from mopflow.training.families import DataSpec
-from mopflow.training.streaming import StreamedRows
+from mopflow.training.data.streaming import StreamedRows
+from mopflow.training.models.bundle import load_bundle
+from mopflow.training.models.families import DataSpec
 
 CFG = DistillConfig(epochs=2, munge_multiplier=2, temperature=2.0).resolved("table")
 
@@ -78,7 +78,7 @@ def test_a_student_learns_from_the_blocks_in_memory_or_streamed(
 
 def test_a_damaged_block_fails_naming_it(tmp_path: Path) -> None:
     from mopflow.training.data import ShardIntegrityError
-    from mopflow.training.streaming import Block
+    from mopflow.training.data.streaming import Block
 
     path = tmp_path / "block-000.npz"
     path.write_bytes(b"not an npz")

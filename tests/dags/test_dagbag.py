@@ -221,7 +221,11 @@ def test_promote_dag_wiring_and_params(dagbag: Any) -> None:
         assert key in str(info.value)
 
 
-WIRING_IMPORTS = {"mopflow.infra.airflow_home", "mopflow.infra.stages.config", "mopflow.dags._mopflow_common"}
+WIRING_IMPORTS = {
+    "mopflow.infra.base.settings",
+    "mopflow.infra.stages.config",
+    "mopflow.dags._mopflow_common",
+}
 
 
 def test_dag_files_only_wire() -> None:
@@ -232,16 +236,16 @@ def test_dag_files_only_wire() -> None:
         for line in module_level:
             module = line.split()[1]
             if module.startswith("mopflow."):
-                # names only (airflow_home imports no library), the config model (pydantic only),
+                # names only (settings imports no library), the config model (pydantic only),
                 # and the shared wiring
                 assert module in WIRING_IMPORTS, (name, line)
                 continue
             assert module.split(".")[0] not in {"torch", "optuna", "mlflow", "dask"}, (name, line)
-    shared = (REPO / "infra" / "airflow_home.py").read_text()
+    shared = (REPO / "infra" / "base" / "settings.py").read_text()
     imported = {
         line.split()[1].split(".")[0] for line in shared.splitlines() if line.startswith(("import ", "from "))
     }
-    assert imported <= {"__future__", "logging", "os", "subprocess", "sys", "collections", "pathlib"}, (
+    assert imported <= {"__future__", "json", "os", "collections", "dataclasses", "pathlib", "typing"}, (
         imported
     )
     probe = "import json, sys, mopflow.infra.stages.config; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"

@@ -68,7 +68,7 @@ def test_images_go_through_every_stage(images_run: tuple[Path, dict]) -> None:
 @pytest.mark.slow
 def test_served_image_model_answers_a_tensor_payload(images_run: tuple[Path, dict]) -> None:
     home, _ = images_run
-    from mopflow.training.sources import generate_shapes
+    from mopflow.training.data.sources.arrays import generate_shapes
 
     x, _ = generate_shapes(3, seed=7)
     with served(home, "models:/e2e-images-student@champion") as url:

@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 
 from mopflow.infra import stack
-from mopflow.infra.profile import apply_profile, read_profile
-from mopflow.infra.settings import Settings
+from mopflow.infra.base.settings import Settings
 from mopflow.infra.stack import free_port
+from mopflow.infra.stack.profile import apply_profile, read_profile
 from tests.conftest import PG, pg_admin_sql, require_service
 from tests.rest import request_json
 

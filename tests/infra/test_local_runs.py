@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mopflow.infra import local_runs, stopping
-from mopflow.infra.cli import CliError
+from mopflow.infra.base import stopping
+from mopflow.infra.cli import CliError, local_runs
 from tests.dags.test_end_to_end import REPO, _env
 
 STOP_BOUND_S = 30.0
@@ -69,7 +69,7 @@ def _stop(proc: subprocess.Popen[str], signum: int) -> tuple[int, float, list[in
 
 
 def _mlflow_runs(home: Path, run_key: str) -> dict[str, tuple[str, str]]:
-    from mopflow.infra.tracking import MlflowTracker
+    from mopflow.infra.base.tracking import MlflowTracker
 
     tracker = MlflowTracker(f"sqlite:///{home / 'mlflow' / 'mlflow.db'}", "mopflow")
     return {
@@ -146,7 +146,7 @@ def test_sigint_mid_search_stops_cleanly_and_resume_finishes_the_same_study(tmp_
     assert summary["registered"]["version"] == "1" and _record(home).state == "succeeded"
     import optuna
 
-    from mopflow.infra.optuna_storage import make_storage
+    from mopflow.infra.base.optuna_storage import make_storage
 
     study = optuna.load_study(
         study_name=summary["optuna"]["study_name"], storage=make_storage(str(home / "optuna" / "journal.log"))

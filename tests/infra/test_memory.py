@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from mopflow.infra.memory import MB, PeakMemory, measured_stage
+from mopflow.infra.stages.memory import MB, PeakMemory, measured_stage
 
 
 def _hold(megabytes: int) -> int:
@@ -33,11 +33,11 @@ def test_a_stage_logs_its_peak_even_when_it_fails(caplog: pytest.LogCaptureFixtu
             raise ValueError("bad")
         return _hold(megabytes)
 
-    with caplog.at_level(logging.INFO, logger="mopflow.infra.memory"):
+    with caplog.at_level(logging.INFO, logger="mopflow.infra.stages.memory"):
         assert stage(100) == 100 * MB // 4096
         with pytest.raises(ValueError):
             stage(-1)
-    lines = [r.getMessage() for r in caplog.records if r.name == "mopflow.infra.memory"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "mopflow.infra.stages.memory"]
     assert len(lines) == 2 and all(line.startswith("probe: peak resident memory") for line in lines)
     peak_mb = float(lines[0].split("process ")[1].split(" MB")[0])
     start_mb = float(lines[0].split("(")[1].split(" MB")[0])

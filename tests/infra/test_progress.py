@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import io
 
-from mopflow.infra import progress
-from mopflow.infra.progress import ProgressView, RunProgress
+from mopflow.infra.base import progress
+from mopflow.infra.base.progress import ProgressView, RunProgress
 
 
 def test_progress_follows_stages_trials_and_epochs() -> None:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from mopflow.infra.profile import apply_profile, parse_profile, read_profile
 from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
+from mopflow.infra.stack.profile import apply_profile, parse_profile, read_profile
 from tests.conftest import PG, pg_admin_sql, require_service
 from tests.dags.test_end_to_end import TINY
 
@@ -52,7 +52,7 @@ def test_scale_out_profile_moves_every_part_and_the_environment_wins() -> None:
 
 
 def test_bad_profiles_are_refused_with_the_name_or_line() -> None:
-    from mopflow.infra.profile import ProfileError
+    from mopflow.infra.stack.profile import ProfileError
 
     with pytest.raises(ProfileError, match="unknown profile 'cloud'"):
         apply_profile({"MOPFLOW_PROFILE": "cloud"})
@@ -270,7 +270,7 @@ def test_pipeline_in_the_scale_out_profile_has_the_embedded_outcomes(scale_out: 
     from mlflow import MlflowClient
     from optuna.trial import TrialState
 
-    from mopflow.infra.optuna_storage import make_storage
+    from mopflow.infra.base.optuna_storage import make_storage
 
     summary, env = scale_out["summary"], scale_out["env"]
     # Registry: the student is registered and is the champion, as in the embedded run.

@@ -31,9 +31,9 @@ def _register_two_versions(home: Path) -> str:
     import mlflow
     from mlflow import MlflowClient
 
-    from mopflow.compression.registry import log_bundle_model
-    from mopflow.training.bundle import save_bundle
-    from mopflow.training.models import ArchSpec, build_model
+    from mopflow.compression.registry.model_registry import log_bundle_model
+    from mopflow.training.models.builtin import ArchSpec, build_model
+    from mopflow.training.models.bundle import save_bundle
 
     uri = f"sqlite:///{home / 'mlflow.db'}"
     while mlflow.active_run() is not None:  # a run another test left open in this process
@@ -163,7 +163,7 @@ def test_a_waiting_server_is_up_without_a_champion_and_serves_one_once_it_exists
 
     from mlflow import MlflowClient
 
-    from mopflow.infra.serve import ChampionFollower, make_app
+    from mopflow.infra.stack.serve import ChampionFollower, make_app
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

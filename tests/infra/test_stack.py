@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from mopflow.infra import stack
-from mopflow.infra.airflow_home import TRAINING_POOL
+from mopflow.infra.base.settings import TRAINING_POOL
 from mopflow.infra.stack.processes import is_running
 from tests.rest import request_json
 

@@ -21,7 +21,7 @@ if sys.argv[1] == "configured":
     logging.getLogger().addHandler(Keep())
     logging.getLogger().setLevel(logging.INFO)
 import mlflow  # installs MLflow's own stderr handler
-from mopflow.infra.tracking import route_mlflow_logs_to_root
+from mopflow.infra.base.tracking import route_mlflow_logs_to_root
 routed = route_mlflow_logs_to_root()
 logging.getLogger("mlflow.store.model_registry").info("Registered model 'm'.")
 from mlflow.utils.logging_utils import eprint

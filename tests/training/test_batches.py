@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mopflow.training.batches import Batches, pass_order, rank_share
+from mopflow.training.trainable.batches import Batches, pass_order, rank_share
 
 
 def test_pass_order_is_a_function_of_seed_epoch_and_pass_alone() -> None:

@@ -1,11 +1,11 @@
-"""The LocalCluster that ``mopflow.training.cluster.dask_client`` starts: what its worker processes run with."""
+"""The LocalCluster that ``mopflow.training.compute.cluster.dask_client`` starts: what its worker processes run with."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from mopflow.training.cluster import dask_client
+from mopflow.training.compute.cluster import dask_client
 
 
 def _worker_settings(dask_worker: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from mopflow.infra import storage
+from mopflow.infra.base import storage
 from mopflow.training.config import DataConfig
 from mopflow.training.data import (
     PARQUET_WRITE_OPTIONS,

@@ -40,7 +40,7 @@ def killable_client() -> Iterator[Any]:
     """A cluster of its own (its workers get killed), waiting long enough for a restarted worker."""
     import dask
 
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
 
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"}), dask_client("", 2) as client:
         yield client

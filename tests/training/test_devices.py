@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from mopflow.infra.settings import Settings, SettingsError
-from mopflow.training.cluster import dask_client, local_gpus
-from mopflow.training.devices import (
+from mopflow.infra.base.settings import Settings, SettingsError
+from mopflow.training.compute.cluster import dask_client, local_gpus
+from mopflow.training.compute.devices import (
     CPU,
     DeviceError,
     DeviceSpec,
@@ -129,7 +129,7 @@ def test_gpu_optimizer_state_is_on_the_device_after_a_hop(small_manifest: str) -
 
     from mopflow.training.data import load_manifest
     from mopflow.training.executors.units import init_state, train_pass
-    from mopflow.training.unit import TrainableUnit
+    from mopflow.training.trainable.unit import TrainableUnit
 
     spec = ModelSpec("m", CNN, 0, GPU)
     data = DataRef(small_manifest)
@@ -149,7 +149,7 @@ def test_gpu_optimizer_state_is_on_the_device_after_a_hop(small_manifest: str) -
 @pytest.mark.gpu
 def test_gpu_task_trial_and_mop_sweep(small_manifest: str, tmp_path: Path) -> None:
     from mopflow.training.config import SearchConfig
-    from mopflow.training.executor_search import run_search_with_executor, run_strategy_search
+    from mopflow.training.search.sweep import run_search_with_executor, run_strategy_search
     from tests.spaces import fixed_cnn_space
 
     space = fixed_cnn_space(batch_size=32, lr=0.01)
@@ -198,7 +198,7 @@ def test_gpu_ddp_trial_over_nccl(small_manifest: str) -> None:
 def test_the_student_s_device_resolves_in_its_own_process() -> None:
     import torch
 
-    from mopflow.training.devices import local_device
+    from mopflow.training.compute.devices import local_device
 
     if torch.cuda.is_available():
         assert local_device("auto", "32").accelerator == "gpu"
@@ -214,8 +214,8 @@ def test_gpu_student_trains_on_the_gpu_and_comes_back_on_the_cpu() -> None:
     import numpy as np
 
     from mopflow.compression.config import DistillConfig
-    from mopflow.compression.distill import plan_student, train_student
-    from mopflow.training.families import DataSpec
+    from mopflow.compression.distill.distill import plan_student, train_student
+    from mopflow.training.models.families import DataSpec
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 40)).astype(np.float32)

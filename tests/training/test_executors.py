@@ -240,7 +240,7 @@ def test_packed_state_that_is_a_pickle_is_refused() -> None:
     """A checkpoint replaced by a pickle payload: refused with a clear error, never unpickled."""
     import pickle
 
-    from mopflow.training.unit_state import StateFormatError, read_meta
+    from mopflow.training.trainable.state import StateFormatError, read_meta
 
     class Payload:
         def __reduce__(self) -> tuple[object, tuple[str]]:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from mopflow.training.families import (
+from mopflow.training.models.builtin import ArchSpec, build_model
+from mopflow.training.models.families import (
     DataSpec,
     FamilyError,
     ModelFamily,
@@ -19,8 +20,7 @@ from mopflow.training.families import (
     registered_families,
     reload_families,
 )
-from mopflow.training.models import ArchSpec, build_model
-from mopflow.training.space import SpaceError, parse_space
+from mopflow.training.search.space import SpaceError, parse_space
 
 
 @pytest.fixture()
@@ -30,7 +30,7 @@ def extra_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
         textwrap.dedent(
             """
             from torch import nn
-            from mopflow.training.families import ModelFamily
+            from mopflow.training.models.families import ModelFamily
 
             def build(params, data):
                 return nn.Sequential(nn.Linear(data.input_dim, params["hidden"]), nn.Tanh(),
@@ -125,7 +125,7 @@ def test_bad_registrations_are_refused(tmp_path: Path, monkeypatch: pytest.Monke
         reload_families()
     (tmp_path / "dup_families.py").write_text(
         "from dataclasses import replace\n"
-        "from training.models import CNN_FAMILY\n"
+        "from mopflow.training.models.builtin import CNN_FAMILY\n"
         "MODEL_FAMILIES = [replace(CNN_FAMILY, description='another')]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -8,7 +8,7 @@ from PIL import Image
 
 from mopflow.training.config import DataConfig
 from mopflow.training.data import DataValidationError, load_manifest, load_split, shard_dataset
-from mopflow.training.families import DataSpec
+from mopflow.training.models.families import DataSpec
 
 
 def _write_images(root: Path, per_class: int = 12, size: tuple[int, int] = (8, 6), mode: str = "RGB") -> None:

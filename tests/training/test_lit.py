@@ -7,8 +7,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from mopflow.training.lit import Classifier, quiet_trainer_kwargs
-from mopflow.training.models import ArchSpec, build_model
+from mopflow.training.models.builtin import ArchSpec, build_model
+from mopflow.training.trainable.lit import Classifier, quiet_trainer_kwargs
 
 ARCH = ArchSpec("mlp", {"width": 16, "depth": 1}, 8, 3)
 ROWS, BATCH, EPOCHS = 96, 16, 2
@@ -69,7 +69,7 @@ def test_callback_factories_are_looked_up_once_and_called_for_every_trainer(
     """The entry-point scan runs once per process; each Trainer still gets its own callbacks."""
     from pytorch_lightning.trainer.connectors import callback_connector
 
-    from mopflow.training import lit
+    from mopflow.training.trainable import lit
 
     class Marker(pl.Callback):
         pass

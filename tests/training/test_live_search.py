@@ -10,8 +10,8 @@ import optuna
 import pytest
 
 from mopflow.training.config import SearchConfig
-from mopflow.training.executor_search import run_search_with_executor
-from mopflow.training.space import optuna_params_for
+from mopflow.training.search.space import optuna_params_for
+from mopflow.training.search.sweep import run_search_with_executor
 from tests.spaces import cnn_8x2_space
 
 GOOD_LR, BAD_LR = 0.02, 1e-7  # the bad rate leaves a model at chance (0.1) for every epoch
@@ -66,7 +66,7 @@ def _sweep(cfg: SearchConfig, manifest: str, tmp_path: Path, client: Any, **kw: 
 def test_a_mop_sweep_tells_optuna_each_trial_when_it_finishes(
     small_manifest: str, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mopflow.training.search as search
+    import mopflow.training.search.study as search
 
     spies: list[SpySampler] = []
 
@@ -97,7 +97,7 @@ def test_a_mop_sweep_tells_optuna_each_trial_when_it_finishes(
 
 
 def _enqueue(storage: str, cfg: SearchConfig, lrs: list[float]) -> None:
-    from mopflow.training.search import make_storage
+    from mopflow.training.search.study import make_storage
 
     study = optuna.create_study(study_name="live", storage=make_storage(storage), direction="maximize")
     base = {"family": "cnn", "width": 8, "depth": 2, "batch_size": 16}
@@ -167,7 +167,7 @@ class CoordinatorKilled(RuntimeError):
 def test_a_restarted_mop_coordinator_loses_at_most_the_sub_epochs_in_flight(
     small_manifest: str, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mopflow.training.search_controller import SearchController
+    from mopflow.training.search.controller import SearchController
 
     cfg = SearchConfig(
         n_trials=2, epochs=4, strategy="mop", model_slots=2, space=SPACE, sampler="random", pruner="none"

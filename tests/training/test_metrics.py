@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mopflow.training.metrics import top1_accuracy
+from mopflow.training.models.metrics import top1_accuracy
 
 
 def test_numpy_and_torch_scores_give_the_same_accuracy() -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mnist1d.data import get_dataset_args, get_templates, make_dataset
 
-from mopflow.training.mnist1d_gen import interp_rows, make_mnist1d, templates
+from mopflow.training.data.sources.mnist1d import interp_rows, make_mnist1d, templates
 
 
 def test_templates_are_the_packages() -> None:

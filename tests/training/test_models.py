@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mopflow.training.families import DataSpec
-from mopflow.training.models import ArchSpec, build_model, count_params, largest_size_within
+from mopflow.training.models.builtin import ArchSpec, build_model, count_params, largest_size_within
+from mopflow.training.models.families import DataSpec
 
 
 @pytest.mark.parametrize(("family", "depth"), [("cnn", 2), ("cnn", 4), ("mlp", 1), ("mlp", 3)])

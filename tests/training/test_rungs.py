@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mopflow.training.rungs import Rungs
+from mopflow.training.search.rungs import Rungs
 
 
 def test_rungs_sit_at_min_resource_times_powers_of_the_reduction_factor_below_the_budget() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mopflow.training.executors import DataRef, ModelSpec
-from mopflow.training.schedule import one_cycle, steps_per_epoch
+from mopflow.training.trainable.schedule import one_cycle, steps_per_epoch
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.02, "weight_decay": 0.0, "batch_size": 32}
 

@@ -6,17 +6,17 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from mopflow.infra.optuna_storage import StorageConfigError, make_storage
+from mopflow.infra.base.optuna_storage import StorageConfigError, make_storage
 from mopflow.training.config import SearchConfig
 from mopflow.training.data import load_manifest
-from mopflow.training.executor_search import run_strategy_search
 from mopflow.training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
 from mopflow.training.executors.base import TrainAll
 from mopflow.training.executors.task import TaskExecutor
-from mopflow.training.rungs import PROMOTED_ATTR
-from mopflow.training.search import MODEL_ATTR, STALE_ATTR
-from mopflow.training.space import parse_space, sample_params
-from mopflow.training.trial import TrialResult
+from mopflow.training.search.rungs import PROMOTED_ATTR
+from mopflow.training.search.space import parse_space, sample_params
+from mopflow.training.search.study import MODEL_ATTR, STALE_ATTR
+from mopflow.training.search.sweep import run_strategy_search
+from mopflow.training.search.trial import TrialResult
 from tests.spaces import fixed_cnn_space
 
 TINY_SPACE = {
@@ -85,7 +85,7 @@ def _poison_train_shard(manifest_uri: str, tmp_path: Path) -> str:
 
     import pandas as pd
 
-    from mopflow.infra import storage
+    from mopflow.infra.base import storage
     from mopflow.training.data import manifest_hash
 
     src = Path(manifest_uri).parent
@@ -187,7 +187,7 @@ def test_a_study_learns_from_an_earlier_study_of_the_same_data(
     small_manifest: str, tmp_path: Path, dask_client: object
 ) -> None:
     from mopflow.infra.stages.ensemble import load_candidates
-    from mopflow.training.warm_history import LEARNED_ATTR, WARM_START_ATTR
+    from mopflow.training.search.warm_history import LEARNED_ATTR, WARM_START_ATTR
 
     storage_url = str(tmp_path / "journal.log")
     cfg = SearchConfig(n_trials=2, epochs=1, parallel_trials=2, space=TINY_SPACE, pruner="none")

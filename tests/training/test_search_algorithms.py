@@ -8,10 +8,17 @@ from typing import Any
 import optuna
 import pytest
 
-from mopflow.infra.optuna_storage import make_storage
-from mopflow.training.algorithms import make_pruner
+from mopflow.infra.base.optuna_storage import make_storage
 from mopflow.training.config import SearchConfig
-from mopflow.training.search import (
+from mopflow.training.search.algorithms import make_pruner
+from mopflow.training.search.space import (
+    SpaceError,
+    default_space,
+    optuna_params_for,
+    parse_space,
+    sample_params,
+)
+from mopflow.training.search.study import (
     WARM_START_ATTR,
     WarmStart,
     enqueue_grid,
@@ -20,7 +27,6 @@ from mopflow.training.search import (
     make_sampler,
     warm_start_study,
 )
-from mopflow.training.space import SpaceError, default_space, optuna_params_for, parse_space, sample_params
 from tests.spaces import SMALL_SEARCH_SPACE
 
 SPACE = SMALL_SEARCH_SPACE
@@ -183,9 +189,9 @@ def test_optuna_params_for_names_the_bad_value() -> None:
 
 
 def test_the_registries_are_the_configs_choices_and_each_entry_builds() -> None:
-    from mopflow.training.algorithms import PRUNERS, SAMPLERS
     from mopflow.training.config import SearchConfig
-    from mopflow.training.executor_search import STRATEGY_EXECUTORS
+    from mopflow.training.search.algorithms import PRUNERS, SAMPLERS
+    from mopflow.training.search.sweep import STRATEGY_EXECUTORS
 
     properties = SearchConfig.model_json_schema()["properties"]
     assert set(properties["sampler"]["enum"]) == set(SAMPLERS)

@@ -7,9 +7,9 @@ import time
 import optuna
 import pytest
 
-from mopflow.training.algorithms import make_pruner
 from mopflow.training.config import SearchConfig
-from mopflow.training.search_controller import SearchController
+from mopflow.training.search.algorithms import make_pruner
+from mopflow.training.search.controller import SearchController
 from tests.spaces import SMALL_SEARCH_SPACE
 
 SPACE = SMALL_SEARCH_SPACE
@@ -61,7 +61,7 @@ def test_an_epoch_trained_again_is_reported_to_optuna_once(recwarn: pytest.Warni
 
 
 def test_a_trial_reaching_the_goal_stops_new_trials_and_every_epoch_is_published() -> None:
-    from mopflow.infra import progress
+    from mopflow.infra.base import progress
     from mopflow.training.executors import EpochReport
 
     cfg = SearchConfig(n_trials=20, space=SPACE, pruner="none", goal_val_acc=0.95)
@@ -116,8 +116,8 @@ def test_asha_models_wait_at_a_rung_and_the_best_is_promoted_as_a_new_trial() ->
     """Under ``asha`` a model below the rung's top third stops and waits; once the rung fills, the
     best waiting model is continued by a new trial with its parameters, before any new model."""
     from mopflow.training.executors import EpochReport, ModelOutcome
-    from mopflow.training.rungs import PROMOTED_ATTR
-    from mopflow.training.search import MODEL_ATTR
+    from mopflow.training.search.rungs import PROMOTED_ATTR
+    from mopflow.training.search.study import MODEL_ATTR
 
     cfg = SearchConfig(n_trials=3, space=SPACE, pruner="asha", min_resource=1, epochs=3)
     study = optuna.create_study(direction="maximize")
@@ -160,7 +160,7 @@ def test_a_restarted_coordinator_promotes_the_models_that_waited_before_it() -> 
     """The rungs and the waiting models are rebuilt from the study: a model stopped at a rung
     before the coordinator restarted is promoted once weaker new models fill its rung."""
     from mopflow.training.executors import EpochReport, ModelOutcome
-    from mopflow.training.rungs import PROMOTED_ATTR
+    from mopflow.training.search.rungs import PROMOTED_ATTR
 
     cfg = SearchConfig(n_trials=4, space=SPACE, pruner="asha", min_resource=1, epochs=3)
     study = optuna.create_study(direction="maximize")

@@ -17,11 +17,11 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from mopflow.infra.optuna_storage import make_storage
+from mopflow.infra.base.optuna_storage import make_storage
 from mopflow.training.config import SearchConfig
-from mopflow.training.executor_search import run_strategy_search
 from mopflow.training.executors.base import CHECKPOINT_FILE
-from mopflow.training.search import RESUME_ATTR, checkpoint_folder
+from mopflow.training.search.study import RESUME_ATTR, checkpoint_folder
+from mopflow.training.search.sweep import run_strategy_search
 from tests.dask_waits import wait_until_executing
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def test_a_task_trial_whose_coordinator_died_is_retried_from_its_last_checkpoint
     checkpointed after every epoch) and the task restarts. Expected: the retry resumes the model
     after the last checkpointed epoch, keeps the earlier epochs' history, and only one trial
     counts towards n_trials."""
-    from mopflow.training.search_controller import SearchController
+    from mopflow.training.search.controller import SearchController
 
     storage_url, art, epochs = str(tmp_path / "journal.log"), str(tmp_path / "art"), 6
     cfg = SearchConfig(n_trials=1, epochs=epochs, parallel_trials=1, space=SPACE, pruner="none")
@@ -115,7 +115,7 @@ WORKER = textwrap.dedent(
     """
     import json, sys
     import optuna
-    from mopflow.infra.optuna_storage import make_storage
+    from mopflow.infra.base.optuna_storage import make_storage
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url, worker, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     study = optuna.load_study(study_name="crowd", storage=make_storage(url, writers=4))
@@ -190,7 +190,7 @@ def test_trial_whose_dask_worker_is_killed_resumes_on_the_restarted_worker(
     history."""
     import threading
 
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
 
     storage_url, art, epochs = str(tmp_path / "journal.log"), str(tmp_path / "art"), 30
     cfg = SearchConfig(n_trials=1, epochs=epochs, parallel_trials=1, space=SPACE, pruner="none")

@@ -7,7 +7,7 @@ import pytest
 
 from mopflow.training.config import DataConfig
 from mopflow.training.data import DataValidationError, load_manifest, load_split, shard_dataset
-from mopflow.training.sources import (
+from mopflow.training.data.sources.arrays import (
     SHAPES_CLASSES,
     channel_normalization,
     expand_channels,

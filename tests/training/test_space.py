@@ -6,8 +6,8 @@ import numpy as np
 import optuna
 import pytest
 
-from mopflow.training.families import DataSpec
-from mopflow.training.space import (
+from mopflow.training.models.families import DataSpec
+from mopflow.training.search.space import (
     SpaceError,
     check_space_fits,
     default_space,
@@ -96,8 +96,8 @@ def test_sampled_params_respect_bounds_and_round_trip() -> None:
 
 
 def test_families_that_cannot_take_the_data_are_refused_before_training() -> None:
-    from mopflow.training.families import DataSpec
-    from mopflow.training.space import check_space_fits, default_space
+    from mopflow.training.models.families import DataSpec
+    from mopflow.training.search.space import check_space_fits, default_space
 
     image = DataSpec(3 * 8 * 8, 4, (3, 8, 8), "image")
     with pytest.raises(
@@ -123,8 +123,8 @@ def test_families_that_cannot_take_the_data_are_refused_before_training() -> Non
 
 
 def test_each_modality_s_default_space_offers_the_families_that_fit_it() -> None:
-    from mopflow.training.families import DataSpec, get_family
-    from mopflow.training.space import check_space_fits
+    from mopflow.training.models.families import DataSpec, get_family
+    from mopflow.training.search.space import check_space_fits
 
     shapes = {"table": (40,), "sequence": (20, 2), "image": (3, 16, 16)}
     for modality, shape in shapes.items():

@@ -10,9 +10,7 @@ import pytest
 import torch
 
 from mopflow.training.data import ShardIntegrityError, load_manifest
-from mopflow.training.executors.units import clear_partitions, training_rows
-from mopflow.training.schedule import steps_per_epoch
-from mopflow.training.streaming import (
+from mopflow.training.data.streaming import (
     Block,
     StreamedRows,
     rank_batches,
@@ -20,7 +18,9 @@ from mopflow.training.streaming import (
     stream_rows,
     train_memory_bytes,
 )
-from mopflow.training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
+from mopflow.training.executors.units import clear_partitions, training_rows
+from mopflow.training.trainable.schedule import steps_per_epoch
+from mopflow.training.trainable.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 1e-4, "batch_size": 32}
 

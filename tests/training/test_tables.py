@@ -126,7 +126,7 @@ def test_missing_source_is_named(tmp_path: Path, dask_client: object) -> None:
 
 
 def test_generated_shards_are_identical_on_one_and_two_workers(tmp_path: Path, dask_client: object) -> None:
-    from mopflow.training.cluster import dask_client as make_client
+    from mopflow.training.compute.cluster import dask_client as make_client
 
     cfg = DataConfig(num_samples=3000, partition_rows=1000, n_shards=3)
     two = load_manifest(shard_dataset(cfg, str(tmp_path / "two"), dask_client).manifest_uri)

@@ -11,9 +11,9 @@ from mopflow.training.data import load_manifest
 from mopflow.training.executors.mop import MopExecutor
 from mopflow.training.executors.task import SequentialExecutor, TaskExecutor
 from mopflow.training.executors.units import load_eval_split, load_partition
-from mopflow.training.schedule import steps_per_epoch
-from mopflow.training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
-from mopflow.training.unit_state import StateFormatError
+from mopflow.training.trainable.schedule import steps_per_epoch
+from mopflow.training.trainable.state import StateFormatError
+from mopflow.training.trainable.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 1e-4, "batch_size": 32}
 
@@ -30,7 +30,7 @@ def _assert_same_state(a: bytes, b: bytes) -> None:
     """Weights, moments and global step equal (the caller's metadata may differ)."""
     from safetensors.torch import load
 
-    from mopflow.training.unit_state import global_step
+    from mopflow.training.trainable.state import global_step
 
     ta, tb = load(a), load(b)
     assert sorted(ta) == sorted(tb) and any(k.startswith("opt.") for k in ta)

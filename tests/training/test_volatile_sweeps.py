@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from mopflow.training.config import SearchConfig
-from mopflow.training.executor_search import run_search_with_executor, run_strategy_search
 from mopflow.training.executors.base import CHECKPOINT_FILE
-from mopflow.training.search import SearchOutcome, checkpoint_folder
+from mopflow.training.search.study import SearchOutcome, checkpoint_folder
+from mopflow.training.search.sweep import run_search_with_executor, run_strategy_search
 
 SPACE = {
     "families": {
@@ -42,7 +42,7 @@ def volatile_client() -> Iterator[Any]:
     than that to exit and restart on a loaded 2-core machine, so the test waits longer."""
     import dask
 
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
 
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"}), dask_client("", 2) as client:
         yield client
@@ -121,7 +121,7 @@ def _replay(outcome: SearchOutcome, cfg: SearchConfig, manifest_uri: str) -> dic
     from mopflow.training.executors import DataRef, ModelSpec
     from mopflow.training.executors.mop import partition_rows, partition_shards
     from mopflow.training.executors.units import clear_partitions, init_state, train_pass_and_validate
-    from mopflow.training.schedule import steps_per_epoch
+    from mopflow.training.trainable.schedule import steps_per_epoch
 
     data = DataRef(manifest_uri, {})
     manifest = load_manifest(manifest_uri, {})

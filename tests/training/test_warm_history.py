@@ -8,13 +8,13 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from mopflow.infra.optuna_storage import make_storage
+from mopflow.infra.base.optuna_storage import make_storage
 from mopflow.training.config import SearchConfig
 from mopflow.training.executors import EpochReport, ModelOutcome
-from mopflow.training.search import STALE_ATTR
-from mopflow.training.search_controller import SearchController
-from mopflow.training.space import params_from_optuna, sample_params
-from mopflow.training.warm_history import (
+from mopflow.training.search.controller import SearchController
+from mopflow.training.search.space import params_from_optuna, sample_params
+from mopflow.training.search.study import STALE_ATTR
+from mopflow.training.search.warm_history import (
     LEARNED_ATTR,
     SEARCH_KEY_ATTR,
     WARM_START_ATTR,
@@ -135,7 +135,7 @@ def test_the_rungs_rank_new_models_among_the_copies(tmp_path: Path) -> None:
 
 
 def test_the_champion_s_configuration_is_not_enqueued_twice(tmp_path: Path) -> None:
-    from mopflow.training.search import WarmStart, warm_start_study
+    from mopflow.training.search.study import WarmStart, warm_start_study
 
     storage = make_storage(str(tmp_path / "j.log"))
     earlier = _earlier_study(storage, "monday", KEY, [0.7, 0.9])

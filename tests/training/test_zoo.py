@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from mopflow.training.families import DataSpec, get_family
-from mopflow.training.models import ArchSpec, build_model, count_params, largest_size_within
-from mopflow.training.zoo import RandomShift
+from mopflow.training.models.builtin import ArchSpec, build_model, count_params, largest_size_within
+from mopflow.training.models.families import DataSpec, get_family
+from mopflow.training.models.zoo import RandomShift
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from mopflow.infra import storage
+from mopflow.infra.base import storage
 from mopflow.training.config import DataConfig
 from mopflow.training.data.manifest import LABEL_COLUMN, MANIFEST_NAME, MANIFEST_VERSION, SPLITS, ShardResult
 from mopflow.training.data.partitions import partition_stats, restratify_partition
@@ -34,7 +34,9 @@ from mopflow.training.data.rules import (
     training_shards,
     validate_stats,
 )
-from mopflow.training.data.tables import SourceInfo, describe_source, source_partitions
+from mopflow.training.data.sources.arrays import channel_normalization, expand_channels
+from mopflow.training.data.sources.select import describe_source, source_partitions
+from mopflow.training.data.tables import SourceInfo
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +228,6 @@ def _normalization(mean: list[float], std: list[float], info: SourceInfo) -> dic
     pixel of a channel shares its statistics)."""
     if info.modality != "image":
         return {"mean": mean, "std": std}
-    from mopflow.training.sources import channel_normalization, expand_channels
-
     channel_mean, channel_std = channel_normalization(mean, std, info.input_shape)
     return {
         "mean": expand_channels(channel_mean, info.input_shape),

@@ -1,5 +1,5 @@
-"""Sources of a sharding run: a user's table (its fingerprint, how it is read, its partitions)
-and what is known about a source before sharding (:class:`SourceInfo`)."""
+"""A user's table as a source of a sharding run (its fingerprint, how it is read), and what is
+known about any source before sharding (:class:`SourceInfo`)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mopflow.infra import storage
-from mopflow.training.config import DataConfig
-from mopflow.training.data.partitions import generate_mnist1d_partition, prepare_table_partition
+from mopflow.infra.base import storage
 from mopflow.training.data.rules import (
-    PARTITION_SEED_STRIDE,
     DataValidationError,
-    check_columns,
-    even_chunks,
-    feature_columns,
 )
 
 
@@ -78,76 +72,3 @@ class SourceInfo:
     classes: list[str] | None = None  # class names (image folders)
     detail: Any = None  # what the kind's partitions need (an image listing, .npy headers)
     storage_options: Any = None  # the source's (its partitions read it on the workers)
-
-
-def describe_source(
-    cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any = None
-) -> SourceInfo:
-    """Fingerprint and columns of the source; a user table's columns are validated here, from
-    metadata (images: their headers, read on the workers of ``client``)."""
-    from mopflow.training import source_kinds
-
-    other = source_kinds.describe(cfg, storage_options, client)
-    if other is not None:
-        return other
-    if cfg.dataset == "mnist1d":
-        fingerprint = {
-            "dataset": "mnist1d",
-            "num_samples": cfg.num_samples,
-            "seed": cfg.seed,
-            "partition_rows": cfg.partition_rows,
-            "val_fraction": cfg.val_fraction,
-            "generator": "mnist1d-0.0.2",
-        }
-        return SourceInfo(fingerprint, feature_columns(40), kind="mnist1d")
-    fingerprint = table_fingerprint(cfg.dataset, storage_options)
-    ddf = read_table(cfg.dataset, storage_options)
-    features = check_columns(dict(ddf.dtypes.items()), cfg.label_column, cfg.feature_columns)
-    fingerprint |= {"label": cfg.label_column, "features": features, "seed": cfg.seed}
-    return SourceInfo(fingerprint, features, ddf)
-
-
-def source_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
-    """The source's prepared partitions (the rows stay on the workers): futures, or for
-    MNIST-1D functions ``submit(worker)`` that start generating partition ``i`` on ``worker``
-    (``per_partition_as_done`` hands them out as workers free up)."""
-    from mopflow.training import source_kinds
-
-    if info.kind in source_kinds.KINDS:
-        return source_kinds.partitions(cfg, info, client)
-    if cfg.dataset == "mnist1d":
-        n_parts = max(1, -(-cfg.num_samples // cfg.partition_rows))
-
-        def generator(rows: int, seed: int) -> Any:
-            def submit(worker: str | None) -> Any:
-                return client.submit(
-                    generate_mnist1d_partition,
-                    rows,
-                    seed,
-                    cfg.val_fraction,
-                    pure=False,
-                    workers=None if worker is None else [worker],
-                    allow_other_workers=True,  # loose: a lost worker's partition runs elsewhere
-                )
-
-            return submit
-
-        return [
-            generator(stop - start, cfg.seed + p * PARTITION_SEED_STRIDE)
-            for p, (start, stop) in enumerate(even_chunks(cfg.num_samples, n_parts))
-        ]
-    raw = client.compute(info.table.to_delayed())
-    return [
-        client.submit(
-            prepare_table_partition,
-            part,
-            info.features,
-            cfg.label_column,
-            cfg.val_fraction,
-            cfg.test_fraction,
-            cfg.seed,
-            cfg.nan_policy,
-            pure=False,
-        )
-        for part in raw
-    ]

@@ -1,7 +1,7 @@
 """Execution strategies for training many models: sequential, task, ddp, mop."""
 
 from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome, TrainAll
-from mopflow.training.unit import DataRef, ModelSpec
+from mopflow.training.trainable.unit import DataRef, ModelSpec
 
 __all__ = [
     "Controller",

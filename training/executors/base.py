@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from mopflow.infra import stopping, storage
-from mopflow.training.unit import DataRef, ModelSpec
+from mopflow.infra.base import stopping, storage
+from mopflow.training.trainable.unit import DataRef, ModelSpec
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FILE = "last.safetensors"  # a model's latest state (training/unit.py's export)
+CHECKPOINT_FILE = "last.safetensors"  # a model's latest state (training/trainable/unit.py's export)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Executor(ABC):
 
     name = "base"
     # Whether a training run watches for a requested stop itself (its units checkpoint at their
-    # next batch first): a signal then only sets the flag (``mopflow.infra.stopping``).
+    # next batch first): a signal then only sets the flag (``mopflow.infra.base.stopping``).
     stops_on_its_own = False
 
     def __init__(self, data: DataRef, checkpoint_root: str = "") -> None:
@@ -174,7 +174,7 @@ class Executor(ABC):
         if not storage.exists(uri, self.data.storage_options):
             return None
         data = storage.read_bytes(uri, self.data.storage_options)
-        from mopflow.training.unit_state import read_meta
+        from mopflow.training.trainable.state import read_meta
 
         return data, read_meta(data)
 

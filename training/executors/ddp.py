@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome, OneModelAtATime
-from mopflow.training.unit import DataRef, ModelSpec
+from mopflow.training.trainable.unit import DataRef, ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A trial's W ranks are W tasks on W distinct workers (those with the resources the trial needs);
 they form their own process group with a rendezvous at rank 0's worker (``main_address`` and a
-port that worker picked). Each epoch is one pass of the trainable unit (``training/unit.py``) over the rank's share of the
+port that worker picked). Each epoch is one pass of the trainable unit (``training/trainable/unit.py``) over the rank's share of the
 rows, under Lightning's DDP strategy with :class:`DaskRankEnvironment`, which tells it the
 processes exist already (nothing is launched; the process group made for the first epoch serves
 the rest). Rank 0 alone validates, reports each epoch (a Dask ``Queue`` the coordinator reads),
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_fabric.plugins.environments import ClusterEnvironment
 
 if TYPE_CHECKING:
-    from mopflow.training.unit import DataRef, TrainableUnit
+    from mopflow.training.trainable.unit import DataRef, TrainableUnit
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     import torch
     from pytorch_lightning.strategies import DDPStrategy
 
-    from mopflow.training.trial import quiet_lightning
+    from mopflow.training.search.trial import quiet_lightning
 
     torch.set_num_threads(1)
     quiet_lightning()
@@ -135,11 +135,11 @@ def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
     """The rank's trainable unit (resumed from the job's checkpoint, if any), its training rows
     (in memory when within the worker's budget, else streamed: every rank reads its share) and
     the data's :class:`DataRef`."""
-    from mopflow.infra import storage
+    from mopflow.infra.base import storage
     from mopflow.training.data import load_manifest
     from mopflow.training.executors.units import training_rows
-    from mopflow.training.schedule import steps_per_epoch
-    from mopflow.training.unit import DataRef, ModelSpec, TrainableUnit
+    from mopflow.training.trainable.schedule import steps_per_epoch
+    from mopflow.training.trainable.unit import DataRef, ModelSpec, TrainableUnit
 
     world, epochs = int(job["world_size"]), int(job["epochs"])
     spec = ModelSpec.from_dict(job["spec"])
@@ -150,7 +150,7 @@ def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
     tensors = training_rows(data, [e["name"] for e in manifest["splits"]["train"]])
     streamed = not isinstance(tensors, tuple)
     n_rows = len(tensors) if streamed else len(tensors[0])
-    # One-cycle over the whole training in global steps (training/schedule.py); a rank's epoch is
+    # One-cycle over the whole training in global steps (training/trainable/schedule.py); a rank's epoch is
     # its share of the rows (padded to equal shares in memory, cut to them when streamed) in
     # per-rank batches. A resumed job continues the schedule and the optimizer moments where the
     # checkpoint left them.
@@ -177,7 +177,7 @@ class _RankZero:
 
         from distributed import Event, Queue
 
-        from mopflow.infra import storage
+        from mopflow.infra.base import storage
         from mopflow.training.executors.units import load_eval_split
 
         report = {

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mopflow.infra import stopping
+from mopflow.infra.base import stopping
 from mopflow.training.data import load_manifest
 from mopflow.training.executors.base import Controller, Executor, ModelOutcome
 from mopflow.training.executors.mop_models import MopModels
@@ -29,9 +29,9 @@ from mopflow.training.executors.mop_workers import WorkerWatch, fetch_unit_resul
 from mopflow.training.executors.scheduler import MopScheduler, Unit, round_robin
 from mopflow.training.executors.stop_notice import StopNotice
 from mopflow.training.executors.units import init_state, train_pass_and_validate
-from mopflow.training.schedule import steps_per_epoch
-from mopflow.training.unit import DataRef, ModelSpec
-from mopflow.training.unit_state import partial_meta
+from mopflow.training.trainable.schedule import steps_per_epoch
+from mopflow.training.trainable.state import partial_meta
+from mopflow.training.trainable.unit import DataRef, ModelSpec
 from mopflow.training.volatile.preempt import UnitPreempted
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome
 from mopflow.training.executors.units import evaluate_state
-from mopflow.training.unit import ModelSpec
-from mopflow.training.unit_state import partial_meta, read_meta
+from mopflow.training.trainable.state import partial_meta, read_meta
+from mopflow.training.trainable.unit import ModelSpec
 
 if TYPE_CHECKING:
     from mopflow.training.executors.mop import MopExecutor

@@ -1,6 +1,6 @@
 """Training passes that run on workers: one pass of one model over some shards, state in and out.
 
-Each pass is a :class:`mopflow.training.unit.TrainableUnit` rebuilt from the state it is handed, so a
+Each pass is a :class:`mopflow.training.trainable.unit.TrainableUnit` rebuilt from the state it is handed, so a
 model hops between workers (MOP), moves epoch by epoch (``task``) or is checkpointed after
 every pass; its state travels as safetensors bytes and loading it never unpickles.
 """
@@ -13,8 +13,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mopflow.training.schedule import steps_per_epoch
-from mopflow.training.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
+from mopflow.training.trainable.schedule import steps_per_epoch
+from mopflow.training.trainable.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
 from mopflow.training.volatile import preempt
 from mopflow.training.volatile.preempt import UnitPreempted, notice_received
 
@@ -34,9 +34,9 @@ _EVAL_SPLITS: dict[tuple[str, str], tuple[Any, Any]] = {}
 def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu") -> Any:
     """The training rows of these shards: ``(x, y)`` tensors held on ``device``
     (:func:`load_partition`) when they fit the worker's memory budget (``MOPFLOW_TRAIN_MEMORY_MB``),
-    else a :class:`~mopflow.training.streaming.StreamedRows` that reads them from the shards each pass."""
+    else a :class:`~mopflow.training.data.streaming.StreamedRows` that reads them from the shards each pass."""
     from mopflow.training.data import load_manifest
-    from mopflow.training.streaming import (
+    from mopflow.training.data.streaming import (
         StreamedRows,
         block_reader,
         cache_shards,
@@ -156,7 +156,7 @@ def train_pass(
     """
     import torch
 
-    from mopflow.training.trial import quiet_lightning
+    from mopflow.training.search.trial import quiet_lightning
 
     started = time.time()
     if notice_received():  # this worker is going away: hand the unit back untouched
@@ -263,8 +263,8 @@ def train_pass_and_validate(
 
 def state_to_bundle(spec: ModelSpec, state: bytes, data: DataRef, url: str) -> str:
     """Write a packed state as a model bundle (the checkpoint format the ensemble stage reads)."""
-    from mopflow.training.bundle import save_bundle
     from mopflow.training.data import load_manifest
+    from mopflow.training.models.bundle import save_bundle
 
     manifest = load_manifest(data.manifest_uri, data.storage_options)
     unit = _unit(spec, data, state, 1)

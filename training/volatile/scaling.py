@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mopflow.training.volatile.workers import WorkerSchedule, workers_at
 
 if TYPE_CHECKING:
-    from mopflow.infra.tracking import Tracker
+    from mopflow.infra.base.tracking import Tracker
     from mopflow.training.config import SearchConfig
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ def log_worker_rounds(
 
 
 def log_volatile(tracker: Tracker, run_id: str, outcome: Any) -> None:
-    """Log what a sweep on scaled or spot workers recorded (a :class:`~mopflow.training.search.SearchOutcome`)."""
+    """Log what a sweep on scaled or spot workers recorded (a :class:`~mopflow.training.search.study.SearchOutcome`)."""
     log_worker_rounds(tracker, run_id, tuple(getattr(outcome, "worker_rounds", ())))
     spot = getattr(outcome, "spot", None)
     if spot is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mopflow.infra import stages
-from mopflow.infra.settings import Settings
+from mopflow.infra.base.settings import Settings
 from mopflow.infra.stages.context import STAGE_TAG, stage
 
 CONF = {"n_trials": 2, "top_k": 1, "model_name": "ctx"}

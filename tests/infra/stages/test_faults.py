@@ -19,15 +19,16 @@ import pytest
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-from mopflow.infra import stages, storage
-from mopflow.infra.optuna_storage import make_storage
-from mopflow.infra.settings import Settings
+from mopflow.infra import stages
+from mopflow.infra.base import storage
+from mopflow.infra.base.optuna_storage import make_storage
+from mopflow.infra.base.settings import Settings
 from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from mopflow.infra.stages.config import PipelineConfig
 from mopflow.training.config import SearchConfig
 from mopflow.training.data import ShardIntegrityError, load_manifest
-from mopflow.training.executor_search import run_strategy_search
-from mopflow.training.search import STALE_ATTR
+from mopflow.training.search.study import STALE_ATTR
+from mopflow.training.search.sweep import run_strategy_search
 from tests.infra.stages.confs import SMALL_CONF
 from tests.server_waits import wait_until_answering
 

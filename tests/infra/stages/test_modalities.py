@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from mopflow.infra import stages
-from mopflow.infra.settings import Settings
-from mopflow.training.bundle import load_bundle
+from mopflow.infra.base.settings import Settings
+from mopflow.training.models.bundle import load_bundle
 
 IMAGE_SPACE = {
     "families": {

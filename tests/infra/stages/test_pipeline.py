@@ -10,11 +10,11 @@ import pytest
 from mlflow import MlflowClient
 
 from mopflow.infra import stages
-from mopflow.infra.optuna_storage import make_storage
-from mopflow.infra.settings import Settings
+from mopflow.infra.base.optuna_storage import make_storage
+from mopflow.infra.base.settings import Settings
 from mopflow.infra.stages.config import PipelineConfig
-from mopflow.training.search import WARM_START_ATTR
-from mopflow.training.space import params_from_optuna
+from mopflow.training.search.space import params_from_optuna
+from mopflow.training.search.study import WARM_START_ATTR
 from tests.infra.stages.confs import SMALL_CONF
 
 # "always": the warm-start test below needs a champion, whatever the accuracies

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mopflow.training.models import ArchSpec
+from mopflow.training.models.builtin import ArchSpec
 from mopflow.training.volatile.growing import GrowingConfig
 from mopflow.training.volatile.price_trace import PriceTrace
 from mopflow.training.volatile.prices import UniformPrices

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mopflow.training.models import ArchSpec, build_model
+from mopflow.training.models.builtin import ArchSpec, build_model
 from mopflow.training.volatile.cost import account_run
 from mopflow.training.volatile.growing import (
     GrowingConfig,

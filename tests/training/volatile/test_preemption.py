@@ -14,11 +14,11 @@ import pytest
 
 from mopflow.training.config import SearchConfig
 from mopflow.training.data import load_manifest
-from mopflow.training.executor_search import run_strategy_search
 from mopflow.training.executors import DataRef, ModelSpec
 from mopflow.training.executors.base import CHECKPOINT_FILE
-from mopflow.training.search import checkpoint_folder
-from mopflow.training.unit_state import global_step
+from mopflow.training.search.study import checkpoint_folder
+from mopflow.training.search.sweep import run_strategy_search
+from mopflow.training.trainable.state import global_step
 from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, register_preemption
 from tests.dask_waits import wait_until_executing
 from tests.spaces import fixed_cnn_space
@@ -48,7 +48,7 @@ def test_sigterm_checkpoints_mid_epoch_and_the_trial_resumes_there(
     """Fault: the worker training a trial gets SIGTERM (a spot notice) mid-epoch.
     Expected: the trial checkpoints at the next batch, the worker leaves, and the trial resumes
     on the restarted worker from the checkpoint written on the notice, with the full history."""
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
 
     storage_url, art, epochs = str(tmp_path / "journal.log"), str(tmp_path / "art"), 8
     # batches of 4 through a wide CNN: an epoch is a pass of some 200 slow steps (about a second),
@@ -160,7 +160,7 @@ def test_unit_stopped_by_a_notice_continues_in_the_same_data_order(
     from safetensors.torch import load
 
     from mopflow.training.executors.units import DataRef, ModelSpec, init_state, train_pass
-    from mopflow.training.unit_state import partial_meta
+    from mopflow.training.trainable.state import partial_meta
     from mopflow.training.volatile import preempt
     from mopflow.training.volatile.preempt import UnitPreempted
 

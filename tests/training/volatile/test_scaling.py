@@ -67,7 +67,7 @@ def test_task_rounds_start_n_j_trials_and_wait_for_them() -> None:
 @pytest.fixture()
 def cluster_client() -> Iterator[object]:
     """A LocalCluster of its own (the shared one must keep its size)."""
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
 
     with dask_client("", 1) as client:
         yield client
@@ -92,7 +92,7 @@ def test_external_scheduler_retires_surplus_workers_and_waits_for_new_ones(
     for a deployment to add workers, and goes on with those present after the timeout."""
     from distributed import Client
 
-    from mopflow.training.cluster import dask_client
+    from mopflow.training.compute.cluster import dask_client
 
     with dask_client("", 2) as local, Client(local.cluster.scheduler_address, timeout="30s") as client:
         scaler = scaler_for(client, timeout_s=2)
@@ -109,7 +109,7 @@ def test_mop_sweep_scales_the_cluster_per_round(
 ) -> None:
     """n_j = 1, 2, 2 workers in rounds 1-3: each round's units ran on exactly n_j workers, and every
     trial completed all its epochs."""
-    from mopflow.training.executor_search import run_search_with_executor
+    from mopflow.training.search.sweep import run_search_with_executor
 
     cfg = SearchConfig(
         n_trials=2, epochs=3, strategy="mop", model_slots=2, space=SPACE, pruner="none", worker_schedule=STEP
@@ -132,7 +132,7 @@ def test_mop_sweep_scales_the_cluster_per_round(
 def test_task_sweep_runs_rounds_of_n_j_trials(
     small_manifest: str, tmp_path: Path, cluster_client: object
 ) -> None:
-    from mopflow.training.executor_search import run_strategy_search
+    from mopflow.training.search.sweep import run_strategy_search
 
     cfg = SearchConfig(
         n_trials=3, epochs=2, parallel_trials=1, space=SPACE, pruner="none", worker_schedule=STEP
@@ -150,7 +150,7 @@ def test_task_sweep_runs_rounds_of_n_j_trials(
 def test_worker_counts_are_logged_to_mlflow(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    from mopflow.infra.tracking import MlflowTracker
+    from mopflow.infra.base.tracking import MlflowTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = MlflowTracker(uri, "scaling", str(tmp_path / "artifacts"))

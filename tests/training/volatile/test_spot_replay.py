@@ -32,8 +32,8 @@ def test_spot_settings_are_validated_early(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bad_replay_input_fails_before_training(tmp_path: Path, small_manifest: str) -> None:
-    from mopflow.training.cluster import dask_client
-    from mopflow.training.executor_search import run_strategy_search
+    from mopflow.training.compute.cluster import dask_client
+    from mopflow.training.search.sweep import run_strategy_search
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,oops\n")
@@ -61,9 +61,9 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     back as a new process at a new address; the account bills what really ran."""
     from mlflow.tracking import MlflowClient
 
-    from mopflow.infra.tracking import MlflowTracker
-    from mopflow.training.cluster import dask_client
-    from mopflow.training.executor_search import run_strategy_search
+    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.training.compute.cluster import dask_client
+    from mopflow.training.search.sweep import run_strategy_search
     from mopflow.training.volatile.scaling import log_volatile
 
     csv = tmp_path / "prices.csv"
@@ -142,9 +142,9 @@ def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
     import dask
     from mlflow.tracking import MlflowClient
 
-    from mopflow.infra.tracking import MlflowTracker
-    from mopflow.training.cluster import dask_client
-    from mopflow.training.executor_search import run_search_with_executor
+    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.training.compute.cluster import dask_client
+    from mopflow.training.search.sweep import run_search_with_executor
     from mopflow.training.volatile.scaling import log_volatile
 
     csv = tmp_path / "prices.csv"

@@ -1,0 +1,1 @@
+"""Distillation of an ensemble into a student: transfer sets (MUNGE, mixup), the student's job."""

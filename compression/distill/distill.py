@@ -1,0 +1,230 @@
+"""Distillation: a small student trained on the ensemble's soft targets plus the hard labels."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from mopflow.compression.config import DistillConfig
+from mopflow.infra.base import progress
+from mopflow.training.compute.devices import CPU, DeviceSpec
+from mopflow.training.models.builtin import ArchSpec, build_model, count_params, largest_size_within
+from mopflow.training.models.families import DataSpec
+
+log = logging.getLogger(__name__)
+
+# The validation split as ``(features, labels)`` shards, read anew at each call.
+ValidationShards = Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]
+
+
+class StudentBudgetError(ValueError):
+    """The student does not fit the parameter budget."""
+
+
+@dataclass(frozen=True)
+class StudentPlan:
+    """The student's architecture and the budget it was sized against."""
+
+    arch: ArchSpec
+    num_params: int
+    budget: int
+
+
+def plan_student(cfg: DistillConfig, ensemble_params: int, data: DataSpec) -> StudentPlan:
+    """Size the student: the configured size, or the largest size within ``ratio x ensemble``
+    (the family's size parameter; its other parameters at their defaults, ``depth`` as set)."""
+    cfg = cfg.resolved(data.modality)
+    budget = int(cfg.max_param_ratio * ensemble_params)
+    width = cfg.width
+    if width is None:
+        width = largest_size_within(cfg.family, cfg.student_params(), data, budget)
+        if width is None:
+            raise StudentBudgetError(
+                f"no {cfg.family} student of depth {cfg.depth} fits in {budget} parameters "
+                f"({cfg.max_param_ratio} x ensemble's {ensemble_params})"
+            )
+    arch = ArchSpec.of(cfg.family, cfg.student_params(width), data)
+    n = count_params(arch)
+    if n > budget:
+        raise StudentBudgetError(
+            f"student_width={width} gives {n} parameters; the budget is {budget} "
+            f"({cfg.max_param_ratio} x the ensemble's {ensemble_params})"
+        )
+    return StudentPlan(arch, n, budget)
+
+
+def soft_targets(teacher: nn.Module, x: np.ndarray, temperature: float) -> torch.Tensor:
+    """The teacher's class probabilities at ``temperature`` (computed once, without gradients)."""
+    with torch.no_grad():
+        xt = torch.as_tensor(x, dtype=torch.float32)
+        return torch.cat(
+            [teacher(xt[i : i + 4096], temperature=temperature) for i in range(0, len(xt), 4096)]
+        )
+
+
+def matching_epochs(epochs: int, transfer_rows: int, train_rows: int) -> int:
+    """Epochs over ``train_rows`` giving as many optimizer steps as ``epochs`` over ``transfer_rows``.
+
+    The hard-label baseline cannot use the synthetic transfer points (they have no true labels),
+    so it runs more passes over the real data instead: the same number of steps and the same
+    learning-rate schedule as the distilled student. (Fewer steps would flatter distillation.)
+    """
+    if epochs < 1 or transfer_rows < 1 or train_rows < 1:
+        raise ValueError(
+            f"epochs={epochs}, transfer_rows={transfer_rows} and train_rows={train_rows} must be >= 1"
+        )
+    return max(1, round(epochs * transfer_rows / train_rows))
+
+
+def train_student(
+    plan: StudentPlan,
+    cfg: DistillConfig,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_val: np.ndarray,
+    y_val: np.ndarray,
+    mean: list[float],
+    std: list[float],
+    teacher: nn.Module | None,
+    seed: int,
+    epochs: int | None = None,
+    device: DeviceSpec = CPU,
+) -> tuple[nn.Module, list[dict[str, float]]]:
+    """Train the student on ``device``; with ``teacher=None`` it learns from hard labels alone
+    (the baseline). ``epochs`` overrides ``cfg.epochs`` (the baseline uses :func:`matching_epochs`).
+    The model comes back on the CPU (quantization and the pyfunc run there).
+    """
+    tensors = [torch.from_numpy(x_train), torch.from_numpy(y_train)]
+    if teacher is not None:
+        tensors.append(soft_targets(teacher, x_train, cfg.temperature))
+    return fit_student(
+        plan,
+        cfg,
+        tensors,
+        held_validation(x_val, y_val),
+        mean,
+        std,
+        seed,
+        teacher is not None,
+        epochs,
+        device,
+    )
+
+
+def fit_student(
+    plan: StudentPlan,
+    cfg: DistillConfig,
+    rows: Any,
+    validation: ValidationShards,
+    mean: list[float],
+    std: list[float],
+    seed: int,
+    soft: bool,
+    epochs: int | None = None,
+    device: DeviceSpec = CPU,
+    on_epoch: Callable[[Mapping[str, Any]], None] | None = None,
+) -> tuple[nn.Module, list[dict[str, float]]]:
+    """Train the student on ``rows``: ``(x, y)`` or, with ``soft``, ``(x, y, soft targets)``
+    tensors, or a :class:`~mopflow.training.data.streaming.StreamedRows` of them read pass by pass. After each
+    epoch the student is validated on ``validation()``'s shards, one at a time, and the epoch is
+    told to ``on_epoch`` (default :func:`report_epoch`). The model comes back on the CPU."""
+    from mopflow.training.data.streaming import StreamedRows
+    from mopflow.training.search.trial import quiet_lightning
+    from mopflow.training.trainable.unit import ModelSpec, TrainableUnit
+
+    quiet_lightning()
+    pl.seed_everything(seed, workers=False, verbose=False)
+    model = build_model(plan.arch, mean, std)
+    n_rows = rows.n_rows if isinstance(rows, StreamedRows) else len(rows[0])
+    alpha = cfg.alpha if soft else 0.0
+    max_epochs = epochs if epochs is not None else cfg.epochs
+    params = {"lr": cfg.lr, "weight_decay": 1e-5, "batch_size": cfg.batch_size}
+    spec = ModelSpec("student", params, seed, device)
+    total_steps = max_epochs * -(-n_rows // cfg.batch_size)
+    unit = TrainableUnit(spec, model, total_steps, cfg.temperature, alpha, plan.arch)
+    history: list[dict[str, float]] = []
+    started = time.monotonic()
+    kind = "soft-target" if soft else "hard-label"
+    for epoch in range(max_epochs):  # the same unit, one pass per epoch, as the trials train
+        record = unit.train_pass(rows, epoch)
+        acc = _validation_accuracy(unit, validation)
+        history.append({"epoch": epoch, "val_acc": acc, "train_loss": record.train_loss})
+        elapsed = time.monotonic() - started
+        (on_epoch or report_epoch)(
+            {"student": kind, "epoch": epoch + 1, "epochs": max_epochs, "val_acc": acc, "elapsed_s": elapsed}
+        )
+    model.cpu().eval()
+    return model, history
+
+
+def report_epoch(event: Mapping[str, Any]) -> None:
+    """A student's epoch for the people watching: the soft-target student's progress, and a log
+    line every tenth epoch and at the last."""
+    if event["student"] == "soft-target":
+        progress.publish("distill_epoch", epoch=event["epoch"], epochs=event["epochs"])
+    if event["epoch"] % 10 == 0 or event["epoch"] == event["epochs"]:
+        log.info(
+            "distill: %s student epoch %d/%d val_acc=%.4f (%.0fs)",
+            event["student"],
+            event["epoch"],
+            event["epochs"],
+            event["val_acc"],
+            event["elapsed_s"],
+        )
+
+
+def held_validation(x_val: np.ndarray, y_val: np.ndarray) -> ValidationShards:
+    """A validation split held in memory, as one shard."""
+    return lambda: [(x_val, y_val)]
+
+
+def _validation_accuracy(unit: Any, validation: ValidationShards) -> float:
+    correct = rows = 0
+    for x, y in validation():
+        correct, rows = correct + unit.correct_rows(x, y), rows + len(y)
+    return correct / rows if rows else float("nan")
+
+
+def transfer_set(
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    teacher: nn.Module,
+    cfg: DistillConfig,
+    seed: int,
+    data: DataSpec | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The training data plus ``cfg.munge_multiplier`` synthetic points per example, labelled
+    with the teacher's class (the soft targets of every point come from the teacher later,
+    :func:`soft_targets`): MUNGE points (Bucilua et al. 2006) for tables, mixup of shifted
+    examples for images and sequences (``cfg.transfer``; ``data`` gives the shape)."""
+    from mopflow.compression.distill.augment import mixup_points
+    from mopflow.compression.distill.munge import munge
+
+    data = data or DataSpec(x_train.shape[1], int(y_train.max()) + 1)
+    cfg = cfg.resolved(data.modality)
+    if cfg.transfer == "munge":
+        synthetic = munge(
+            x_train, cfg.munge_multiplier, cfg.munge_swap_prob, cfg.munge_spread, seed, labels=y_train
+        )
+    else:
+        synthetic = mixup_points(
+            x_train,
+            data.input_shape,
+            data.modality,
+            cfg.munge_multiplier,
+            cfg.mixup_alpha,
+            cfg.mixup_shift,
+            seed,
+        )
+    if not len(synthetic):
+        return x_train, y_train
+    labels = soft_targets(teacher, synthetic, 1.0).argmax(dim=1).numpy().astype(y_train.dtype)
+    return np.concatenate([x_train, synthetic]), np.concatenate([y_train, labels])

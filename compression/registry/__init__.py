@@ -1,0 +1,1 @@
+"""The MLflow Model Registry: the pyfunc model, registration, promotion and rollback."""

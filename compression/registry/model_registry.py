@@ -1,0 +1,212 @@
+"""MLflow Model Registry: log bundles as pyfunc models, register idempotently, gate promotion."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from mopflow.infra.base.storage import filesystem
+
+log = logging.getLogger(__name__)
+
+PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
+CHALLENGER = "challenger"
+CHAMPION = "champion"
+RUN_KEY_TAG = "mopflow.run_key"
+
+
+@dataclass(frozen=True)
+class PromotionDecision:
+    """Whether the challenger becomes champion, and why."""
+
+    promote: bool
+    reason: str
+
+
+def decide_promotion(
+    policy: str,
+    challenger_acc: float,
+    champion_acc: float | None,
+    ensemble_acc: float | None = None,
+    max_gap_points: float | None = None,
+) -> PromotionDecision:
+    """The gate. With ``accuracy``: promote when the student is at least as accurate as the current
+    champion on the same test set *and* within ``max_gap_points`` of the ensemble it came from."""
+    if policy == "never":
+        return PromotionDecision(False, "promotion policy is 'never'")
+    if policy == "always":
+        return PromotionDecision(True, "promotion policy is 'always'")
+    reasons: list[str] = []
+    ok = True
+    if champion_acc is None:
+        reasons.append("there is no champion yet")
+    elif challenger_acc >= champion_acc:
+        reasons.append(
+            f"test accuracy {challenger_acc:.4f} >= champion's {champion_acc:.4f} on the same test set"
+        )
+    else:
+        ok = False
+        reasons.append(
+            f"test accuracy {challenger_acc:.4f} < champion's {champion_acc:.4f} on the same test set"
+        )
+    if ensemble_acc is not None and max_gap_points is not None:
+        gap = 100 * (ensemble_acc - challenger_acc)
+        if gap <= max_gap_points:
+            reasons.append(f"{gap:.2f} points below the ensemble (allowed {max_gap_points:g})")
+        else:
+            ok = False
+            reasons.append(f"{gap:.2f} points below the ensemble, more than the allowed {max_gap_points:g}")
+    return PromotionDecision(ok, "; ".join(reasons))
+
+
+def _pip_requirements() -> list[str]:
+    import torch
+
+    return [f"torch=={torch.__version__.split('+')[0]}", "safetensors", "pandas", "numpy", "fsspec"]
+
+
+def log_bundle_model(
+    run_id: str,
+    name: str,
+    bundle_uri: str,
+    example: pd.DataFrame | Any,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str:
+    """Log a bundle as a pyfunc model (models-from-code) in ``run_id``; return its model URI."""
+    import mlflow
+    from mlflow.models import infer_signature
+
+    from mopflow.compression.registry.pyfunc_model import BundleProbabilities
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fs, path = filesystem(bundle_uri, storage_options)
+        local = Path(tmp) / "bundle"
+        local.mkdir()
+        for fname in ("spec.json", "weights.safetensors"):
+            fs.get(f"{path.rstrip('/')}/{fname}", str(local / fname))
+        model = BundleProbabilities()
+
+        class _Ctx:
+            artifacts = {"bundle": str(local)}
+
+        model.load_context(_Ctx())
+        signature = infer_signature(example, model.predict(None, example))
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pyfunc.log_model(
+                name=name,
+                python_model=str(PYFUNC_FILE),
+                artifacts={"bundle": str(local)},
+                signature=signature,
+                input_example=example,
+                pip_requirements=_pip_requirements(),
+                code_paths=[str(_package_dir())],
+            )
+    return str(info.model_uri)
+
+
+def _package_dir() -> Path:
+    """The ``mopflow`` package folder, to ship with a logged model (its links followed on copy)."""
+    import mopflow
+
+    return Path(mopflow.__file__).parent
+
+
+def register_version(client: Any, name: str, model_uri: str, run_key: str, tags: Mapping[str, str]) -> Any:
+    """Register ``model_uri`` under ``name`` once per pipeline run (a rerun returns the existing version)."""
+    import mlflow
+
+    try:
+        client.get_registered_model(name)
+    except Exception:
+        try:
+            client.create_registered_model(name, description="mopflow model (class probabilities)")
+        except Exception:  # created concurrently
+            client.get_registered_model(name)
+    for version in client.search_model_versions(f"name='{name}'"):
+        if version.tags.get(RUN_KEY_TAG) == run_key:
+            log.info("register: %s version %s already exists for this run; reusing it", name, version.version)
+            return version
+    version = mlflow.register_model(model_uri, name, tags={RUN_KEY_TAG: run_key, **tags})
+    log.info("register: %s version %s registered from %s", name, version.version, model_uri)
+    return version
+
+
+def alias_version(client: Any, name: str, alias: str) -> Any | None:
+    """The version an alias points to, or None."""
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except Exception:
+        return None
+
+
+HISTORY_TAG = "mopflow.champion_history"
+
+
+class RegistryError(ValueError):
+    """A promotion or rollback cannot be done (unknown model or version, nothing to roll back to)."""
+
+
+def _history(client: Any, name: str) -> list[str]:
+    model = client.get_registered_model(name)
+    raw = model.tags.get(HISTORY_TAG, "")
+    return [v for v in raw.split(",") if v]
+
+
+def set_alias(client: Any, name: str, alias: str, version: str) -> None:
+    """Point ``alias`` at ``version`` (idempotent). Champion changes are remembered for rollback."""
+    current = alias_version(client, name, alias)
+    if current is not None and str(current.version) == str(version):
+        return
+    client.set_registered_model_alias(name, alias, str(version))
+    if alias == CHAMPION and current is not None:
+        history = _history(client, name) + [str(current.version)]
+        client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history[-50:]))
+        client.set_model_version_tag(name, str(version), "mopflow.previous_champion", str(current.version))
+
+
+def promote(client: Any, name: str, version: str) -> str:
+    """Make ``version`` the champion (by hand); returns a description of what changed."""
+    try:
+        client.get_model_version(name, str(version))
+    except Exception as exc:
+        raise RegistryError(f"registered model {name!r} has no version {version!r}") from exc
+    previous = alias_version(client, name, CHAMPION)
+    set_alias(client, name, CHAMPION, str(version))
+    client.set_model_version_tag(name, str(version), "mopflow.promotion_reason", "promoted by hand")
+    before = previous.version if previous is not None else "none"
+    return f"{name}: champion {before} -> {version}"
+
+
+def rollback(client: Any, name: str) -> str:
+    """Bring the previous champion back; returns a description of what changed."""
+    try:
+        history = _history(client, name)
+    except Exception as exc:
+        raise RegistryError(f"registered model {name!r} does not exist") from exc
+    current = alias_version(client, name, CHAMPION)
+    while history and current is not None and history[-1] == str(current.version):
+        history.pop()
+    if not history:
+        raise RegistryError(f"{name} has no previous champion to roll back to")
+    target = history.pop()
+    client.set_registered_model_alias(name, CHAMPION, target)
+    client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history))
+    before = current.version if current is not None else "none"
+    return f"{name}: champion {before} -> {target} (rolled back)"
+
+
+def registry_client(settings: Any | None = None) -> Any:
+    """An ``MlflowClient`` on the configured tracking and registry URI (``Settings.from_env()`` by default)."""
+    from mopflow.infra.base.settings import Settings
+    from mopflow.infra.base.tracking import MlflowTracker
+
+    settings = settings or Settings.from_env()
+    return MlflowTracker(
+        settings.tracking_uri, settings.experiment_name, settings.mlflow_artifact_location
+    ).client

@@ -1,0 +1,1 @@
+"""mopflow's ground floor: settings, storage, tracking, Optuna storage, stopping, progress."""

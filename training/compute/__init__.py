@@ -1,0 +1,1 @@
+"""Where training runs: devices and the Dask cluster."""

@@ -1,0 +1,142 @@
+"""Where training runs: CPU or GPU, the numeric precision, and the GPU workers of a LocalCluster.
+
+The coordinator resolves the ``accelerator`` setting (``auto`` | ``cpu`` | ``gpu``) once, against
+the cluster it trains on, into a :class:`DeviceSpec` that travels with every trial, MOP unit and
+DDP job. Workers do not guess: a unit runs on the device its spec names, and a GPU unit is
+submitted with the Dask resource ``GPU`` so that it only lands on a worker that declares one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mopflow.infra.base.settings import Accelerator, Precision
+
+GPU_RESOURCE = "GPU"  # the Dask worker resource a GPU worker declares (dask worker --resources GPU=1)
+
+
+class DeviceError(ValueError):
+    """An accelerator or precision this machine or cluster cannot give; the message says why."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """The device a unit of training runs on: ``cpu`` or ``gpu`` (one CUDA device), and its precision."""
+
+    accelerator: Literal["cpu", "gpu"] = "cpu"
+    precision: Precision = "32"
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.accelerator == "gpu"
+
+    def torch_device(self) -> Any:
+        """The torch device: ``cuda`` (the worker's one visible GPU) or ``cpu``."""
+        import torch
+
+        return torch.device("cuda" if self.is_gpu else "cpu")
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Lightning Trainer arguments for one device."""
+        return {"accelerator": self.accelerator, "devices": 1, "precision": self.precision}
+
+    def resources(self) -> dict[str, float]:
+        """Dask resources a unit on this device needs (none on CPU)."""
+        return {GPU_RESOURCE: 1} if self.is_gpu else {}
+
+    def ddp_backend(self) -> str:
+        """The torch.distributed backend: nccl between GPUs, gloo on CPU."""
+        return "nccl" if self.is_gpu else "gloo"
+
+
+CPU = DeviceSpec()
+
+
+def resolve_device(
+    accelerator: Accelerator, precision: Precision, gpus_available: int, bf16_supported: bool = True
+) -> DeviceSpec:
+    """The device to train on: ``auto`` takes a GPU when the cluster has GPU workers.
+
+    ``gpus_available`` counts the GPU workers (or visible GPUs) the training can use. ``gpu``
+    without any, or ``bf16-mixed`` on a GPU without bfloat16, is refused with the reason.
+    """
+    if accelerator == "gpu" and gpus_available == 0:
+        raise DeviceError(
+            "accelerator 'gpu' but no GPU worker: no CUDA device is visible to the LocalCluster "
+            "(install the CUDA build of torch) and no Dask worker declares the resource "
+            f"{GPU_RESOURCE!r} (dask worker --resources {GPU_RESOURCE}=1)"
+        )
+    on_gpu = accelerator == "gpu" or (accelerator == "auto" and gpus_available > 0)
+    if on_gpu and precision == "bf16-mixed" and not bf16_supported:
+        raise DeviceError("precision 'bf16-mixed' needs a GPU with bfloat16 (compute capability 8.0+)")
+    return DeviceSpec("gpu" if on_gpu else "cpu", precision)
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The CUDA devices this process may use: ``CUDA_VISIBLE_DEVICES`` when set, else every one
+    torch sees (none without a CUDA build of torch)."""
+    import os
+
+    try:
+        import torch
+
+        if not torch.cuda.is_available():  # a CPU build of torch, or no driver
+            return []
+        count = torch.cuda.device_count()
+    except Exception:  # a broken driver: no GPU, not a crash
+        return []
+    env = os.environ if environ is None else environ
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    return [str(i) for i in range(count)]
+
+
+def bf16_supported() -> bool:
+    """Whether this process's CUDA device computes in bfloat16 (True on CPU: Lightning supports it)."""
+    try:
+        import torch
+
+        return not torch.cuda.is_available() or bool(torch.cuda.is_bf16_supported())
+    except Exception:
+        return False
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One LocalCluster worker process: its environment and its Dask resources."""
+
+    name: str
+    env: dict[str, str]
+    resources: dict[str, float]
+
+
+def gpu_worker_plan(gpus: Sequence[str], trials_per_gpu: int) -> list[WorkerSpec]:
+    """``trials_per_gpu`` worker processes per GPU, each seeing only its GPU and declaring
+    ``GPU=1`` (one trial or unit at a time): small models share a device, large ones get it whole."""
+    if trials_per_gpu < 1:
+        raise DeviceError(f"trials_per_gpu={trials_per_gpu} must be at least 1")
+    return [
+        WorkerSpec(f"gpu{gpu}-{slot}", {"CUDA_VISIBLE_DEVICES": gpu}, {GPU_RESOURCE: 1})
+        for gpu in gpus
+        for slot in range(trials_per_gpu)
+    ]
+
+
+def gpu_workers(client: Any) -> int:
+    """How many workers of a running cluster declare the GPU resource."""
+    workers = client.scheduler_info().get("workers", {})
+    return sum(1 for w in workers.values() if float((w.get("resources") or {}).get(GPU_RESOURCE, 0)) > 0)
+
+
+def local_device(accelerator: Accelerator, precision: Precision) -> DeviceSpec:
+    """Resolve the accelerator for training in this process (the distillation student): ``auto``
+    takes this process's GPU when one is visible."""
+    return resolve_device(accelerator, precision, len(visible_gpus()), bf16_supported())
+
+
+def device_for_cluster(client: Any, accelerator: Accelerator, precision: Precision) -> DeviceSpec:
+    """Resolve the accelerator against the cluster the training runs on."""
+    return resolve_device(accelerator, precision, gpu_workers(client), bf16_supported())

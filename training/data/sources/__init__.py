@@ -1,0 +1,1 @@
+"""Data sources: generated datasets, arrays, image folders and tensor columns."""

@@ -1,0 +1,219 @@
+"""The shard stage's image and array sources: what each is (fingerprint, example shape,
+modality) and its partitions, started on the Dask workers (``mopflow.training.data.sources.arrays`` and
+``mopflow.training.data.sources.images`` do the work)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from mopflow.infra.base import storage
+from mopflow.training.config import DataConfig
+from mopflow.training.data.rules import (
+    PARTITION_SEED_STRIDE,
+    DataValidationError,
+    even_chunks,
+    feature_columns,
+)
+from mopflow.training.data.sources.arrays import (
+    SourceError,
+    SplitSettings,
+    check_npy_pair,
+    is_npy_folder,
+    npy_header,
+    npy_partition,
+    shapes_data_spec,
+    shapes_partition,
+)
+from mopflow.training.data.sources.images import (
+    image_partition,
+    image_shape,
+    is_image_folder,
+    list_image_folder,
+    probe_encoded,
+    probe_images,
+    tensor_column,
+    tensor_partition,
+)
+from mopflow.training.data.tables import SourceInfo, table_fingerprint
+
+KINDS = ("shapes", "images", "npy", "tensors")
+PROBE_CHUNK = 256  # images whose headers one task reads
+SHAPES_GENERATOR = "shapes-1"
+
+
+def _split(cfg: DataConfig) -> SplitSettings:
+    return SplitSettings(cfg.val_fraction, cfg.test_fraction, cfg.seed, cfg.nan_policy)
+
+
+def describe(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> Any:
+    """The :class:`~mopflow.training.data.SourceInfo` of a generated image dataset, an image folder or a
+    ``.npy`` pair; None for other sources. Unusable items are refused here, before anything is
+    written, naming them."""
+
+    try:
+        if cfg.dataset == "shapes":
+            shape, classes = shapes_data_spec()
+            fingerprint = {
+                "dataset": "shapes",
+                "num_samples": cfg.num_samples,
+                "seed": cfg.seed,
+                "partition_rows": cfg.partition_rows,
+                "generator": SHAPES_GENERATOR,
+            }
+            names = [str(c) for c in range(classes)]
+            return SourceInfo(
+                fingerprint, feature_columns(math.prod(shape)), None, "image", shape, "shapes", names
+            )
+        if "/" not in cfg.dataset:
+            return None
+        if cfg.tensor_column is not None:
+            return _describe_tensors(cfg, storage_options, client)
+        if is_npy_folder(cfg.dataset, storage_options):
+            return _describe_npy(cfg, storage_options)
+        if is_image_folder(cfg.dataset, storage_options):
+            return _describe_images(cfg, storage_options, client)
+    except SourceError as exc:
+        raise DataValidationError(str(exc)) from exc
+    return None
+
+
+def _describe_npy(cfg: DataConfig, storage_options: Mapping[str, Any] | None) -> Any:
+
+    headers = (
+        npy_header(storage.join(cfg.dataset, "x.npy"), storage_options),
+        npy_header(storage.join(cfg.dataset, "y.npy"), storage_options),
+    )
+    shape, modality = check_npy_pair(*headers, cfg.dataset)
+    fingerprint = _files_fingerprint(cfg, storage_options) | {"seed": cfg.seed, "shape": list(shape)}
+    return SourceInfo(
+        fingerprint,
+        feature_columns(math.prod(shape)),
+        None,
+        modality,
+        tuple(shape),
+        "npy",
+        None,
+        headers,
+        storage_options,
+    )
+
+
+def _files_fingerprint(cfg: DataConfig, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+
+    fs, path = storage.filesystem(cfg.dataset, storage_options)
+    entries = []
+    for name in ("x.npy", "y.npy"):
+        info = fs.info(f"{path.rstrip('/')}/{name}")
+        stamp = info.get("ETag") or info.get("mtime") or info.get("LastModified") or info.get("created")
+        entries.append({"file": name, "size": info.get("size"), "stamp": str(stamp)})
+    return {"url": cfg.dataset, "files": entries}
+
+
+def _describe_images(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> Any:
+
+    listing = list_image_folder(cfg.dataset, storage_options)
+    chunks = [listing.files[i : i + PROBE_CHUNK] for i in range(0, len(listing.files), PROBE_CHUNK)]
+    if client is None:
+        probes = [p for chunk in chunks for p in probe_images(chunk, storage_options)]
+    else:
+        futures = [client.submit(probe_images, chunk, storage_options, pure=False) for chunk in chunks]
+        probes = [p for part in client.gather(futures) for p in part]
+    shape = image_shape(listing.files, probes, cfg.image_size)
+    fingerprint = listing.fingerprint | {"seed": cfg.seed, "shape": list(shape)}
+    return SourceInfo(
+        fingerprint,
+        feature_columns(math.prod(shape)),
+        None,
+        "image",
+        shape,
+        "images",
+        listing.classes,
+        listing,
+        storage_options,
+    )
+
+
+def _describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> Any:
+
+    assert cfg.tensor_column is not None
+    source = tensor_column(cfg.dataset, cfg.tensor_column, cfg.label_column, storage_options)
+    shape: tuple[int, ...]
+    if source.shape is not None:
+        shape = source.shape
+        modality = {1: "table", 2: "sequence", 3: "image"}.get(len(shape))
+        if modality is None:
+            raise SourceError(
+                f"tensor_column {cfg.tensor_column!r} holds tensors of shape {list(shape)}; expected (features,), "
+                "(steps, features) or (channels, height, width)"
+            )
+    else:  # encoded images: their sizes are read on the workers
+        if client is None:
+            probes = [probe_encoded(f, source, storage_options) for f in source.files]
+        else:
+            probes = client.gather(
+                [client.submit(probe_encoded, f, source, storage_options, pure=False) for f in source.files]
+            )
+        names = [
+            f"{f}#row={i}" for f, part in zip(source.files, probes, strict=True) for i in range(len(part))
+        ]
+        shape = image_shape(names, [p for part in probes for p in part], cfg.image_size)
+        modality = "image"
+    fingerprint = table_fingerprint(cfg.dataset, storage_options) | {
+        "tensor_column": cfg.tensor_column,
+        "label": cfg.label_column,
+        "seed": cfg.seed,
+        "shape": list(shape),
+    }
+    return SourceInfo(
+        fingerprint,
+        feature_columns(math.prod(shape)),
+        None,
+        modality,
+        tuple(shape),
+        "tensors",
+        None,
+        source,
+        storage_options,
+    )
+
+
+def partitions(cfg: DataConfig, info: Any, client: Any) -> list[Any]:
+    """Futures of the source's partitions, prepared on the workers."""
+
+    split = _split(cfg)
+    if info.kind == "shapes":
+        chunks = even_chunks(cfg.num_samples, max(1, -(-cfg.num_samples // cfg.partition_rows)))
+        return [
+            client.submit(
+                shapes_partition, stop - start, cfg.seed + p * PARTITION_SEED_STRIDE, split, pure=False
+            )
+            for p, (start, stop) in enumerate(chunks)
+        ]
+    so = info.storage_options
+    if info.kind == "images":
+        listing = info.detail
+        n = len(listing.files)
+        return [
+            client.submit(
+                image_partition,
+                listing.files[start:stop],
+                listing.labels[start:stop],
+                info.input_shape,
+                split,
+                so,
+                pure=False,
+            )
+            for start, stop in even_chunks(n, max(1, -(-n // cfg.partition_rows)))
+        ]
+    if info.kind == "tensors":  # a partition per parquet file
+        return [
+            client.submit(tensor_partition, url, info.detail, info.input_shape, split, so, pure=False)
+            for url in info.detail.files
+        ]
+    n = info.detail[0].shape[0]
+    return [
+        client.submit(npy_partition, cfg.dataset, info.detail, start, stop, split, so, pure=False)
+        for start, stop in even_chunks(n, max(1, -(-n // cfg.partition_rows)))
+    ]

@@ -1,0 +1,1 @@
+"""Model families (the plugin registry, DataSpec), the built-in families, bundles, metrics."""

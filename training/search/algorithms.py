@@ -1,0 +1,142 @@
+"""The search's algorithms as registries: samplers and pruners by name, one factory each.
+
+The names a config may choose (``sampler=``, ``pruner=``) are the keys here; the config's types
+(:data:`SamplerName`, :data:`PrunerName`) are checked against them when this module is imported,
+so adding one is one entry in one place. Everything decides in the coordinator, where every epoch
+is reported. The strategies' names (:data:`StrategyName`) live here too; their executors are the
+registry ``mopflow.training.search.sweep.STRATEGY_EXECUTORS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    import optuna
+
+    from mopflow.training.config import SearchConfig
+
+SamplerName = Literal["tpe", "random", "grid", "gp", "cmaes"]
+PrunerName = Literal["asha", "successive_halving", "hyperband", "median", "none"]
+StrategyName = Literal["task", "ddp", "mop"]
+REDUCTION_FACTOR = 3  # successive halving and Hyperband keep the best third at each rung
+
+
+def _startup(cfg: SearchConfig) -> int:
+    """Random trials before a model-based sampler takes over: a third of the budget, 2 to 10."""
+    return max(2, min(10, cfg.n_trials // 3))
+
+
+def _tpe(cfg: SearchConfig) -> optuna.samplers.BaseSampler:
+    import optuna
+
+    # group=True: the space is conditional (each family has its own params)
+    return optuna.samplers.TPESampler(
+        seed=cfg.seed, n_startup_trials=_startup(cfg), multivariate=True, group=True
+    )
+
+
+def _random(cfg: SearchConfig) -> optuna.samplers.BaseSampler:
+    import optuna
+
+    return optuna.samplers.RandomSampler(seed=cfg.seed)
+
+
+def _gp(cfg: SearchConfig) -> optuna.samplers.BaseSampler:
+    import optuna
+
+    # categorical and family-specific params outside the shared space are sampled independently
+    return optuna.samplers.GPSampler(
+        seed=cfg.seed, n_startup_trials=_startup(cfg), warn_independent_sampling=False
+    )
+
+
+def _cmaes(cfg: SearchConfig) -> optuna.samplers.BaseSampler:
+    import optuna
+
+    # CMA-ES models the continuous params; categoricals (family, batch size) are sampled at random
+    return optuna.samplers.CmaEsSampler(
+        seed=cfg.seed,
+        n_startup_trials=_startup(cfg),
+        warn_independent_sampling=False,
+        independent_sampler=optuna.samplers.RandomSampler(seed=cfg.seed),
+    )
+
+
+SAMPLERS: dict[str, Callable[[SearchConfig], Any]] = {
+    "tpe": _tpe,
+    "random": _random,
+    "grid": _random,  # the grid points are enqueued (search.enqueue_grid); past them, seeded random
+    "gp": _gp,
+    "cmaes": _cmaes,
+}
+
+
+def _none(min_resource: int, max_resource: int | None) -> optuna.pruners.BasePruner:
+    import optuna
+
+    return optuna.pruners.NopPruner()
+
+
+def _successive_halving(min_resource: int, max_resource: int | None) -> optuna.pruners.BasePruner:
+    import optuna
+
+    # Optuna's successive halving is asynchronous (ASHA, Li et al. 2020): a trial is compared
+    # with those that reached the same rung, without waiting for a full bracket
+    return optuna.pruners.SuccessiveHalvingPruner(
+        min_resource=min_resource, reduction_factor=REDUCTION_FACTOR
+    )
+
+
+def _hyperband(min_resource: int, max_resource: int | None) -> optuna.pruners.BasePruner:
+    import optuna
+
+    top = max_resource if max_resource is not None else "auto"
+    if isinstance(top, int) and top <= min_resource:  # a single rung: successive halving
+        return _successive_halving(min_resource, max_resource)
+    return optuna.pruners.HyperbandPruner(
+        min_resource=min_resource, max_resource=top, reduction_factor=REDUCTION_FACTOR
+    )
+
+
+def _median(min_resource: int, max_resource: int | None) -> optuna.pruners.BasePruner:
+    import optuna
+
+    return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=max(min_resource - 1, 0))
+
+
+PRUNERS: dict[str, Callable[[int, int | None], Any]] = {
+    # asha: the study carries Optuna's successive halving, but a search's controller keeps the
+    # rungs itself (training/search/rungs.py), so that a model below a rung's top third waits there and
+    # may be promoted later instead of being stopped for good
+    "asha": _successive_halving,
+    "successive_halving": _successive_halving,
+    "hyperband": _hyperband,
+    "median": _median,
+    "none": _none,
+}
+
+# the config's choices are exactly the registries' names (checked once, here)
+if set(get_args(SamplerName)) != set(SAMPLERS) or set(get_args(PrunerName)) != set(PRUNERS):
+    raise ImportError("training.algorithms: the SamplerName/PrunerName choices and the registries disagree")
+
+
+def make_sampler(cfg: SearchConfig, space: Any = None) -> optuna.samplers.BaseSampler:
+    """The seeded sampler ``cfg.sampler`` names."""
+    try:
+        factory = SAMPLERS[cfg.sampler]
+    except KeyError:
+        raise ValueError(f"unknown sampler {cfg.sampler!r}; expected one of {sorted(SAMPLERS)}") from None
+    sampler: optuna.samplers.BaseSampler = factory(cfg)
+    return sampler
+
+
+def make_pruner(name: str, min_resource: int, max_resource: int | None = None) -> optuna.pruners.BasePruner:
+    """The pruner ``name`` names; ``max_resource`` (the epoch budget) is Hyperband's top rung."""
+    try:
+        factory = PRUNERS[name]
+    except KeyError:
+        raise ValueError(f"unknown pruner {name!r}; expected one of {sorted(PRUNERS)}") from None
+    pruner: optuna.pruners.BasePruner = factory(min_resource, max_resource)
+    return pruner

@@ -1,0 +1,1 @@
+"""The one trainable unit: its state, batches, schedule and Lightning module."""
