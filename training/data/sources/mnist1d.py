@@ -6,7 +6,7 @@ nearly all of it call overhead on arrays of 12 to 72 numbers). Here the random d
 one sample at a time from the same legacy ``RandomState`` stream, in the package's order, but
 the arithmetic runs on all the samples of a partition at once, with the very operations the
 package applies (``numpy.interp``'s formula, ``gaussian_filter1d`` row by row), so the output is
-identical (``tests/training/test_mnist1d_gen.py`` checks it against the package for several
+identical (``tests/training/data/sources/test_mnist1d.py`` checks it against the package for several
 sizes and seeds). Only the package's default dataset arguments are supported: they are what the
 shard stage uses.
 """

@@ -24,7 +24,7 @@ from mopflow.training.search.study import RESUME_ATTR, checkpoint_folder
 from mopflow.training.search.sweep import run_strategy_search
 from tests.dask_waits import wait_until_executing
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 128}
 SPACE = {
     "families": {

@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 
 from mopflow.compression.registry.model_registry import CHAMPION, RegistryError, promote, rollback, set_alias
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _client_with_versions(tmp_path: Path, n: int) -> tuple[MlflowClient, str]:
