@@ -14,7 +14,7 @@ second sweep on the same data reuses the content-addressed shards and publishes 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -67,21 +67,16 @@ def conf_params(defaults: Mapping[str, Any] | None = None) -> dict[str, Param]:
     return params
 
 
-def _call(stage: str, *args: Any) -> Any:
-    """Run one pipeline stage with the run's Params; errors a retry cannot fix fail at once."""
+def _call(stage: Callable[..., Any], *args: Any, with_params: bool = True) -> Any:
+    """Run one pipeline stage, with the run's Params first unless ``with_params`` is False;
+    errors a retry cannot fix fail the task at once."""
     from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
-    from mopflow.infra.stages import permanent_errors, stage_function
+    from mopflow.infra.stages.context import permanent_errors
 
-    context = get_current_context()
     try:
-        params = _run_conf(context)
-        if stage == "start_pipeline":
-            return stage_function(stage)(params, context["dag"].dag_id, context["run_id"])
-        if stage == "finalize_pipeline":  # the only stage that needs no conf
-            return stage_function(stage)(*args)
-        return stage_function(stage)(params, *args)
+        return stage(_run_conf(get_current_context()), *args) if with_params else stage(*args)
     except permanent_errors() as exc:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
@@ -114,7 +109,12 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
 
     @task(execution_timeout=timedelta(minutes=5), **retry)
     def start() -> dict[str, Any]:
-        result: dict[str, Any] = _call("start_pipeline")
+        from airflow.sdk import get_current_context
+
+        from mopflow.infra.stages.run import start_pipeline
+
+        context = get_current_context()
+        result: dict[str, Any] = _call(start_pipeline, context["dag"].dag_id, context["run_id"])
         return result
 
     @task(
@@ -126,8 +126,9 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
         from airflow.sdk import get_current_context
 
         from mopflow.infra.stages.data_events import EVENT_CONF_KEY, event_conf
+        from mopflow.infra.stages.shard import shard_stage
 
-        result: dict[str, Any] = _call("shard_stage", ctx)
+        result: dict[str, Any] = _call(shard_stage, ctx)
         if publish_new_shards and not result.get("reused"):
             context = get_current_context()
             extra = {
@@ -142,17 +143,23 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     # Training tasks share the pool: at most its slots train at once across all DAG runs.
     @task(execution_timeout=timedelta(hours=6), pool=TRAINING_POOL, **retry)
     def search(ctx: Ref, shards: Ref) -> dict[str, Any]:
-        result: dict[str, Any] = _call("search_stage", ctx, shards)
+        from mopflow.infra.stages.search import search_stage
+
+        result: dict[str, Any] = _call(search_stage, ctx, shards)
         return result
 
     @task(execution_timeout=timedelta(minutes=30), **retry)
     def ensemble(ctx: Ref, shards: Ref, study: Ref) -> dict[str, Any]:
-        result: dict[str, Any] = _call("ensemble_stage", ctx, shards, study)
+        from mopflow.infra.stages.ensemble import ensemble_stage
+
+        result: dict[str, Any] = _call(ensemble_stage, ctx, shards, study)
         return result
 
     @task(execution_timeout=timedelta(hours=2), pool=TRAINING_POOL, **retry)
     def distill(ctx: Ref, shards: Ref, ens: Ref) -> dict[str, Any]:
-        result: dict[str, Any] = _call("distill_stage", ctx, shards, ens)
+        from mopflow.infra.stages.distill import distill_stage
+
+        result: dict[str, Any] = _call(distill_stage, ctx, shards, ens)
         return result
 
     @task(execution_timeout=timedelta(minutes=30), **retry)
@@ -163,13 +170,17 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
         ens: Ref,
         student: Ref,
     ) -> dict[str, Any]:
-        result: dict[str, Any] = _call("register_stage", ctx, shards, study, ens, student)
+        from mopflow.infra.stages.register import register_stage
+
+        result: dict[str, Any] = _call(register_stage, ctx, shards, study, ens, student)
         return result
 
     # Runs whatever happened upstream: closes MLflow runs, fails the DAG run without a summary.
     @task(trigger_rule="all_done", retries=1, execution_timeout=timedelta(minutes=10))
     def finalize(ctx: Ref) -> dict[str, Any]:
-        result: dict[str, Any] = _call("finalize_pipeline", ctx)
+        from mopflow.infra.stages.run import finalize_pipeline
+
+        result: dict[str, Any] = _call(finalize_pipeline, ctx, with_params=False)  # needs no conf
         return result
 
     ctx = start()

@@ -303,7 +303,7 @@ def stopping_handlers(
 
 def started_record(dag_id: str, conf: Mapping[str, Any], run_id: str, logical: datetime) -> RunRecord:
     """A new run's record: its logical date, its Airflow run id (as dag.test makes it) and its key."""
-    from mopflow.infra.stages import make_run_key
+    from mopflow.infra.stages.context import make_run_key
 
     return RunRecord(
         run_key=make_run_key(dag_id, run_id),

@@ -151,7 +151,7 @@ def _finished_summary(
 
     summary_uri = storage.join(settings.artifact_root, "runs", record.run_key, "summary.json")
     if not state.endswith("success") or not storage.exists(summary_uri, settings.storage_options):
-        from mopflow.infra.stages import read_failure
+        from mopflow.infra.stages.context import read_failure
 
         failure = read_failure(settings, record.run_key)
         record.state, record.ended_at = "failed", local_runs.now_iso()

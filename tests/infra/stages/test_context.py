@@ -7,9 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from mopflow.infra import stages
 from mopflow.infra.base.settings import Settings
-from mopflow.infra.stages.context import STAGE_TAG, stage
+from mopflow.infra.stages.context import (
+    STAGE_TAG,
+    RunContext,
+    read_failure,
+    stage,
+    study_name_for,
+    tracker_for,
+)
+from mopflow.infra.stages.run import start_pipeline
 
 CONF = {"n_trials": 2, "top_k": 1, "model_name": "ctx"}
 
@@ -20,16 +27,16 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def test_a_stage_run_carries_the_lineage_and_is_reopened_on_a_retry(settings: Settings) -> None:
-    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__ctx", settings)
+    ctx = start_pipeline(CONF, "mopflow_retrain", "manual__ctx", settings)
 
-    def lineage(cfg: object, run: stages.RunContext) -> dict[str, str]:
-        return {"mopflow.study": stages.study_name_for(cfg, run)}  # type: ignore[arg-type]
+    def lineage(cfg: object, run: RunContext) -> dict[str, str]:
+        return {"mopflow.study": study_name_for(cfg, run)}  # type: ignore[arg-type]
 
     for _attempt in range(2):
         with stage("search", CONF, ctx, settings, lineage) as st:
             assert st.cfg.search.n_trials == 2 and st.run.run_key == ctx["run_key"]
             first = st.run_id
-    tracker = stages.tracker_for(settings)
+    tracker = tracker_for(settings)
     runs = [
         r
         for r in tracker.find_runs({"mopflow.run_key": ctx["run_key"]})
@@ -42,16 +49,16 @@ def test_a_stage_run_carries_the_lineage_and_is_reopened_on_a_retry(settings: Se
         and tags["mlflow.parentRunId"] == ctx["parent_run_id"]
     )
     assert runs[0].info.status == "FINISHED"
-    assert stages.read_failure(settings, ctx["run_key"]) is None
+    assert read_failure(settings, ctx["run_key"]) is None
 
 
 def test_a_failing_stage_ends_its_run_and_records_the_root_cause(settings: Settings) -> None:
-    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__ctx_fail", settings)
+    ctx = start_pipeline(CONF, "mopflow_retrain", "manual__ctx_fail", settings)
     with pytest.raises(ValueError, match="no such column"), stage("ensemble", CONF, ctx, settings) as st:
         run_id = st.run_id
         raise ValueError("no such column 'px99'")
-    assert stages.tracker_for(settings).run_status(run_id) == "FAILED"
-    failure = stages.read_failure(settings, ctx["run_key"])
+    assert tracker_for(settings).run_status(run_id) == "FAILED"
+    failure = read_failure(settings, ctx["run_key"])
     assert failure == {
         "stage": "ensemble",
         "error": "ValueError",
@@ -63,8 +70,8 @@ def test_a_failing_stage_ends_its_run_and_records_the_root_cause(settings: Setti
 def test_a_bad_conf_is_refused_before_any_run_opens(settings: Settings) -> None:
     from mopflow.infra.stages.config import ConfigError
 
-    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__ctx_bad", settings)
+    ctx = start_pipeline(CONF, "mopflow_retrain", "manual__ctx_bad", settings)
     with pytest.raises(ConfigError, match="n_trials"), stage("shard", {"n_trials": -1}, ctx, settings):
         pass
-    runs = stages.tracker_for(settings).find_runs({"mopflow.run_key": ctx["run_key"]})
+    runs = tracker_for(settings).find_runs({"mopflow.run_key": ctx["run_key"]})
     assert [r.data.tags[STAGE_TAG] for r in runs] == ["pipeline"]

@@ -19,12 +19,18 @@ import pytest
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-from mopflow.infra import stages
 from mopflow.infra.base import storage
 from mopflow.infra.base.optuna_storage import make_storage
 from mopflow.infra.base.settings import Settings
 from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from mopflow.infra.stages.config import PipelineConfig
+from mopflow.infra.stages.context import RunContext, study_name_for
+from mopflow.infra.stages.distill import distill_stage
+from mopflow.infra.stages.ensemble import ensemble_stage
+from mopflow.infra.stages.register import register_stage
+from mopflow.infra.stages.run import finalize_pipeline, start_pipeline
+from mopflow.infra.stages.search import search_stage
+from mopflow.infra.stages.shard import shard_stage
 from mopflow.training.config import SearchConfig
 from mopflow.training.data import ShardIntegrityError, load_manifest
 from mopflow.training.search.study import STALE_ATTR
@@ -97,33 +103,33 @@ def test_mlflow_server_down_mid_run_fails_clearly_and_leaves_no_run_running(
     settings = Settings.from_env(
         {"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_TRACKING_URI": mlflow_server.url}
     )
-    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__mlflow_down", settings)
-    shard = stages.shard_stage(CONF, ctx, settings)
+    ctx = start_pipeline(CONF, "mopflow_retrain", "manual__mlflow_down", settings)
+    shard = shard_stage(CONF, ctx, settings)
     mlflow_server.stop()
     with pytest.raises(Exception) as failure:
-        stages.search_stage(CONF, ctx, shard, settings)
+        search_stage(CONF, ctx, shard, settings)
     assert f"127.0.0.1:{mlflow_server.port}" in str(failure.value)
-    study_name = stages.study_name_for(PipelineConfig.from_conf(CONF), stages.RunContext.from_dict(ctx))
+    study_name = study_name_for(PipelineConfig.from_conf(CONF), RunContext.from_dict(ctx))
     with pytest.raises(KeyError):  # nothing was trained without tracking
         optuna.load_study(study_name=study_name, storage=make_storage(settings.optuna_storage))
 
     mlflow_server.start()
     with pytest.raises(RuntimeError, match="did not complete"):
-        stages.finalize_pipeline(ctx, settings)
+        finalize_pipeline(ctx, settings)
     client = MlflowClient(tracking_uri=mlflow_server.url)
     experiment = client.get_experiment_by_name(settings.experiment_name)
     runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
     assert runs and not [r for r in runs if r.info.status == "RUNNING"]
     assert client.get_run(ctx["parent_run_id"]).info.status == "FAILED"
     assert storage.exists(shard["manifest_uri"])
-    assert stages.shard_stage(CONF, ctx, settings)["reused"]  # the retry redoes nothing
+    assert shard_stage(CONF, ctx, settings)["reused"]  # the retry redoes nothing
 
 
 @pytest.fixture()
 def sharded(tmp_path: Path) -> tuple[Settings, dict, dict]:
     settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path / "home")})
-    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__shards", settings)
-    return settings, ctx, stages.shard_stage(CONF, ctx, settings)
+    ctx = start_pipeline(CONF, "mopflow_retrain", "manual__shards", settings)
+    return settings, ctx, shard_stage(CONF, ctx, settings)
 
 
 def _shard_path(shard: dict, split: str) -> Path:
@@ -149,9 +155,9 @@ def test_damaged_shard_between_stages_is_named_before_any_training(
     else:
         victim.unlink()
     with pytest.raises((ShardIntegrityError, FileNotFoundError)) as failure:
-        stages.search_stage(CONF, ctx, shard, settings)
+        search_stage(CONF, ctx, shard, settings)
     assert victim.name in str(failure.value)
-    study_name = stages.study_name_for(PipelineConfig.from_conf(CONF), stages.RunContext.from_dict(ctx))
+    study_name = study_name_for(PipelineConfig.from_conf(CONF), RunContext.from_dict(ctx))
     storage_ = make_storage(settings.optuna_storage)
     assert not [
         s for s in optuna.get_all_study_summaries(storage_) if s.study_name == study_name and s.n_trials
@@ -170,9 +176,9 @@ def test_unwritable_data_root_fails_clearly_and_leaves_no_manifest(tmp_path: Pat
     settings = Settings.from_env(
         {"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_DATA_ROOT": str(blocker / "data")}
     )
-    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__unwritable", settings)
+    ctx = start_pipeline(CONF, "mopflow_retrain", "manual__unwritable", settings)
     with pytest.raises(OSError) as failure:
-        stages.shard_stage(CONF, ctx, settings)
+        shard_stage(CONF, ctx, settings)
     assert "not-a-folder" in str(failure.value)
     assert blocker.read_text() == "x"
 
@@ -218,9 +224,9 @@ def test_missing_bucket_fails_clearly_and_leaves_no_manifest(s3_endpoint: dict, 
         aws_secret_access_key="testing",
     )
     buckets_before = {b["Name"] for b in s3.list_buckets()["Buckets"]}
-    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__nobucket", settings)
+    ctx = start_pipeline(CONF, "mopflow_retrain", "manual__nobucket", settings)
     with pytest.raises(Exception) as failure:
-        stages.shard_stage(CONF, ctx, settings)
+        shard_stage(CONF, ctx, settings)
     assert "no-such-bucket" in str(failure.value)
     assert {b["Name"] for b in s3.list_buckets()["Buckets"]} == buckets_before  # no bucket was created
     client = MlflowClient(tracking_uri=settings.tracking_uri)
@@ -336,8 +342,8 @@ def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_pat
 
     conf = CONF | {"strategy": "mop", "model_slots": 2, "model_name": "killed"}
     settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path / "home")})
-    ctx = stages.start_pipeline(conf, "mopflow_retrain", "manual__worker_killed", settings)
-    shard = stages.shard_stage(conf, ctx, settings)
+    ctx = start_pipeline(conf, "mopflow_retrain", "manual__worker_killed", settings)
+    shard = shard_stage(conf, ctx, settings)
 
     watcher = _UnitStarted()
     killed: list[object] = []
@@ -363,15 +369,15 @@ def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_pat
     try:
         # a worker killed while loading takes a while to come back on a loaded 2-core machine
         with dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"}):
-            search = stages.search_stage(conf, ctx, shard, settings)
+            search = search_stage(conf, ctx, shard, settings)
     finally:
         mop_log.removeHandler(watcher)
         mop_log.setLevel(level)
         killer.join(timeout=200)
     assert len(killed) == 1 and isinstance(killed[0], int), f"no worker was killed mid-unit: {killed}"
-    ens = stages.ensemble_stage(conf, ctx, shard, search, settings)
-    student = stages.distill_stage(conf, ctx, shard, ens, settings)
-    summary = stages.register_stage(conf, ctx, shard, search, ens, student, settings)
+    ens = ensemble_stage(conf, ctx, shard, search, settings)
+    student = distill_stage(conf, ctx, shard, ens, settings)
+    summary = register_stage(conf, ctx, shard, search, ens, student, settings)
 
     # every trial COMPLETE, each once
     assert search["counts"] == {"COMPLETE": conf["n_trials"], "PRUNED": 0, "FAIL": 0}
@@ -404,6 +410,6 @@ def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_pat
     if registered["promoted"]:
         assert client.get_model_version_by_alias(registered["name"], "champion").version == version.version
 
-    stages.finalize_pipeline(ctx, settings)
+    finalize_pipeline(ctx, settings)
     runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
     assert {r.info.status for r in runs} == {"FINISHED"}

@@ -8,8 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mopflow.infra import stages
 from mopflow.infra.base.settings import Settings
+from mopflow.infra.stages.context import tracker_for
+from mopflow.infra.stages.distill import distill_stage
+from mopflow.infra.stages.ensemble import ensemble_stage
+from mopflow.infra.stages.run import start_pipeline
+from mopflow.infra.stages.search import search_stage
+from mopflow.infra.stages.shard import shard_stage
 from mopflow.training.models.bundle import load_bundle
 
 IMAGE_SPACE = {
@@ -53,9 +58,9 @@ def test_images_train_under_the_mop_and_ddp_strategies(tmp_path: Path, strategy:
         "search_space": IMAGE_SPACE,
         "model_name": f"img-{strategy}",
     }
-    ctx = stages.start_pipeline(conf, "mopflow_retrain", f"manual__{strategy}", settings)
-    shard = stages.shard_stage(conf, ctx, settings)
-    search = stages.search_stage(conf, ctx, shard, settings)
+    ctx = start_pipeline(conf, "mopflow_retrain", f"manual__{strategy}", settings)
+    shard = shard_stage(conf, ctx, settings)
+    search = search_stage(conf, ctx, shard, settings)
     assert search["counts"] == {"COMPLETE": 2, "PRUNED": 0, "FAIL": 0}
 
 
@@ -76,15 +81,15 @@ def test_a_sequence_ensemble_of_two_families_is_distilled_on_mixup(tmp_path: Pat
         "sampler": "grid",  # one trial per family
         "model_name": "seq",
     }
-    ctx = stages.start_pipeline(conf, "mopflow_retrain", "manual__seq", settings)
-    shard = stages.shard_stage(conf, ctx, settings)
-    search = stages.search_stage(conf, ctx, shard, settings)
-    ensemble = stages.ensemble_stage(conf, ctx, shard, search, settings)
+    ctx = start_pipeline(conf, "mopflow_retrain", "manual__seq", settings)
+    shard = shard_stage(conf, ctx, settings)
+    search = search_stage(conf, ctx, shard, settings)
+    ensemble = ensemble_stage(conf, ctx, shard, search, settings)
     members = load_bundle(ensemble["bundle_uri"]).spec["members"]
     assert sorted(m["family"] for m in members) == ["gru", "rescnn"]
     assert all(m["modality"] == "sequence" and m["input_shape"] == [16, 2] for m in members)
-    distill = stages.distill_stage(conf, ctx, shard, ensemble, settings)
+    distill = distill_stage(conf, ctx, shard, ensemble, settings)
     assert distill["arch"]["family"] == "cnn" and distill["arch"]["input_shape"] == [16, 2]
-    params = stages.tracker_for(settings).client.get_run(distill["run_id"]).data.params
+    params = tracker_for(settings).client.get_run(distill["run_id"]).data.params
     assert params["transfer"] == "mixup" and params["family"] == "cnn"  # the choices auto made
     assert "student int8 (static)" in {row["model"] for row in distill["evaluation"]}

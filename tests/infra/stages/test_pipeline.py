@@ -9,10 +9,16 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from mopflow.infra import stages
 from mopflow.infra.base.optuna_storage import make_storage
 from mopflow.infra.base.settings import Settings
 from mopflow.infra.stages.config import PipelineConfig
+from mopflow.infra.stages.context import make_run_key, tracker_for
+from mopflow.infra.stages.distill import distill_stage
+from mopflow.infra.stages.ensemble import ensemble_stage
+from mopflow.infra.stages.register import register_stage
+from mopflow.infra.stages.run import finalize_pipeline, start_pipeline
+from mopflow.infra.stages.search import BEST_PARAMS_TAG, champion_warm_start, search_stage
+from mopflow.infra.stages.shard import shard_stage
 from mopflow.training.search.space import params_from_optuna
 from mopflow.training.search.study import WARM_START_ATTR
 from tests.infra.stages.confs import SMALL_CONF
@@ -28,24 +34,21 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 
 @pytest.mark.slow
 def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
-    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__test", settings)
-    assert (
-        stages.champion_warm_start(stages.tracker_for(settings).client, PipelineConfig.from_conf(CONF))
-        is None
-    )
-    assert stages.start_pipeline(CONF, "mopflow_retrain", "manual__test", settings) == ctx
-    shard = stages.shard_stage(CONF, ctx, settings)
-    search = stages.search_stage(CONF, ctx, shard, settings)
-    ens = stages.ensemble_stage(CONF, ctx, shard, search, settings)
-    student = stages.distill_stage(CONF, ctx, shard, ens, settings)
-    first = stages.register_stage(CONF, ctx, shard, search, ens, student, settings)
+    ctx = start_pipeline(CONF, "mopflow_retrain", "manual__test", settings)
+    assert champion_warm_start(tracker_for(settings).client, PipelineConfig.from_conf(CONF)) is None
+    assert start_pipeline(CONF, "mopflow_retrain", "manual__test", settings) == ctx
+    shard = shard_stage(CONF, ctx, settings)
+    search = search_stage(CONF, ctx, shard, settings)
+    ens = ensemble_stage(CONF, ctx, shard, search, settings)
+    student = distill_stage(CONF, ctx, shard, ens, settings)
+    first = register_stage(CONF, ctx, shard, search, ens, student, settings)
 
     # The same run again, stage by stage (an Airflow "clear and rerun").
-    shard2 = stages.shard_stage(CONF, ctx, settings)
+    shard2 = shard_stage(CONF, ctx, settings)
     assert shard2["reused"] and shard2["manifest_hash"] == shard["manifest_hash"]
-    search2 = stages.search_stage(CONF, ctx, shard2, settings)
+    search2 = search_stage(CONF, ctx, shard2, settings)
     assert search2["study_name"] == search["study_name"]
-    second = stages.register_stage(CONF, ctx, shard2, search2, ens, student, settings)
+    second = register_stage(CONF, ctx, shard2, search2, ens, student, settings)
     assert second["registered"]["version"] == first["registered"]["version"] == "1"
 
     study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
@@ -64,9 +67,9 @@ def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
     assert stage_tags.count("trial") == CONF["n_trials"]
 
     # A run left RUNNING (a killed task) is closed by finalize; the parent ends FINISHED.
-    tracker = stages.tracker_for(settings)
+    tracker = tracker_for(settings)
     dangling = tracker.start_run("killed", {"mopflow.run_key": ctx["run_key"], "mopflow.stage": "ghost"})
-    stages.finalize_pipeline(ctx, settings)
+    finalize_pipeline(ctx, settings)
     assert client.get_run(dangling).info.status == "FAILED"
     assert client.get_run(ctx["parent_run_id"]).info.status == "FINISHED"
 
@@ -76,11 +79,11 @@ def test_retraining_warm_starts_from_the_champion(settings: Settings) -> None:
     """Runs after the test above, which registered a champion in this module's MLflow."""
     client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
     champion = client.get_model_version_by_alias("idem-student", "champion")
-    best = json.loads(champion.tags[stages.BEST_PARAMS_TAG])
+    best = json.loads(champion.tags[BEST_PARAMS_TAG])
     conf = CONF | {"warm_start": True, "sampler": "random", "seed": 5}
-    ctx = stages.start_pipeline(conf, "mopflow_retrain", "scheduled__warm", settings)
-    shard = stages.shard_stage(conf, ctx, settings)
-    search = stages.search_stage(conf, ctx, shard, settings)
+    ctx = start_pipeline(conf, "mopflow_retrain", "scheduled__warm", settings)
+    shard = shard_stage(conf, ctx, settings)
+    search = search_stage(conf, ctx, shard, settings)
     study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
     first = study.trials[0]
     assert params_from_optuna(first.params) == best  # the champion's configuration is tried first
@@ -91,25 +94,25 @@ def test_retraining_warm_starts_from_the_champion(settings: Settings) -> None:
 
 def test_finalize_fails_the_run_when_the_pipeline_did_not_finish(settings: Settings, tmp_path: Path) -> None:
     local = Settings.from_env({"MOPFLOW_HOME": str(tmp_path)})
-    ctx = stages.start_pipeline(CONF, "mopflow_retrain", "manual__broken", local)
+    ctx = start_pipeline(CONF, "mopflow_retrain", "manual__broken", local)
     with pytest.raises(RuntimeError, match="did not complete"):
-        stages.finalize_pipeline(ctx, local)
+        finalize_pipeline(ctx, local)
     client = MlflowClient(tracking_uri=local.tracking_uri)
     assert client.get_run(ctx["parent_run_id"]).info.status == "FAILED"
 
 
 def test_run_key_is_stable_and_distinct() -> None:
-    assert stages.make_run_key("d", "r1") == stages.make_run_key("d", "r1")
-    assert stages.make_run_key("d", "r1") != stages.make_run_key("d", "r2")
+    assert make_run_key("d", "r1") == make_run_key("d", "r1")
+    assert make_run_key("d", "r1") != make_run_key("d", "r2")
 
 
 @pytest.mark.slow
 def test_mop_strategy_runs_the_search_and_logs_gantt_charts(tmp_path: Path) -> None:
     local = Settings.from_env({"MOPFLOW_HOME": str(tmp_path)})
     conf = CONF | {"strategy": "mop", "n_trials": 3, "model_slots": 2, "epochs": 2, "model_name": "mop"}
-    ctx = stages.start_pipeline(conf, "mopflow_retrain", "manual__mop", local)
-    shard = stages.shard_stage(conf, ctx, local)
-    search = stages.search_stage(conf, ctx, shard, local)
+    ctx = start_pipeline(conf, "mopflow_retrain", "manual__mop", local)
+    shard = shard_stage(conf, ctx, local)
+    search = search_stage(conf, ctx, shard, local)
     assert sum(search["counts"].values()) == 3 and search["counts"]["COMPLETE"] == 3
     client = MlflowClient(tracking_uri=local.tracking_uri)
     experiment = client.get_experiment_by_name(local.experiment_name)
@@ -125,9 +128,9 @@ def test_mop_strategy_runs_the_search_and_logs_gantt_charts(tmp_path: Path) -> N
 def test_ddp_strategy_runs_the_search_on_the_dask_workers(tmp_path: Path) -> None:
     local = Settings.from_env({"MOPFLOW_HOME": str(tmp_path)})
     conf = CONF | {"strategy": "ddp", "ddp_world_size": 2, "n_trials": 2, "epochs": 2, "model_name": "ddp"}
-    ctx = stages.start_pipeline(conf, "mopflow_retrain", "manual__ddp", local)
-    shard = stages.shard_stage(conf, ctx, local)
-    search = stages.search_stage(conf, ctx, shard, local)
+    ctx = start_pipeline(conf, "mopflow_retrain", "manual__ddp", local)
+    shard = shard_stage(conf, ctx, local)
+    search = search_stage(conf, ctx, shard, local)
     assert search["counts"] == {"COMPLETE": 2, "PRUNED": 0, "FAIL": 0}
     study = optuna.load_study(study_name=search["study_name"], storage=make_storage(local.optuna_storage))
     for trial in study.trials:
@@ -160,11 +163,11 @@ def test_a_student_without_static_int8_is_distilled_and_reported_without_it(
         "model_name": "rescnn-student",
     }
     settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path_factory.mktemp("rescnn"))})
-    ctx = stages.start_pipeline(conf, "mopflow_retrain", "manual__rescnn", settings)
-    shard = stages.shard_stage(conf, ctx, settings)
-    search = stages.search_stage(conf, ctx, shard, settings)
-    ens = stages.ensemble_stage(conf, ctx, shard, search, settings)
-    student = stages.distill_stage(conf, ctx, shard, ens, settings)
+    ctx = start_pipeline(conf, "mopflow_retrain", "manual__rescnn", settings)
+    shard = shard_stage(conf, ctx, settings)
+    search = search_stage(conf, ctx, shard, settings)
+    ens = ensemble_stage(conf, ctx, shard, search, settings)
+    student = distill_stage(conf, ctx, shard, ens, settings)
     assert student["arch"]["family"] == "rescnn"
     assert student["param_ratio"] <= 0.1
     assert "int8_static_test_acc" not in student and student["int8_test_acc"] is not None
