@@ -17,7 +17,6 @@ from mopflow.training.models.bundle import (
     ProbabilityEnsemble,
     StackedEnsemble,
     load_bundle,
-    predict_proba,
     save_bundle,
 )
 from mopflow.training.models.metrics import top1_accuracy
@@ -91,26 +90,6 @@ def members_from_picks(
     """The members (in the order first picked) and their weights (how often each was picked)."""
     order = sorted(set(picks), key=list(picks).index)
     return [pool[i] for i in order], [float(list(picks).count(i)) for i in order]
-
-
-def choose_members(
-    candidates: Sequence[Candidate],
-    method: str,
-    size: int,
-    x_val: np.ndarray,
-    y_val: np.ndarray,
-    storage_options: Mapping[str, Any] | None = None,
-) -> tuple[list[Candidate], list[float]]:
-    """The ensemble's members and weights on in-memory validation data: top-k (equal weights) or
-    greedy selection (counts). The pipeline's stage selects on the shards
-    (:class:`mopflow.compression.shard_eval.ShardEvaluator`)."""
-    pool = selection_pool(candidates, method, size)
-    if method == "top_k":
-        return members_from_picks(pool, range(len(pool)))
-    probs = [
-        predict_proba(load_bundle(str(c.bundle_uri), storage_options).module, x_val).numpy() for c in pool
-    ]
-    return members_from_picks(pool, greedy_selection(probs, y_val, size))
 
 
 def build_ensemble(

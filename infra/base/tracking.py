@@ -16,7 +16,6 @@ from typing import Any, Protocol
 log = logging.getLogger(__name__)
 
 PARENT_TAG = "mlflow.parentRunId"
-RUN_NAME_TAG = "mlflow.runName"
 
 
 class Tracker(Protocol):

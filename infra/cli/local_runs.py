@@ -34,7 +34,6 @@ FailDagRun = Callable[[str, str], None]  # (dag_id, run_id): mark that DAG run f
 
 STOP_TIMEOUT_ENV = "MOPFLOW_STOP_TIMEOUT_S"
 DEFAULT_STOP_TIMEOUT_S = 30.0
-STATES = ("running", "succeeded", "failed", "stopped")
 _TERMINAL: list[TextIO] = []  # the terminal while the run's output goes to its log file
 
 

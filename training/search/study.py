@@ -203,20 +203,6 @@ def retry_stale_trials(study: optuna.Study) -> int:
     return len(stale)
 
 
-def fail_orphans(study: optuna.Study) -> int:
-    """When no trial is in flight, a RUNNING trial is an orphan: a trial created twice because the
-    database dropped the connection after creating it and the call was retried. It never ran;
-    it is failed and marked so that it does not count."""
-    orphans = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
-    for t in orphans:
-        optuna.trial.Trial(study, t._trial_id).set_user_attr(STALE_ATTR, True)
-        study.tell(t.number, state=TrialState.FAIL)
-        log.warning(
-            "search: trial %d was created but never started (a retried database call); failed", t.number
-        )
-    return len(orphans)
-
-
 def retried_trial(trial: optuna.trial.Trial | optuna.trial.FrozenTrial) -> int | None:
     """The number of the trial this one retries (after a dead coordinator), if any."""
     value = trial.user_attrs.get(RESUME_ATTR)

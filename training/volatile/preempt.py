@@ -39,10 +39,6 @@ NOTICE = threading.Event()  # set in a worker process once it has been told it w
 DEFAULT_GRACE_S = 30.0
 
 
-class Preempted(Exception):
-    """Raised inside the training loop after the checkpoint is written; the task is rescheduled."""
-
-
 class UnitPreempted(Exception):
     """A training unit stopped on a spot notice. ``state`` is its packed state at the last batch
     boundary (it resumes from there); ``record`` has ``start``, ``saved_at`` and ``end`` (wall

@@ -19,7 +19,7 @@ The printed table and JSON form of a report are :mod:`mopflow.training.volatile.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -258,11 +258,3 @@ def _why_not(config: SpotPlanConfig, strategy: Strategy) -> str:
     if hours / active > config.deadline_hours:
         return f"needs {hours / active:.3g} h in expectation at the bid cap {config.bid_cap:g} (active {active:.1%})"
     return "never cheaper than the high-bid workers alone (gamma = 0)"
-
-
-def with_strategy(report: PlanReport, strategy: Strategy) -> PlanReport:
-    """The same report with another (feasible) strategy chosen, e.g. to force on-demand."""
-    plan = report.options.get(strategy)
-    if plan is None:
-        raise PlanError(f"strategy {strategy} is infeasible: {report.reasons.get(strategy, '?')}")
-    return replace(report, chosen=plan)

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from mopflow.training.models.builtin import ArchSpec, build_model
-from mopflow.training.volatile.cost import account_run
-from mopflow.training.volatile.growing import (
+from growing import (
     GrowingConfig,
     Volatility,
     aggregated_gradient,
     concatenated_gradient,
     train_growing,
 )
+
+from mopflow.training.models.builtin import ArchSpec, build_model
+from mopflow.training.volatile.cost import account_run
 from mopflow.training.volatile.price_trace import PriceTrace
 from mopflow.training.volatile.prices import SECONDS_PER_HOUR, PriceError, TraceExhaustedError
 from mopflow.training.volatile.workers import WorkerSchedule, schedule_values
-from tests.training.volatile.helpers import (
+from tests.benchmarks.growing_helpers import (
     ARCH,
     TRACE,
     growing_config,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from growing import Volatility, train_growing
+from growing_report import account_prefix, cost_curve, log_growing_run
 
-from mopflow.training.volatile.growing import Volatility, train_growing
-from mopflow.training.volatile.growing_report import account_prefix, cost_curve, log_growing_run
 from mopflow.training.volatile.prices import SECONDS_PER_HOUR
-from tests.training.volatile.helpers import ARCH, TRACE, growing_data, volatile_growing_config
+from tests.benchmarks.growing_helpers import ARCH, TRACE, growing_data, volatile_growing_config
 
 
 def test_the_cost_curve_adds_each_slots_price_times_its_active_workers() -> None:
