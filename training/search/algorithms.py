@@ -4,12 +4,13 @@ The names a config may choose (``sampler=``, ``pruner=``) are the keys here; the
 (:data:`SamplerName`, :data:`PrunerName`) are checked against them when this module is imported,
 so adding one is one entry in one place. Everything decides in the coordinator, where every epoch
 is reported. The strategies' names (:data:`StrategyName`) live here too; their executors are the
-registry ``mopflow.training.search.sweep.STRATEGY_EXECUTORS``.
+registry ``mopflow.training.search.sweep.STRATEGIES``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
@@ -64,12 +65,32 @@ def _cmaes(cfg: SearchConfig) -> optuna.samplers.BaseSampler:
     )
 
 
-SAMPLERS: dict[str, Callable[[SearchConfig], Any]] = {
-    "tpe": _tpe,
-    "random": _random,
-    "grid": _random,  # the grid points are enqueued (search.enqueue_grid); past them, seeded random
-    "gp": _gp,
-    "cmaes": _cmaes,
+@dataclass(frozen=True)
+class SamplerKind:
+    """A sampler the config can name: how it is built, and whether the space's grid points are
+    enqueued before it samples."""
+
+    build: Callable[[SearchConfig], Any]
+    enqueues_grid: bool = False
+
+
+@dataclass(frozen=True)
+class PrunerKind:
+    """A pruner the config can name: how it is built from (min resource, max resource), and
+    whether the search's controller keeps the rungs itself, so that a model below a rung's top
+    third waits there and may be promoted later instead of being stopped for good."""
+
+    build: Callable[[int, int | None], Any]
+    waiting_rungs: bool = False
+
+
+SAMPLERS: dict[str, SamplerKind] = {
+    "tpe": SamplerKind(_tpe),
+    "random": SamplerKind(_random),
+    # the grid points are enqueued (study.enqueue_grid); past them, seeded random
+    "grid": SamplerKind(_random, enqueues_grid=True),
+    "gp": SamplerKind(_gp),
+    "cmaes": SamplerKind(_cmaes),
 }
 
 
@@ -106,20 +127,21 @@ def _median(min_resource: int, max_resource: int | None) -> optuna.pruners.BaseP
     return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=max(min_resource - 1, 0))
 
 
-PRUNERS: dict[str, Callable[[int, int | None], Any]] = {
-    # asha: the study carries Optuna's successive halving, but a search's controller keeps the
-    # rungs itself (training/search/rungs.py), so that a model below a rung's top third waits there and
-    # may be promoted later instead of being stopped for good
-    "asha": _successive_halving,
-    "successive_halving": _successive_halving,
-    "hyperband": _hyperband,
-    "median": _median,
-    "none": _none,
+PRUNERS: dict[str, PrunerKind] = {
+    # asha: the study carries Optuna's successive halving, and the controller keeps the rungs
+    # (training/search/rungs.py)
+    "asha": PrunerKind(_successive_halving, waiting_rungs=True),
+    "successive_halving": PrunerKind(_successive_halving),
+    "hyperband": PrunerKind(_hyperband),
+    "median": PrunerKind(_median),
+    "none": PrunerKind(_none),
 }
 
 # the config's choices are exactly the registries' names (checked once, here)
 if set(get_args(SamplerName)) != set(SAMPLERS) or set(get_args(PrunerName)) != set(PRUNERS):
-    raise ImportError("training.algorithms: the SamplerName/PrunerName choices and the registries disagree")
+    raise ImportError(
+        "mopflow.training.search.algorithms: the SamplerName/PrunerName choices and the registries disagree"
+    )
 
 
 def make_sampler(cfg: SearchConfig, space: Any = None) -> optuna.samplers.BaseSampler:
@@ -128,7 +150,7 @@ def make_sampler(cfg: SearchConfig, space: Any = None) -> optuna.samplers.BaseSa
         factory = SAMPLERS[cfg.sampler]
     except KeyError:
         raise ValueError(f"unknown sampler {cfg.sampler!r}; expected one of {sorted(SAMPLERS)}") from None
-    sampler: optuna.samplers.BaseSampler = factory(cfg)
+    sampler: optuna.samplers.BaseSampler = factory.build(cfg)
     return sampler
 
 
@@ -138,5 +160,15 @@ def make_pruner(name: str, min_resource: int, max_resource: int | None = None) -
         factory = PRUNERS[name]
     except KeyError:
         raise ValueError(f"unknown pruner {name!r}; expected one of {sorted(PRUNERS)}") from None
-    pruner: optuna.pruners.BasePruner = factory(min_resource, max_resource)
+    pruner: optuna.pruners.BasePruner = factory.build(min_resource, max_resource)
     return pruner
+
+
+def enqueues_grid(sampler: str) -> bool:
+    """Whether the sampler ``sampler`` names starts from the space's grid points."""
+    return SAMPLERS[sampler].enqueues_grid
+
+
+def keeps_waiting_rungs(pruner: str) -> bool:
+    """Whether under the pruner ``pruner`` names the controller keeps the rungs itself."""
+    return PRUNERS[pruner].waiting_rungs

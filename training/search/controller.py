@@ -18,7 +18,7 @@ import optuna
 from mopflow.infra.base import progress
 from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.config import SearchConfig
-from mopflow.training.search.algorithms import REDUCTION_FACTOR
+from mopflow.training.search.algorithms import REDUCTION_FACTOR, keeps_waiting_rungs
 from mopflow.training.search.rungs import PROMOTED_ATTR, WAITS_ATTR, Rungs, current
 from mopflow.training.search.space import params_from_optuna, sample_params
 from mopflow.training.search.study import MODEL_ATTR
@@ -63,7 +63,7 @@ class SearchController:
         self.trained: dict[str, set[int]] = {}  # epochs each model has trained (replays excluded)
         self.rungs = (
             Rungs(cfg.min_resource, REDUCTION_FACTOR, cfg.epochs)
-            if self.prune and cfg.pruner == "asha"
+            if self.prune and keeps_waiting_rungs(cfg.pruner)
             else None
         )
         self.waiting: dict[str, ModelSpec] = {}  # models stopped at a rung that may be promoted

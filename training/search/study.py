@@ -19,7 +19,7 @@ from mopflow.infra.base import storage
 from mopflow.infra.base.optuna_storage import make_storage, quiet_optuna
 from mopflow.training.config import SearchConfig
 from mopflow.training.data import verify_manifest
-from mopflow.training.search.algorithms import make_pruner, make_sampler
+from mopflow.training.search.algorithms import enqueues_grid, make_pruner, make_sampler
 from mopflow.training.search.rungs import current
 from mopflow.training.search.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
 from mopflow.training.search.trial import TrialResult
@@ -332,7 +332,7 @@ def open_study(
     learn_from_earlier(study, storage, key, cfg.warm_start_studies)
     if warm_start is not None:
         warm_start_study(study, space, warm_start)
-    if cfg.sampler == "grid":
+    if enqueues_grid(cfg.sampler):
         enqueue_grid(study, cfg, space)
     retry_stale_trials(study)
     trials = study.get_trials(deepcopy=False)

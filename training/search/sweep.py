@@ -172,8 +172,7 @@ class _Sweep:
             respect_deadline=respect_deadline,
             device=self.options["device"],
         )
-        # task admits trials itself as slots free up; MOP starts with its slots, DDP with one job
-        first = controller.ask({"task": 0, "mop": self.cfg.model_slots}.get(self.cfg.strategy, 1))
+        first = controller.ask(STRATEGIES[self.cfg.strategy].first_models(self.cfg))
         outcomes = self.executor.run(first, self.cfg.epochs, controller)
         for _, outcome in sorted(outcomes.items()):  # any model the executor did not report done
             self.finish(controller, outcome)
@@ -317,16 +316,26 @@ def _ddp_executor(s: ExecutorSetting) -> Executor:
     )
 
 
-# strategy name -> the executor that trains its models (names: training.algorithms.StrategyName)
-STRATEGY_EXECUTORS: dict[str, Callable[[ExecutorSetting], Executor]] = {
-    "task": _task_executor,
-    "mop": _mop_executor,
-    "ddp": _ddp_executor,
+@dataclass(frozen=True)
+class Strategy:
+    """A strategy the config can name: the executor that trains its models, and how many models
+    the search asks for before the executor starts (the rest it admits as it goes)."""
+
+    executor: Callable[[ExecutorSetting], Executor]
+    first_models: Callable[[SearchConfig], int]
+
+
+# strategy name -> how it trains (names: mopflow.training.search.algorithms.StrategyName)
+STRATEGIES: dict[str, Strategy] = {
+    # task admits trials itself as slots free up; MOP starts with its slots, DDP with one job
+    "task": Strategy(_task_executor, lambda cfg: 0),
+    "mop": Strategy(_mop_executor, lambda cfg: cfg.model_slots),
+    "ddp": Strategy(_ddp_executor, lambda cfg: 1),
 }
-if set(STRATEGY_EXECUTORS) != set(get_args(StrategyName)):
-    raise ImportError("training.executor_search: STRATEGY_EXECUTORS and StrategyName disagree")
+if set(STRATEGIES) != set(get_args(StrategyName)):
+    raise ImportError("mopflow.training.search.sweep: STRATEGIES and StrategyName disagree")
 
 
 def strategy_executor(setting: ExecutorSetting) -> Executor:
-    """The executor of ``setting.cfg.strategy`` (from :data:`STRATEGY_EXECUTORS`)."""
-    return STRATEGY_EXECUTORS[setting.cfg.strategy](setting)
+    """The executor of ``setting.cfg.strategy`` (from :data:`STRATEGIES`)."""
+    return STRATEGIES[setting.cfg.strategy].executor(setting)

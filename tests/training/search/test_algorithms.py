@@ -191,12 +191,12 @@ def test_optuna_params_for_names_the_bad_value() -> None:
 def test_the_registries_are_the_configs_choices_and_each_entry_builds() -> None:
     from mopflow.training.config import SearchConfig
     from mopflow.training.search.algorithms import PRUNERS, SAMPLERS
-    from mopflow.training.search.sweep import STRATEGY_EXECUTORS
+    from mopflow.training.search.sweep import STRATEGIES
 
     properties = SearchConfig.model_json_schema()["properties"]
     assert set(properties["sampler"]["enum"]) == set(SAMPLERS)
     assert set(properties["pruner"]["enum"]) == set(PRUNERS)
-    assert set(properties["strategy"]["enum"]) == set(STRATEGY_EXECUTORS)
+    assert set(properties["strategy"]["enum"]) == set(STRATEGIES)
     for name in SAMPLERS:
         assert isinstance(make_sampler(SearchConfig(sampler=name)), optuna.samplers.BaseSampler)
     for name in PRUNERS:
