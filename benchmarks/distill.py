@@ -99,8 +99,8 @@ from mopflow.compression.distill.distill import (  # noqa: E402
 from mopflow.compression.ensemble import Candidate, build_ensemble, faster_form  # noqa: E402
 from mopflow.compression.evaluate import format_table, latency_ms, quantize_static_int8, serialized_bytes  # noqa: E402
 from mopflow.training.compute.cluster import dask_client  # noqa: E402
-from mopflow.training.config import DataConfig  # noqa: E402
 from mopflow.training.data import load_manifest, load_split, shard_dataset  # noqa: E402
+from mopflow.training.data.config import DataConfig  # noqa: E402
 from mopflow.training.models.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
 from mopflow.training.models.bundle import accuracy as student_accuracy  # noqa: E402
 from mopflow.training.models.families import DataSpec  # noqa: E402

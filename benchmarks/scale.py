@@ -170,7 +170,8 @@ def big_run(rows: int, work: Path) -> dict[str, Any]:
 import json, resource, sys
 sys.path.insert(0, {str(REPO_ROOT)!r})
 from mopflow.training.compute.cluster import dask_client
-from mopflow.training.config import DataConfig, SearchConfig
+from mopflow.training.data.config import DataConfig
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.data import shard_dataset
 from mopflow.training.search.sweep import run_strategy_search
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ def _client(workers: int) -> Any:
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
     """One search of one arm under one strategy and seed; every epoch report is recorded."""
     from mopflow.infra.base import progress
-    from mopflow.training.config import SearchConfig
+    from mopflow.training.search.config import SearchConfig
     from mopflow.training.search.sweep import run_strategy_search
 
     logging.basicConfig(level=logging.WARNING)
@@ -537,8 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize is not None:
         return resummarize(args)
     from mopflow.training.compute.cluster import dask_client
-    from mopflow.training.config import DataConfig
     from mopflow.training.data import shard_dataset
+    from mopflow.training.data.config import DataConfig
 
     spaces: dict[str, dict[str, Any] | None] = {"wide": SPACE, "packaged": None}
     space = spaces[args.space] if args.space in spaces else json.loads(Path(args.space).read_text())

@@ -211,7 +211,7 @@ def _self_cpu_s() -> float:
 
 
 def _data_config(rows: int) -> Any:
-    from mopflow.training.config import DataConfig
+    from mopflow.training.data.config import DataConfig
 
     return DataConfig(num_samples=rows, partition_rows=PARTITION_ROWS, n_shards=N_SHARDS)
 

@@ -455,8 +455,8 @@ def launch(name: str, job_path: Path, work: Path, timeout_s: float) -> dict[str,
 def shard(settings: Settings, data_root: str) -> tuple[str, dict[str, Any], float]:
     """Shard MNIST-1D once; return the manifest URI, the manifest and the time it took."""
     from mopflow.training.compute.cluster import dask_client
-    from mopflow.training.config import DataConfig
     from mopflow.training.data import load_manifest, shard_dataset
+    from mopflow.training.data.config import DataConfig
 
     logging.getLogger("distributed").setLevel(logging.WARNING)  # its INFO chatter hides the table
     cfg = DataConfig(num_samples=settings.num_samples, partition_rows=50_000, n_shards=settings.n_shards)

@@ -10,10 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from mopflow.training.config import (
-    StageConfig,
-    check_name,
-)
+from mopflow.training.config import StageConfig, check_name
 
 
 class EnsembleConfig(StageConfig):

@@ -67,8 +67,8 @@ def dask_client() -> Iterator[object]:
 @pytest.fixture(scope="session")
 def small_manifest(tmp_path_factory: pytest.TempPathFactory, dask_client: object) -> str:
     """MNIST-1D with 1000 samples, sharded into 2 train shards."""
-    from mopflow.training.config import DataConfig
     from mopflow.training.data import shard_dataset
+    from mopflow.training.data.config import DataConfig
 
     root = tmp_path_factory.mktemp("data")
     result = shard_dataset(DataConfig(num_samples=1000, n_shards=2), str(root), dask_client)

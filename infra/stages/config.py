@@ -16,14 +16,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from mopflow.compression.config import DistillConfig, EnsembleConfig, RegistryConfig
-from mopflow.training.config import (
-    SCHEDULE_SPEC_HELP,
-    DataConfig,
-    SearchConfig,
-    StageConfig,
-    format_worker_schedule,
-)
+from mopflow.training.config import StageConfig
+from mopflow.training.data.config import DataConfig
 from mopflow.training.data.sources.select import known_data_spec
+from mopflow.training.search.config import SCHEDULE_SPEC_HELP, SearchConfig, format_worker_schedule
 from mopflow.training.search.space import SearchSpace, SpaceError, check_space_fits, parse_space
 
 MAX_CONF_BYTES = 128 * 1024

@@ -11,7 +11,6 @@ import pandas as pd
 import pytest
 
 from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
-from mopflow.training.config import DataConfig
 from mopflow.training.data import (
     ShardIntegrityError,
     load_manifest,
@@ -19,6 +18,7 @@ from mopflow.training.data import (
     shard_dataset,
     verify_manifest,
 )
+from mopflow.training.data.config import DataConfig
 
 
 @pytest.fixture(scope="module")

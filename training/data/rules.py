@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from mopflow.infra.base import storage
-from mopflow.training.config import DEFAULT_MAX_SHARD_MB, DataConfig
+from mopflow.training.data.config import DEFAULT_MAX_SHARD_MB, DataConfig
 from mopflow.training.data.manifest import LABEL_COLUMN, MANIFEST_VERSION, SHARD_FORMAT_VERSION, SPLITS
 
 SPLIT_COLUMN = "_split"

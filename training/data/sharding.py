@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from mopflow.infra.base import storage
-from mopflow.training.config import DataConfig
+from mopflow.training.data.config import DataConfig
 from mopflow.training.data.manifest import LABEL_COLUMN, MANIFEST_NAME, MANIFEST_VERSION, SPLITS, ShardResult
 from mopflow.training.data.partitions import partition_stats, restratify_partition
 from mopflow.training.data.placement import on_holders, partition_holders, per_partition_as_done, submit_shard

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 if TYPE_CHECKING:
     import optuna
 
-    from mopflow.training.config import SearchConfig
+    from mopflow.training.search.config import SearchConfig
 
 SamplerName = Literal["tpe", "random", "grid", "gp", "cmaes"]
 PrunerName = Literal["asha", "successive_halving", "hyperband", "median", "none"]

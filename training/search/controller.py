@@ -17,8 +17,8 @@ import optuna
 
 from mopflow.infra.base import progress
 from mopflow.training.compute.devices import CPU, DeviceSpec
-from mopflow.training.config import SearchConfig
 from mopflow.training.search.algorithms import REDUCTION_FACTOR, keeps_waiting_rungs
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.rungs import PROMOTED_ATTR, WAITS_ATTR, Rungs, current
 from mopflow.training.search.space import params_from_optuna, sample_params
 from mopflow.training.search.study import MODEL_ATTR

@@ -17,9 +17,9 @@ from optuna.trial import TrialState
 
 from mopflow.infra.base import storage
 from mopflow.infra.base.optuna_storage import make_storage, quiet_optuna
-from mopflow.training.config import SearchConfig
 from mopflow.training.data import verify_manifest
 from mopflow.training.search.algorithms import enqueues_grid, make_pruner, make_sampler
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.rungs import current
 from mopflow.training.search.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
 from mopflow.training.search.trial import TrialResult

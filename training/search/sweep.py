@@ -17,9 +17,9 @@ import optuna
 
 from mopflow.infra.base import progress, storage
 from mopflow.training.compute.devices import CPU, DeviceSpec
-from mopflow.training.config import SearchConfig
 from mopflow.training.executors.base import Executor, ModelOutcome
 from mopflow.training.search.algorithms import StrategyName
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.controller import SearchController
 from mopflow.training.search.study import (
     SearchOutcome,

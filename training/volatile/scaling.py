@@ -32,7 +32,7 @@ from mopflow.training.volatile.workers import WorkerSchedule, workers_at
 
 if TYPE_CHECKING:
     from mopflow.infra.base.tracking import Tracker
-    from mopflow.training.config import SearchConfig
+    from mopflow.training.search.config import SearchConfig
 
 log = logging.getLogger(__name__)
 

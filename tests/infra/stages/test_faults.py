@@ -31,8 +31,8 @@ from mopflow.infra.stages.register import register_stage
 from mopflow.infra.stages.run import finalize_pipeline, start_pipeline
 from mopflow.infra.stages.search import search_stage
 from mopflow.infra.stages.shard import shard_stage
-from mopflow.training.config import SearchConfig
 from mopflow.training.data import ShardIntegrityError, load_manifest
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.study import STALE_ATTR
 from mopflow.training.search.sweep import run_strategy_search
 from tests.infra.stages.confs import SMALL_CONF

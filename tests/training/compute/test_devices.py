@@ -148,7 +148,7 @@ def test_gpu_optimizer_state_is_on_the_device_after_a_hop(small_manifest: str) -
 
 @pytest.mark.gpu
 def test_gpu_task_trial_and_mop_sweep(small_manifest: str, tmp_path: Path) -> None:
-    from mopflow.training.config import SearchConfig
+    from mopflow.training.search.config import SearchConfig
     from mopflow.training.search.sweep import run_search_with_executor, run_strategy_search
     from tests.spaces import fixed_cnn_space
 

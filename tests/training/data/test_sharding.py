@@ -9,7 +9,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from mopflow.infra.base import storage
-from mopflow.training.config import DataConfig
 from mopflow.training.data import (
     PARQUET_WRITE_OPTIONS,
     SPLIT_COLUMN,
@@ -35,6 +34,7 @@ from mopflow.training.data import (
     training_shards,
     verify_manifest,
 )
+from mopflow.training.data.config import DataConfig
 
 
 def test_even_chunks_cover_all_rows_with_near_equal_sizes() -> None:

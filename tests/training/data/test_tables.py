@@ -8,7 +8,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from mopflow.training.config import DataConfig
 from mopflow.training.data import (
     DataValidationError,
     load_manifest,
@@ -16,6 +15,7 @@ from mopflow.training.data import (
     plan_shards,
     shard_dataset,
 )
+from mopflow.training.data.config import DataConfig
 
 
 def _table(n: int = 400, seed: int = 0) -> pd.DataFrame:

@@ -9,8 +9,8 @@ import optuna
 import pytest
 
 from mopflow.infra.base.optuna_storage import make_storage
-from mopflow.training.config import SearchConfig
 from mopflow.training.search.algorithms import make_pruner
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.space import (
     SpaceError,
     default_space,
@@ -189,8 +189,8 @@ def test_optuna_params_for_names_the_bad_value() -> None:
 
 
 def test_the_registries_are_the_configs_choices_and_each_entry_builds() -> None:
-    from mopflow.training.config import SearchConfig
     from mopflow.training.search.algorithms import PRUNERS, SAMPLERS
+    from mopflow.training.search.config import SearchConfig
     from mopflow.training.search.sweep import STRATEGIES
 
     properties = SearchConfig.model_json_schema()["properties"]

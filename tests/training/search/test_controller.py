@@ -7,8 +7,8 @@ import time
 import optuna
 import pytest
 
-from mopflow.training.config import SearchConfig
 from mopflow.training.search.algorithms import make_pruner
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.controller import SearchController
 from tests.spaces import SMALL_SEARCH_SPACE
 

@@ -9,7 +9,7 @@ from typing import Any
 import optuna
 import pytest
 
-from mopflow.training.config import SearchConfig
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.space import optuna_params_for
 from mopflow.training.search.sweep import run_search_with_executor
 from tests.spaces import cnn_8x2_space

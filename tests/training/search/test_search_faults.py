@@ -18,8 +18,8 @@ import pytest
 from optuna.trial import TrialState
 
 from mopflow.infra.base.optuna_storage import make_storage
-from mopflow.training.config import SearchConfig
 from mopflow.training.executors.base import CHECKPOINT_FILE
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.study import RESUME_ATTR, checkpoint_folder
 from mopflow.training.search.sweep import run_strategy_search
 from tests.dask_waits import wait_until_executing

@@ -7,11 +7,11 @@ import pytest
 from optuna.trial import TrialState
 
 from mopflow.infra.base.optuna_storage import StorageConfigError, make_storage
-from mopflow.training.config import SearchConfig
 from mopflow.training.data import load_manifest
 from mopflow.training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
 from mopflow.training.executors.base import TrainAll
 from mopflow.training.executors.task import TaskExecutor
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.rungs import PROMOTED_ATTR
 from mopflow.training.search.space import parse_space, sample_params
 from mopflow.training.search.study import MODEL_ATTR, STALE_ATTR

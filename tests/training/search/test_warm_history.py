@@ -9,8 +9,8 @@ import optuna
 from optuna.trial import TrialState
 
 from mopflow.infra.base.optuna_storage import make_storage
-from mopflow.training.config import SearchConfig
 from mopflow.training.executors import EpochReport, ModelOutcome
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.controller import SearchController
 from mopflow.training.search.space import params_from_optuna, sample_params
 from mopflow.training.search.study import STALE_ATTR

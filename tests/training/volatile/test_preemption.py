@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from mopflow.training.config import SearchConfig
 from mopflow.training.data import load_manifest
 from mopflow.training.executors import DataRef, ModelSpec
 from mopflow.training.executors.base import CHECKPOINT_FILE
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.study import checkpoint_folder
 from mopflow.training.search.sweep import run_strategy_search
 from mopflow.training.trainable.state import global_step

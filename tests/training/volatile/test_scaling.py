@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from mopflow.training.config import SearchConfig
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.volatile.scaling import (
     RoundScale,
     RoundScaling,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from mopflow.training.config import SearchConfig
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.volatile.cost import bill_interval
 from mopflow.training.volatile.price_trace import PriceTrace
 from mopflow.training.volatile.prices import PriceError

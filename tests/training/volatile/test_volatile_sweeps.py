@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from mopflow.training.config import SearchConfig
 from mopflow.training.executors.base import CHECKPOINT_FILE
+from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.study import SearchOutcome, checkpoint_folder
 from mopflow.training.search.sweep import run_search_with_executor, run_strategy_search
 

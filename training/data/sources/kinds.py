@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mopflow.infra.base import storage
-from mopflow.training.config import DataConfig
+from mopflow.training.data.config import DataConfig
 from mopflow.training.data.rules import (
     PARTITION_SEED_STRIDE,
     DataValidationError,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mopflow.training.config import DataConfig
+from mopflow.training.data.config import DataConfig
 from mopflow.training.data.partitions import generate_mnist1d_partition, prepare_table_partition
 from mopflow.training.data.rules import PARTITION_SEED_STRIDE, check_columns, even_chunks, feature_columns
 from mopflow.training.data.sources import kinds as source_kinds

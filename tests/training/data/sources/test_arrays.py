@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mopflow.training.config import DataConfig
 from mopflow.training.data import DataValidationError, load_manifest, load_split, shard_dataset
+from mopflow.training.data.config import DataConfig
 from mopflow.training.data.sources.arrays import (
     SHAPES_CLASSES,
     channel_normalization,

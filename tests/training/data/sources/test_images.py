@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mopflow.training.config import DataConfig
 from mopflow.training.data import DataValidationError, load_manifest, load_split, shard_dataset
+from mopflow.training.data.config import DataConfig
 from mopflow.training.models.families import DataSpec
 
 

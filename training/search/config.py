@@ -1,0 +1,230 @@
+"""The search stage's frozen, validated config."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from mopflow.training.config import StageConfig
+from mopflow.training.search.algorithms import PrunerName, SamplerName, StrategyName
+from mopflow.training.search.space import SearchSpace, default_space, parse_space
+from mopflow.training.volatile.workers import WorkerSchedule
+
+_SCHEDULE_ARGS: dict[str, tuple[tuple[str, ...], int]] = {  # kind -> (positional fields, how many required)
+    "static": (("n_max",), 1),
+    "step": (("n_start", "increment", "n_max", "period"), 3),
+    "exponential": (("eta", "n_max"), 2),
+}
+
+
+SCHEDULE_SPEC_HELP = (
+    "'' or 'static' (a fixed cluster), 'static:<n>', 'step:<n_start>:<increment>:<n_max>[:<period>]', "
+    "'exponential:<eta>:<n_max>' (rounds are epochs)"
+)
+
+
+class SearchConfig(StageConfig):
+    """The Optuna search: budget, parallelism, sampler and pruner, and the space (as data)."""
+
+    n_trials: int = Field(20, ge=1, le=1000, description="Number of trials to finish")
+    epochs: int = Field(80, ge=1, le=1000, description="Training epochs per trial")
+    parallel_trials: int = Field(
+        2,
+        ge=1,
+        le=256,
+        description="Trials trained at once under task (each on a Dask worker; the cluster is MOPFLOW_DASK_WORKERS)",
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Sampler and training seed")
+    sampler: SamplerName = Field(
+        "tpe", description="Optuna sampler, seeded: tpe, random, grid, gp (Gaussian process), cmaes"
+    )
+    pruner: PrunerName = Field(
+        "asha",
+        description="Pruner at epoch boundaries: asha (waiting models promoted later), "
+        "successive_halving (Optuna's, no waiting), hyperband, median, none",
+    )
+    grid_points: int = Field(
+        3, ge=2, le=32, description="sampler=grid: values per int/float parameter (log-spaced if log)"
+    )
+    min_resource: int = Field(15, ge=1, le=1000, description="Epochs before the first pruning decision")
+    timeout_minutes: float | None = Field(None, gt=0, le=7 * 24 * 60, description="Wall-clock budget")
+    epoch_budget: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="Start no more trials once this many epochs were trained over all trials (trials running "
+        "finish): a compute budget, so pruning buys more trials; None = n_trials alone",
+    )
+    goal_val_acc: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Start no more trials once a trial reports this validation accuracy (trials running "
+        "finish); None = the whole budget",
+    )
+    space: dict[str, Any] | None = Field(None, description="Search space spec; None = the packaged default")
+    strategy: StrategyName = Field(
+        "task", description="task: a trial per worker; ddp: each trial on W DDP processes; mop: model hopper"
+    )
+    ddp_world_size: int = Field(2, ge=1, le=64, description="DDP processes per trial (strategy=ddp)")
+    bf16_compress: bool = Field(False, description="bf16 gradient compression hook under DDP")
+    model_slots: int = Field(4, ge=1, le=256, description="Models training at once under strategy=mop")
+    warm_start: bool = Field(
+        False, description="Enqueue the current champion's trial parameters as the first trial"
+    )
+    warm_start_studies: int = Field(
+        0,
+        ge=0,
+        le=20,
+        description="A new study learns from the trials of up to this many earlier studies in the Optuna "
+        "storage of the same dataset, space and epochs (newest first): the sampler models them from the "
+        "start, ASHA's rungs hold their values, and their best configuration is tried first; 0 = off",
+    )
+
+    worker_schedule: WorkerSchedule | None = Field(
+        None,
+        description="Scale the Dask cluster to n_j workers in round j (unit=epoch; task and mop); "
+        "None = a fixed cluster. A string spec is accepted: " + SCHEDULE_SPEC_HELP,
+    )
+    scale_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="Seconds a scale-up waits for workers to join before going on"
+    )
+    spot_trace: str = Field(
+        "",
+        max_length=4096,
+        description="Price trace CSV (timestamp,price) replayed against the LocalCluster's workers; "
+        "empty = off",
+    )
+    spot_bids: list[float] | None = Field(
+        None, max_length=256, description="spot_trace: one bid per LocalCluster worker (per worker-hour)"
+    )
+    spot_speed: float = Field(
+        60.0, gt=0, le=1e6, allow_inf_nan=False, description="spot_trace: trace seconds per real second"
+    )
+
+    @field_validator("worker_schedule", mode="before")
+    @classmethod
+    def _schedule_spec(cls, value: Any) -> Any:
+        return parse_worker_schedule(value) if isinstance(value, str) else value
+
+    @field_validator("spot_bids", mode="before")
+    @classmethod
+    def _bids_text(cls, value: Any) -> Any:
+        return parse_bids(value) if isinstance(value, str) else value
+
+    @field_validator("spot_trace")
+    @classmethod
+    def _trace_location(cls, value: str) -> str:
+        if value and (not value.strip() or any(ord(c) < 32 for c in value)):
+            raise ValueError(f"spot_trace {value!r} must be a path or URL without control characters")
+        if value and not value.lower().endswith(".csv"):
+            raise ValueError(
+                f"spot_trace {value!r} must name a timestamp,price CSV file (a path or fsspec URL "
+                "ending in .csv), or be empty for no replay"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _volatile(self) -> SearchConfig:
+        schedule = self.worker_schedule
+        if schedule is not None:
+            if self.strategy not in ("task", "mop"):
+                raise ValueError(
+                    f"worker_schedule scales the Dask cluster for strategy task or mop, not {self.strategy!r}"
+                )
+            if schedule.unit != "epoch":
+                raise ValueError(
+                    f"worker_schedule.unit must be 'epoch' (the cluster changes size between rounds), "
+                    f"got {schedule.unit!r}"
+                )
+        if bool(self.spot_trace) != (self.spot_bids is not None):
+            raise ValueError(
+                "spot_trace and spot_bids go together: a price trace and one bid per worker "
+                f"(got spot_trace={self.spot_trace!r}, spot_bids={self.spot_bids!r})"
+            )
+        if self.spot_bids is not None:
+            if not self.spot_bids:
+                raise ValueError("spot_bids must hold one bid per LocalCluster worker, got []")
+            for i, bid in enumerate(self.spot_bids):
+                if not 0 <= bid < float("inf"):
+                    raise ValueError(f"spot_bids[{i}]={bid}: a bid must be a finite number >= 0")
+            if self.strategy not in ("task", "mop"):
+                raise ValueError(
+                    f"spot_trace replay runs with strategy 'task' or 'mop' (a trial or unit resumes "
+                    f"from its notice checkpoint on any worker), not {self.strategy!r}"
+                )
+            if schedule is not None:
+                raise ValueError(
+                    "spot_trace and worker_schedule cannot be combined (both resize the cluster)"
+                )
+        return self
+
+    def search_space(self, modality: str = "table") -> SearchSpace:
+        """The validated search space (``None``: the default space of the data's modality)."""
+        return default_space(modality) if self.space is None else parse_space(self.space)
+
+
+def parse_worker_schedule(spec: str) -> WorkerSchedule | None:
+    """A worker schedule from its flat-config spec (rounds are epochs, ``unit="epoch"``):
+
+    ``""``, ``"none"`` or ``"static"``: None (a fixed cluster); ``"static:<n>"``: n workers every
+    round; ``"step:<n_start>:<increment>:<n_max>[:<period>]"`` (period in rounds, default 1);
+    ``"exponential:<eta>:<n_max>"``: ``n_j = min(ceil(eta^(j-1)), n_max)``.
+    """
+    text = spec.strip().lower()
+    if text in ("", "none", "static"):
+        return None
+    kind, *args = [part.strip() for part in text.split(":")]
+    if kind not in _SCHEDULE_ARGS:
+        raise ValueError(f"worker_schedule {spec!r}: unknown kind {kind!r}; expected {SCHEDULE_SPEC_HELP}")
+    names, required = _SCHEDULE_ARGS[kind]
+    if not required <= len(args) <= len(names):
+        raise ValueError(
+            f"worker_schedule {spec!r}: {kind} takes {':'.join(f'<{n}>' for n in names[:required])}"
+            + (f"[:<{names[-1]}>]" if len(names) > required else "")
+            + f", got {len(args)} value(s)"
+        )
+    fields: dict[str, Any] = {"kind": kind, "unit": "epoch"} | ({"period": 1} if kind == "step" else {})
+    for name, raw in zip(names, args, strict=False):
+        try:
+            fields[name] = float(raw) if name == "eta" else int(raw)
+        except ValueError:
+            expected = "a number" if name == "eta" else "an integer"
+            raise ValueError(f"worker_schedule {spec!r}: {name}={raw!r} is not {expected}") from None
+    try:
+        return WorkerSchedule(**fields)
+    except ValidationError as exc:
+        problems = "; ".join(
+            (f"{e['loc'][0]}={e.get('input')!r}: " if e["loc"] else "")
+            + str(e["msg"]).removeprefix("Value error, ")
+            for e in exc.errors()
+        )
+        raise ValueError(f"worker_schedule {spec!r}: {problems}") from None
+
+
+def format_worker_schedule(schedule: WorkerSchedule | None) -> str:
+    """The flat-config spec of a schedule (the inverse of :func:`parse_worker_schedule`)."""
+    if schedule is None:
+        return ""
+    if schedule.kind == "static":
+        return f"static:{schedule.n_max}"
+    if schedule.kind == "step":
+        return f"step:{schedule.n_start}:{schedule.increment}:{schedule.n_max}:{schedule.period}"
+    return f"exponential:{schedule.eta:.15g}:{schedule.n_max}"
+
+
+def parse_bids(text: str) -> list[float] | None:
+    """Bids written as text (the trigger form): numbers separated by commas or spaces, optionally
+    in brackets; empty = None."""
+    items = [t for t in re.split(r"[,\s]+", text.strip().strip("[]")) if t]
+    if not items:
+        return None
+    bids = []
+    for i, item in enumerate(items):
+        try:
+            bids.append(float(item))
+        except ValueError:
+            raise ValueError(f"spot_bids[{i}]={item!r} is not a number (bids: e.g. '1.0, 0.5')") from None
+    return bids
