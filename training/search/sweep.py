@@ -48,7 +48,6 @@ class SearchOptions(TypedDict, total=False):
 DEFAULT_OPTIONS = SearchOptions(on_trial_done=None, warm_start=None, min_complete=1, device=CPU)
 
 
-@with_spot_replay
 def run_search_with_executor(
     cfg: SearchConfig,
     manifest_uri: str,
@@ -68,10 +67,32 @@ def run_search_with_executor(
 
     If pruning left fewer than ``min_complete`` COMPLETE trials (the ensemble needs its members),
     extra trials run with pruning off until there are enough (at most ``2 * min_complete``).
+    Under ``cfg.spot_trace`` the trace is replayed against the cluster while it runs.
     """
+    return with_spot_replay(
+        cfg,
+        client,
+        storage_options,
+        lambda: _search(
+            cfg, manifest_uri, study_name, storage_url, artifact_root, client, storage_options,
+            checkpoint_root, SearchOptions(**{**DEFAULT_OPTIONS, **options}),
+        ),
+    )  # fmt: skip
+
+
+def _search(
+    cfg: SearchConfig,
+    manifest_uri: str,
+    study_name: str,
+    storage_url: str,
+    artifact_root: str,
+    client: Any,
+    storage_options: Mapping[str, Any] | None,
+    checkpoint_root: str,
+    opts: SearchOptions,
+) -> SearchOutcome:
     from mopflow.training.data import load_manifest
 
-    opts = SearchOptions(**{**DEFAULT_OPTIONS, **options})
     study, space, already, results = open_study(
         cfg, manifest_uri, study_name, storage_url, storage_options, opts["warm_start"], client
     )

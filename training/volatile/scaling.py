@@ -22,12 +22,14 @@ present and a warning names both counts. Every round's target and actual count i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mopflow.training.volatile.preempt import register_preemption
 from mopflow.training.volatile.workers import WorkerSchedule, workers_at
 
 if TYPE_CHECKING:
@@ -262,31 +264,19 @@ def spot_replay_for(
     )
 
 
-def with_spot_replay(search: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a search function (``cfg`` and ``client`` arguments, a ``SearchOutcome`` result): with
-    ``cfg.spot_trace`` set, the trace is replayed against the cluster while the search runs and the
-    outcome carries the :class:`~mopflow.training.volatile.spot_report.SpotReport` as ``spot``."""
-    import dataclasses
-    import functools
-    import inspect
-
-    signature = inspect.signature(search)
-
-    @functools.wraps(search)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        cfg, client = bound.arguments["cfg"], bound.arguments["client"]
-        if not cfg.spot_trace:
-            return search(*args, **kwargs)
-        from mopflow.training.volatile.preempt import register_preemption
-
-        grace = register_preemption(client)  # before the first notice can come
-        replay = spot_replay_for(cfg, client, grace, bound.arguments.get("storage_options"))
-        replay.start()
-        try:
-            outcome = search(*args, **kwargs)
-        finally:
-            report = replay.stop()
-        return dataclasses.replace(outcome, spot=report)
-
-    return run
+def with_spot_replay(
+    cfg: SearchConfig, client: Any, storage_options: Mapping[str, Any] | None, search: Callable[[], Any]
+) -> Any:
+    """Run ``search`` (which returns a ``SearchOutcome``): with ``cfg.spot_trace`` set, the trace is
+    replayed against the cluster of ``client`` while it runs, and the outcome carries the
+    :class:`~mopflow.training.volatile.spot_report.SpotReport` as ``spot``."""
+    if not cfg.spot_trace:
+        return search()
+    grace = register_preemption(client)  # before the first notice can come
+    replay = spot_replay_for(cfg, client, grace, storage_options)
+    replay.start()
+    try:
+        outcome = search()
+    finally:
+        report = replay.stop()
+    return dataclasses.replace(outcome, spot=report)
