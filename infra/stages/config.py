@@ -20,7 +20,7 @@ from mopflow.training.config import StageConfig
 from mopflow.training.data.config import DataConfig
 from mopflow.training.data.sources.select import known_data_spec
 from mopflow.training.search.config import SCHEDULE_SPEC_HELP, SearchConfig, format_worker_schedule
-from mopflow.training.search.space import SearchSpace, SpaceError, check_space_fits, parse_space
+from mopflow.training.search.space import SearchSpace, SpaceError, check_space_fits
 
 MAX_CONF_BYTES = 128 * 1024
 
@@ -226,8 +226,8 @@ class PipelineConfig(BaseModel):
             }:
                 continue  # None means "use the default" for keys that have no null meaning
             stage, field = CONF_FIELDS[key]
-            if key == "search_space" and isinstance(value, str):
-                value = None if not value.strip() else _parse_space_text(value)
+            if key == "search_space" and isinstance(value, str) and not value.strip():
+                value = None  # the trigger form's empty field: the default space
             sections[stage][field] = value
         try:
             return cls.model_validate(sections)
@@ -242,14 +242,8 @@ class PipelineConfig(BaseModel):
         for key, (stage, field) in CONF_FIELDS.items():
             out[key] = getattr(getattr(self, stage), field)
         out["worker_schedule"] = format_worker_schedule(self.search.worker_schedule)  # its text spec
+        out["search_space"] = None if self.search.space is None else self.search.space.model_dump()
         return out
-
-
-def _parse_space_text(text: str) -> dict[str, Any]:
-    try:
-        return parse_space(text).model_dump()
-    except SpaceError as exc:
-        raise ConfigError(f"search_space: {exc}") from exc
 
 
 def _flat_error(exc: ValidationError) -> str:

@@ -64,7 +64,10 @@ class SearchConfig(StageConfig):
         description="Start no more trials once a trial reports this validation accuracy (trials running "
         "finish); None = the whole budget",
     )
-    space: dict[str, Any] | None = Field(None, description="Search space spec; None = the packaged default")
+    space: SearchSpace | None = Field(
+        None,
+        description="Search space spec (JSON text or a mapping, parsed once); None = the packaged default",
+    )
     strategy: StrategyName = Field(
         "task", description="task: a trial per worker; ddp: each trial on W DDP processes; mop: model hopper"
     )
@@ -161,9 +164,16 @@ class SearchConfig(StageConfig):
                 )
         return self
 
+    @field_validator("space", mode="before")
+    @classmethod
+    def _parse_space(cls, value: Any) -> SearchSpace | None:
+        if value is None or isinstance(value, SearchSpace):
+            return value
+        return parse_space(value)  # JSON text or a mapping; a SpaceError names what is wrong
+
     def search_space(self, modality: str = "table") -> SearchSpace:
-        """The validated search space (``None``: the default space of the data's modality)."""
-        return default_space(modality) if self.space is None else parse_space(self.space)
+        """The search space (``None``: the default space of the data's modality)."""
+        return default_space(modality) if self.space is None else self.space
 
 
 def parse_worker_schedule(spec: str) -> WorkerSchedule | None:
