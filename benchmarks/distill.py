@@ -188,7 +188,7 @@ def train_members(settings: Settings, data_root: str) -> tuple[str, list[TrialRe
         shard = shard_dataset(DataConfig(), data_root, client)
         shard_s = time.monotonic() - started
         log.info("sharded MNIST-1D in %.1fs: %s", shard_s, shard.manifest_uri)
-        data = DataRef(shard.manifest_uri)
+        data = DataRef.open(shard.manifest_uri)
         manifest = load_manifest(shard.manifest_uri)
         shards = [e["name"] for e in manifest["splits"]["train"]]
         specs = [

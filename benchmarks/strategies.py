@@ -239,7 +239,7 @@ def run_strategy(name: str, job: dict[str, Any]) -> dict[str, Any]:
     """Train the job's models with one strategy; return its figures (see the module docstring)."""
     from mopflow.training.executors.units import DataRef, ModelSpec, cached_bytes, clear_partitions
 
-    data = DataRef(manifest_uri=job["manifest_uri"])
+    data = DataRef.open(manifest_uri=job["manifest_uri"])
     specs = [ModelSpec.from_dict(m) for m in job["models"]]
     shards: list[str] = job["shards"]
     epochs = int(job["epochs"])

@@ -73,9 +73,9 @@ def test_shards_round_trip_through_s3(s3_options: dict, dask_client: object, tmp
 def test_a_partition_over_the_budget_streams_from_its_local_copies(
     s3_options: dict, dask_client: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from mopflow.training.data.ref import DataRef
     from mopflow.training.data.streaming import StreamedRows
     from mopflow.training.executors.units import clear_partitions, training_rows
-    from mopflow.training.trainable.unit import DataRef
 
     result = shard_dataset(
         DataConfig(num_samples=700, n_shards=2), "s3://mopflow-test/stream", dask_client, s3_options
@@ -84,7 +84,7 @@ def test_a_partition_over_the_budget_streams_from_its_local_copies(
     names = [e["name"] for e in manifest["splits"]["train"]]
     monkeypatch.setenv("MOPFLOW_TRAIN_MEMORY_MB", "0.01")
     clear_partitions()
-    rows = training_rows(DataRef(result.manifest_uri, s3_options, str(tmp_path / "cache")), names)
+    rows = training_rows(DataRef.open(result.manifest_uri, s3_options, str(tmp_path / "cache")), names)
     assert isinstance(rows, StreamedRows)
     copies = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert copies == sorted(f"{e['sha256']}.parquet" for e in manifest["splits"]["train"])

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from mopflow.infra.base import stopping, storage
-from mopflow.training.trainable.unit import DataRef, ModelSpec
+from mopflow.training.data.ref import DataRef
+from mopflow.training.trainable.unit import ModelSpec
 
 log = logging.getLogger(__name__)
 

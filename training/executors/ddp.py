@@ -19,8 +19,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome, OneModelAtATime
-from mopflow.training.trainable.unit import DataRef, ModelSpec
+from mopflow.training.trainable.unit import ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from lightning_fabric.plugins.environments import ClusterEnvironment
 
 if TYPE_CHECKING:
-    from mopflow.training.trainable.unit import DataRef, TrainableUnit
+    from mopflow.training.data.ref import DataRef
+    from mopflow.training.trainable.unit import TrainableUnit
 
 log = logging.getLogger(__name__)
 
@@ -137,15 +138,16 @@ def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
     the data's :class:`DataRef`."""
     from mopflow.infra.base import storage
     from mopflow.training.data import load_manifest
+    from mopflow.training.data.ref import DataRef
     from mopflow.training.executors.units import training_rows
     from mopflow.training.trainable.schedule import steps_per_epoch
-    from mopflow.training.trainable.unit import DataRef, ModelSpec, TrainableUnit
+    from mopflow.training.trainable.unit import ModelSpec, TrainableUnit
 
     world, epochs = int(job["world_size"]), int(job["epochs"])
     spec = ModelSpec.from_dict(job["spec"])
     # a rank's batches are its share of the trial's batch (the global batch stays batch_size)
     spec = replace(spec, params={**spec.params, "batch_size": int(job["batch_per_rank"])})
-    data = DataRef(**job["data"])
+    data = DataRef.from_dict(job["data"])
     manifest = load_manifest(data.manifest_uri, data.storage_options)
     tensors = training_rows(data, [e["name"] for e in manifest["splits"]["train"]])
     streamed = not isinstance(tensors, tuple)

@@ -23,6 +23,7 @@ from typing import Any
 
 from mopflow.infra.base import stopping
 from mopflow.training.data import load_manifest
+from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, Executor, ModelOutcome
 from mopflow.training.executors.mop_models import MopModels
 from mopflow.training.executors.mop_workers import WorkerWatch, fetch_unit_result
@@ -31,7 +32,7 @@ from mopflow.training.executors.stop_notice import StopNotice
 from mopflow.training.executors.units import init_state, train_pass_and_validate
 from mopflow.training.trainable.schedule import steps_per_epoch
 from mopflow.training.trainable.state import partial_meta
-from mopflow.training.trainable.unit import DataRef, ModelSpec
+from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import UnitPreempted
 
 log = logging.getLogger(__name__)

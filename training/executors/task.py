@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from mopflow.infra.base import stopping
+from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome, OneModelAtATime
 from mopflow.training.executors.stop_notice import StopNotice
 from mopflow.training.executors.units import evaluate_state, init_state, train_pass, train_pass_and_validate
 from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta
-from mopflow.training.trainable.unit import DataRef, ModelSpec
+from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
 
 # How long an epoch handed back by a spot notice waits for its worker to leave before it is

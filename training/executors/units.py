@@ -13,8 +13,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mopflow.training.data.ref import DataRef
 from mopflow.training.trainable.schedule import steps_per_epoch
-from mopflow.training.trainable.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
+from mopflow.training.trainable.unit import ModelSpec, PassInterrupted, TrainableUnit
 from mopflow.training.volatile import preempt
 from mopflow.training.volatile.preempt import UnitPreempted, notice_received
 

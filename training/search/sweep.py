@@ -17,6 +17,7 @@ import optuna
 
 from mopflow.infra.base import progress, storage
 from mopflow.training.compute.devices import CPU, DeviceSpec
+from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Executor, ModelOutcome
 from mopflow.training.search.algorithms import StrategyName
 from mopflow.training.search.config import SearchConfig
@@ -29,7 +30,7 @@ from mopflow.training.search.study import (
     tell_result,
 )
 from mopflow.training.search.trial import TrialResult, shard_cache_dir
-from mopflow.training.trainable.unit import DataRef, ModelSpec
+from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import register_preemption
 from mopflow.training.volatile.scaling import RoundScaling, round_scaling, with_spot_replay
 
@@ -92,14 +93,18 @@ def _search(
     opts: SearchOptions,
 ) -> SearchOutcome:
     from mopflow.training.data import load_manifest
+    from mopflow.training.models.families import DataSpec
 
     study, space, already, results = open_study(
         cfg, manifest_uri, study_name, storage_url, storage_options, opts["warm_start"], client
     )
     budget = max(cfg.n_trials - len(already), 0)
     progress.publish("search", total=cfg.n_trials, finished=len(already))
-    data = DataRef(manifest_uri, dict(storage_options or {}), shard_cache_dir())
-    shards = [e["name"] for e in load_manifest(manifest_uri, storage_options)["splits"]["train"]]
+    manifest = load_manifest(manifest_uri, storage_options)
+    data = DataRef(
+        manifest_uri, DataSpec.from_manifest(manifest), dict(storage_options or {}), shard_cache_dir()
+    )
+    shards = [e["name"] for e in manifest["splits"]["train"]]
     scaling = round_scaling(cfg, client)  # worker_schedule: n_j workers per round
     executor = strategy_executor(ExecutorSetting(cfg, client, data, shards, checkpoint_root, scaling))
     _forward_worker_logs(client)
@@ -279,12 +284,9 @@ class _Sweep:
 
 def _num_params(spec: ModelSpec, data: DataRef) -> int:
     """The parameters of the model ``spec`` builds on this data."""
-    from mopflow.training.data import load_manifest
     from mopflow.training.models.builtin import ArchSpec, count_params
-    from mopflow.training.models.families import DataSpec
 
-    manifest = load_manifest(data.manifest_uri, data.storage_options)
-    return count_params(ArchSpec.from_params(dict(spec.params), DataSpec.from_manifest(manifest)))
+    return count_params(ArchSpec.from_params(dict(spec.params), data.spec))
 
 
 # -- the strategies' executors ---------------------------------------------------------------

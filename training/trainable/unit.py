@@ -19,10 +19,11 @@ import json
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mopflow.training.compute.devices import CPU, DeviceSpec
+from mopflow.training.models.families import DataSpec
 from mopflow.training.trainable.batches import Batches, pass_order, rank_share
 from mopflow.training.trainable.state import load_moments, moments_of, state_metadata
 
@@ -43,15 +44,6 @@ class ModelSpec:
         """Rebuild from ``dataclasses.asdict`` (a job file): the device comes back as a DeviceSpec."""
         device = raw.get("device") or {}
         return cls(**{**raw, "device": DeviceSpec(**device) if isinstance(device, Mapping) else device})
-
-
-@dataclass(frozen=True)
-class DataRef:
-    """Where the shards are (passed to workers; small)."""
-
-    manifest_uri: str
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    cache_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -119,7 +111,6 @@ class TrainableUnit:
         import torch
 
         from mopflow.training.models.builtin import ArchSpec, build_model
-        from mopflow.training.models.families import DataSpec
 
         arch = ArchSpec.from_params(spec.params, DataSpec.from_manifest(manifest))
         norm = manifest["normalization"]

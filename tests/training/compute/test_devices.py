@@ -132,7 +132,7 @@ def test_gpu_optimizer_state_is_on_the_device_after_a_hop(small_manifest: str) -
     from mopflow.training.trainable.unit import TrainableUnit
 
     spec = ModelSpec("m", CNN, 0, GPU)
-    data = DataRef(small_manifest)
+    data = DataRef.open(small_manifest)
     manifest = load_manifest(small_manifest)
     shards = [e["name"] for e in manifest["splits"]["train"]][:1]  # one MOP partition
     state, _ = train_pass(spec, init_state(spec, data), data, shards, 0, 2, 0)
@@ -189,7 +189,7 @@ def test_gpu_ddp_trial_over_nccl(small_manifest: str) -> None:
 
     world = min(2, torch.cuda.device_count())  # nccl: one rank per GPU
     with dask_client("", 1, accelerator="gpu") as client:
-        outcome = DDPExecutor(client, DataRef(small_manifest), world_size=world).run(
+        outcome = DDPExecutor(client, DataRef.open(small_manifest), world_size=world).run(
             [ModelSpec("d", CNN, 0, GPU)], epochs=2
         )["d"]
     assert outcome.error is None and [r.epoch for r in outcome.history] == [0, 1]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mopflow.training.data import ShardIntegrityError, load_manifest
+from mopflow.training.data.ref import DataRef
 from mopflow.training.data.streaming import (
     Block,
     StreamedRows,
@@ -20,7 +21,7 @@ from mopflow.training.data.streaming import (
 )
 from mopflow.training.executors.units import clear_partitions, training_rows
 from mopflow.training.trainable.schedule import steps_per_epoch
-from mopflow.training.trainable.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
+from mopflow.training.trainable.unit import ModelSpec, PassInterrupted, TrainableUnit
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 1e-4, "batch_size": 32}
 
@@ -101,7 +102,7 @@ def _streamed_unit(manifest_uri: str, monkeypatch: pytest.MonkeyPatch) -> tuple[
     monkeypatch.setenv("MOPFLOW_SHUFFLE_BUFFER_ROWS", "100")
     clear_partitions()
     manifest = load_manifest(manifest_uri)
-    rows = training_rows(DataRef(manifest_uri), [e["name"] for e in manifest["splits"]["train"]])
+    rows = training_rows(DataRef.open(manifest_uri), [e["name"] for e in manifest["splits"]["train"]])
     assert isinstance(rows, StreamedRows)
     unit = TrainableUnit.build(ModelSpec("m", CNN, 0), manifest, steps_per_epoch([len(rows)], 32))
     return rows, unit

@@ -21,7 +21,7 @@ CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.02, "weight_decay": 0.0,
 
 
 def test_ddp_ranks_run_in_the_dask_worker_processes(small_manifest: str, dask_client: Any) -> None:
-    executor = DDPExecutor(dask_client, DataRef(small_manifest), world_size=2)
+    executor = DDPExecutor(dask_client, DataRef.open(small_manifest), world_size=2)
     outcome = executor.run([ModelSpec("d", CNN, seed=0)], epochs=2)["d"]
     assert outcome.error is None and [r.epoch for r in outcome.history] == [0, 1]
     worker_pids = set(dask_client.run(os.getpid).values())
@@ -30,7 +30,7 @@ def test_ddp_ranks_run_in_the_dask_worker_processes(small_manifest: str, dask_cl
 
 
 def test_more_ranks_than_workers_is_refused_naming_both(small_manifest: str, dask_client: Any) -> None:
-    executor = DDPExecutor(dask_client, DataRef(small_manifest), world_size=3)
+    executor = DDPExecutor(dask_client, DataRef.open(small_manifest), world_size=3)
     with pytest.raises(RuntimeError, match="ddp_world_size=3 needs 3 Dask workers; the cluster has 2"):
         executor.rank_workers(ModelSpec("d", CNN), wait_s=0.1)
 
@@ -52,7 +52,11 @@ def test_a_rank_killed_mid_epoch_fails_the_job_and_the_trial_resumes(
 ) -> None:
     client = killable_client
     executor = DDPExecutor(
-        client, DataRef(small_manifest), world_size=2, checkpoint_root=str(tmp_path), collective_timeout_s=30
+        client,
+        DataRef.open(small_manifest),
+        world_size=2,
+        checkpoint_root=str(tmp_path),
+        collective_timeout_s=30,
     )
     spec = ModelSpec("d", CNN, seed=0)
     rank1 = executor.rank_workers(spec)[1]
@@ -90,7 +94,9 @@ def test_bf16_gradient_compression_halves_the_bytes_and_keeps_the_result(
     spec = ModelSpec("d", CNN | {"batch_size": 64}, seed=0)
     runs = {}
     for compress in (False, True):
-        executor = DDPExecutor(dask_client, DataRef(small_manifest), world_size=2, bf16_compress=compress)
+        executor = DDPExecutor(
+            dask_client, DataRef.open(small_manifest), world_size=2, bf16_compress=compress
+        )
         outcome = executor.run([spec], epochs=3)["d"]
         assert outcome.error is None, outcome.error
         runs[compress] = (outcome.history[-1].val_acc, executor.allreduce_bytes["d"])

@@ -92,7 +92,7 @@ def _shards(manifest: str) -> list[str]:
 def test_mop_on_dask_trains_every_model_on_every_partition(
     small_manifest: str, dask_client: object, tmp_path: Path
 ) -> None:
-    data = DataRef(small_manifest)
+    data = DataRef.open(small_manifest)
     models = [ModelSpec(f"m{i}", CNN | {"width": 6 + 2 * i}, seed=i) for i in range(3)]
     executor = MopExecutor(dask_client, data, _shards(small_manifest), str(tmp_path / "ckpt"), seed=3)
     outcomes = executor.run(models, epochs=2)
@@ -109,7 +109,7 @@ def test_mop_on_dask_trains_every_model_on_every_partition(
 
 
 def test_mop_matches_sequential_training(small_manifest: str, dask_client: object) -> None:
-    data = DataRef(small_manifest)
+    data = DataRef.open(small_manifest)
     spec = ModelSpec("m", CNN | {"width": 16, "depth": 3, "lr": 0.02}, seed=0)
     shards = _shards(small_manifest)
     mop = MopExecutor(dask_client, data, shards, seed=0).run([spec], epochs=6)["m"].history[-1].val_acc
@@ -147,7 +147,7 @@ class StopAndAdd(TrainAll):
 def test_caller_can_stop_and_add_models_between_epochs(
     strategy: str, small_manifest: str, dask_client: object
 ) -> None:
-    data, shards = DataRef(small_manifest), _shards(small_manifest)
+    data, shards = DataRef.open(small_manifest), _shards(small_manifest)
     executor = (
         TaskExecutor(dask_client, data, shards)
         if strategy == "task"
@@ -171,7 +171,7 @@ def test_caller_can_stop_and_add_models_between_epochs(
 def test_mop_resumes_from_its_sub_epoch_checkpoints(
     small_manifest: str, dask_client: object, tmp_path: Path
 ) -> None:
-    data, shards = DataRef(small_manifest), _shards(small_manifest)
+    data, shards = DataRef.open(small_manifest), _shards(small_manifest)
     spec = ModelSpec("m", CNN, seed=0)
     first = MopExecutor(dask_client, data, shards, str(tmp_path), seed=0).run([spec], epochs=1)
     assert first["m"].epochs_done == 1
@@ -190,8 +190,8 @@ def test_ddp_over_two_workers_matches_one_worker_at_the_global_batch(
     from mopflow.training.executors.ddp import DDPExecutor
 
     spec = ModelSpec("d", CNN | {"width": 16, "depth": 3, "batch_size": 64, "lr": 0.02}, seed=0)
-    two = DDPExecutor(dask_client, DataRef(small_manifest), world_size=2).run([spec], epochs=5)["d"]
-    one = DDPExecutor(dask_client, DataRef(small_manifest), world_size=1).run([spec], epochs=5)["d"]
+    two = DDPExecutor(dask_client, DataRef.open(small_manifest), world_size=2).run([spec], epochs=5)["d"]
+    one = DDPExecutor(dask_client, DataRef.open(small_manifest), world_size=1).run([spec], epochs=5)["d"]
     assert two.error is None and one.error is None, (two.error, one.error)
     assert [r.epoch for r in two.history] == list(range(5)) and two.state
     assert two.history[-1].val_acc > 0.2 and one.history[-1].val_acc > 0.2  # both learned (chance is 0.1)
@@ -207,11 +207,11 @@ def test_ddp_resumes_from_its_epoch_checkpoint(
 
     spec = ModelSpec("d", CNN, seed=0)
     first = DDPExecutor(
-        dask_client, DataRef(small_manifest), world_size=2, checkpoint_root=str(tmp_path)
+        dask_client, DataRef.open(small_manifest), world_size=2, checkpoint_root=str(tmp_path)
     ).run([spec], epochs=1)
     assert [r.epoch for r in first["d"].history] == [0]
     resumed = DDPExecutor(
-        dask_client, DataRef(small_manifest), world_size=2, checkpoint_root=str(tmp_path)
+        dask_client, DataRef.open(small_manifest), world_size=2, checkpoint_root=str(tmp_path)
     ).run([spec], epochs=3)
     assert resumed["d"].error is None
     # epoch 0 was not redone: its report came back from beside the checkpoint
@@ -229,7 +229,7 @@ def test_ddp_job_stops_between_epochs_when_the_caller_says_so(
         def on_epoch_end(self, report: EpochReport) -> bool:
             return False
 
-    outcome = DDPExecutor(dask_client, DataRef(small_manifest), world_size=2).run(
+    outcome = DDPExecutor(dask_client, DataRef.open(small_manifest), world_size=2).run(
         [ModelSpec("d", CNN, seed=0)], epochs=8, controller=StopAfterFirst()
     )["d"]
     assert outcome.error is None and outcome.stopped_early

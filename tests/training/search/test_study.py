@@ -49,7 +49,7 @@ class StopAfter(TrainAll):
 
 
 def _train(manifest: str, client: object, epochs: int, controller: StopAfter) -> ModelOutcome:
-    data = DataRef(manifest)
+    data = DataRef.open(manifest)
     shards = [e["name"] for e in load_manifest(manifest)["splits"]["train"]]
     return TaskExecutor(client, data, shards).run([ModelSpec("m", CNN)], epochs, controller)["m"]
 

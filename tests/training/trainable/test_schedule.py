@@ -66,8 +66,8 @@ def test_mop_and_task_follow_the_schedule_in_global_steps(small_manifest: str, d
     spec = ModelSpec("m", CNN, seed=0)
     epochs = 3
     for executor in (
-        MopExecutor(dask_client, DataRef(small_manifest), list(rows), seed=0),
-        TaskExecutor(dask_client, DataRef(small_manifest), list(rows)),
+        MopExecutor(dask_client, DataRef.open(small_manifest), list(rows), seed=0),
+        TaskExecutor(dask_client, DataRef.open(small_manifest), list(rows)),
     ):
         outcome = executor.run([spec], epochs)["m"]
         parts = (
@@ -95,9 +95,13 @@ def test_a_resumed_ddp_trial_continues_its_schedule_and_its_optimizer(
 
     spec = ModelSpec("d", CNN | {"batch_size": 64}, seed=0)
     whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
-    whole = DDPExecutor(dask_client, DataRef(small_manifest), 2, str(whole_dir)).run([spec], epochs=3)["d"]
-    DDPExecutor(dask_client, DataRef(small_manifest), 2, str(split_dir)).run([spec], epochs=1)
-    resumed = DDPExecutor(dask_client, DataRef(small_manifest), 2, str(split_dir)).run([spec], epochs=3)["d"]
+    whole = DDPExecutor(dask_client, DataRef.open(small_manifest), 2, str(whole_dir)).run([spec], epochs=3)[
+        "d"
+    ]
+    DDPExecutor(dask_client, DataRef.open(small_manifest), 2, str(split_dir)).run([spec], epochs=1)
+    resumed = DDPExecutor(dask_client, DataRef.open(small_manifest), 2, str(split_dir)).run([spec], epochs=3)[
+        "d"
+    ]
     assert whole.error is None and resumed.error is None, (whole.error, resumed.error)
     assert [r.epoch for r in resumed.history] == [0, 1, 2]  # epoch 0 from beside the checkpoint
     # The learning rate at the end of epochs 2 and 3 is the uninterrupted run's, not a new cycle's.

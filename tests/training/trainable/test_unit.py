@@ -8,18 +8,19 @@ import pytest
 import torch
 
 from mopflow.training.data import load_manifest
+from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.mop import MopExecutor
 from mopflow.training.executors.task import SequentialExecutor, TaskExecutor
 from mopflow.training.executors.units import load_eval_split, load_partition
 from mopflow.training.trainable.schedule import steps_per_epoch
 from mopflow.training.trainable.state import StateFormatError
-from mopflow.training.trainable.unit import DataRef, ModelSpec, PassInterrupted, TrainableUnit
+from mopflow.training.trainable.unit import ModelSpec, PassInterrupted, TrainableUnit
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 1e-4, "batch_size": 32}
 
 
 def _unit(manifest_uri: str, epochs: int, seed: int = 0) -> tuple[TrainableUnit, Any, Any]:
-    data = DataRef(manifest_uri)
+    data = DataRef.open(manifest_uri)
     manifest = load_manifest(manifest_uri)
     x, y = load_partition(data, [e["name"] for e in manifest["splits"]["train"]])
     unit = TrainableUnit.build(ModelSpec("m", CNN, seed), manifest, epochs * steps_per_epoch([len(x)], 32))
@@ -87,7 +88,7 @@ def test_a_state_that_is_not_safetensors_is_refused(small_manifest: str) -> None
 def test_validation_is_batched_and_matches_whole_split_accuracy(small_manifest: str) -> None:
     unit, x, y = _unit(small_manifest, epochs=1)
     unit.train_pass((x, y), 0)
-    xv, yv = load_eval_split(DataRef(small_manifest), "validation")
+    xv, yv = load_eval_split(DataRef.open(small_manifest), "validation")
     with torch.no_grad():
         whole = float((unit.model.eval()(xv).argmax(dim=1).numpy() == yv).mean())
     assert unit.evaluate(xv, yv) == pytest.approx(whole)
@@ -103,7 +104,7 @@ def test_sequential_task_and_mop_on_one_partition_train_identical_weights(
     from safetensors.torch import load
 
     epochs = 2
-    data = DataRef(small_manifest)
+    data = DataRef.open(small_manifest)
     shards = [e["name"] for e in load_manifest(small_manifest)["splits"]["train"]]
     spec = ModelSpec("trial-0000", CNN, seed=7)
     runs = {

@@ -109,7 +109,7 @@ def test_a_trial_stopped_by_a_notice_resumes_exactly_where_it_stopped(
     from mopflow.training.executors.units import train_pass_and_validate
     from mopflow.training.volatile import preempt
 
-    data = DataRef(small_manifest)
+    data = DataRef.open(small_manifest)
     shards = sorted(e["name"] for e in load_manifest(small_manifest)["splits"]["train"])
     spec = ModelSpec("trial-0000", CNN_PARAMS, seed=0)
     train_rows = sum(e["rows"] for e in load_manifest(small_manifest)["splits"]["train"])
@@ -164,7 +164,7 @@ def test_unit_stopped_by_a_notice_continues_in_the_same_data_order(
     from mopflow.training.volatile import preempt
     from mopflow.training.volatile.preempt import UnitPreempted
 
-    data = DataRef(small_manifest)
+    data = DataRef.open(small_manifest)
     shards = sorted(e["name"] for e in load_manifest(small_manifest)["splits"]["train"])[:1]
     spec = ModelSpec("m", {**CNN_PARAMS, "batch_size": 16}, seed=3)
     start, _ = train_pass(spec, init_state(spec, data), data, shards, 0, 3, 1)

@@ -123,7 +123,7 @@ def _replay(outcome: SearchOutcome, cfg: SearchConfig, manifest_uri: str) -> dic
     from mopflow.training.executors.units import clear_partitions, init_state, train_pass_and_validate
     from mopflow.training.trainable.schedule import steps_per_epoch
 
-    data = DataRef(manifest_uri, {})
+    data = DataRef.open(manifest_uri, {})
     manifest = load_manifest(manifest_uri, {})
     shards = [e["name"] for e in manifest["splits"]["train"]]
     used = {r["partition"] for recs in outcome.epoch_records.values() for r in recs}

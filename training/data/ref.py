@@ -1,0 +1,39 @@
+"""A reference to sharded data: where the shards are and what the data is."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mopflow.training.data.reading import load_manifest
+from mopflow.training.models.families import DataSpec
+
+
+@dataclass(frozen=True)
+class DataRef:
+    """Where the shards are and what the data is (passed to workers; small). Made from the
+    manifest once (:meth:`open`); what is known of the data travels with it."""
+
+    manifest_uri: str
+    spec: DataSpec
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str = ""
+
+    @classmethod
+    def open(
+        cls, manifest_uri: str, storage_options: Mapping[str, Any] | None = None, cache_dir: str = ""
+    ) -> DataRef:
+        """The ref of the shards of ``manifest_uri``, with the data spec its manifest gives."""
+        manifest = load_manifest(manifest_uri, storage_options)
+        return cls(manifest_uri, DataSpec.from_manifest(manifest), dict(storage_options or {}), cache_dir)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DataRef:
+        """The ref as ``dataclasses.asdict`` wrote it (a DDP job's JSON)."""
+        return cls(
+            str(data["manifest_uri"]),
+            DataSpec(**data["spec"]),
+            dict(data["storage_options"]),
+            str(data["cache_dir"]),
+        )
