@@ -177,9 +177,9 @@ class SplitRule:
     rest: str = "train"
 
 
-def split_rule(cfg: DataConfig) -> SplitRule:
-    """The split rule of a config's source."""
-    if cfg.dataset == "mnist1d":
+def split_rule(cfg: DataConfig, own_test_split: bool) -> SplitRule:
+    """The split rule of a config's source (``own_test_split``: the source brings its test split)."""
+    if own_test_split:
         return SplitRule(("train", "validation"), ("validation",), (cfg.val_fraction,))
     return SplitRule(
         SPLITS, ("test", "validation"), (cfg.test_fraction, cfg.test_fraction + cfg.val_fraction)

@@ -35,7 +35,13 @@ from mopflow.training.data.rules import (
     validate_stats,
 )
 from mopflow.training.data.sources.arrays import channel_normalization, expand_channels
-from mopflow.training.data.sources.select import describe_source, source_partitions
+from mopflow.training.data.sources.select import (
+    KINDS_BY_NAME,
+    describe_source,
+    known_data_spec,
+    source_kind,
+    source_partitions,
+)
 from mopflow.training.data.tables import SourceInfo
 
 log = logging.getLogger(__name__)
@@ -56,10 +62,11 @@ def shard_dataset(
     the same input reuses the existing output; a failure removes what was half-written.
     """
     started = time.monotonic()
-    if cfg.dataset == "mnist1d":
-        log.info("shard: generating mnist1d (%d samples, seed %d) on Dask", cfg.num_samples, cfg.seed)
+    kind = source_kind(cfg, storage_options)
+    if kind.generated:
+        log.info("shard: generating %s (%d samples, seed %d) on Dask", kind.name, cfg.num_samples, cfg.seed)
     else:
-        log.info("shard: reading %s on Dask", cfg.dataset)
+        log.info("shard: reading %s (%s) on Dask", cfg.dataset, kind.name)
     info = describe_source(cfg, storage_options, client)
     out_dir = storage.join(data_root, "datasets", f"{info.kind}-{shard_key(info.fingerprint, cfg)}")
     manifest_uri = storage.join(out_dir, MANIFEST_NAME)
@@ -138,7 +145,9 @@ def _counted_partitions(
     stats = client.gather(stats_futures)
     totals = validate_stats(stats, cfg, info.features, cfg.n_shards)
     if cfg.stratify:
-        partitions, stats = _stratify(partitions, split_rule(cfg), info.features, client, held)
+        partitions, stats = _stratify(
+            partitions, split_rule(cfg, KINDS_BY_NAME[info.kind].own_test_split), info.features, client, held
+        )
         totals = validate_stats(stats, cfg, info.features, cfg.n_shards)
     return partitions, stats, whole_pieces, totals
 
@@ -249,7 +258,8 @@ def _manifest(
     names: dict[str, list[str]] = {split: [] for split in SPLITS}
     for split, shard_name, _ in shards:
         names[split].append(shard_name)
-    n_classes_hint = 10 if cfg.dataset == "mnist1d" else len(info.classes or ()) or (cfg.num_classes or 0)
+    known = known_data_spec(cfg)
+    n_classes_hint = known.num_classes if known else len(info.classes or ()) or (cfg.num_classes or 0)
     features = info.features
     manifest: dict[str, Any] = {
         "version": MANIFEST_VERSION,

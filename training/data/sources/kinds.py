@@ -1,6 +1,7 @@
-"""The shard stage's image and array sources: what each is (fingerprint, example shape,
-modality) and its partitions, started on the Dask workers (``mopflow.training.data.sources.arrays`` and
-``mopflow.training.data.sources.images`` do the work)."""
+"""The shard stage's image and array sources (generated ``shapes``, ``.npy`` pairs, image folders,
+tensor columns): what each is (fingerprint, example shape, modality) and its partitions, started on
+the Dask workers (``mopflow.training.data.sources.arrays`` and ``...images`` do the work). The
+registry of kinds is :mod:`mopflow.training.data.sources.select`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from mopflow.infra.base import storage
 from mopflow.training.data.config import DataConfig
 from mopflow.training.data.rules import (
     PARTITION_SEED_STRIDE,
-    DataValidationError,
     even_chunks,
     feature_columns,
 )
@@ -20,7 +20,6 @@ from mopflow.training.data.sources.arrays import (
     SourceError,
     SplitSettings,
     check_npy_pair,
-    is_npy_folder,
     npy_header,
     npy_partition,
     shapes_data_spec,
@@ -29,7 +28,6 @@ from mopflow.training.data.sources.arrays import (
 from mopflow.training.data.sources.images import (
     image_partition,
     image_shape,
-    is_image_folder,
     list_image_folder,
     probe_encoded,
     probe_images,
@@ -37,8 +35,8 @@ from mopflow.training.data.sources.images import (
     tensor_partition,
 )
 from mopflow.training.data.tables import SourceInfo, table_fingerprint
+from mopflow.training.models.families import DataSpec
 
-KINDS = ("shapes", "images", "npy", "tensors")
 PROBE_CHUNK = 256  # images whose headers one task reads
 SHAPES_GENERATOR = "shapes-1"
 
@@ -47,39 +45,28 @@ def _split(cfg: DataConfig) -> SplitSettings:
     return SplitSettings(cfg.val_fraction, cfg.test_fraction, cfg.seed, cfg.nan_policy)
 
 
-def describe(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> Any:
-    """The :class:`~mopflow.training.data.SourceInfo` of a generated image dataset, an image folder or a
-    ``.npy`` pair; None for other sources. Unusable items are refused here, before anything is
-    written, naming them."""
-
-    try:
-        if cfg.dataset == "shapes":
-            shape, classes = shapes_data_spec()
-            fingerprint = {
-                "dataset": "shapes",
-                "num_samples": cfg.num_samples,
-                "seed": cfg.seed,
-                "partition_rows": cfg.partition_rows,
-                "generator": SHAPES_GENERATOR,
-            }
-            names = [str(c) for c in range(classes)]
-            return SourceInfo(
-                fingerprint, feature_columns(math.prod(shape)), None, "image", shape, "shapes", names
-            )
-        if "/" not in cfg.dataset:
-            return None
-        if cfg.tensor_column is not None:
-            return _describe_tensors(cfg, storage_options, client)
-        if is_npy_folder(cfg.dataset, storage_options):
-            return _describe_npy(cfg, storage_options)
-        if is_image_folder(cfg.dataset, storage_options):
-            return _describe_images(cfg, storage_options, client)
-    except SourceError as exc:
-        raise DataValidationError(str(exc)) from exc
-    return None
+def describe_shapes(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> SourceInfo:
+    """The generated ``shapes`` images: 3x16x16, 8 classes."""
+    shape, classes = shapes_data_spec()
+    fingerprint = {
+        "dataset": "shapes",
+        "num_samples": cfg.num_samples,
+        "seed": cfg.seed,
+        "partition_rows": cfg.partition_rows,
+        "generator": SHAPES_GENERATOR,
+    }
+    names = [str(c) for c in range(classes)]
+    return SourceInfo(fingerprint, feature_columns(math.prod(shape)), None, "image", shape, "shapes", names)
 
 
-def _describe_npy(cfg: DataConfig, storage_options: Mapping[str, Any] | None) -> Any:
+def shapes_spec(cfg: DataConfig) -> DataSpec:
+    """The data spec of the ``shapes`` images, known before sharding."""
+    shape, classes = shapes_data_spec()
+    return DataSpec(math.prod(shape), classes, shape, "image")
+
+
+def describe_npy(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> SourceInfo:
+    """A folder with ``x.npy`` and ``y.npy``: their headers, checked against each other."""
 
     headers = (
         npy_header(storage.join(cfg.dataset, "x.npy"), storage_options),
@@ -111,7 +98,8 @@ def _files_fingerprint(cfg: DataConfig, storage_options: Mapping[str, Any] | Non
     return {"url": cfg.dataset, "files": entries}
 
 
-def _describe_images(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> Any:
+def describe_images(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> SourceInfo:
+    """An image folder (``root/<class>/*.png|jpg``): every image's header, read on the workers."""
 
     listing = list_image_folder(cfg.dataset, storage_options)
     chunks = [listing.files[i : i + PROBE_CHUNK] for i in range(0, len(listing.files), PROBE_CHUNK)]
@@ -135,7 +123,8 @@ def _describe_images(cfg: DataConfig, storage_options: Mapping[str, Any] | None,
     )
 
 
-def _describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> Any:
+def describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> SourceInfo:
+    """A parquet table whose ``tensor_column`` holds each example (a tensor, or an encoded image)."""
 
     assert cfg.tensor_column is not None
     source = tensor_column(cfg.dataset, cfg.tensor_column, cfg.label_column, storage_options)
@@ -179,41 +168,50 @@ def _describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None
     )
 
 
-def partitions(cfg: DataConfig, info: Any, client: Any) -> list[Any]:
-    """Futures of the source's partitions, prepared on the workers."""
+def _chunks(n: int, cfg: DataConfig) -> list[tuple[int, int]]:
+    return even_chunks(n, max(1, -(-n // cfg.partition_rows)))
 
-    split = _split(cfg)
-    if info.kind == "shapes":
-        chunks = even_chunks(cfg.num_samples, max(1, -(-cfg.num_samples // cfg.partition_rows)))
-        return [
-            client.submit(
-                shapes_partition, stop - start, cfg.seed + p * PARTITION_SEED_STRIDE, split, pure=False
-            )
-            for p, (start, stop) in enumerate(chunks)
-        ]
-    so = info.storage_options
-    if info.kind == "images":
-        listing = info.detail
-        n = len(listing.files)
-        return [
-            client.submit(
-                image_partition,
-                listing.files[start:stop],
-                listing.labels[start:stop],
-                info.input_shape,
-                split,
-                so,
-                pure=False,
-            )
-            for start, stop in even_chunks(n, max(1, -(-n // cfg.partition_rows)))
-        ]
-    if info.kind == "tensors":  # a partition per parquet file
-        return [
-            client.submit(tensor_partition, url, info.detail, info.input_shape, split, so, pure=False)
-            for url in info.detail.files
-        ]
-    n = info.detail[0].shape[0]
+
+def shapes_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
+    """Futures of the generated ``shapes`` partitions, one seed each."""
+    return [
+        client.submit(
+            shapes_partition, stop - start, cfg.seed + p * PARTITION_SEED_STRIDE, _split(cfg), pure=False
+        )
+        for p, (start, stop) in enumerate(_chunks(cfg.num_samples, cfg))
+    ]
+
+
+def image_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
+    """Futures of an image folder's partitions, decoded on the workers."""
+    listing = info.detail
+    return [
+        client.submit(
+            image_partition,
+            listing.files[start:stop],
+            listing.labels[start:stop],
+            info.input_shape,
+            _split(cfg),
+            info.storage_options,
+            pure=False,
+        )
+        for start, stop in _chunks(len(listing.files), cfg)
+    ]
+
+
+def tensor_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
+    """Futures of a tensor column's partitions: one per parquet file."""
+    split, so = _split(cfg), info.storage_options
+    return [
+        client.submit(tensor_partition, url, info.detail, info.input_shape, split, so, pure=False)
+        for url in info.detail.files
+    ]
+
+
+def npy_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
+    """Futures of an ``.npy`` pair's partitions, row ranges read on the workers."""
+    split, so = _split(cfg), info.storage_options
     return [
         client.submit(npy_partition, cfg.dataset, info.detail, start, stop, split, so, pure=False)
-        for start, stop in even_chunks(n, max(1, -(-n // cfg.partition_rows)))
+        for start, stop in _chunks(info.detail[0].shape[0], cfg)
     ]
