@@ -77,8 +77,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` and ``i
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
-from growing import GrowingConfig, GrowingResult, Volatility, train_growing  # noqa: E402
-from growing_report import account_prefix, cost_curve  # noqa: E402
+from studies.growing import GrowingConfig, GrowingResult, Volatility, train_growing  # noqa: E402
+from studies.growing_report import account_prefix, cost_curve  # noqa: E402
 
 from mopflow.training.models.builtin import ArchSpec  # noqa: E402
 from mopflow.training.volatile.price_trace import PriceTrace, sample_price_trace  # noqa: E402

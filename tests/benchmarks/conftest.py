@@ -1,4 +1,4 @@
-"""The benchmark scripts' own modules (``benchmarks/growing.py``, ...) are importable in these tests,
+"""The benchmark scripts' own modules (``benchmarks/studies/growing.py``, ...) are importable in these tests,
 as they are to the scripts themselves, which run with ``benchmarks/`` first on the path."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""A small growing run for the tests of the growing-workers benchmark (``benchmarks/growing.py``)."""
+"""A small growing run for the tests of the growing-workers study (``benchmarks/studies/growing.py``)."""
 
 from __future__ import annotations
 
 import torch
-from growing import GrowingConfig
+from studies.growing import GrowingConfig
 
 from mopflow.training.models.builtin import ArchSpec
 from mopflow.training.volatile.price_trace import PriceTrace

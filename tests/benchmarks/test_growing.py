@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from growing import (
+from studies.growing import (
     GrowingConfig,
     Volatility,
     aggregated_gradient,

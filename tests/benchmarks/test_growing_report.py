@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from growing import Volatility, train_growing
-from growing_report import account_prefix, cost_curve, log_growing_run
+from studies.growing import Volatility, train_growing
+from studies.growing_report import account_prefix, cost_curve, log_growing_run
 
 from mopflow.training.volatile.prices import SECONDS_PER_HOUR
 from tests.benchmarks.growing_helpers import ARCH, TRACE, growing_data, volatile_growing_config

@@ -8,12 +8,11 @@ and :func:`log_growing_run` logs the config, the per-slot histories and the cost
 
 from __future__ import annotations
 
-from growing import GrowingConfig, GrowingResult, Volatility
-
 from mopflow.infra.base.tracking import Tracker
 from mopflow.training.volatile.cost import account_run
 from mopflow.training.volatile.prices import SECONDS_PER_HOUR
 from mopflow.training.volatile.run_account import RunAccount, log_run_account
+from studies.growing import GrowingConfig, GrowingResult, Volatility
 
 
 def account_prefix(

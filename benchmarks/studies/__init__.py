@@ -1,0 +1,1 @@
+"""Modules the benchmark scripts share (not scripts themselves): the growing-workers study."""
