@@ -120,11 +120,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"wheel": wheel, "python": python, "bin": env_dir / "bin", "work": work, "env": env, "root": root}
 
 
-def _run(installed: dict[str, Any], *argv: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+def _run(
+    installed: dict[str, Any], *argv: str, timeout: int = 600, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` in the work folder with the installed venv's environment (plus ``env``)."""
     return subprocess.run(
         list(argv),
         cwd=installed["work"],
-        env=installed["env"],
+        env=installed["env"] | env,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -234,15 +237,7 @@ def test_mopflow_run_from_outside_the_checkout_registers_a_model(installed: dict
 
 def test_a_missing_dags_folder_is_one_line_and_exit_2(installed: dict[str, Any]) -> None:
     missing = installed["root"] / "no-such-dags"
-    installed_env = installed["env"] | {"MOPFLOW_DAGS_FOLDER": str(missing)}
-    proc = subprocess.run(
-        [str(installed["bin"] / "mopflow"), "run"],
-        cwd=installed["work"],
-        env=installed_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run(installed, str(installed["bin"] / "mopflow"), "run", MOPFLOW_DAGS_FOLDER=str(missing))
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -256,13 +251,8 @@ def test_an_airflow_that_cannot_load_the_plugin_is_one_line_and_exit_2(installed
     (broken / "airflow" / "__init__.py").write_text('raise ImportError("this Airflow is broken")\n')
     folder = installed["root"] / "dags-of-a-broken-airflow"
     folder.mkdir()
-    proc = subprocess.run(
-        [str(installed["bin"] / "mopflow"), "dags", "install", str(folder)],
-        cwd=installed["work"],
-        env=installed["env"] | {"PYTHONPATH": str(broken)},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _run(
+        installed, str(installed["bin"] / "mopflow"), "dags", "install", str(folder), PYTHONPATH=str(broken)
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

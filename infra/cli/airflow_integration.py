@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
+from mopflow.infra.base.airflow_home import dags_folder
 from mopflow.infra.cli.errors import CliError
-from mopflow.infra.stack.airflow_home import dags_folder
 
 LOADER_NAME = "mopflow_dags.py"
 # The packaged DAGs: (module, the name of its DAG object, the DAG's id); the loader imports these.

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from mopflow.infra.base.airflow_home import AirflowSetupError
 from mopflow.infra.cli.airflow_integration import cmd_dags_install, cmd_dags_path
 from mopflow.infra.cli.errors import CliError
 from mopflow.infra.cli.info import cmd_config_keys, cmd_dashboard, cmd_settings
@@ -18,7 +19,6 @@ from mopflow.infra.cli.registry import cmd_promote, cmd_rollback, cmd_serve
 from mopflow.infra.cli.run import cmd_run, cmd_runs
 from mopflow.infra.cli.spot import cmd_plan_spot
 from mopflow.infra.cli.stack_commands import cmd_down, cmd_status, cmd_up
-from mopflow.infra.stack.airflow_home import AirflowSetupError
 
 log = logging.getLogger("mopflow")
 

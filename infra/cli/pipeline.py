@@ -74,7 +74,7 @@ def _run_conf(
 def _prepare_airflow(airflow_home: str) -> dict[str, str]:
     """Point this process's embedded Airflow at ``airflow_home`` and migrate its metadata DB
     (idempotent) so that ``dag.test()`` has one; returns Airflow's settings."""
-    from mopflow.infra.stack.airflow_home import migrate_airflow_db
+    from mopflow.infra.base.airflow_home import migrate_airflow_db
     from mopflow.infra.stack.environment import airflow_env
 
     bin_dir = str(Path(sys.executable).parent)

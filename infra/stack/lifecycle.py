@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+from mopflow.infra.base.airflow_home import migrate_airflow_db
 from mopflow.infra.base.optuna_storage import journal_path, storage_kind
 from mopflow.infra.base.settings import TRAINING_POOL, Settings
-from mopflow.infra.stack.airflow_home import migrate_airflow_db
 from mopflow.infra.stack.airflow_services import set_training_pool
 from mopflow.infra.stack.auth import MlflowAuth, airflow_password_file, owner_only, prepare_mlflow_auth
 from mopflow.infra.stack.config import StackConfig, StackError
