@@ -7,6 +7,7 @@ import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -26,7 +27,12 @@ def require_service(name: str, host: str, port: int) -> None:
     """Skip when a service is down, or fail under MOPFLOW_REQUIRE_SERVICES=1 (CI)."""
     if service_available(host, port):
         return
-    message = f"{name} is not reachable at {host}:{port}"
+    skip_unless_required(f"{name} is not reachable at {host}:{port}")
+
+
+def skip_unless_required(message: str) -> NoReturn:
+    """Skip with ``message``, or fail under MOPFLOW_REQUIRE_SERVICES=1 (CI), where nothing a
+    test needs may be missing."""
     if os.environ.get("MOPFLOW_REQUIRE_SERVICES") == "1":
         pytest.fail(message + " and MOPFLOW_REQUIRE_SERVICES=1")
     pytest.skip(message)

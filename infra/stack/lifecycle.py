@@ -86,8 +86,8 @@ def up(
             return existing
         if config.mlflow_auth and not has_module("flask_wtf", bin_dir):
             raise StackError(
-                "--auth runs MLflow's basic-auth app, which needs the mlflow[auth] extra (Flask-WTF): "
-                f"install it into the environment of {bin_dir} (pip install 'mlflow[auth]')"
+                "--auth runs MLflow's basic-auth app, which needs the auth extra (Flask-WTF): "
+                f"install it into the environment of {bin_dir} (pip install 'mopflow[auth]')"
             )
         auth = prepare_mlflow_auth(home) if config.mlflow_auth else None
         specs = build_specs(settings, config, bin_dir, environ, auth=auth)

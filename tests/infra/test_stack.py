@@ -21,6 +21,7 @@ import pytest
 from mopflow.infra import stack
 from mopflow.infra.base.settings import TRAINING_POOL
 from mopflow.infra.stack.processes import is_running
+from tests.conftest import skip_unless_required
 from tests.rest import request_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -289,10 +290,7 @@ def _require_browser() -> None:
         missing.append("the playwright package (the dev extra)")
     if not missing:
         return
-    message = "browser test needs " + " and ".join(missing)
-    if os.environ.get("MOPFLOW_REQUIRE_SERVICES") == "1":
-        pytest.fail(message + " and MOPFLOW_REQUIRE_SERVICES=1")
-    pytest.skip(message)
+    skip_unless_required("browser test needs " + " and ".join(missing))
 
 
 @pytest.fixture(scope="module")

@@ -49,10 +49,7 @@ def test_owner_only_hides_a_secret_file(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_mlflow_with_auth_refuses_anonymous_clients(tmp_path: Path) -> None:
     import base64
-    import importlib.util
 
-    if importlib.util.find_spec("flask_wtf") is None:
-        pytest.skip("MLflow's basic-auth app needs the mlflow[auth] extra (Flask-WTF), not installed")
     config = config_from_env({}, {}, True, 1, free_port, mlflow_auth=True)
     auth = prepare_mlflow_auth(tmp_path)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MOPFLOW_")}

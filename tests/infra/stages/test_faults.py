@@ -35,6 +35,7 @@ from mopflow.training.data import ShardIntegrityError, load_manifest
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.study import STALE_ATTR
 from mopflow.training.search.sweep import run_strategy_search
+from tests.conftest import skip_unless_required
 from tests.infra.stages.confs import SMALL_CONF
 from tests.server_waits import wait_until_answering
 
@@ -254,7 +255,7 @@ def test_postgresql_restart_mid_sweep_loses_and_duplicates_no_trial(
     Expected: storage calls are retried across the restart; the sweep completes with exactly
     n_trials counted trials, each once, none left RUNNING."""
     if shutil.which("pg_ctlcluster") is None or not os.path.isdir("/etc/postgresql"):
-        pytest.skip("this machine's PostgreSQL cannot be restarted from here")
+        skip_unless_required("this machine's PostgreSQL cannot be restarted from here (pg_ctlcluster)")
     space = {
         "families": {
             "cnn": {
