@@ -1,10 +1,13 @@
-"""Waits on a live Dask cluster for fault tests: a signal must land while a task runs, not in the
-gap between two tasks, which a loaded machine can stretch past any fixed sleep."""
+"""Waits on a live Dask cluster for fault tests: a signal must land while a task runs (or a
+training pass is past its first batch), not in the gap between two tasks or during a pass's
+set-up, which a loaded machine can stretch past any fixed sleep."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 
@@ -25,3 +28,39 @@ def wait_until_executing(client: Any, keep_waiting: Callable[[], bool], timeout_
             return True
         time.sleep(0.02)
     return worker_is_executing(client)
+
+
+def fit_batches_done(client: Any) -> int:
+    """The most batches that a Lightning fit running on ``client``'s workers right now has
+    finished (the fit loop's own progress record, read from the thread fitting); -1 when no fit
+    runs."""
+
+    def done_here() -> int:
+        trainer_cls = getattr(sys.modules.get("pytorch_lightning"), "Trainer", None)
+        if trainer_cls is None:
+            return -1
+        found = -1
+        for top in sys._current_frames().values():
+            frame: FrameType | None = top
+            while frame is not None:
+                trainer = frame.f_locals.get("self") if frame.f_code.co_name == "fit" else None
+                if isinstance(trainer, trainer_cls):
+                    found = max(found, int(trainer.fit_loop.epoch_loop.batch_progress.current.completed))
+                    break
+                frame = frame.f_back
+        return found
+
+    return max(client.run(done_here).values(), default=-1)
+
+
+def wait_until_fit_batches(
+    client: Any, batches: int, keep_waiting: Callable[[], bool], timeout_s: float = 120
+) -> bool:
+    """Poll until a fit on a worker has finished ``batches`` batches of its pass (True),
+    ``keep_waiting`` turns False or time is up (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and keep_waiting():
+        if fit_batches_done(client) >= batches:
+            return True
+        time.sleep(0.02)
+    return fit_batches_done(client) >= batches

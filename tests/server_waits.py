@@ -1,5 +1,5 @@
-"""Waits on a server process a test started: until its URL answers, failing early (with what the
-server said) when it exits instead."""
+"""Waits on a server process a test started: until its URL answers or until it says something,
+failing early (with what the server said) when it exits instead."""
 
 from __future__ import annotations
 
@@ -30,4 +30,28 @@ def wait_until_answering(
             pass
         assert server.poll() is None, f"{what} exited: {output()[-3000:]}"
         assert time.monotonic() < deadline, f"{what} did not answer {url} within {timeout_s:g} s"
+        time.sleep(poll_s)
+
+
+def wait_for_output(
+    server: subprocess.Popen[Any],
+    output: Callable[[], str],
+    text: str,
+    since: int = 0,
+    fail_on: tuple[str, ...] = (),
+    timeout_s: float = 60,
+    poll_s: float = 0.1,
+) -> str:
+    """Wait until ``text`` appears in ``output()`` after its first ``since`` characters; the
+    output from ``since`` on. Fails early when one of ``fail_on`` appears there instead or when
+    ``server`` exits, and when ``timeout_s`` pass (each time with the last of that output)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        said = output()[since:]
+        if text in said:
+            return said
+        wrong = [other for other in fail_on if other in said]
+        assert not wrong, f"{wrong[0]!r} instead of {text!r}: {said[-3000:]}"
+        assert server.poll() is None, f"the server exited before {text!r}: {said[-3000:]}"
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout_s:g} s: {said[-3000:]}"
         time.sleep(poll_s)

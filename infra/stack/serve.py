@@ -7,6 +7,10 @@ version, that version is loaded beside the serving one and then swapped in by on
 A request uses the model it started with, so every answer comes from one whole model, and no
 request fails during the switch. Each answer names its version (``X-Model-Version``).
 
+Nothing around the registry stops the serving: a version that does not load, a deleted alias and
+a registry that cannot be read are logged and the served model kept. A request the model cannot
+score is answered with MLflow's 4xx status and error JSON.
+
 With ``wait`` the server starts before any champion exists (as ``mopflow up`` starts it):
 ``/health`` answers at once with what it serves, ``/ping`` and ``/invocations`` answer 503 until
 the alias points at a version.
@@ -52,6 +56,7 @@ class ChampionFollower:
     def __init__(self, client: Any, name: str, alias: str = CHAMPION) -> None:
         self.client, self.name, self.alias = client, name, alias
         self.current: Served | None = None
+        self._alias_gone = False  # the alias was seen missing while a model is served (logged once)
         self._stop = threading.Event()
 
     def champion_version(self) -> str | None:
@@ -67,15 +72,28 @@ class ChampionFollower:
 
     def refresh(self) -> bool:
         """Load the alias's version if it is not the one served; whether the model changed.
-        A version that fails to load is logged and the served one kept; with no alias (yet or any
-        more) the served model, if any, is kept."""
+        A version that fails to load is logged and the served one kept (it is tried again at the
+        next refresh); with no alias (yet or any more) the served model, if any, is kept, and an
+        alias gone from under a served model is logged once."""
         import mlflow
 
         version = self.champion_version()
-        if version is None or (self.current is not None and self.current.version == version):
+        if version is None:
+            if self.current is not None and not self._alias_gone:
+                log.warning(
+                    "serve: %s@%s no longer exists; still serving version %s",
+                    self.name,
+                    self.alias,
+                    self.current.version,
+                )
+            self._alias_gone = True
+            return False
+        self._alias_gone = False
+        if self.current is not None and self.current.version == version:
             return False
         try:
             model = mlflow.pyfunc.load_model(f"models:/{self.name}/{version}")
+            loaded = Served(version, model, model.metadata.get_input_schema())
         except Exception:
             if self.current is None:
                 raise
@@ -87,7 +105,7 @@ class ChampionFollower:
             )
             return False
         previous = self.current.version if self.current else None
-        self.current = Served(version, model, model.metadata.get_input_schema())  # one assignment: the swap
+        self.current = loaded  # one assignment: the swap
         log.info("serve: %s@%s is version %s (was %s)", self.name, self.alias, version, previous)
         return True
 
@@ -120,6 +138,7 @@ class ChampionFollower:
 
 def make_app(follower: ChampionFollower) -> Any:
     """The FastAPI app of MLflow's scoring protocol over the follower's current model."""
+    from mlflow.exceptions import MlflowException
     from mlflow.pyfunc.scoring_server import invocations
 
     app = FastAPI(title="mopflow serve")
@@ -142,7 +161,7 @@ def make_app(follower: ChampionFollower) -> Any:
     async def version() -> Response:
         served = follower.current
         return Response(
-            f'{{"model": "{follower.name}", "version": "{served.version if served else ""}"}}',
+            json.dumps({"model": follower.name, "version": served.version if served else ""}),
             media_type="application/json",
             headers=_headers(served),
         )
@@ -154,7 +173,17 @@ def make_app(follower: ChampionFollower) -> Any:
             return Response("no model loaded yet", status_code=503)
         body = await request.body()
         content_type = request.headers.get("content-type", "application/json")
-        result = await asyncio.to_thread(invocations, body, content_type, served.model, served.input_schema)
+        try:
+            result = await asyncio.to_thread(
+                invocations, body, content_type, served.model, served.input_schema
+            )
+        except MlflowException as exc:  # a request the model cannot score: MLflow's status (4xx), not 500
+            return Response(
+                exc.serialize_as_json(),
+                status_code=exc.get_http_status_code(),
+                media_type="application/json",
+                headers=_headers(served),
+            )
         return Response(
             result.response, status_code=result.status, media_type=result.mimetype, headers=_headers(served)
         )

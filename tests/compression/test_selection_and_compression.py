@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from mopflow.compression.evaluate import accuracy_of, evaluate, format_table, qu
 from mopflow.compression.registry.model_registry import decide_promotion
 from mopflow.training.models.builtin import ArchSpec, build_model
 from mopflow.training.models.bundle import ProbabilityEnsemble, StackedEnsemble, predict_proba
+from mopflow.training.models.families import DataSpec
 from tests.compression.helpers import fit, separable_blobs
 
 
@@ -48,24 +51,58 @@ def test_stacked_ensemble_is_the_same_function_as_the_loop() -> None:
         ProbabilityEnsemble(members, [1.0, -1.0, 1.0, 1.0])
 
 
-def test_faster_form_picks_by_measured_time_and_keeps_the_function() -> None:
+class _CostPerCall(torch.nn.Module):
+    """A classifier whose every call also takes ``seconds``, whatever the batch: run in a loop, an
+    ensemble of n pays it n times; stacked, one call of the group pays it once."""
+
+    def __init__(self, model: torch.nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.model, self.seconds = model, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        out: torch.Tensor = self.model(x)
+        return out
+
+
+def test_faster_form_stacks_members_that_cost_per_call_and_keeps_the_function() -> None:
     torch.manual_seed(1)
-    shared = [build_model(ArchSpec("cnn", {"width": 8, "depth": 3}, 40, 10)) for _ in range(2)]
-    loop = ProbabilityEnsemble(
-        [*shared, build_model(ArchSpec("mlp", {"width": 12, "depth": 2}, 40, 10))]
-    ).eval()
-    chosen, ms = faster_form(loop, 40, batches=(1, 32), repeats=2)
-    assert ms["loop_ms"] > 0 and ms["stacked_ms"] > 0
-    assert isinstance(chosen, StackedEnsemble) == (ms["stacked_ms"] < ms["loop_ms"])
+    n, cost_s = 5, 0.02
+    members = [
+        _CostPerCall(build_model(ArchSpec("mlp", {"width": 4, "depth": 1}, 40, 10)), cost_s) for _ in range(n)
+    ]
+    loop = ProbabilityEnsemble(members).eval()
+    chosen, ms = faster_form(loop, 40, batches=(1,), repeats=1)
+    # the loop calls the 5 members (5 x 20 ms = 100 ms at least), the stacked form its one
+    # group once (20 ms plus vmap's overhead): stacking is the faster form by construction
+    assert isinstance(chosen, StackedEnsemble)
+    assert ms["loop_ms"] >= n * cost_s * 1e3
+    assert ms["stacked_ms"] >= cost_s * 1e3
     x = torch.randn(16, 40)
     assert torch.allclose(predict_proba(chosen, x), predict_proba(loop, x), atol=1e-6)
+
+
+def test_faster_form_keeps_the_loop_when_stacking_cannot_run_or_has_nothing_to_stack() -> None:
+    torch.manual_seed(1)
+    # Recurrent members share an architecture, but vmap cannot batch a GRU: the loop, its time
+    # measured, the stacked form's not.
+    data = DataSpec(8, 2, (4, 2), "sequence")
+    recurrent = ProbabilityEnsemble(
+        [build_model(ArchSpec.of("gru", {"width": 4, "depth": 1}, data)) for _ in range(2)]
+    )
+    chosen, ms = faster_form(recurrent, 8, batches=(1,), repeats=1)
+    assert chosen is recurrent
+    assert ms["loop_ms"] > 0 and ms["stacked_ms"] == 0.0
     # No architecture shared by two members: nothing to vectorise, the loop is kept unmeasured.
     distinct = ProbabilityEnsemble(
-        [shared[0], build_model(ArchSpec("mlp", {"width": 12, "depth": 2}, 40, 10))]
+        [
+            build_model(ArchSpec("cnn", {"width": 8, "depth": 3}, 40, 10)),
+            build_model(ArchSpec("mlp", {"width": 12, "depth": 2}, 40, 10)),
+        ]
     )
     assert faster_form(distinct, 40) == (distinct, {"loop_ms": 0.0, "stacked_ms": 0.0})
     with pytest.raises(ValueError, match="batches"):
-        faster_form(loop, 40, batches=(0,))
+        faster_form(recurrent, 8, batches=(0,))
 
 
 def test_munge_points_are_near_the_data_and_reproducible() -> None:

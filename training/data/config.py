@@ -102,8 +102,9 @@ class DataConfig(StageConfig):
         if value is not None:
             if not value:
                 raise ValueError("feature_columns must name at least one column (or be null for all numeric)")
-            if len(set(value)) != len(value):
-                raise ValueError("feature_columns has duplicates")
+            duplicates = sorted({c for c in value if value.count(c) > 1})
+            if duplicates:
+                raise ValueError(f"feature_columns lists {duplicates} more than once")
         return value
 
 

@@ -20,11 +20,22 @@ from mopflow.training.data.rules import manifest_hash
 def load_manifest(manifest_uri: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Read a manifest and check that it is one and that its hash matches its content."""
     try:
-        manifest: dict[str, Any] = storage.read_json(manifest_uri, storage_options)
+        manifest: Any = storage.read_json(manifest_uri, storage_options)
     except FileNotFoundError as exc:
         raise ShardIntegrityError(f"manifest {manifest_uri} does not exist") from exc
+    except ValueError as exc:  # not JSON text (a UnicodeDecodeError is a ValueError too)
+        raise ShardIntegrityError(
+            f"{manifest_uri} is not a mopflow manifest: it is not JSON ({exc})"
+        ) from exc
+    if not isinstance(manifest, dict):
+        raise ShardIntegrityError(
+            f"{manifest_uri} is not a mopflow manifest: it holds a JSON {type(manifest).__name__}, not an object"
+        )
     if manifest.get("version") != MANIFEST_VERSION or "splits" not in manifest:
-        raise ShardIntegrityError(f"{manifest_uri} is not a mopflow manifest (version {MANIFEST_VERSION})")
+        raise ShardIntegrityError(
+            f"{manifest_uri} is not a mopflow manifest (version {MANIFEST_VERSION}): it has version "
+            f"{manifest.get('version')!r} and {'a' if 'splits' in manifest else 'no'} 'splits' entry"
+        )
     if manifest_hash(manifest) != manifest.get("manifest_hash"):
         raise ShardIntegrityError(
             f"manifest {manifest_uri} was modified: its hash does not match its content"

@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
 import jsonschema
 import pytest
 from pydantic import ValidationError
 
 from mopflow.infra.stages.config import CONF_FIELDS, ConfigError, PipelineConfig, conf_json_schema
+from mopflow.training.models.families import MODULES_ENV, reload_families
 
 
 @pytest.mark.parametrize(
@@ -16,7 +22,7 @@ from mopflow.infra.stages.config import CONF_FIELDS, ConfigError, PipelineConfig
         ({"student_width": 2000}, ["student_width=2000", "budget"]),
         ({"no_such_knob": 1}, ["no_such_knob"]),
         ({"temperature": float("nan")}, ["temperature"]),
-        ({"model_name": "bad name; drop table"}, ["model_name"]),
+        ({"model_name": "bad name; drop table"}, ["model_name 'bad name; drop table' must match"]),
         (
             {"search_space": '{"families": {"cnn": {"width": {"type": "int", "low": 5, "high": 1}}}}'},
             ["search_space"],
@@ -49,6 +55,66 @@ from mopflow.infra.stages.config import CONF_FIELDS, ConfigError, PipelineConfig
             ["spot_trace and worker_schedule"],
         ),
         ({"n_workers": 4}, ["n_workers is now parallel_trials"]),
+        # the data keys
+        ({"image_size": [0, 4]}, ["image_size [0, 4] must be two sizes between 1 and 4096"]),
+        ({"feature_columns": []}, ["feature_columns must name at least one column"]),
+        ({"feature_columns": ["a", "b", "a", "c", "b"]}, ["feature_columns lists ['a', 'b'] more than once"]),
+        # the search keys
+        (
+            {"worker_schedule": "exponential:2"},
+            ["'exponential:2': exponential takes <eta>:<n_max>, got 1 value"],
+        ),
+        ({"worker_schedule": "exponential:fast:4"}, ["'exponential:fast:4': eta='fast' is not a number"]),
+        (
+            {"worker_schedule": {"kind": "static", "n_max": 2, "unit": "iteration"}},
+            ["worker_schedule.unit must be 'epoch'", "got 'iteration'"],
+        ),
+        (
+            {"spot_trace": "p\n.csv", "spot_bids": [1.0]},
+            ["spot_trace 'p\\n.csv' must be a path or URL without"],
+        ),
+        ({"spot_trace": "   ", "spot_bids": [1.0]}, ["spot_trace '   ' must be a path or URL"]),
+        (
+            {"spot_trace": "p.csv", "spot_bids": []},
+            ["spot_bids must hold one bid per LocalCluster worker, got []"],
+        ),
+        # the search space and the student against the data
+        (
+            {
+                "search_space": {
+                    "families": {
+                        "cnn": {
+                            "width": {"type": "int", "low": 4, "high": 8},
+                            "depth": {"type": "categorical", "choices": [8]},
+                        }
+                    }
+                }
+            },
+            ["family 'cnn' cannot be built for data of shape [40]", "depth 8"],
+        ),
+        (
+            {"student_family": "vit"},
+            ["student_family", "unknown model family 'vit'; student families: ['cnn'"],
+        ),
+        (
+            {"student_family": "cnn2d"},
+            ["student_family='cnn2d' takes ['image'] data; the dataset is 'table'"],
+        ),
+        (
+            {"dataset": "shapes", "student_family": "gru"},
+            ["student_family='gru' takes ['sequence'] data; the dataset is 'image'"],
+        ),
+        (
+            {"dataset": "shapes", "student_width": 2},
+            ["student_width=2 does not fit the student", "cnn2d.width=2 must be between 4 and 512"],
+        ),
+        (
+            {"student_family": "cnn", "student_width": 64, "student_depth": 8},
+            [
+                "student_width=64 does not fit the student",
+                "a CNN of depth 8 does not fit an input of length 40",
+            ],
+        ),
     ],
 )
 def test_bad_conf_is_refused_naming_the_value(conf: dict, needles: list[str]) -> None:
@@ -56,6 +122,51 @@ def test_bad_conf_is_refused_naming_the_value(conf: dict, needles: list[str]) ->
         PipelineConfig.from_conf(conf)
     for needle in needles:
         assert needle in str(info.value)
+
+
+@pytest.fixture()
+def non_student_families(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A local module (MOPFLOW_MODEL_MODULES) with a family that cannot be a student (``teacher``)
+    and a student family without a size parameter (``sizeless``)."""
+    (tmp_path / "non_student_families.py").write_text(
+        textwrap.dedent(
+            """
+            from mopflow.training.models.families import ModelFamily
+
+            def build(params, data):
+                raise NotImplementedError("never built: the config refuses it first")
+
+            WIDTH = {"width": {"type": "int", "low": 1, "high": 8}}
+            MODEL_FAMILIES = [
+                ModelFamily(name="teacher", params=WIDTH, build=build),
+                ModelFamily(name="sizeless", params=WIDTH, build=build, can_be_student=True),
+            ]
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(MODULES_ENV, "non_student_families")
+    reload_families()
+    yield
+    monkeypatch.delenv(MODULES_ENV)
+    sys.modules.pop("non_student_families", None)
+    reload_families()
+
+
+@pytest.mark.parametrize(
+    ("family", "needle"),
+    [
+        ("teacher", "family 'teacher' cannot be a student; student families: ['cnn'"),
+        ("sizeless", "student family 'sizeless' has no size parameter to fit the budget"),
+    ],
+)
+@pytest.mark.usefixtures("non_student_families")
+def test_a_registered_family_that_cannot_be_the_student_is_refused_naming_it(
+    family: str, needle: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        PipelineConfig.from_conf({"student_family": family})
+    assert needle in str(info.value) and "student_family" in str(info.value)
 
 
 def test_defaults_round_trip_through_the_flat_conf() -> None:

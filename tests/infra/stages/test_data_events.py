@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -60,3 +63,41 @@ def test_a_retrain_config_file_is_read_and_validated(tmp_path: Path) -> None:
         read_conf_file(tmp_path / "list.yaml")
     with pytest.raises(ConfigError, match="cannot read"):
         read_conf_file(tmp_path / "missing.yaml")
+
+
+class _TouchOnUnpickle:
+    """Unpickling this creates ``path``: a trace left by any code that unpickles it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[Path]]:
+        return (Path.touch, (self.path,))
+
+
+def test_a_pickle_in_an_event_or_a_conf_file_is_never_unpickled(tmp_path: Path) -> None:
+    """A pickle payload as a carried value, as the whole carried conf (raw or base64) or in a YAML
+    conf file (a python tag, or !!binary bytes): refused naming the key, never unpickled."""
+    marker = tmp_path / "unpickled"
+    payload = pickle.dumps(_TouchOnUnpickle(marker))
+    encoded = base64.b64encode(payload).decode()
+    for carried, needle in [
+        ({"dataset": payload}, "dataset"),
+        ({"model_name": payload}, "model_name"),
+        ({"dataset": encoded}, f"unknown dataset {re.escape(repr(encoded))}"),  # a plain string
+        (payload, "must be a mapping"),
+        (encoded, "must be a mapping"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            conf_with_data_events({"n_trials": 4}, [{"conf": carried}])
+    tagged = tmp_path / "tagged.yaml"
+    tagged.write_text(f"n_trials: 4\nmodel_name: !!python/object/apply:pathlib.Path.touch [{marker}]\n")
+    with pytest.raises(ConfigError, match="tagged.yaml is not valid YAML"):
+        read_conf_file(tagged)
+    binary = tmp_path / "binary.yaml"
+    binary.write_text(f"n_trials: 4\nmodel_name: !!binary {encoded}\n")
+    with pytest.raises(ConfigError, match=r"binary.yaml: model_name"):
+        read_conf_file(binary)
+    assert not marker.exists()
+    pickle.loads(payload)  # the payload is live: unpickled, it leaves its trace
+    assert marker.exists()

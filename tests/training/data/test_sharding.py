@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,24 @@ def test_rerun_reuses_the_content_addressed_output(tmp_path: Path, dask_client: 
     assert second.manifest_uri == first.manifest_uri and second.manifest_hash == first.manifest_hash
     other = shard_dataset(DataConfig(num_samples=400, n_shards=3), str(tmp_path), dask_client)
     assert other.manifest_uri != first.manifest_uri
+
+
+def test_a_failed_shard_write_leaves_no_manifest_and_nothing_half_written(
+    tmp_path: Path, dask_client: object
+) -> None:
+    cfg = DataConfig(num_samples=400, n_shards=2)
+    first = shard_dataset(cfg, str(tmp_path), dask_client)
+    folder = Path(first.manifest_uri).parent
+    manifest = load_manifest(first.manifest_uri)
+    assert [e["name"] for e in manifest["splits"]["test"]] == ["test-00000.parquet"]
+    shutil.rmtree(folder)
+    folder.mkdir()
+    # Where the test shard goes, a link to the folder itself: the written file would be moved onto
+    # itself, so that write fails; the training and validation shards (gathered first) are written.
+    (folder / "test-00000.parquet").symlink_to(".")
+    with pytest.raises(OSError, match="test-00000.parquet"):
+        shard_dataset(cfg, str(tmp_path), dask_client)
+    assert not folder.exists()  # no manifest, and the shards written before the failure are gone
 
 
 def test_corrupt_or_missing_shard_is_named(tmp_path: Path, dask_client: object) -> None:

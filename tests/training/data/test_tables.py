@@ -135,3 +135,24 @@ def test_generated_shards_are_identical_on_one_and_two_workers(tmp_path: Path, d
     assert one["manifest_hash"] == two["manifest_hash"]
     assert [e["sha256"] for e in one["splits"]["train"]] == [e["sha256"] for e in two["splits"]["train"]]
     assert sum(e["rows"] for s in one["splits"].values() for e in s) == 3000
+
+
+@pytest.mark.parametrize(
+    ("files", "needle"),
+    [
+        ({"notes.txt": b"a,b\n1,2\n"}, "dataset folder '{root}' holds no .parquet or .csv files"),
+        ({"part-0.parquet": b"not parquet"}, "cannot read dataset '{root}'"),
+    ],
+)
+def test_a_folder_without_a_readable_table_is_refused_naming_it(
+    tmp_path: Path, files: dict[str, bytes], needle: str
+) -> None:
+    from mopflow.training.data.sources.select import describe_source
+
+    root = tmp_path / "data"
+    root.mkdir()
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    with pytest.raises(DataValidationError) as info:
+        describe_source(DataConfig(dataset=str(root), label_column="target"), None)
+    assert needle.format(root=root) in str(info.value)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,8 @@ def test_mop_on_dask_trains_every_model_on_every_partition(
     models = [ModelSpec(f"m{i}", CNN | {"width": 6 + 2 * i}, seed=i) for i in range(3)]
     executor = MopExecutor(dask_client, data, _shards(small_manifest), str(tmp_path / "ckpt"), seed=3)
     outcomes = executor.run(models, epochs=2)
-    assert partition_shards(_shards(small_manifest), 2) == executor.partitions
+    # two workers: one training shard each
+    assert executor.partitions == {"p0": ["train-00000.parquet"], "p1": ["train-00001.parquet"]}
     for epoch, records in executor.epoch_records.items():
         check_invariants(records, [m.model_id for m in models], executor.partitions)
         assert len({r["worker"] for r in records}) == 2, epoch
@@ -252,15 +254,31 @@ def test_packed_state_that_is_a_pickle_is_refused() -> None:
         read_meta(b"\x00" * 4)
 
 
-def test_a_worker_restarting_still_counts_toward_the_partitions() -> None:
+def test_partition_shards_deals_the_sorted_shards_round_robin() -> None:
+    assert partition_shards(["c", "a", "e", "b", "d"], 2) == {"p0": ["a", "c", "e"], "p1": ["b", "d"]}
+    assert partition_shards(["b", "a", "c"], 3) == {"p0": ["a"], "p1": ["b"], "p2": ["c"]}
+    # never an empty partition, and at least one
+    assert partition_shards(["b", "a"], 5) == {"p0": ["a"], "p1": ["b"]}
+    assert partition_shards(["b", "a"], 0) == {"p0": ["a", "b"]}
+
+
+def test_a_worker_away_still_counts_toward_the_partitions() -> None:
     """A LocalCluster's spec is its size: a worker away after a spot notice (or slow to start on a
     loaded machine) still gets its partition; without a cluster object the connected workers count."""
+    from distributed import Client, LocalCluster
 
-    class _Cluster:
-        worker_spec = {"0": {}, "1": {}}
-
-    class _Client:
-        cluster = _Cluster()
-
-    assert cluster_size(_Client(), ["tcp://127.0.0.1:1"]) == 2
-    assert cluster_size(object(), ["tcp://a", "tcp://b", "tcp://c"]) == 3
+    with (
+        LocalCluster(n_workers=2, processes=False, threads_per_worker=1, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        workers = sorted(client.scheduler_info()["workers"])
+        assert cluster_size(client, workers) == 2
+        client.retire_workers([workers[1]], close_workers=True)  # it leaves; nothing restarts it
+        deadline = time.monotonic() + 60
+        while len(client.scheduler_info()["workers"]) > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        left = sorted(client.scheduler_info()["workers"])
+        assert left == workers[:1]
+        assert cluster_size(client, left) == 2
+        with Client(cluster.scheduler_address) as by_address:  # no cluster object
+            assert cluster_size(by_address, left) == 1

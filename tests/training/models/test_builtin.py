@@ -7,13 +7,27 @@ from mopflow.training.models.builtin import ArchSpec, build_model, count_params,
 from mopflow.training.models.families import DataSpec
 
 
-@pytest.mark.parametrize(("family", "depth"), [("cnn", 2), ("cnn", 4), ("mlp", 1), ("mlp", 3)])
-def test_models_give_logits_per_class(family: str, depth: int) -> None:
+# Width 16 on 40 features and 10 classes. The Standardize layer's mean/std are buffers, not
+# parameters. A conv (k5, s2, p1) maps a length L to (L + 2 - 5) // 2 + 1: 40 -> 19 -> 9 -> 4 -> 1.
+# cnn depth 2: conv 1->16 (16*1*5 + 16 = 96), conv 16->16 (16*16*5 + 16 = 1296),
+#              head 16*9 -> 10 (144*10 + 10 = 1450): 96 + 1296 + 1450 = 2842
+# cnn depth 4: 96 + 3 * 1296 = 3984, head 16*1 -> 10 (16*10 + 10 = 170): 3984 + 170 = 4154
+# mlp depth 1: 40->16 (40*16 + 16 = 656), head 16->10 (170): 656 + 170 = 826
+# mlp depth 3: 656 + 2 * (16*16 + 16 = 272) + 170 = 1370
+@pytest.mark.parametrize(
+    ("family", "depth", "params"), [("cnn", 2, 2842), ("cnn", 4, 4154), ("mlp", 1, 826), ("mlp", 3, 1370)]
+)
+def test_models_give_logits_per_class(family: str, depth: int, params: int) -> None:
     arch = ArchSpec(family, {"width": 16, "depth": depth}, 40, 10)
     model = build_model(arch, [0.5] * 40, [2.0] * 40)
     out = model(torch.randn(7, 40))
     assert out.shape == (7, 10)
-    assert count_params(arch) == sum(p.numel() for p in model.parameters())
+    assert count_params(arch) == params
+
+
+def test_count_params_of_the_smallest_mlp() -> None:
+    # 3 inputs -> 4 hidden (3*4 weights + 4 biases = 16) -> 2 classes (4*2 + 2 = 10): 26
+    assert count_params(ArchSpec("mlp", {"width": 4, "depth": 1}, 3, 2)) == 26
 
 
 def test_standardize_is_saved_with_the_weights() -> None:

@@ -22,21 +22,33 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+# Parameter counts by hand. Convolutions have no bias; a BatchNorm of c channels has 2c parameters
+# (its running statistics are buffers). With width w and c input channels:
+#   stem: conv k5 c->w (5*c*w) + BN (2w)
+#   block keeping the shape (even index): two conv k3 w->w (2 * 3*w*w) + two BN (2 * 2w)
+#   block halving the length (odd index): the same plus a 1x1 projection w->w (w*w) and its BN (2w)
+#   head: w -> classes (w*classes + classes)
+# w=8, c=1, depth 3, 10 classes: stem 40 + 16 = 56; even block 384 + 32 = 416; odd block
+#   416 + 64 + 16 = 496; blocks 416 + 496 + 416 = 1328; head 80 + 10 = 90: 56 + 1328 + 90 = 1474
+# w=8, c=1, depth 4: 56 + (416 + 496 + 416 + 496 = 1824) + 90 = 1970
+# w=6, c=3, depth 1, 3 classes: stem 90 + 12 = 102; block 216 + 24 = 240; head 18 + 3 = 21: 363
 @pytest.mark.parametrize(
-    ("data", "params"),
+    ("data", "params", "n_params"),
     [
-        (DataSpec(40, 10), {"width": 8, "depth": 3, "shift": 2}),  # a table row: one channel of 40
-        (DataSpec(40, 10, (40, 1), "sequence"), {"width": 8, "depth": 4, "shift": 0}),
-        (DataSpec(24, 3, (8, 3), "sequence"), {"width": 6, "depth": 1, "shift": 1}),  # 3 channels
+        (DataSpec(40, 10), {"width": 8, "depth": 3, "shift": 2}, 1474),  # a table row: one channel of 40
+        (DataSpec(40, 10, (40, 1), "sequence"), {"width": 8, "depth": 4, "shift": 0}, 1970),
+        (DataSpec(24, 3, (8, 3), "sequence"), {"width": 6, "depth": 1, "shift": 1}, 363),  # 3 channels
     ],
 )
-def test_rescnn_gives_logits_per_class_for_tables_and_sequences(data: DataSpec, params: dict) -> None:
+def test_rescnn_gives_logits_per_class_for_tables_and_sequences(
+    data: DataSpec, params: dict, n_params: int
+) -> None:
     arch = ArchSpec.of("rescnn", params, data)
     model = build_model(arch, [0.0] * data.input_dim, [1.0] * data.input_dim)
     for mode in (model.train, model.eval):
         mode()
         assert model(torch.randn(5, data.input_dim)).shape == (5, data.num_classes)
-    assert count_params(arch) == sum(p.numel() for p in model.parameters())
+    assert count_params(arch) == n_params
 
 
 def test_rescnn_is_a_student_sized_by_width() -> None:

@@ -19,8 +19,14 @@ from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.study import checkpoint_folder
 from mopflow.training.search.sweep import run_strategy_search
 from mopflow.training.trainable.state import global_step
-from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, register_preemption
-from tests.dask_waits import wait_until_executing
+from mopflow.training.volatile.preempt import (
+    PreemptionPlugin,
+    UnitPreempted,
+    lost_spans,
+    redone_seconds,
+    register_preemption,
+)
+from tests.dask_waits import wait_until_fit_batches
 from tests.spaces import fixed_cnn_space
 
 CNN_PARAMS = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
@@ -28,17 +34,25 @@ SPACE = fixed_cnn_space(batch_size=32)
 
 
 def test_grace_period_setting_is_validated() -> None:
-    class Client:
-        def register_plugin(self, plugin: object) -> None:
-            self.plugin = plugin
+    """The plugin reaches every worker with the grace period set; a bad setting is refused and
+    installs nothing. (Threaded workers: the plugin installs no SIGTERM handler off the main
+    thread, so this process keeps its own.)"""
+    from distributed import Client, LocalCluster
 
-    client = Client()
-    assert register_preemption(client, {"MOPFLOW_PREEMPT_GRACE_S": "12"}) == 12.0
-    assert client.plugin.grace_s == 12.0  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match="MOPFLOW_PREEMPT_GRACE_S='soon'"):
-        register_preemption(client, {"MOPFLOW_PREEMPT_GRACE_S": "soon"})
-    with pytest.raises(ValueError, match="must be in"):
-        register_preemption(client, {"MOPFLOW_PREEMPT_GRACE_S": "0"})
+    def grace_on_workers(dask_worker: Any) -> float | None:
+        plugin = dask_worker.plugins.get(PreemptionPlugin.name)
+        return None if plugin is None else float(plugin.grace_s)
+
+    with (
+        LocalCluster(n_workers=2, processes=False, threads_per_worker=1, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        for bad, needle in [("soon", "MOPFLOW_PREEMPT_GRACE_S='soon'"), ("0", "must be in")]:
+            with pytest.raises(ValueError, match=needle):
+                register_preemption(client, {"MOPFLOW_PREEMPT_GRACE_S": bad})
+        assert list(client.run(grace_on_workers).values()) == [None, None]
+        assert register_preemption(client, {"MOPFLOW_PREEMPT_GRACE_S": "12"}) == 12.0
+        assert list(client.run(grace_on_workers).values()) == [12.0, 12.0]
 
 
 @pytest.mark.slow
@@ -68,9 +82,9 @@ def test_sigterm_checkpoints_mid_epoch_and_the_trial_resumes_there(
         while not ckpt.exists() and time.monotonic() < deadline and runner.is_alive():
             time.sleep(0.05)
         assert ckpt.exists(), "the trial should have finished an epoch"
-        # the signal must land inside a pass, not in the gap between two epoch tasks
-        assert wait_until_executing(client, runner.is_alive), "the second epoch should be running"
-        time.sleep(0.1)  # somewhere inside the second epoch's pass
+        # the signal must land inside a pass past its first batch: not in the gap between two
+        # epoch tasks, nor while the pass sets up (a notice then hands the epoch back at its start)
+        assert wait_until_fit_batches(client, 1, runner.is_alive), "the second epoch should be training"
         (pid,) = client.run(os.getpid).values()
         os.kill(pid, signal.SIGTERM)
         runner.join(timeout=300)

@@ -76,3 +76,46 @@ def test_the_generated_shapes_dataset_shards_as_images(tmp_path: Path, dask_clie
     assert manifest["num_classes"] == len(SHAPES_CLASSES)
     rows = sum(e["rows"] for split in manifest["splits"].values() for e in split)
     assert rows == 600
+
+
+@pytest.mark.parametrize(
+    ("x", "y", "needle"),
+    [
+        (b"not an array", np.zeros(10, np.int64), "'{root}/x.npy' is not a .npy file"),
+        (
+            np.zeros(10, np.float32),
+            np.zeros(10, np.int64),
+            "{root}/x.npy has shape [10]; expected (n, features)",
+        ),
+        (
+            np.zeros((10, 3), np.complex64),
+            np.zeros(10, np.int64),
+            "x.npy holds complex64 (fortran order: False)",
+        ),
+        (
+            np.asfortranarray(np.zeros((10, 3), np.float32)),
+            np.zeros(10, np.int64),
+            "x.npy holds float32 (fortran order: True)",
+        ),
+        (
+            np.zeros((10, 3), np.float32),
+            np.zeros(10),
+            "{root}/y.npy holds float64; expected integer class ids",
+        ),
+    ],
+)
+def test_an_unusable_npy_pair_is_refused_naming_the_file_and_what_it_holds(
+    tmp_path: Path, x: np.ndarray | bytes, y: np.ndarray, needle: str
+) -> None:
+    from mopflow.training.data.sources.select import describe_source
+
+    root = tmp_path / "pair"
+    root.mkdir()
+    if isinstance(x, bytes):
+        (root / "x.npy").write_bytes(x)
+    else:
+        np.save(root / "x.npy", x)
+    np.save(root / "y.npy", y)
+    with pytest.raises(DataValidationError) as info:
+        describe_source(DataConfig(dataset=str(root)), None)
+    assert needle.format(root=root) in str(info.value)

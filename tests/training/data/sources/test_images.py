@@ -130,3 +130,61 @@ def test_parquet_tensor_columns_fixed_shape_and_encoded_images(tmp_path: Path, d
         shard_dataset(
             DataConfig(dataset=str(images), tensor_column="label"), str(tmp_path / "o4"), dask_client
         )
+
+
+def test_a_folder_without_class_folders_and_an_image_of_another_mode_are_named(tmp_path: Path) -> None:
+    from mopflow.training.data.sources.images import SourceError, list_image_folder, probe
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "loose.png")
+    with pytest.raises(SourceError) as info:
+        list_image_folder(str(tmp_path), None)
+    assert f"image folder '{tmp_path}' has no class folders" in str(info.value)
+    with pytest.raises(SourceError, match=r"image 'owl/7.png' has mode 'HSV'; expected one of \['1', "):
+        probe(Image.new("HSV", (4, 4)), "owl/7.png")
+
+
+def _tensor_table(path: Path, shape: tuple[int, ...]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    x = np.zeros((6, *shape), np.float32)
+    pq.write_table(
+        pa.table({"example": pa.FixedShapeTensorArray.from_numpy_ndarray(x), "y": [0, 1] * 3}), path
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg", "needle"),
+    [
+        ("missing.parquet", {"tensor_column": "example"}, "dataset '{url}' does not exist"),
+        (
+            "csv-folder",
+            {"tensor_column": "example"},
+            "dataset folder '{url}' holds no .parquet files (tensor_column='example' needs parquet)",
+        ),
+        (
+            "t.parquet",
+            {"tensor_column": "pixels", "label_column": "y"},
+            "column 'pixels' is not in '{url}'; its columns are ['example', 'y']",
+        ),
+        ("t.parquet", {"tensor_column": "example"}, "column 'label' is not in '{url}'"),
+        (
+            "t4d.parquet",
+            {"tensor_column": "example", "label_column": "y"},
+            "tensor_column 'example' holds tensors of shape [2, 2, 2, 2]",
+        ),
+    ],
+)
+def test_an_unusable_tensor_column_is_refused_naming_it(
+    tmp_path: Path, name: str, cfg: dict[str, str], needle: str
+) -> None:
+    from mopflow.training.data.sources.select import describe_source
+
+    (tmp_path / "csv-folder").mkdir()
+    (tmp_path / "csv-folder" / "t.csv").write_text("example,label\n1,0\n")
+    _tensor_table(tmp_path / "t.parquet", (3,))
+    _tensor_table(tmp_path / "t4d.parquet", (2, 2, 2, 2))
+    url = str(tmp_path / name)
+    with pytest.raises(DataValidationError) as info:
+        describe_source(DataConfig(dataset=url, **cfg), None)
+    assert needle.format(url=url) in str(info.value)
