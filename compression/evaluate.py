@@ -112,15 +112,24 @@ def evaluate(
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The report as a fixed-width text table (also valid Markdown)."""
-    header = "| model | test_acc | params | size_kb | latency_ms_b1 | latency_ms_b256 |"
-    lines = [header, "|---|---:|---:|---:|---:|---:|"]
+    """The report as a fixed-width text table (also valid Markdown). When rows carry a validation
+    accuracy (the students) it gets a column, and a row marked ``kept`` says so after its name."""
+    with_val = any("val_acc" in r for r in rows)
+    val_head, val_rule = ("val_acc | ", "---:|") if with_val else ("", "")
+    header = f"| model | test_acc | {val_head}params | size_kb | latency_ms_b1 | latency_ms_b256 |"
+    lines = [header, f"|---|---:|{val_rule}---:|---:|---:|---:|"]
     for r in rows:
+        name = f"{r['model']} (kept)" if r.get("kept") else r["model"]
+        val = f"{_cell(r.get('val_acc'))} | " if with_val else ""
         lines.append(
-            f"| {r['model']} | {r['test_acc']:.4f} | {r['params']} | {r['size_kb']} | "
+            f"| {name} | {r['test_acc']:.4f} | {val}{r['params']} | {r['size_kb']} | "
             f"{r['latency_ms_b1']:.3f} | {r['latency_ms_b256']:.3f} |"
         )
     return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return "" if value is None else f"{value:.4f}"
 
 
 class _StaticInt8(nn.Module):

@@ -1,34 +1,46 @@
 """Stage 4: a student (<= ratio x the ensemble's params) trained on soft targets plus hard labels,
-beside the same student on hard labels alone, both on the Dask workers; INT8 quantization; the
-evaluation report on the test shards."""
+beside the same student on hard labels alone, both on the Dask workers; the one with the better
+validation accuracy is kept (and logged as the pyfunc to register); INT8 quantization of the kept
+student; the evaluation report on the test shards."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mopflow.compression.distill.keep import REPORT_NAMES, KeptStudent
 from mopflow.infra.base.settings import Settings
 from mopflow.infra.stages.context import Stage, stage
 from mopflow.infra.stages.ensemble import example_input, json_figures
 from mopflow.training.models.families import DataSpec, get_family
+
+if TYPE_CHECKING:
+    from mopflow.compression.distill.student_job import TrainedStudent
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Students:
-    """The distilled student, its hard-label twin, their INT8 forms and training records."""
+    """The distilled student and its hard-label twin (as trained on the workers, and as modules on
+    the CPU), which one is kept, and the kept one's INT8 forms."""
 
     plan: Any
-    bundle_uri: str
-    student: Any
-    baseline: Any
-    history: list[dict[str, Any]]
+    distilled: TrainedStudent
+    hard_label: TrainedStudent
+    distilled_module: Any
+    hard_label_module: Any
+    kept: KeptStudent
     baseline_epochs: int
     quantized: Any
     quantized_static: Any | None
+
+    @property
+    def kept_trained(self) -> TrainedStudent:
+        """The kept student as trained on the workers (its bundle is the one registered)."""
+        return self.hard_label if self.kept.student == "hard_label" else self.distilled
 
 
 def distill_stage(
@@ -38,7 +50,8 @@ def distill_stage(
     ensemble: Mapping[str, Any],
     settings: Settings | None = None,
 ) -> dict[str, Any]:
-    """Distill the ensemble into a student, evaluate every model, log the student as a pyfunc."""
+    """Distill the ensemble into a student beside its hard-label twin, keep the one with the better
+    validation accuracy, evaluate every model, and log the kept student as a pyfunc."""
     import torch
 
     from mopflow.compression.ensemble import faster_form
@@ -63,22 +76,24 @@ def distill_stage(
         report = evaluation_report(st, ensemble, teacher, teacher_bundle, students, manifest_uri)
         metrics = distill_metrics(report, students, teacher_bundle.num_params(), float(ensemble["test_acc"]))
         _log_distill(st, dcfg, students, type(teacher).__name__, form_ms, metrics)
-        model_uri = log_bundle_model(
-            st.run_id, "student", students.bundle_uri, example_input(manifest_uri, so), so
-        )
+        bundle_uri = students.kept_trained.bundle_uri
+        model_uri = log_bundle_model(st.run_id, "student", bundle_uri, example_input(manifest_uri, so), so)
     log.info(
-        "distill: student test_acc=%.4f (hard-label %.4f, int8 %.4f) with %d params (%.1f%% of the ensemble)",
+        "distill: kept the %s student, test_acc=%.4f (distilled %.4f, hard-label %.4f, int8 %.4f) with %d params (%.1f%% of the ensemble)",
+        students.kept.student.replace("_", "-"),
         metrics["test_acc"],
+        metrics["distilled_test_acc"],
         metrics["hard_label_test_acc"],
         metrics["int8_test_acc"],
         students.plan.num_params,
         100 * metrics["param_ratio"],
     )
     return {
-        "bundle_uri": students.bundle_uri,
+        "bundle_uri": bundle_uri,
         "model_uri": model_uri,
         "run_id": st.run_id,
         "arch": students.plan.arch.to_dict(),
+        "kept": students.kept.to_dict(),
         "evaluation": report,
         **json_figures(metrics),
     }
@@ -87,21 +102,27 @@ def distill_stage(
 def distill_metrics(
     report: list[dict[str, Any]], students: Students, teacher_params: int, ensemble_test_acc: float
 ) -> dict[str, float]:
-    """The stage's figures, from the evaluation report's test accuracies and the student's last
-    validation: how much of the ensemble's gain over the hard-label student distillation kept."""
+    """The stage's figures, from the evaluation report's test accuracies and the students' last
+    validation: ``val_acc``/``test_acc`` are the kept student's (the one registered), both students'
+    are there by name, and ``recovered_gain`` is how much of the ensemble's gain over the
+    hard-label student distillation kept."""
     test_acc = {row["model"]: float(row["test_acc"]) for row in report}
+    kept = students.kept
     metrics = {
-        "val_acc": float(students.history[-1]["val_acc"]),
-        "test_acc": test_acc["student"],
+        "val_acc": kept.val_acc,
+        "test_acc": test_acc[kept.report_name],
         "num_params": float(students.plan.num_params),
         "param_ratio": students.plan.num_params / teacher_params,
-        "hard_label_test_acc": test_acc["hard-label student"],
+        "distilled_val_acc": kept.distilled_val_acc,
+        "distilled_test_acc": test_acc[REPORT_NAMES["distilled"]],
+        "hard_label_val_acc": kept.hard_label_val_acc,
+        "hard_label_test_acc": test_acc[REPORT_NAMES["hard_label"]],
         "int8_test_acc": test_acc["student int8 (dynamic)"],
     }
     if "student int8 (static)" in test_acc:
         metrics["int8_static_test_acc"] = test_acc["student int8 (static)"]
     headroom = ensemble_test_acc - metrics["hard_label_test_acc"]
-    gain = metrics["test_acc"] - metrics["hard_label_test_acc"]
+    gain = metrics["distilled_test_acc"] - metrics["hard_label_test_acc"]
     metrics["recovered_gain"] = gain / headroom if headroom > 0 else float("nan")
     return metrics
 
@@ -118,8 +139,10 @@ def train_students(
     """Plan the student within its budget, make the transfer set with the teacher's soft targets on
     the workers (:mod:`mopflow.compression.distill.transfer_shards`), train the student on it and the same student
     on the real data alone (the baseline) side by side on the workers
-    (:mod:`mopflow.compression.distill.student_job`), and quantize it."""
+    (:mod:`mopflow.compression.distill.student_job`), keep the one with the better validation
+    accuracy (:func:`~mopflow.compression.distill.keep.keep_student`) and quantize that one."""
     from mopflow.compression.distill.distill import matching_epochs, plan_student
+    from mopflow.compression.distill.keep import keep_student
     from mopflow.compression.distill.student_job import StudentJob, train_students_on_workers
     from mopflow.compression.distill.transfer_shards import build_transfer_set, calibration_rows
     from mopflow.compression.evaluate import quantize_int8, quantize_static_int8
@@ -164,23 +187,18 @@ def train_students(
         job = StudentJob(plan, dcfg, manifest_uri, seed, device, dict(so), extra)
         outputs = (st.output_uri("student"), st.output_uri("hard-label-student"))
         soft, hard = train_students_on_workers(client, job, transfer, baseline_epochs, outputs)
+    # the last epoch's validation: the weights each bundle holds
+    kept = keep_student(soft.history[-1]["val_acc"], hard.history[-1]["val_acc"])
+    log.info("distill: kept the %s student: %s", kept.student.replace("_", "-"), kept.reason)
     student, baseline = soft.module(so), hard.module(so)
+    chosen = baseline if kept.student == "hard_label" else student
     # static INT8 needs the quantizable families' layout (conv-ReLU pairs); others skip it
     static = (
-        quantize_static_int8(student, calibration_rows(manifest_uri, 2048, so))
+        quantize_static_int8(chosen, calibration_rows(manifest_uri, 2048, so))
         if get_family(plan.arch.family).quantizable
         else None
     )
-    return Students(
-        plan,
-        soft.bundle_uri,
-        student,
-        baseline,
-        soft.history,
-        baseline_epochs,
-        quantize_int8(student),
-        static,
-    )
+    return Students(plan, soft, hard, student, baseline, kept, baseline_epochs, quantize_int8(chosen), static)
 
 
 def evaluation_report(
@@ -192,7 +210,9 @@ def evaluation_report(
     manifest_uri: str,
 ) -> list[dict[str, Any]]:
     """Every model the pipeline produced on the same test set (read one shard at a time), logged
-    as a JSON and Markdown table."""
+    as a JSON and Markdown table. The students' rows carry their validation accuracy and which one
+    was kept; the INT8 rows are the kept student's."""
+    from mopflow.compression.distill.keep import kept_line, mark_kept
     from mopflow.compression.evaluate import evaluate, format_table, serialized_bytes
     from mopflow.training.data import split_shards
     from mopflow.training.models.bundle import ProbabilityEnsemble, load_bundle
@@ -206,20 +226,31 @@ def evaluation_report(
             serialized_bytes(best.module),
         ),
         "ensemble": (teacher, teacher_bundle.num_params(), serialized_bytes(teacher_bundle.module)),
-        "student": (ProbabilityEnsemble([students.student]).eval(), n, serialized_bytes(students.student)),
+        REPORT_NAMES["distilled"]: (
+            ProbabilityEnsemble([students.distilled_module]).eval(),
+            n,
+            serialized_bytes(students.distilled_module),
+        ),
         "student int8 (dynamic)": (students.quantized, n, serialized_bytes(students.quantized)),
     }
     if students.quantized_static is not None:
         static = students.quantized_static
         models["student int8 (static)"] = (static, n, serialized_bytes(static))
-    baseline = students.baseline
-    models["hard-label student"] = (ProbabilityEnsemble([baseline]).eval(), n, serialized_bytes(baseline))
-    report: list[dict[str, Any]] = evaluate(models, split_shards(manifest_uri, "test", st.storage_options))
-    table = format_table(report)
+    baseline = students.hard_label_module
+    models[REPORT_NAMES["hard_label"]] = (
+        ProbabilityEnsemble([baseline]).eval(),
+        n,
+        serialized_bytes(baseline),
+    )
+    measured = evaluate(models, split_shards(manifest_uri, "test", st.storage_options))
+    report = mark_kept(measured, students.kept)
+    table = format_table(report) + "\n\n" + kept_line(students.kept)
     log.info("distill: evaluation report (test set, CPU, 1 thread)\n%s", table)
     st.tracker.log_dict(st.run_id, report, "evaluation.json")
     st.tracker.log_text(st.run_id, table + "\n", "evaluation.md")
     st.tracker.log_dict(st.run.parent_run_id, report, "evaluation.json")
+    for run_id in (st.run_id, st.run.parent_run_id):
+        st.tracker.log_dict(run_id, students.kept.to_dict(), "kept_student.json")
     return report
 
 
@@ -243,6 +274,14 @@ def _log_distill(
             "teacher_form_ms": {k: round(v, 3) for k, v in form_ms.items()},
         },
     )
-    history = [(int(h["epoch"]), h["val_acc"]) for h in students.history]
-    st.tracker.log_metric_history(st.run_id, "epoch_val_acc", history)
+    for key, trained in (
+        ("epoch_val_acc", students.distilled),
+        ("hard_label_epoch_val_acc", students.hard_label),
+    ):
+        history = [(int(h["epoch"]), h["val_acc"]) for h in trained.history]
+        st.tracker.log_metric_history(st.run_id, key, history)
+    st.tracker.set_tags(
+        st.run_id,
+        {"mopflow.kept_student": students.kept.student, "mopflow.kept_reason": students.kept.reason},
+    )
     st.tracker.log_metrics(st.run_id, {k: v for k, v in metrics.items() if math.isfinite(v)})

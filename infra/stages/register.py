@@ -205,6 +205,7 @@ def run_summary(
             "test_acc": distill["test_acc"],
             "num_params": int(distill["num_params"]),
             "param_ratio": distill["param_ratio"],
+            "kept": distill.get("kept"),  # the distilled or the hard-label student, and why
         },
         "registered": {"name": names["student"], "version": versions["student"]},
         "mlflow": {
