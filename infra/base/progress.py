@@ -1,11 +1,23 @@
-"""Progress of a pipeline run as events, and the concise view `mopflow run` shows of them.
+"""Progress of a pipeline run as events, and the view `mopflow run` shows of them.
 
 The stages publish small events (:func:`publish`: a stage starts, a trial finishes, an epoch
 ends) to whoever subscribed in this process; without a subscriber (an Airflow worker) they
-cost a function call. :class:`ProgressView` turns them into what a person follows: the stage
-running, trials finished out of the budget with the best validation accuracy so far, the epochs
-of the running trials and the elapsed time: a live panel on a terminal (rich), plain lines
-otherwise.
+cost a function call. :class:`ProgressView` subscribes for the length of a run and shows them
+(:mod:`~mopflow.infra.base.progress_state` adds them up, :mod:`~mopflow.infra.base.progress_view`
+draws them): a bar per stage with each finished trial above the bars on a terminal, one plain
+line per event otherwise.
+
+The events and their fields:
+
+- ``stage``: ``stage`` (its name) starts, or starts again on a retry;
+- ``search``: ``total`` trials to finish, ``finished`` already (a resumed study's); with
+  ``extra``, ``complete`` and ``needed`` when the total grows by trials the ensemble needs;
+- ``epoch``: ``model`` trained ``epoch`` (from 0) of ``epochs``, ``val_acc``;
+- ``trial``: trial ``number`` of ``model`` and ``family`` finished in ``state`` after ``epoch``
+  of ``epochs`` epochs with ``value``; ``continues`` names the trial a promotion went on from;
+  ``finished`` of ``total`` trials;
+- ``distill_epoch``: the student trained ``epoch`` (from 1) of ``epochs``;
+- ``stop``: ``signal`` asked the run to stop, within ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -13,10 +25,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-Event = dict[str, Any]
+from mopflow.infra.base.progress_state import Event, RunProgress
+
 _SUBSCRIBERS: list[Callable[[Event], None]] = []
 _LOCK = threading.Lock()
 
@@ -43,110 +55,41 @@ def subscribe(subscriber: Callable[[Event], None]) -> Callable[[], None]:
     return unsubscribe
 
 
-@dataclass
-class RunProgress:
-    """What is known of a run so far (pure: updated by :meth:`apply`)."""
-
-    stage: str = "starting"
-    trials_total: int = 0
-    trials_finished: int = 0
-    best_val_acc: float | None = None
-    running: dict[str, tuple[int, int]] = field(default_factory=dict)  # model -> (epoch, epochs)
-    distill: tuple[int, int] | None = None
-
-    def apply(self, event: Event) -> bool:
-        """Take one event; whether it is worth a plain line of its own."""
-        kind = event["kind"]
-        if kind == "stage":
-            self.stage = str(event["stage"])
-            return True
-        if kind == "search":
-            self.trials_total = int(event["total"])
-            self.trials_finished = int(event.get("finished", 0))
-            return False
-        if kind == "epoch":
-            self.running[str(event["model"])] = (int(event["epoch"]) + 1, int(event["epochs"]))
-            return False
-        if kind == "trial":
-            self.running.pop(str(event["model"]), None)
-            self.trials_finished = int(event["finished"])
-            self.trials_total = int(event.get("total") or self.trials_total)
-            value = event.get("value")
-            if value is not None and (self.best_val_acc is None or value > self.best_val_acc):
-                self.best_val_acc = float(value)
-            return True
-        if kind == "distill_epoch":
-            self.distill = (int(event["epoch"]), int(event["epochs"]))
-            return False
-        return False
-
-    def line(self, elapsed_s: float) -> str:
-        """One line: stage, trials, best accuracy, running trials' epochs, elapsed time."""
-        parts = [f"[{_clock(elapsed_s)}] {self.stage}"]
-        if self.trials_total and self.stage in ("search", "ensemble", "distill", "register"):
-            best = f", best val_acc {self.best_val_acc:.4f}" if self.best_val_acc is not None else ""
-            parts.append(f"trials {self.trials_finished}/{self.trials_total}{best}")
-        if self.stage == "search" and self.running:
-            shown = sorted(self.running.items())[:4]
-            running = ", ".join(f"{m} epoch {e}/{n}" for m, (e, n) in shown)
-            more = f" (+{len(self.running) - len(shown)})" if len(self.running) > len(shown) else ""
-            parts.append(f"running: {running}{more}")
-        if self.stage == "distill" and self.distill:
-            parts.append(f"student epoch {self.distill[0]}/{self.distill[1]}")
-        return " · ".join(parts)
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes:02d}:{secs:02d}"
-
-
 class ProgressView:
-    """Shows a run's progress on ``out``: a live line on a terminal, plain lines otherwise."""
+    """Shows a run's progress on ``out`` while the block runs: bars on a terminal (``live``),
+    plain lines otherwise. ``console`` and ``clock`` (monotonic seconds) default to ``out`` and
+    :func:`time.monotonic`."""
 
-    def __init__(self, out: TextIO, live: bool) -> None:
-        self.out, self.live = out, live
-        self.progress = RunProgress()
-        self.started = time.monotonic()
-        self._lock = threading.Lock()
-        self._live: Any = None
+    def __init__(
+        self, out: TextIO, live: bool, console: Any = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.out, self.live, self.console, self.clock = out, live, console, clock
+        self.state = RunProgress()
+        self.started = clock()
+        self._lock = threading.RLock()  # a signal handler may publish while this thread shows an event
+        self._view: Any = None
         self._unsubscribe: Callable[[], None] | None = None
-        self._ticker: threading.Thread | None = None
-        self._stop = threading.Event()
 
     def __enter__(self) -> ProgressView:
+        from mopflow.infra.base.progress_view import PlainView, TerminalView
+
         if self.live:
             from rich.console import Console
-            from rich.live import Live
 
-            self._live = Live(
-                "", console=Console(file=self.out), refresh_per_second=4, transient=False
-            ).__enter__()
-            self._ticker = threading.Thread(target=self._tick, daemon=True)
-            self._ticker.start()
+            self._view = TerminalView(self.console or Console(file=self.out), self.clock)
+        else:
+            self._view = PlainView(self.out, self.started)
+        self._view.start()
         self._unsubscribe = subscribe(self.on_event)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self._unsubscribe:
             self._unsubscribe()
-        self._stop.set()
         with self._lock:
-            if self._live is not None:
-                self._live.update(self.progress.line(time.monotonic() - self.started))
-                self._live.__exit__(None, None, None)
-
-    def _tick(self) -> None:  # the elapsed time moves even when no event comes
-        while not self._stop.wait(1.0):
-            with self._lock:
-                if self._live is not None:
-                    self._live.update(self.progress.line(time.monotonic() - self.started))
+            self._view.close(self.state, self.clock())
 
     def on_event(self, event: Event) -> None:
         with self._lock:
-            notable = self.progress.apply(event)
-            text = self.progress.line(time.monotonic() - self.started)
-            if self._live is not None:
-                self._live.update(text)
-            elif notable:
-                print(text, file=self.out, flush=True)
+            now = self.clock()
+            self._view.show(self.state.apply(event, now), self.state, now)

@@ -253,6 +253,8 @@ def stop_now(
     runs KILLED, the DAG run failed (``fail_dag_run``) and the record stopped, print how to resume
     and leave at once."""
     out = _TERMINAL[0] if _TERMINAL else sys.stderr
+    if out.isatty():  # the progress bars hide the cursor, and os._exit leaves them no time to show it again
+        out.write("\x1b[?25h")
     print(f"\nmopflow: stopping at once ({signal.Signals(signum).name})", file=out, flush=True)
     with contextlib.suppress(Exception):
         end_child_processes(grace_s=2.0)
@@ -279,9 +281,7 @@ def stopping_handlers(
         from mopflow.infra.base import progress
 
         stopping.request_stop(signum)
-        progress.publish(
-            "stage", stage=f"stopping ({signal.Signals(signum).name}, at most {timeout_s:.0f} s)"
-        )
+        progress.publish("stop", signal=signal.Signals(signum).name, timeout_s=timeout_s)
         log.warning(
             "mopflow run: %s received: stopping run %s (at most %.0f s; send it again to stop at once)",
             signal.Signals(signum).name,

@@ -166,16 +166,16 @@ class _Sweep:
     options: SearchOptions
     results: list[TrialResult]  # every finished trial that counts (those of earlier attempts first)
     told: set[int] = field(default_factory=set)  # numbers of the trials told
+    extra_trials: int = 0  # trials run past the budget for the ensemble (counted in the total)
 
     def run(self, budget: int, min_complete: int) -> None:
         """``budget`` trials; then, while fewer than ``min_complete`` are COMPLETE, more without
         pruning (at most ``2 * min_complete``)."""
         if budget > 0:
             self.run_batch(budget, prune=True, respect_deadline=True)
-        extra_attempts = 0
         while True:
             missing = min_complete - sum(1 for r in self.results if r.state == "COMPLETE")
-            if budget == 0 or missing <= 0 or extra_attempts >= 2 * min_complete:
+            if budget == 0 or missing <= 0 or self.extra_trials >= 2 * min_complete:
                 return
             log.warning(
                 "search: only %d COMPLETE trial(s), %d needed; running %d more without pruning",
@@ -183,8 +183,16 @@ class _Sweep:
                 min_complete,
                 missing,
             )
+            self.extra_trials += missing
+            progress.publish(
+                "search",
+                total=self.cfg.n_trials + self.extra_trials,
+                finished=len(self.results),
+                extra=missing,
+                complete=min_complete - missing,
+                needed=min_complete,
+            )
             self.run_batch(missing, prune=False, respect_deadline=False)
-            extra_attempts += missing
 
     def run_batch(self, count: int, prune: bool, respect_deadline: bool) -> None:
         """``count`` trials through the executor, each told the moment its model is done."""
@@ -230,10 +238,14 @@ class _Sweep:
             "trial",
             model=outcome.spec.model_id,
             number=result.number,
+            family=str(result.params.get("family", "")),
             state=result.state,
+            epoch=len(result.history),
+            epochs=cfg.epochs,
             value=result.value,
+            continues=earlier,
             finished=len(self.results),
-            total=cfg.n_trials,
+            total=cfg.n_trials + self.extra_trials,
         )
         on_trial_done = self.options["on_trial_done"]
         if on_trial_done is not None:

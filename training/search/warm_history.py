@@ -28,6 +28,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from mopflow.infra.base import progress
 from mopflow.training.search.rungs import current
 from mopflow.training.search.space import SearchSpace
 
@@ -125,7 +126,9 @@ def learn_from_earlier(study: optuna.Study, storage: Any, key: str, studies: int
     copies = copies[:MAX_LEARNED_TRIALS]
     if not copies:
         log.info("search: warm start: no earlier study of this data, space and epochs; starting cold")
+        progress.publish("warm_start", studies=[], trials=0)
         return 0
+    progress.publish("warm_start", studies=list(sources), trials=len(copies))
     study.add_trials(copies)
     best = best_params(copies)
     if best is not None:

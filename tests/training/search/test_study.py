@@ -6,6 +6,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from mopflow.infra.base import progress
 from mopflow.infra.base.optuna_storage import StorageConfigError, make_storage
 from mopflow.training.data import load_manifest
 from mopflow.training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
@@ -176,11 +177,26 @@ def test_search_adds_unpruned_trials_until_the_ensemble_has_its_members(
     cfg = SearchConfig(
         n_trials=3, epochs=3, parallel_trials=2, space=TINY_SPACE, min_resource=1, sampler="random"
     )
-    outcome = run_strategy_search(
-        cfg, small_manifest, "s3", str(tmp_path / "j.log"), str(tmp_path / "art"), dask_client, min_complete=3
-    )
+    events: list[dict[str, object]] = []
+    unsubscribe = progress.subscribe(events.append)
+    try:
+        outcome = run_strategy_search(
+            cfg,
+            small_manifest,
+            "s3",
+            str(tmp_path / "j.log"),
+            str(tmp_path / "art"),
+            dask_client,
+            min_complete=3,
+        )
+    finally:
+        unsubscribe()
     assert len(outcome.complete()) >= 3
     assert len(outcome.results) >= 3
+    # the progress count never passes its total: the extra trials raise the total as they start
+    trials = [event for event in events if event["kind"] == "trial"]
+    assert trials and all(int(e["finished"]) <= int(e["total"]) for e in trials)  # type: ignore[call-overload]
+    assert int(trials[-1]["total"]) == len(outcome.results)  # type: ignore[call-overload]
 
 
 def test_a_study_learns_from_an_earlier_study_of_the_same_data(
