@@ -13,7 +13,9 @@ the caller may trigger it and what it accepts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 from http.cookies import SimpleCookie
 from typing import Any
 
@@ -21,7 +23,7 @@ from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, Response
 
-from mopflow.plugins import sweeps_page, trigger_guard
+from mopflow.plugins import sweep_figures, sweeps_page, trigger_guard
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ def _client_and_settings() -> tuple[Any, Any]:
 
 
 def create_app() -> FastAPI:
-    """The plugin's FastAPI app (Sweeps page and Gantt images)."""
+    """The plugin's FastAPI app (Sweeps page, search figures and Gantt images)."""
     app = FastAPI(title="mopflow", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/sweeps", response_class=HTMLResponse, dependencies=[Depends(require_user)])
@@ -80,8 +82,28 @@ def create_app() -> FastAPI:
             log.exception("sweeps page: cannot read MLflow at %s", settings.tracking_uri)
             found = []
             errors.append(f"MLflow at {settings.tracking_uri} not readable: {type(exc).__name__}: {exc}")
+        found = _with_figures(found, settings.optuna_storage) if study_ids else found
         data = sweeps_page.PageData(found, links, settings.experiment_name, errors)
         return HTMLResponse(sweeps_page.render_page(data, base=request.scope.get("root_path", "")))
+
+    @app.get("/sweeps/figures/{study}/{name}", dependencies=[Depends(require_user)])
+    def figure(study: str, name: str) -> Response:
+        """A figure of a study (``<kind>.png``), drawn from the Optuna storage as it is now."""
+        from mopflow.infra.base.settings import Settings
+        from mopflow.training.search.figures import FigureUnavailable
+
+        try:
+            if not name.endswith(".png"):
+                raise ValueError(f"figure {name!r} is not a <kind>.png name")
+            optuna_storage = sweep_figures.storage(Settings.from_env().optuna_storage)
+            png = sweep_figures.figure_png(optuna_storage, study, name.removesuffix(".png"))
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+        except KeyError as exc:
+            raise HTTPException(status_code=404, detail=f"no study {study} in the Optuna storage") from exc
+        except FigureUnavailable as exc:
+            raise HTTPException(status_code=404, detail=f"{name} of {study}: {exc.reason}") from exc
+        return Response(png, media_type="image/png", headers={"Cache-Control": "no-cache"})
 
     @app.get("/sweeps/gantt/{run_id}/{name}", dependencies=[Depends(require_user)])
     def gantt(run_id: str, name: str) -> Response:
@@ -95,6 +117,17 @@ def create_app() -> FastAPI:
         return Response(png, media_type="image/png")
 
     return app
+
+
+def _with_figures(sweeps: list[sweeps_page.Sweep], storage_url: str) -> list[sweeps_page.Sweep]:
+    """The sweeps with which of their study's figures can be drawn (none where it cannot be read)."""
+    try:
+        studies = [s.study for s in sweeps if s.study]
+        found = sweep_figures.statuses(sweep_figures.storage(storage_url), studies)
+    except Exception as exc:  # the page still shows the leaderboards
+        log.warning("sweeps page: cannot read the studies' trials: %s", exc)
+        return sweeps
+    return [dataclasses.replace(s, figures=found.get(s.study or "", {})) for s in sweeps]
 
 
 def _external_views() -> list[dict[str, Any]]:
@@ -154,7 +187,7 @@ def _guarded_dag(call: trigger_guard.Call, user: Any) -> trigger_guard.GuardedDa
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
-    from mopflow.infra.stages.config import CONF_FIELDS, validate_conf
+    from mopflow.infra.stages.config import CONF_FIELDS
 
     with create_session() as session:
         dag_id = call.dag_id or call.endpoint.dag_id
@@ -180,7 +213,17 @@ def _guarded_dag(call: trigger_guard.Call, user: Any) -> trigger_guard.GuardedDa
     defaults = {key: p.value for key, p in params.items() if is_arg_set(p.value)}
     # The pipeline DAGs' Params are the pipeline config's keys (conf_json_schema): validate it whole.
     pipeline = set(params) == set(CONF_FIELDS)
-    return trigger_guard.GuardedDag(dag_id, frozenset(params), defaults, validate_conf if pipeline else None)
+    return trigger_guard.GuardedDag(
+        dag_id, frozenset(params), defaults, validate_pipeline_trigger if pipeline else None
+    )
+
+
+def validate_pipeline_trigger(conf: Mapping[str, Any]) -> object:
+    """A pipeline DAG's merged conf, valid and reading only from the data roots (ValueError if not)."""
+    from mopflow.infra.base.settings import Settings
+    from mopflow.infra.stages.conf_input import validate_trigger_conf
+
+    return validate_trigger_conf(conf, Settings.from_env().allowed_data_roots)
 
 
 async def authenticate_caller(headers: dict[str, str] | Any) -> Any:

@@ -1,4 +1,5 @@
-"""The Sweeps page's data and HTML: recent pipeline runs with their leaderboard and MOP Gantt charts.
+"""The Sweeps page's data and HTML: recent pipeline runs with their leaderboard, search figures
+(``sweep_figures``) and MOP Gantt charts.
 
 No Airflow here (the plugin in ``mopflow_plugin.py`` mounts it): :func:`load_sweeps` reads the
 runs the pipeline tagged in MLflow through an injected ``MlflowClient``, :func:`render_page`
@@ -8,7 +9,6 @@ addresses from the environment.
 
 from __future__ import annotations
 
-import functools
 import html
 import json
 import os
@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from mopflow.plugins import sweep_figures
 
 DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
 DEFAULT_OPTUNA_DASHBOARD = "http://127.0.0.1:8081"
@@ -56,6 +58,7 @@ class Sweep:
     gantt: Sequence[str] = ()  # artifact file names under the search run's mop/ folder
     promoted: str | None = None
     promotion_reason: str | None = None  # the gate's reason, either way
+    figures: Mapping[str, str | None] = field(default_factory=dict)  # kind -> why not drawn (None: drawn)
 
 
 @dataclass(frozen=True)
@@ -230,17 +233,9 @@ def load_sweeps(
     return sweeps
 
 
-@functools.lru_cache(maxsize=4)
-def _storage(storage_url: str) -> Any:
-    """One storage (one database engine) per URL for the life of the web server process."""
-    from mopflow.infra.base.optuna_storage import make_storage
-
-    return make_storage(storage_url)
-
-
 def optuna_study_ids(storage_url: str) -> dict[str, int]:
     """Study name -> id in the Optuna storage (the ids optuna-dashboard puts in its URLs)."""
-    return {s.study_name: s._study_id for s in _storage(storage_url).get_all_studies()}
+    return {s.study_name: s._study_id for s in sweep_figures.storage(storage_url).get_all_studies()}
 
 
 def download_gantt(client: Any, run_id: str, name: str) -> bytes:
@@ -334,9 +329,11 @@ def render_leaderboard(rows: Sequence[TrialRow]) -> str:
 
 
 def render_sweep(sweep: Sweep, links: Links, base: str) -> str:
-    """One sweep's section: identity, links, leaderboard and the last MOP epoch's Gantt chart."""
+    """One sweep's section: identity, links, leaderboard beside the search's figures, and the last
+    MOP epoch's Gantt chart. A running sweep's section is live: the page fetches it again."""
+    live = " data-live" if sweep.status == "RUNNING" else ""
     parts = [
-        f'<section class="sweep" id="run-{_e(sweep.run_id)}">',
+        f'<section class="sweep" id="run-{_e(sweep.run_id)}"{live}>',
         f"<h2>{_e(sweep.dag_id)} · {_e(sweep.airflow_run_id)}</h2>",
         '<p class="meta">'
         f"status {_e(sweep.status)} · started {_e(_fmt_time(sweep.start_time_ms))}"
@@ -355,10 +352,11 @@ def render_sweep(sweep: Sweep, links: Links, base: str) -> str:
             if sweep.leaderboard_source == "trial runs"
             else ""
         )
-        parts.append(f"<h3>Leaderboard{_e(note)}</h3>")
-        parts.append(render_leaderboard(sweep.leaderboard))
+        board = f"<div><h3>Leaderboard{_e(note)}</h3>{render_leaderboard(sweep.leaderboard)}</div>"
     else:
-        parts.append("<p>No trials yet.</p>")
+        board = "<p>No trials yet.</p>"
+    figures = sweep_figures.render_figures(sweep.study, sweep.figures, base)
+    parts.append(f'<div class="search-view">{board}{figures}</div>')
     if sweep.gantt and sweep.search_run_id:
         last = sweep.gantt[-1]
         src = f"{base}/sweeps/gantt/{sweep.search_run_id}/{last}"
@@ -390,6 +388,6 @@ def render_page(data: PageData, base: str = "") -> str:
         body = "<p>No sweeps yet. Trigger the <code>mopflow_sweep</code> DAG to start one.</p>"
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>mopflow sweeps</title><style>{STYLE}</style></head>"
-        f"<body>{header}{errors}{body}</body></html>"
+        f"<title>mopflow sweeps</title><style>{STYLE}{sweep_figures.STYLE}</style></head>"
+        f"<body>{header}{errors}{body}<script>{sweep_figures.SCRIPT}</script></body></html>"
     )

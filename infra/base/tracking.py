@@ -43,6 +43,8 @@ class Tracker(Protocol):
 
     def log_artifacts(self, run_id: str, local_dir: str, artifact_path: str | None = None) -> None: ...
 
+    def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None: ...
+
     def log_remote_dir(
         self, run_id: str, url: str, artifact_path: str, storage_options: Mapping[str, Any] | None
     ) -> None: ...
@@ -205,6 +207,10 @@ class MlflowTracker:
 
     def log_artifacts(self, run_id: str, local_dir: str, artifact_path: str | None = None) -> None:
         self.client.log_artifacts(run_id, local_dir, artifact_path)
+
+    def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
+        """A matplotlib figure as an image artifact (the file's suffix picks the format)."""
+        self.client.log_figure(run_id, figure, artifact_file)
 
     def log_remote_dir(
         self, run_id: str, url: str, artifact_path: str, storage_options: Mapping[str, Any] | None

@@ -10,7 +10,7 @@ from typing import Any
 from mopflow.infra.base.optuna_storage import redact_url
 from mopflow.infra.base.settings import Settings
 from mopflow.infra.base.tracking import Tracker
-from mopflow.infra.stages.config import PipelineConfig
+from mopflow.infra.stages.config import ConfigError, PipelineConfig
 from mopflow.infra.stages.context import STAGE_TAG, RunContext, Stage, stage, study_name_for
 from mopflow.training.models.families import DataSpec
 
@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 BEST_PARAMS_TAG = "mopflow.best_trial_params"
 TRIAL_STATES = ("COMPLETE", "PRUNED", "FAIL")
+FIGURES_FOLDER = "figures"  # the search run's pictures of its study (training/search/figures.py)
 
 
 def champion_warm_start(client: Any, cfg: PipelineConfig) -> Any:
@@ -65,7 +66,12 @@ def search_stage(
         params["worker_schedule"] = cfg.to_conf()["worker_schedule"]  # its spec, as the conf gives it
         st.tracker.log_params(st.run_id, params)
         manifest = load_manifest(str(shard["manifest_uri"]), st.storage_options)
-        space = cfg.search.search_space(DataSpec.from_manifest(manifest).modality)
+        data = DataSpec.from_manifest(manifest)
+        try:  # every family the config names takes this data, or nothing trains (a permanent error)
+            cfg.check_fits_data(data)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        space = cfg.search.search_space(data.modality)
         st.tracker.log_dict(st.run_id, space.model_dump(), "search_space.json")
         log_trial = trial_logger(st, lineage(cfg, st.run))
         warm = champion_warm_start(registry_client(settings), cfg) if cfg.search.warm_start else None
@@ -93,6 +99,7 @@ def search_stage(
         for result in outcome.results:  # trials finished by an earlier attempt but never logged
             log_trial(result)
         _log_mop_epochs(st.tracker, st.run_id, outcome.epoch_records)
+        _log_search_figures(st.tracker, st.run_id, outcome.study_name, outcome.storage_url)
         log_volatile(st.tracker, st.run_id, outcome)  # worker_schedule n_j per round; spot_trace account
         counts = _log_leaderboard(st, outcome)
         best = outcome.complete()
@@ -159,6 +166,35 @@ def _log_leaderboard(st: Stage, outcome: Any) -> dict[str, int]:
     # work lost with preempted or killed workers and done again (0 on a calm cluster)
     st.tracker.log_metrics(st.run_id, {"redone_unit_seconds": outcome.redone_unit_seconds})
     return counts
+
+
+def _log_search_figures(tracker: Tracker, run_id: str, study_name: str, storage_url: str) -> None:
+    """The study's optimisation history, learning curves and parameter importances as figures of
+    the search run (``figures/<kind>.png``). A figure the study cannot give (too few trials) is
+    skipped with its reason, logged and kept in ``figures/skipped.json``; a picture never fails
+    the search."""
+    import optuna
+
+    from mopflow.infra.base.optuna_storage import make_storage
+    from mopflow.training.search.figures import FIGURE_KINDS, FigureUnavailable, draw
+
+    try:
+        study = optuna.load_study(study_name=study_name, storage=make_storage(storage_url))
+    except Exception as exc:
+        log.warning("search: no figures: study %s not readable: %s: %s", study_name, type(exc).__name__, exc)
+        return
+    skipped: dict[str, str] = {}
+    for kind in FIGURE_KINDS:
+        try:
+            tracker.log_figure(run_id, draw(study, kind), f"{FIGURES_FOLDER}/{kind}.png")
+        except FigureUnavailable as exc:
+            skipped[kind] = exc.reason
+            log.info("search: figure %s skipped: %s", kind, exc.reason)
+        except Exception as exc:  # drawing or logging failed: the search's results still count
+            skipped[kind] = f"{type(exc).__name__}: {exc}"
+            log.warning("search: figure %s skipped: %s", kind, skipped[kind])
+    if skipped:
+        tracker.log_dict(run_id, skipped, f"{FIGURES_FOLDER}/skipped.json")
 
 
 def _log_mop_epochs(tracker: Tracker, run_id: str, epoch_records: Mapping[int, list[dict[str, Any]]]) -> None:

@@ -440,6 +440,23 @@ def test_browser_trigger_form_starts_sweeps_from_its_inputs_and_its_json(
         assert status == 200 and alias["model_version"]["name"] == name, alias
 
 
+FIGURE_KINDS = ("optimization-history", "learning-curves", "param-importances")
+# Resolves with the image's width once it has loaded and decoded; rejects when it cannot be shown.
+LOADED_WIDTH = "img => img.decode().then(() => img.naturalWidth)"
+
+
+def _figures_loaded(section: Any) -> dict[str, int]:
+    """Each figure image of a sweep's section: its loaded width (0 or an error: not shown)."""
+    from playwright.sync_api import expect
+
+    widths = {}
+    for kind in FIGURE_KINDS:
+        img = section.locator(f'img.search-figure[data-kind="{kind}"]')
+        expect(img).to_have_count(1)
+        widths[kind] = img.evaluate(LOADED_WIDTH)
+    return widths
+
+
 @pytest.mark.slow
 def test_browser_sweeps_page_shows_the_leaderboard(running_stack: Stack, airflow_page: Any) -> None:
     import re
@@ -465,6 +482,23 @@ def test_browser_sweeps_page_shows_the_leaderboard(running_stack: Stack, airflow
         assert "COMPLETE" in rows.locator("td:nth-child(2)").all_inner_texts()
         mlflow_href = section.get_by_role("link", name="MLflow run").get_attribute("href") or ""
         optuna_href = section.get_by_role("link", name="optuna-dashboard").get_attribute("href") or ""
+        # The search's three figures beside the leaderboard, drawn from the Optuna storage.
+        widths = _figures_loaded(section)
+        assert all(w > 0 for w in widths.values()), widths
+        expect(section.locator("p.figure-skipped")).to_have_count(0)
+        section.locator("div.figures").scroll_into_view_if_needed()
+        section.screenshot(path=str(_artifacts_dir() / "stack-sweeps-figures.png"))
+        # A running sweep's section is fetched again: marked live, this one is swapped for a fresh
+        # copy (no longer live: the run has finished) whose figures load anew through the session.
+        section_id = section.get_attribute("id")
+        swapped = section.evaluate(
+            "el => { el.setAttribute('data-live', ''); return window.mopflowRefresh(); }"
+        )
+        assert swapped >= 1
+        expect(section.locator("img.search-figure[src*='?at=']")).to_have_count(len(FIGURE_KINDS))
+        expect(frame.locator(f"section#{section_id}[data-live]")).to_have_count(0)
+        widths = _figures_loaded(section)
+        assert all(w > 0 for w in widths.values()), widths
     finally:
         _screenshot(page, "sweeps-page")
     link = re.fullmatch(re.escape(s.mlflow) + r"/#/experiments/(\d+)/runs/([0-9a-f]{32})", mlflow_href)
@@ -476,6 +510,17 @@ def test_browser_sweeps_page_shows_the_leaderboard(running_stack: Stack, airflow
     assert tags["mopflow.airflow_run_id"] == sweep["airflow_run_id"], tags
     optuna = next(r.url for r in s.state.services if r.name == "optuna-dashboard")
     assert re.fullmatch(re.escape(optuna) + r"/dashboard/studies/\d+", optuna_href), optuna_href
+    # The search stage logged the same figures to its MLflow run.
+    where = f"tags.`mopflow.stage` = 'search' and tags.`mopflow.airflow_run_id` = '{sweep['airflow_run_id']}'"
+    body = {"experiment_ids": [link.group(1)], "filter": where}
+    status, found = request_json("POST", f"{s.mlflow}/api/2.0/mlflow/runs/search", body)
+    assert status == 200 and len(found.get("runs", [])) == 1, found
+    query = urllib.parse.urlencode({"run_id": found["runs"][0]["info"]["run_id"], "path": "figures"})
+    status, listed = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/artifacts/list?{query}")
+    assert status == 200, listed
+    sizes = {f["path"]: int(f.get("file_size", 0)) for f in listed.get("files", [])}
+    assert {f"figures/{kind}.png" for kind in FIGURE_KINDS} <= set(sizes), sizes
+    assert all(sizes[f"figures/{kind}.png"] > 10_000 for kind in FIGURE_KINDS), sizes
 
 
 @pytest.mark.slow
@@ -527,6 +572,18 @@ BAD_CONFS = [
         id="unknown-key",
     ),
     pytest.param({"n_trials": 2, "top_k": 4}, 400, ["top_k=4 is larger than n_trials=2"], id="cross-key"),
+    pytest.param(
+        {"dataset": "../../../../etc/passwd"},
+        400,
+        ["dataset='../../../../etc/passwd' outside the data roots", "MOPFLOW_DATA_ROOTS"],
+        id="dataset-outside-the-data-roots",
+    ),
+    pytest.param(
+        {"dataset": "file:///etc/shadow"},
+        400,
+        ["dataset='file:///etc/shadow' outside the data roots"],
+        id="file-url",
+    ),
     pytest.param(
         {"search_space": "x" * 140_000},
         413,
