@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mopflow run --summary-json .mopflow/demo-summary.json
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mopflow run --summary-json "$${MOPFLOW_HOME:-$$HOME/.mopflow}/demo-summary.json"
 
 test: $(STAMP) chromium
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -93,10 +93,9 @@ def _run_conf(context: Any) -> dict[str, Any]:
 def retrain_defaults() -> dict[str, Any]:
     """mopflow_retrain's Param defaults: ``warm_start``, ``warm_start_studies`` and the keys of
     ``MOPFLOW_RETRAIN_CONFIG`` (a YAML file of config keys, validated when the DAG file is parsed)."""
-    from mopflow.infra.stages.data_events import read_conf_file
+    from mopflow.infra.stages.conf_input import retrain_defaults as defaults
 
-    path = os.environ.get("MOPFLOW_RETRAIN_CONFIG", "").strip()
-    return {"warm_start": True, "warm_start_studies": 1, **(read_conf_file(path) if path else {})}
+    return defaults(os.environ)
 
 
 def pipeline_tasks(publish_new_shards: bool = False) -> None:

@@ -38,6 +38,11 @@ SETTING_ENV: dict[str, tuple[str, str]] = {
     "home": ("MOPFLOW_HOME", "Root folder for everything local (default ~/.mopflow)"),
     "data_root": ("MOPFLOW_DATA_ROOT", "fsspec URL where shards and manifests are written"),
     "artifact_root": ("MOPFLOW_ARTIFACT_ROOT", "fsspec URL for checkpoints and model bundles"),
+    "data_roots": (
+        "MOPFLOW_DATA_ROOTS",
+        "Comma-separated folders and URL prefixes (s3://bucket/datasets/) a trigger's dataset and "
+        "spot_trace may read from, besides the data root; generated datasets are always allowed",
+    ),
     "tracking_uri": (
         "MOPFLOW_TRACKING_URI",
         "MLflow tracking URI (default sqlite:///<home>/mlflow/mlflow.db)",
@@ -130,6 +135,7 @@ class Settings:
     dask_workers: int
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     airflow_home: str = ""
+    data_roots: tuple[str, ...] = ()  # the operator's, besides data_root (allowed_data_roots)
     accelerator: Accelerator = "auto"
     trials_per_gpu: int = 1
     precision: Precision = "32"
@@ -175,10 +181,18 @@ class Settings:
             dask_workers=workers,
             storage_options=options,
             airflow_home=env.get("MOPFLOW_AIRFLOW_HOME") or str(home / "airflow"),
+            data_roots=tuple(
+                root.strip() for root in env.get("MOPFLOW_DATA_ROOTS", "").split(",") if root.strip()
+            ),
             accelerator=cast(Accelerator, accelerator),
             trials_per_gpu=int(per_gpu_raw),
             precision=cast(Precision, precision),
         )
+
+    @property
+    def allowed_data_roots(self) -> tuple[str, ...]:
+        """Where a trigger's dataset may be read from: the data root and the operator's roots."""
+        return (self.data_root, *self.data_roots)
 
     def describe(self) -> dict[str, str]:
         """Settings as printable strings; secrets (storage options, database passwords) masked."""
@@ -193,5 +207,5 @@ class Settings:
                 from mopflow.infra.base.optuna_storage import redact_url
 
                 value = redact_url(str(value))
-            out[f.name] = str(value)
+            out[f.name] = ",".join(value) if isinstance(value, tuple) else str(value)
         return out

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec import AbstractFileSystem
@@ -129,3 +131,34 @@ def canonical_hash(obj: Any) -> str:
 def _protocols(fs: AbstractFileSystem) -> tuple[str, ...]:
     proto = fs.protocol
     return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def within_roots(location: str, roots: Sequence[str]) -> bool:
+    """Whether ``location`` (a local path, ``file://`` or another fsspec URL) lies under one of
+    ``roots``: local paths compared once resolved (``..`` and symbolic links followed), URLs by
+    whole path segments of the same scheme and bucket; a URL with ``..`` is under none."""
+    target = _rooted(location)
+    if target is None:
+        return False
+    for root in roots:
+        base = _rooted(root)
+        if base is None or base[0] != target[0]:
+            continue
+        if target[0] == "":  # local paths
+            if os.path.commonpath([base[1], target[1]]) == base[1]:
+                return True
+        elif target[1] == base[1] or target[1].startswith(base[1].rstrip("/") + "/"):
+            return True
+    return False
+
+
+def _rooted(location: str) -> tuple[str, str] | None:
+    """(scheme, path) of a location: local paths ("" scheme) absolute and resolved; None for a URL
+    that climbs with ``..``."""
+    parts = urlsplit(location)
+    if len(parts.scheme) > 1 and parts.scheme != "file":  # one letter: a Windows drive
+        if ".." in parts.path.split("/"):
+            return None
+        return parts.scheme, f"{parts.netloc}{parts.path}"
+    path = parts.path if parts.scheme == "file" else location
+    return "", os.path.realpath(os.path.expanduser(path))

@@ -4,6 +4,7 @@ config keys, and the Optuna dashboard on the study storage."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -15,10 +16,29 @@ def cmd_settings(args: argparse.Namespace) -> int:
     from mopflow.infra.base.settings import SETTING_ENV, Settings
 
     settings = Settings.from_env().describe()
-    for name, (env, help_text) in SETTING_ENV.items():
-        print(f"{name:26} {env:28} {settings[name]}\n{'':26} {help_text}")
     from mopflow.infra.stack import PORT_ENV, STACK_ENV
 
+    if args.format == "json":
+        out = {
+            "settings": {
+                name: {"env": env, "value": settings[name], "help": help_text}
+                for name, (env, help_text) in SETTING_ENV.items()
+            },
+            "local_stack": {
+                **{
+                    f"{name}_port": {"env": env, "value": os.environ.get(env) or str(default)}
+                    for name, (env, default) in PORT_ENV.items()
+                },
+                **{
+                    name: {"env": env, "value": os.environ.get(env, ""), "help": help_text}
+                    for name, (env, help_text) in STACK_ENV.items()
+                },
+            },
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    for name, (env, help_text) in SETTING_ENV.items():
+        print(f"{name:26} {env:28} {settings[name]}\n{'':26} {help_text}")
     print("\nlocal stack (mopflow up):")
     for name, (env, default) in PORT_ENV.items():
         print(f"{name + ' port':26} {env:28} {os.environ.get(env) or default}")
@@ -30,8 +50,19 @@ def cmd_settings(args: argparse.Namespace) -> int:
 def cmd_config_keys(args: argparse.Namespace) -> int:
     """Print every pipeline config key with its default and meaning (the table in
     docs/user-guide/configuration.md)."""
-    from mopflow.infra.stages.config import conf_markdown_table
+    from mopflow.infra.stages.config import RETRAIN_DEFAULTS, conf_json_schema, conf_markdown_table
 
+    if args.format == "json":
+        keys = {
+            key: {
+                "default": schema.get("default"),
+                "description": schema.get("description", ""),
+                "schema": schema,
+            }
+            for key, schema in conf_json_schema().items()
+        }
+        print(json.dumps({"keys": keys, "mopflow_retrain_defaults": RETRAIN_DEFAULTS}, indent=2))
+        return 0
     print(conf_markdown_table())
     return 0
 

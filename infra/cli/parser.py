@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mopflow.infra.base.airflow_home import AirflowSetupError
+from mopflow.infra.base.settings import SettingsError
 from mopflow.infra.cli.airflow_integration import cmd_dags_install, cmd_dags_path
 from mopflow.infra.cli.errors import CliError
 from mopflow.infra.cli.info import cmd_config_keys, cmd_dashboard, cmd_settings
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mopflow", description="Model selection, ensembling and distillation on Airflow"
     )
+    from mopflow import __version__
+
+    parser.add_argument("--version", action="version", version=f"mopflow {__version__}")
     parser.add_argument(
         "--profile",
         help="backends profile: embedded (default) or scale-out (infra/profiles/); or set MOPFLOW_PROFILE",
@@ -66,6 +70,17 @@ def _add_run_parser(sub: Any) -> None:
     run.add_argument("--config", help="flat YAML/JSON config (default: the packaged demo config)")
     run.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override one config key (repeatable)"
+    )
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the config the run would use and its warm-start decision, then stop (exit 2 if invalid)",
+    )
+    run.add_argument(
+        "--data-root",
+        action="append",
+        metavar="FOLDER",
+        help="also let this run read its dataset from FOLDER (or URL prefix), besides MOPFLOW_DATA_ROOTS (repeatable)",
     )
     run.add_argument("--summary-json", help="also write the summary as JSON to this file")
     run.add_argument(
@@ -102,13 +117,16 @@ def _add_serve_parser(sub: Any) -> None:
 def _add_info_parsers(sub: Any) -> None:
     """``runs``, ``settings``, ``config-keys`` and ``dashboard``: what this machine has."""
     runs = sub.add_parser("runs", help="list recent `mopflow run` runs with their state and key")
+    _add_format_flag(runs)
     runs.set_defaults(func=cmd_runs)
     show = sub.add_parser("settings", help="show the effective settings and their environment variables")
+    _add_format_flag(show)
     show.set_defaults(func=cmd_settings)
     keys = sub.add_parser(
         "config-keys",
         help="print the pipeline config keys as a Markdown table (docs/user-guide/configuration.md)",
     )
+    _add_format_flag(keys)
     keys.set_defaults(func=cmd_config_keys)
     dash = sub.add_parser("dashboard", help="open optuna-dashboard on the study storage")
     dash.add_argument("--port", type=int, default=8081)
@@ -196,7 +214,14 @@ def _add_stack_parsers(sub: Any) -> None:
     down.add_argument("--grace", type=float, help="seconds between SIGTERM and SIGKILL (default 20)")
     down.set_defaults(func=cmd_down)
     stat = sub.add_parser("status", help="show which services of the local stack run and answer")
+    _add_format_flag(stat)
     stat.set_defaults(func=cmd_status)
+
+
+def _add_format_flag(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--format", choices=("text", "json"), default="text", help="text for people (default), or json"
+    )
 
 
 def _add_dags_parsers(sub: Any) -> None:
@@ -215,7 +240,11 @@ def _add_dags_parsers(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mopflow`` command."""
-    args = build_parser().parse_args(argv)
+    import argcomplete
+
+    parser = build_parser()
+    argcomplete.autocomplete(parser)  # answers a shell's completion request and exits
+    args = parser.parse_args(argv)
     setup_logging()
     try:
         from mopflow.infra.stack.profile import ProfileError, apply_profile
@@ -227,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if applied:
             log.info("profile %s: %s", os.environ.get("MOPFLOW_PROFILE"), ", ".join(sorted(applied)))
         return int(args.func(args))
-    except (CliError, AirflowSetupError) as exc:  # Airflow's metadata DB could not be migrated
+    except (CliError, AirflowSetupError, SettingsError) as exc:  # bad input, an Airflow DB not migrated
         print(f"mopflow: {exc}", file=sys.stderr)
         return 2
     except RunEnded as exc:  # stopped (130/143) or failed (2: bad input, 1: otherwise)

@@ -4,6 +4,7 @@ roll the champion back."""
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from mopflow.infra.cli.errors import CliError
@@ -39,8 +40,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _registry_client() -> Any:
+    import mlflow  # noqa: F401  (configures its loggers at INFO when first imported)
+
     from mopflow.infra.base.settings import Settings
     from mopflow.infra.base.tracking import MlflowTracker
+
+    # a registry command prints what it changed; MLflow's database set-up lines are not that
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
 
     settings = Settings.from_env()
     return MlflowTracker(

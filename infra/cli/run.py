@@ -4,7 +4,9 @@ overrides), the summary it prints, and the list of runs on this machine."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,24 +15,7 @@ import yaml
 
 from mopflow.infra.cli.errors import CliError
 from mopflow.infra.cli.pipeline import run_pipeline
-
-DEFAULT_CONFIG = Path(__file__).parents[1] / "configs" / "demo.yaml"
-
-
-def load_config_file(path: str | None) -> dict[str, Any]:
-    """Read a flat YAML/JSON config (the DAG's Params); None reads the packaged default."""
-    file = Path(path) if path else DEFAULT_CONFIG
-    try:
-        text = file.read_text()
-    except OSError as exc:
-        raise CliError(f"cannot read config file {file}: {exc}") from exc
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise CliError(f"config file {file} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise CliError(f"config file {file} must hold a mapping of settings, got {type(data).__name__}")
-    return data
+from mopflow.infra.cli.run_plan import plan_run
 
 
 def _arch_params(arch: dict[str, Any]) -> str:
@@ -57,6 +42,13 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"student          : {stu['arch']['family']} {_arch_params(stu['arch'])}"
         f"  test_acc={stu['test_acc']:.4f}  params={stu['num_params']}"
         f" ({100 * stu['param_ratio']:.1f}% of the ensemble's {ens['num_params']})",
+        *(
+            [
+                f"                   the {stu['kept']['student'].replace('_', '-')} student: {stu['kept']['reason']}"
+            ]
+            if stu.get("kept")
+            else []
+        ),
         f"registered model : {reg['name']} version {reg['version']} aliases {reg['aliases']}",
         f"                   promotion: {reg['reason']}",
         f"MLflow           : {summary['mlflow']['tracking_uri']} (experiment {summary['mlflow']['experiment']},"
@@ -79,16 +71,20 @@ def format_summary(summary: Mapping[str, Any]) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run the retraining DAG once on this machine (or resume a run) and print its summary."""
-    if args.resume is not None and (args.config or args.set):
-        raise CliError("--resume continues a run with its own config; drop --config and --set")
-    conf = load_config_file(args.config)
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise CliError(f"--set expects KEY=VALUE, got {item!r}")
-        conf[key] = yaml.safe_load(value)
-    summary = run_pipeline(conf, args.resume, verbose=args.verbose)
+    """Run the retraining DAG once on this machine (or resume a run) and print its summary; with
+    ``--dry-run`` print the config it would run and stop."""
+    if args.resume is not None and (args.config or args.set or args.dry_run):
+        raise CliError("--resume continues a run with its own config; drop --config, --set and --dry-run")
+    if args.resume is not None:
+        summary = run_pipeline({}, args.resume, verbose=args.verbose)
+    else:
+        plan = plan_run(args.config, args.set or [], args.data_root or [], os.environ)
+        for line in plan.describe():
+            print(line)
+        if args.dry_run:
+            print(yaml.safe_dump(plan.config.to_conf(), sort_keys=True, default_flow_style=False).rstrip())
+            return 0
+        summary = run_pipeline(plan.conf, None, verbose=args.verbose)
     print(format_summary(summary))
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
@@ -102,5 +98,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
     from mopflow.infra.base.settings import Settings
     from mopflow.infra.cli import local_runs
 
-    print(local_runs.format_runs(local_runs.load_records(Settings.from_env().home)))
+    records = local_runs.load_records(Settings.from_env().home)
+    if args.format == "json":
+        print(json.dumps([dataclasses.asdict(record) for record in records], indent=2, default=str))
+    else:
+        print(local_runs.format_runs(records))
     return 0

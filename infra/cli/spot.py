@@ -56,7 +56,7 @@ def cmd_plan_spot(args: argparse.Namespace) -> int:
         )
         report = plan_spot(config)
     except ValidationError as exc:
-        raise CliError(f"invalid plan-spot input: {exc}") from exc
+        raise CliError("invalid plan-spot input: " + flag_errors(exc, args)) from exc
     except (PriceError, PlanError) as exc:
         raise CliError(str(exc)) from exc
     print(format_report(config, report))
@@ -64,3 +64,22 @@ def cmd_plan_spot(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report_as_dict(config, report), indent=2, sort_keys=True))
     return 0
+
+
+def flag_errors(exc: Any, args: argparse.Namespace) -> str:
+    """A plan's validation errors named by the flags that gave the values (``--deadline-hours``,
+    ``--low``, ``--convergence step_size``), not by the plan's fields."""
+    problems = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        if not loc:  # the price distribution as a whole
+            flag = "--low/--high" if args.distribution == "uniform" else "--mean/--std"
+        elif loc[:1] == ["convergence"]:
+            flag = "--convergence " + (loc[1] if len(loc) > 1 else "")
+        else:
+            field = loc[1] if loc[:1] == ["prices"] and len(loc) > 1 else (loc[0] if loc else "input")
+            flag = "--" + field.replace("_", "-")
+        message = str(err["msg"]).removeprefix("Value error, ")
+        shown = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict | list) else ""
+        problems.append(f"{flag.strip()}: {message}{shown}")
+    return "; ".join(problems)

@@ -70,5 +70,5 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Show the local stack's services; exit code 0 when every one is healthy."""
     from mopflow.infra import stack
 
-    healthy = _stack_call(stack.status, _stack_home())
+    healthy = _stack_call(stack.status, _stack_home(), print, args.format == "json")
     return 0 if healthy else 1

@@ -218,18 +218,45 @@ def down(home: str | Path, grace_s: float, say: Callable[[str], None] = print) -
         return stopped
 
 
-def status(home: str | Path, say: Callable[[str], None] = print) -> bool:
-    """Print what runs and whether it answers; True when every recorded service is healthy."""
+def status(home: str | Path, say: Callable[[str], None] = print, as_json: bool = False) -> bool:
+    """Print what runs and whether it answers (a table, or with ``as_json`` one JSON object);
+    True when every recorded service is healthy."""
+    import json
+
     path = state_path(home)
     state = read_state(path)
-    if state is None:
-        say(f"no mopflow stack recorded in {path} (start it with `mopflow up`)")
-        return False
     health: dict[str, tuple[bool, bool, str]] = {}
-    for rec in state.services:
+    for rec in state.services if state is not None else ():
         running = is_running(rec)
         ok, detail = probe_all(rec.checks) if running else (False, "process gone")
         health[rec.name] = (running, ok, detail)
-    say(format_status(state, health))
-    say(f"airflow admin password in {state.airflow_password_file}; logs in {state.logs}")
-    return all(ok for _, ok, _ in health.values()) and bool(health)
+    healthy = all(ok for _, ok, _ in health.values()) and bool(health)
+    if as_json:
+        services = [
+            {
+                "name": rec.name,
+                "pid": rec.pid,
+                "url": rec.url,
+                "running": health[rec.name][0],
+                "healthy": health[rec.name][1],
+                "detail": health[rec.name][2],
+            }
+            for rec in (state.services if state is not None else ())
+        ]
+        say(
+            json.dumps(
+                {
+                    "state_file": str(path),
+                    "recorded": state is not None,
+                    "healthy": healthy,
+                    "services": services,
+                },
+                indent=2,
+            )
+        )
+    elif state is None:
+        say(f"no mopflow stack recorded in {path} (start it with `mopflow up`)")
+    else:
+        say(format_status(state, health))
+        say(f"airflow admin password in {state.airflow_password_file}; logs in {state.logs}")
+    return healthy

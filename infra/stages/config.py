@@ -9,13 +9,14 @@ docs and the task-side validation can never drift apart.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from mopflow.compression.config import DistillConfig, EnsembleConfig, RegistryConfig
+from mopflow.compression.config import AUTO_STUDENT, DistillConfig, EnsembleConfig, RegistryConfig
 from mopflow.training.config import StageConfig
 from mopflow.training.data.config import DataConfig
 from mopflow.training.data.sources.select import known_data_spec
@@ -108,6 +109,9 @@ FORM_KEYS = (
     "student_max_param_ratio",
     "promotion",
 )
+# What mopflow_retrain (and so `mopflow run`) changes from the defaults: a retraining learns from
+# the champion and the newest earlier study of the same data.
+RETRAIN_DEFAULTS: dict[str, Any] = {"warm_start": True, "warm_start_studies": 1}
 # Keys that were renamed: a conf that still uses the old name is told the new one.
 RENAMED_KEYS = {"n_workers": "parallel_trials"}
 ADVANCED_SECTION = "Advanced"  # the trigger form's section for the other keys
@@ -170,36 +174,40 @@ class PipelineConfig(BaseModel):
                 "the ensemble cannot have more members than there are trials"
             )
         data = known_data_spec(self.data)
-        space = self.search.search_space(data.modality if data is not None else "table")
-        if data is not None:
-            check_space_fits(space, data)
-        if data is not None:
-            from mopflow.training.models.families import get_family
-
-            student_family = get_family(self.distill.resolved(data.modality).family)
-            if not student_family.fits(data):
-                raise ValueError(
-                    f"student_family={student_family.name!r} takes {sorted(student_family.modalities)} data; "
-                    f"the dataset is {data.modality!r}"
-                )
-        if self.distill.width is not None and data is not None:
-            from mopflow.training.models.builtin import ArchSpec, count_params
-
-            distill = self.distill.resolved(data.modality)
-            try:
-                student = count_params(ArchSpec.of(distill.family, distill.student_params(), data))
-            except ValueError as exc:
-                raise ValueError(
-                    f"student_width={self.distill.width} does not fit the student: {exc}"
-                ) from exc
-            ceiling = int(self.distill.max_param_ratio * self.ensemble.top_k * max_member_params(space, data))
-            if student > ceiling:
-                raise ValueError(
-                    f"student_width={self.distill.width} gives a student of {student} parameters, larger than the "
-                    f"budget: student_max_param_ratio={self.distill.max_param_ratio} x the largest possible "
-                    f"ensemble ({self.ensemble.top_k} members) allows at most {ceiling}"
-                )
+        if data is not None:  # a user's data is checked once sharded (search_stage), before training
+            self.check_fits_data(data)
+        else:
+            self.search.search_space("table")
         return self
+
+    def check_fits_data(self, data: Any) -> None:
+        """Refuse (ValueError) a config whose search space, student family or student width
+        cannot take data of ``data``'s modality and shape (a DataSpec)."""
+        from mopflow.training.models.builtin import ArchSpec, count_params
+        from mopflow.training.models.families import get_family
+
+        space = self.search.search_space(data.modality)
+        check_space_fits(space, data)
+        distill = self.distill.resolved(data.modality)
+        student_family = get_family(distill.family)
+        if not student_family.fits(data):
+            raise ValueError(
+                f"student_family={student_family.name!r} takes {sorted(student_family.modalities)} data; "
+                f"the dataset is {data.modality!r} (student_family='auto' picks {AUTO_STUDENT[data.modality]!r})"
+            )
+        if self.distill.width is None:
+            return
+        try:
+            student = count_params(ArchSpec.of(distill.family, distill.student_params(), data))
+        except ValueError as exc:
+            raise ValueError(f"student_width={self.distill.width} does not fit the student: {exc}") from exc
+        ceiling = int(self.distill.max_param_ratio * self.ensemble.top_k * max_member_params(space, data))
+        if student > ceiling:
+            raise ValueError(
+                f"student_width={self.distill.width} gives a student of {student} parameters, larger than the "
+                f"budget: student_max_param_ratio={self.distill.max_param_ratio} x the largest possible "
+                f"ensemble ({self.ensemble.top_k} members) allows at most {ceiling}"
+            )
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any] | None) -> PipelineConfig:
@@ -211,30 +219,17 @@ class PipelineConfig(BaseModel):
         renamed = sorted(f"{old} is now {new}" for old, new in RENAMED_KEYS.items() if old in conf)
         if renamed:
             raise ConfigError(f"renamed config key(s): {'; '.join(renamed)}")
-        unknown = sorted(set(conf) - set(CONF_FIELDS))
-        if unknown:
-            raise ConfigError(f"unknown config key(s) {unknown}; expected some of {sorted(CONF_FIELDS)}")
-        sections: dict[str, dict[str, Any]] = {name: {} for name in STAGE_MODELS}
-        for key, value in conf.items():
-            if value is None and key not in {
-                "timeout_minutes",
-                "goal_val_acc",
-                "epoch_budget",
-                "search_space",
-                "student_width",
-                "feature_columns",
-            }:
-                continue  # None means "use the default" for keys that have no null meaning
-            stage, field = CONF_FIELDS[key]
-            if key == "search_space" and isinstance(value, str) and not value.strip():
-                value = None  # the trigger form's empty field: the default space
-            sections[stage][field] = value
-        try:
-            return cls.model_validate(sections)
+        unknown = [unknown_key_message(key) for key in sorted(set(conf) - set(CONF_FIELDS))]
+        conf = {key: value for key, value in conf.items() if key in CONF_FIELDS}
+        try:  # the known keys' errors are reported together with the unknown keys
+            config = cls.model_validate(_sections(conf))
         except ValidationError as exc:
-            raise ConfigError(_flat_error(exc)) from exc
+            raise ConfigError("; ".join([*unknown, _flat_error(exc)])) from exc
         except SpaceError as exc:
-            raise ConfigError(str(exc)) from exc
+            raise ConfigError("; ".join([*unknown, str(exc)])) from exc
+        if unknown:
+            raise ConfigError("; ".join(unknown))
+        return config
 
     def to_conf(self) -> dict[str, Any]:
         """The flat mapping that rebuilds this config."""
@@ -244,6 +239,34 @@ class PipelineConfig(BaseModel):
         out["worker_schedule"] = format_worker_schedule(self.search.worker_schedule)  # its text spec
         out["search_space"] = None if self.search.space is None else self.search.space.model_dump()
         return out
+
+
+def unknown_key_message(key: str) -> str:
+    """What to tell about an unknown config key: the known keys it resembles, if any."""
+    close = difflib.get_close_matches(key, list(CONF_FIELDS), n=3, cutoff=0.6)
+    if close:
+        return f"unknown config key {key!r}; did you mean {' or '.join(repr(c) for c in close)}?"
+    return f"unknown config key {key!r} (`mopflow config-keys` lists them all)"
+
+
+def _sections(conf: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The flat conf split into the stages' sections; None is "the default" for most keys."""
+    sections: dict[str, dict[str, Any]] = {name: {} for name in STAGE_MODELS}
+    for key, value in conf.items():
+        if value is None and key not in {
+            "timeout_minutes",
+            "goal_val_acc",
+            "epoch_budget",
+            "search_space",
+            "student_width",
+            "feature_columns",
+        }:
+            continue  # None means "use the default" for keys that have no null meaning
+        stage, field = CONF_FIELDS[key]
+        if key == "search_space" and isinstance(value, str) and not value.strip():
+            value = None  # the trigger form's empty field: the default space
+        sections[stage][field] = value
+    return sections
 
 
 def _flat_error(exc: ValidationError) -> str:
@@ -312,6 +335,8 @@ def conf_markdown_table() -> str:
         )
         meaning = str(schema.get("description", "")).replace("|", "\\|")
         lines.append(f"| `{key}` | {shown} | {meaning} |")
+    changed = ", ".join(f"`{key}={json.dumps(value)}`" for key, value in RETRAIN_DEFAULTS.items())
+    lines += ["", f"`mopflow_retrain`, which `mopflow run` runs, defaults to {changed}."]
     return "\n".join(lines)
 
 

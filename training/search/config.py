@@ -25,6 +25,9 @@ SCHEDULE_SPEC_HELP = (
 )
 
 
+DEFAULT_MIN_RESOURCE = 15  # min_resource when none is given
+
+
 class SearchConfig(StageConfig):
     """The Optuna search: budget, parallelism, sampler and pruner, and the space (as data)."""
 
@@ -48,7 +51,13 @@ class SearchConfig(StageConfig):
     grid_points: int = Field(
         3, ge=2, le=32, description="sampler=grid: values per int/float parameter (log-spaced if log)"
     )
-    min_resource: int = Field(15, ge=1, le=1000, description="Epochs before the first pruning decision")
+    min_resource: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description=f"Epochs before the first pruning decision; at most epochs (none = {DEFAULT_MIN_RESOURCE}, "
+        "which prunes nothing when epochs is smaller)",
+    )
     timeout_minutes: float | None = Field(None, gt=0, le=7 * 24 * 60, description="Wall-clock budget")
     epoch_budget: int | None = Field(
         None,
@@ -128,6 +137,20 @@ class SearchConfig(StageConfig):
                 "ending in .csv), or be empty for no replay"
             )
         return value
+
+    @property
+    def first_rung(self) -> int:
+        """Epochs before the first pruning decision: ``min_resource``, or its default."""
+        return DEFAULT_MIN_RESOURCE if self.min_resource is None else self.min_resource
+
+    @model_validator(mode="after")
+    def _first_rung_within_epochs(self) -> SearchConfig:
+        if self.min_resource is not None and self.pruner != "none" and self.min_resource > self.epochs:
+            raise ValueError(
+                f"min_resource={self.min_resource} is more than epochs={self.epochs}: no trial would "
+                f"ever reach a pruning decision; give min_resource <= {self.epochs}, or pruner='none'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _volatile(self) -> SearchConfig:

@@ -62,7 +62,7 @@ class SearchController:
         self.reported: dict[int, set[int]] = {}  # epochs each trial (by number) has had reported
         self.trained: dict[str, set[int]] = {}  # epochs each model has trained (replays excluded)
         self.rungs = (
-            Rungs(cfg.min_resource, REDUCTION_FACTOR, cfg.epochs)
+            Rungs(cfg.first_rung, REDUCTION_FACTOR, cfg.epochs)
             if self.prune and keeps_waiting_rungs(cfg.pruner)
             else None
         )

@@ -325,7 +325,7 @@ def open_study(
         storage=storage,
         direction="maximize",
         sampler=make_sampler(cfg, space),
-        pruner=make_pruner(cfg.pruner, cfg.min_resource, cfg.epochs),
+        pruner=make_pruner(cfg.pruner, cfg.first_rung, cfg.epochs),
         load_if_exists=True,
     )
     key = search_key(dataset_identity(manifest), space, cfg.epochs)

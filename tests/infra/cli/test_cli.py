@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize(
     ("override", "needles"),
     [
-        ("unknown=1", ["unknown config key(s) ['unknown']", "expected some of", "'n_trials'"]),
+        ("n_trails=3", ["unknown config key 'n_trails'; did you mean 'n_trials'?", "'many'"]),
         ("@" + json.dumps({"search_space": "x" * 140_000}), ["config is", "the limit is 131072"]),
-        ("n_trials=many", ["n_trials", "'many'"]),
+        ("n_trials=1.5", ["n_trials", "'1.5'", "epochs", "'many'"]),
     ],
     ids=["unknown-key", "oversized", "wrong-type"],
 )
@@ -28,7 +28,7 @@ def test_run_refuses_a_bad_config_before_anything_runs(
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
     env["MOPFLOW_HOME"] = str(home)
-    args = ["--set", override]
+    args = ["--set", override, "--set", "epochs=many"]  # an unknown key's error comes with the others
     if override.startswith("@"):  # too long for one argument: a config file
         config = tmp_path / "conf.json"
         config.write_text(override[1:])
@@ -46,3 +46,18 @@ def test_run_refuses_a_bad_config_before_anything_runs(
     for needle in needles:
         assert needle in proc.stderr, (needle, proc.stderr[-3000:])
     assert not home.exists(), sorted(str(p) for p in home.rglob("*"))  # no Airflow DB, data or runs
+
+
+def test_promote_says_only_what_it_refused(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    env["MOPFLOW_HOME"] = str(tmp_path / "home")  # a fresh MLflow database: MLflow creates its tables
+    proc = subprocess.run(
+        [sys.executable, "-m", "mopflow.infra.cli", "promote", "nothing", "1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == "mopflow: registered model 'nothing' has no version '1'\n"

@@ -6,10 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import optuna
 import pytest
 
+from mopflow.infra.base.optuna_storage import make_storage
 from mopflow.infra.base.settings import Settings
-from mopflow.infra.stages.context import tracker_for
+from mopflow.infra.stages.config import ConfigError, PipelineConfig
+from mopflow.infra.stages.context import RunContext, study_name_for, tracker_for
 from mopflow.infra.stages.distill import distill_stage
 from mopflow.infra.stages.ensemble import ensemble_stage
 from mopflow.infra.stages.run import start_pipeline
@@ -93,3 +96,14 @@ def test_a_sequence_ensemble_of_two_families_is_distilled_on_mixup(tmp_path: Pat
     params = tracker_for(settings).client.get_run(distill["run_id"]).data.params
     assert params["transfer"] == "mixup" and params["family"] == "cnn"  # the choices auto made
     assert "student int8 (static)" in {row["model"] for row in distill["evaluation"]}
+
+    # A student family that cannot take the data fails the search before any trial trains.
+    bad = conf | {"student_family": "cnn2d", "model_name": "seq-bad"}
+    bad_ctx = start_pipeline(bad, "mopflow_retrain", "manual__seq-bad", settings)
+    with pytest.raises(
+        ConfigError, match=r"student_family='cnn2d' takes \['image'\] data; the dataset is 'sequence'"
+    ):
+        search_stage(bad, bad_ctx, shard_stage(bad, bad_ctx, settings), settings)
+    studies = optuna.get_all_study_names(make_storage(settings.optuna_storage))
+    assert study_name_for(PipelineConfig.from_conf(conf), RunContext.from_dict(ctx)) in studies
+    assert study_name_for(PipelineConfig.from_conf(bad), RunContext.from_dict(bad_ctx)) not in studies
