@@ -61,3 +61,23 @@ def test_promote_says_only_what_it_refused(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr == "mopflow: registered model 'nothing' has no version '1'\n"
+
+
+def test_the_shell_completes_commands_and_flags(tmp_path: Path) -> None:
+    """What `eval "$(register-python-argcomplete mopflow)"` asks the command (argcomplete's protocol)."""
+    answers = {}
+    for line in ("mopflow con", "mopflow runs --for"):
+        out = tmp_path / "completions.txt"
+        env = dict(os.environ) | {
+            "_ARGCOMPLETE": "1",
+            "COMP_LINE": line,
+            "COMP_POINT": str(len(line)),
+            "_ARGCOMPLETE_STDOUT_FILENAME": str(out),
+            "_ARGCOMPLETE_IFS": "\n",
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "mopflow.infra.cli"], cwd=REPO, env=env, capture_output=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        answers[line] = out.read_text().split()
+    assert answers == {"mopflow con": ["config-keys"], "mopflow runs --for": ["--format"]}

@@ -128,3 +128,23 @@ def test_a_bad_setting_is_one_line_and_exit_2(
     monkeypatch.setenv("MOPFLOW_DASK_WORKERS", "abc")
     assert main(["settings"]) == 2
     assert capsys.readouterr().err == "mopflow: MOPFLOW_DASK_WORKERS='abc' is not an integer\n"
+
+
+def test_dry_run_prints_the_resolved_config_and_runs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("MOPFLOW_HOME", str(home))
+    assert main(["run", "--dry-run", "--set", "epochs=5", "--set", "min_resource=2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("config    : the demo's (") and out[0].endswith(
+        "with --set epochs=5 min_resource=2"
+    )
+    assert out[1].startswith("warm start: on: ")
+    resolved = yaml.safe_load("\n".join(out[2:]))
+    assert resolved["epochs"] == 5 and resolved["n_trials"] == 30 and resolved["warm_start_studies"] == 1
+    assert main(["run", "--dry-run", "--set", "min_resource=20", "--set", "epochs=5"]) == 2
+    assert "min_resource=20 is more than epochs=5" in capsys.readouterr().err
+    assert not home.exists()  # no Airflow DB, data or run record
