@@ -19,7 +19,9 @@ from tests.infra.stack.helpers import BIN, counter, live_record, sample_state, s
 def test_auth_without_the_mlflow_auth_extra_is_refused_before_starting(tmp_path: Path) -> None:
     home = tmp_path / "home"
     config = config_from_env({}, {}, True, 2, counter(), mlflow_auth=True)
-    with pytest.raises(StackError, match=r"mlflow\[auth\] extra \(Flask-WTF\)"):
+    with pytest.raises(
+        StackError, match=r"needs the auth extra \(Flask-WTF\).*pip install 'mopflow\[auth\]'"
+    ):
         up(
             settings_at(home),
             config,
