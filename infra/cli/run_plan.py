@@ -125,7 +125,14 @@ def plan_run(
         check_data_roots(config, roots)
     except ConfigError as exc:
         raise CliError(f"invalid config: {exc}") from exc
-    return RunPlan(conf, source, config, frozenset(defaults) - frozenset(conf))
+    return RunPlan(typed_conf(conf, config.to_conf()), source, config, frozenset(defaults) - frozenset(conf))
+
+
+def typed_conf(conf: Mapping[str, Any], validated: Mapping[str, Any]) -> dict[str, Any]:
+    """``conf`` with each key's value as validation made it (``--set epochs=3`` gives the text
+    ``"3"``, ``image_size=32,32`` a list of texts): the DAG's Params check the types of the conf
+    a run is triggered with."""
+    return {key: validated.get(key, value) for key, value in conf.items()}
 
 
 def _absolute(root: str) -> str:

@@ -28,6 +28,9 @@ def test_set_values_follow_their_key_s_type(tmp_path: Path) -> None:
     data, search = plan.config.data, plan.config.search
     assert data.label_column == "yes" and data.stratify is True  # text stays text; a bool is a bool
     assert search.epochs == 8 and search.timeout_minutes is None and search.spot_speed == 100.0
+    # the run is triggered with typed values: the DAG's Params check their JSON types
+    assert plan.conf["epochs"] == 8 and plan.conf["stratify"] is True and plan.conf["label_column"] == "yes"
+    assert plan_run(None, ["image_size=32,32"], [], _env(tmp_path)).conf["image_size"] == [32, 32]
 
 
 @pytest.mark.parametrize(
