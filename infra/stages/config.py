@@ -62,6 +62,7 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "ddp_world_size": ("search", "ddp_world_size"),
     "bf16_compress": ("search", "bf16_compress"),
     "model_slots": ("search", "model_slots"),
+    "mop_schedule": ("search", "mop_schedule"),
     "grid_points": ("search", "grid_points"),
     "warm_start": ("search", "warm_start"),
     "warm_start_studies": ("search", "warm_start_studies"),

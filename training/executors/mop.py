@@ -96,6 +96,7 @@ class MopExecutor(Executor):
         slots: int | None = None,
         partitions: int | None = None,
         before_round: Callable[[int], int] | None = None,
+        schedule: str = "fixed",
     ) -> None:
         super().__init__(data, checkpoint_root)
         self.client = client
@@ -110,7 +111,8 @@ class MopExecutor(Executor):
         self.before_round = (
             before_round  # e.g. scale the cluster to n_j workers (training/volatile/scaling.py)
         )
-        self.scheduler = MopScheduler(round_robin(self.partitions, workers), seed=seed)
+        # "fixed": each round's plan is a function of the seed and the round (scheduler.py)
+        self.scheduler = MopScheduler(round_robin(self.partitions, workers), seed=seed, schedule=schedule)
         # Model slots: models training at once (at least one per partition keeps every worker busy).
         self.slots = slots or len(self.partitions)
         self.epoch_records: dict[int, list[dict[str, Any]]] = {}
@@ -143,7 +145,7 @@ class MopExecutor(Executor):
         if self.before_round is not None:  # the cluster may change size between rounds
             self.before_round(index)
             self.scheduler.placement = round_robin(self.partitions, self.workers.alive())
-        self.scheduler.start_epoch(list(run.active))
+        self.scheduler.start_epoch(list(run.active), epoch=index)
         for mid in run.active:  # resume mid-epoch: partitions already visited are skipped
             done = set(run.visited.get(mid, []))
             self.scheduler.queue = [

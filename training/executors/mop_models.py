@@ -85,10 +85,12 @@ class MopModels:
         self.controller.on_model_done(self.outcomes[model_id])
 
     def end_round(self, records: list[dict[str, Any]], val_accs: dict[str, float]) -> None:
-        """Report every model that finished an epoch; the controller may stop or add models."""
+        """Report every model that finished an epoch, in model order (the pruner's decisions
+        depend on the order it hears them, never on which unit finished first); the controller
+        may stop or add models."""
         finished = [
             mid
-            for mid in self.active
+            for mid in sorted(self.active)
             if mid in self.states and len(self.visited.get(mid, [])) >= len(self.x.partitions)
         ]
         missing = self._validate(mid for mid in finished if mid not in val_accs)

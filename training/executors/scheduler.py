@@ -1,25 +1,39 @@
 """The Model Hopper Parallelism scheduler (Cerebro, VLDB 2020), as a pure, seeded state machine.
 
 Per epoch every active model must visit every partition exactly once. A queue holds the
-(model, partition) units still to run; whenever a worker is idle the queue is shuffled and,
-of the units whose model is idle and whose partition that worker holds, the one whose model
-has the most units left in the epoch is given to it (then the longest, by its measured
-seconds per unit); ties go to the first in the shuffled order. A model's units run one after another, so
-starting the models with the most left first keeps the epoch's last units short and spread
-over the workers (the pure "first in the shuffled queue" rule leaves a worker idle at the end
-of an epoch whenever all its remaining units belong to models running elsewhere). A
-model never runs on two workers at once and a worker runs one unit at a time. A unit lost
-with its worker goes back to the queue (its partition moves to a surviving worker); one that
-stopped mid-pass with a checkpoint (a spot notice) is its model's next unit, so the pass is
+(model, partition) units still to run; whenever a worker is idle it is given one of the units
+whose model is idle and whose partition it holds. Which one is the schedule's choice
+(:data:`SCHEDULES`):
+
+* ``fixed`` (the default): each epoch has a plan (:func:`fixed_plan`), a function of the seed and
+  the epoch alone (and of which models and partitions there are): a seeded Latin square in which
+  sub-epoch ``k`` trains model row ``i`` on partition column ``(i + k) mod n``. A model visits the
+  partitions in its row's order whatever the timings, so a sweep trains the same models the same
+  way on every run; a worker that frees early takes the earliest planned unit that is ready on
+  it (its model idle, and that partition its model's next), or waits.
+* ``greedy``: the queue is shuffled and, of the units the worker can take, the one whose model
+  has the most units left in the epoch goes first (then the longest, by its measured seconds per
+  unit; ties go to the first in the shuffled order). Starting the models with the most left first
+  keeps the epoch's last units short and spread over the workers. The order follows which worker
+  frees first, so two runs can train a model over its partitions in different orders.
+
+Under both, a model never runs on two workers at once and a worker runs one unit at a time. A
+unit lost with its worker goes back to the queue (its partition moves to a surviving worker); one
+that stopped mid-pass with a checkpoint (a spot notice) is its model's next unit, so the pass is
 finished before the model moves on. A new (restarted) worker takes partitions from the busiest.
+The plan names partitions, never workers: lost, restarted or added workers change where and when
+a unit runs, not the order in which a model visits the partitions.
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, Protocol, get_args
+
+MopScheduleName = Literal["fixed", "greedy"]
 
 
 @dataclass(frozen=True, order=True)
@@ -30,12 +44,101 @@ class Unit:
     partition: str
 
 
+def fixed_plan(seed: int, epoch: int, models: Iterable[str], partitions: Iterable[str]) -> list[list[Unit]]:
+    """One epoch's sub-epochs as a seeded Latin square (Cerebro's randomized schedule).
+
+    The models (rows) and the partitions (columns) are shuffled by ``(seed, epoch)``; with
+    ``n = max(models, partitions)``, sub-epoch ``k`` trains row ``i`` on column ``(i + k) mod n``
+    when that column is a partition (more models than partitions: the row waits that sub-epoch;
+    fewer: that partition rests). Every (model, partition) comes once in the ``n`` sub-epochs and no
+    model or partition twice in one. The result depends on its arguments alone.
+    """
+    rng = random.Random(f"mop-plan:{seed}:{epoch}")  # a str seed is hashed the same in every process
+    rows, columns = sorted(set(models)), sorted(set(partitions))
+    rng.shuffle(rows)
+    rng.shuffle(columns)
+    n = max(len(rows), len(columns))
+    return [
+        [Unit(model, columns[(i + k) % n]) for i, model in enumerate(rows) if (i + k) % n < len(columns)]
+        for k in range(n)
+    ]
+
+
+class UnitChoice(Protocol):
+    """A schedule: which unit an idle worker takes (None: it waits)."""
+
+    def start_epoch(self, epoch: int, models: Sequence[str], partitions: Sequence[str]) -> None:
+        """A new epoch of these models over these partitions begins."""
+        ...
+
+    def pick(self, scheduler: MopScheduler, worker: str) -> Unit | None:
+        """The unit for the idle ``worker``, among ``scheduler.runnable(worker, ...)``."""
+        ...
+
+
+class FixedPlan:
+    """Each model visits the partitions in its row's order of the epoch's :func:`fixed_plan`; an
+    idle worker takes the earliest planned unit that is ready on it."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.position: dict[Unit, tuple[int, int]] = {}  # unit -> (sub-epoch, place in it)
+
+    def start_epoch(self, epoch: int, models: Sequence[str], partitions: Sequence[str]) -> None:
+        plan = fixed_plan(self.seed, epoch, models, partitions)
+        self.position = {unit: (k, i) for k, units in enumerate(plan) for i, unit in enumerate(units)}
+
+    def pick(self, scheduler: MopScheduler, worker: str) -> Unit | None:
+        following: dict[str, Unit] = {}  # model -> its next unit in the plan
+        for unit in sorted(scheduler.open_units(), key=self._planned):
+            following.setdefault(unit.model, unit)
+        return min(scheduler.runnable(worker, following.values()), key=self._planned, default=None)
+
+    def _planned(self, unit: Unit) -> tuple[int, int, Unit]:
+        """Where ``unit`` comes in the plan (a unit the plan does not name, after every planned one)."""
+        k, i = self.position.get(unit, (len(self.position), 0))
+        return k, i, unit
+
+
+class GreedyQueue:
+    """The shuffled queue: the unit whose model has the most work left this epoch goes first."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def start_epoch(self, epoch: int, models: Sequence[str], partitions: Sequence[str]) -> None:
+        return None
+
+    def pick(self, scheduler: MopScheduler, worker: str) -> Unit | None:
+        self._rng.shuffle(scheduler.queue)
+        candidates = scheduler.runnable(worker, scheduler.open_units())
+        if not candidates:
+            return None
+        return max(candidates, key=_work_left(scheduler))  # max keeps the first of equals
+
+
+def _work_left(scheduler: MopScheduler) -> Callable[[Unit], tuple[int, float]]:
+    """The work each model still has this epoch: its units left (they run one after another),
+    then its seconds per unit (longest first, so the epoch ends on short units)."""
+    left = Counter(u.model for u in scheduler.queue)
+    known = [c for c in scheduler.cost.values() if c > 0]
+    default = sum(known) / len(known) if known else 1.0
+    return lambda unit: (left[unit.model], scheduler.cost.get(unit.model, default))
+
+
+# schedule name -> its choice of units, made from the seed
+SCHEDULES: dict[str, Callable[[int], UnitChoice]] = {"fixed": FixedPlan, "greedy": GreedyQueue}
+if set(SCHEDULES) != set(get_args(MopScheduleName)):
+    raise ImportError("mopflow.training.executors.scheduler: SCHEDULES and MopScheduleName disagree")
+
+
 @dataclass
 class MopScheduler:
     """Assigns units to idle workers; every method is deterministic for a given seed."""
 
     placement: dict[str, str]  # partition -> worker holding it
     seed: int = 0
+    schedule: str = "fixed"  # a name in SCHEDULES
     queue: list[Unit] = field(default_factory=list)
     running: dict[str, Unit] = field(default_factory=dict)  # worker -> unit
     done: list[Unit] = field(default_factory=list)
@@ -43,49 +146,45 @@ class MopScheduler:
     cost: dict[str, float] = field(default_factory=dict)  # model -> seconds per unit, as measured
 
     def __post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown MOP schedule {self.schedule!r}; expected one of {sorted(SCHEDULES)}")
+        self.choice = SCHEDULES[self.schedule](self.seed)
 
-    def start_epoch(self, models: Iterable[str]) -> None:
-        """Queue every (model, partition) unit of a new epoch."""
+    def start_epoch(self, models: Iterable[str], epoch: int = 0) -> None:
+        """Queue every (model, partition) unit of a new epoch (``epoch``: which, for the plan)."""
         if self.queue or self.running:
             raise RuntimeError("the previous epoch has not finished")
         self.done = []
-        self.queue = [Unit(m, p) for m in sorted(models) for p in sorted(self.placement)]
+        names, partitions = sorted(models), sorted(self.placement)
+        self.queue = [Unit(m, p) for m in names for p in partitions]
+        self.choice.start_epoch(epoch, names, partitions)
 
     @property
     def busy_models(self) -> set[str]:
         return {u.model for u in self.running.values()}
 
+    def open_units(self) -> list[Unit]:
+        """Queued units a model may run next: a model that stopped mid-pass finishes that pass first."""
+        return [u for u in self.queue if self.resume.get(u.model, u.partition) == u.partition]
+
+    def runnable(self, worker: str, units: Iterable[Unit]) -> list[Unit]:
+        """Those of ``units`` that ``worker`` can run now: it holds the partition and the model is idle."""
+        busy = self.busy_models
+        return [u for u in units if u.model not in busy and self.placement.get(u.partition) == worker]
+
     def assign(self, idle_workers: Iterable[str]) -> list[tuple[str, Unit]]:
-        """Units for the idle workers (at most one each), following the randomized rule."""
+        """Units for the idle workers (at most one each), as the schedule chooses."""
         assignments: list[tuple[str, Unit]] = []
         for worker in sorted(idle_workers):
             if worker in self.running:
                 continue
-            self._rng.shuffle(self.queue)
-            busy = self.busy_models
-            candidates = [
-                unit
-                for unit in self.queue
-                if unit.model not in busy
-                and self.placement[unit.partition] == worker
-                and self.resume.get(unit.model, unit.partition) == unit.partition
-            ]
-            if not candidates:
+            unit = self.choice.pick(self, worker)
+            if unit is None:
                 continue
-            unit = max(candidates, key=self._work_left())  # max keeps the first of equals
             self.queue.remove(unit)
             self.running[worker] = unit
             assignments.append((worker, unit))
         return assignments
-
-    def _work_left(self) -> Callable[[Unit], tuple[int, float]]:
-        """The work each model still has this epoch: its units left (they run one after
-        another), then its seconds per unit (longest first, so the epoch ends on short units)."""
-        left = Counter(u.model for u in self.queue)
-        known = [c for c in self.cost.values() if c > 0]
-        default = sum(known) / len(known) if known else 1.0
-        return lambda unit: (left[unit.model], self.cost.get(unit.model, default))
 
     def record_cost(self, model: str, seconds: float) -> None:
         """A unit of ``model`` took ``seconds`` (kept as a running estimate of its unit time)."""

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mopflow.training.config import StageConfig
+from mopflow.training.executors.scheduler import MopScheduleName
 from mopflow.training.search.algorithms import PrunerName, SamplerName, StrategyName
 from mopflow.training.search.space import SearchSpace, default_space, parse_space
 from mopflow.training.volatile.workers import WorkerSchedule
@@ -83,6 +84,12 @@ class SearchConfig(StageConfig):
     ddp_world_size: int = Field(2, ge=1, le=64, description="DDP processes per trial (strategy=ddp)")
     bf16_compress: bool = Field(False, description="bf16 gradient compression hook under DDP")
     model_slots: int = Field(4, ge=1, le=256, description="Models training at once under strategy=mop")
+    mop_schedule: MopScheduleName = Field(
+        "fixed",
+        description="strategy=mop: fixed (each epoch's hops are a seeded plan: runs with the same seed train "
+        "the same models) or greedy (whichever worker frees first takes a unit: faster when models differ "
+        "in size, but runs differ)",
+    )
     warm_start: bool = Field(
         False, description="Enqueue the current champion's trial parameters as the first trial"
     )

@@ -10,7 +10,7 @@ from mopflow.training.executors import DataRef, EpochReport, ModelOutcome, Model
 from mopflow.training.executors.base import TrainAll
 from mopflow.training.executors.gantt import gantt_png, idle_fraction
 from mopflow.training.executors.mop import MopExecutor, cluster_size, partition_shards
-from mopflow.training.executors.scheduler import MopScheduler, check_invariants, round_robin
+from mopflow.training.executors.scheduler import MopScheduler, check_invariants, fixed_plan, round_robin
 from mopflow.training.executors.task import SequentialExecutor, TaskExecutor
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
@@ -41,14 +41,15 @@ def _simulate(scheduler: MopScheduler, models: list[str], seed: int) -> list[dic
     return records
 
 
-def test_scheduler_keeps_the_mop_invariants_and_is_seeded() -> None:
+@pytest.mark.parametrize("schedule", ["fixed", "greedy"])
+def test_scheduler_keeps_the_mop_invariants_and_is_seeded(schedule: str) -> None:
     placement = round_robin(["p0", "p1", "p2"], ["w0", "w1", "w2"])
     models = ["a", "b", "c", "d"]
-    first = _simulate(MopScheduler(dict(placement), seed=7), models, seed=1)
+    first = _simulate(MopScheduler(dict(placement), seed=7, schedule=schedule), models, seed=1)
     check_invariants(first, models, placement)
-    again = _simulate(MopScheduler(dict(placement), seed=7), models, seed=1)
+    again = _simulate(MopScheduler(dict(placement), seed=7, schedule=schedule), models, seed=1)
     assert [(r["model"], r["partition"]) for r in first] == [(r["model"], r["partition"]) for r in again]
-    other = _simulate(MopScheduler(dict(placement), seed=8), models, seed=1)
+    other = _simulate(MopScheduler(dict(placement), seed=8, schedule=schedule), models, seed=1)
     assert [(r["model"], r["partition"]) for r in first] != [(r["model"], r["partition"]) for r in other]
 
 
@@ -102,6 +103,12 @@ def test_mop_on_dask_trains_every_model_on_every_partition(
     for epoch, records in executor.epoch_records.items():
         check_invariants(records, [m.model_id for m in models], executor.partitions)
         assert len({r["worker"] for r in records}) == 2, epoch
+        # the fixed schedule (the default): each model hops in its row's order of the round's plan
+        plan = fixed_plan(3, epoch, [m.model_id for m in models], executor.partitions)
+        for model in models:
+            planned = [u.partition for units in plan for u in units if u.model == model.model_id]
+            ran = sorted((r["start"], r["partition"]) for r in records if r["model"] == model.model_id)
+            assert [p for _, p in ran] == planned, (epoch, model.model_id)
     for outcome in outcomes.values():
         assert [r.epoch for r in outcome.history] == [0, 1] and outcome.state
         assert Path(str(outcome.checkpoint_uri)).exists()

@@ -1,26 +1,54 @@
-"""The MOP scheduler's choice among the units an idle worker can take: most units left first."""
+"""The MOP scheduler's choice among the units an idle worker can take: the fixed plan (each
+model's order of partitions a function of the seed and the epoch) and the greedy queue (most
+units left first)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+
+import pytest
 
 from mopflow.training.executors.gantt import idle_fraction
-from mopflow.training.executors.scheduler import MopScheduler, Unit, check_invariants, round_robin
+from mopflow.training.executors.scheduler import (
+    SCHEDULES,
+    MopScheduler,
+    Unit,
+    check_invariants,
+    fixed_plan,
+    round_robin,
+)
 
 
-def _epoch(scheduler: MopScheduler, models: list[str], seconds: dict[str, float]) -> list[dict]:
-    """Drive one epoch with fixed unit durations per model; return its unit records."""
-    scheduler.start_epoch(models)
+def _epoch(
+    scheduler: MopScheduler,
+    models: list[str],
+    seconds: dict[str, float],
+    epoch: int = 0,
+    on_start: Callable[[MopScheduler, int], None] | None = None,
+    jitter: random.Random | None = None,
+) -> list[dict]:
+    """Drive one epoch, a unit of model m lasting ``seconds[m]`` (times 0.5 to 1.5 drawn from
+    ``jitter``); return its unit records. ``on_start`` is called with the number of units started
+    so far, after each assignment (to lose or add workers)."""
+    scheduler.start_epoch(models, epoch=epoch)
     clock, started, records = 0.0, {}, []
     free_at = {w: 0.0 for w in set(scheduler.placement.values())}
+    count = 0
     while not scheduler.epoch_finished:
-        idle = [w for w, t in free_at.items() if t <= clock and w not in scheduler.running]
-        for worker, unit in scheduler.assign(idle):
-            started[worker], free_at[worker] = clock, clock + seconds[unit.model]
+        idle = [w for w in sorted(set(scheduler.placement.values())) if w not in scheduler.running]
+        for worker, unit in scheduler.assign(w for w in idle if free_at.get(w, 0.0) <= clock):
+            factor = jitter.uniform(0.5, 1.5) if jitter is not None else 1.0
+            started[worker], free_at[worker] = clock, clock + seconds[unit.model] * factor
+            count += 1
+            if on_start is not None:
+                on_start(scheduler, count)
+        if not scheduler.running:
+            continue  # a worker was lost: its unit went back to the queue
         worker = min(scheduler.running, key=lambda w: free_at[w])
         clock = free_at[worker]
         unit = scheduler.complete(worker)
-        scheduler.record_cost(unit.model, seconds[unit.model])
+        scheduler.record_cost(unit.model, clock - started[worker])
         records.append(
             {"model": unit.model, "partition": unit.partition, "worker": worker, "start": started[worker]}
             | {"end": clock}
@@ -28,14 +56,111 @@ def _epoch(scheduler: MopScheduler, models: list[str], seconds: dict[str, float]
     return records
 
 
+def _orders(records: list[dict]) -> dict[str, list[str]]:
+    """Each model's partitions in the order it visited them."""
+    orders: dict[str, list[str]] = {}
+    for r in sorted(records, key=lambda r: r["start"]):
+        orders.setdefault(r["model"], []).append(r["partition"])
+    return orders
+
+
+def _planned_orders(plan: list[list[Unit]]) -> dict[str, list[str]]:
+    orders: dict[str, list[str]] = {}
+    for units in plan:
+        for unit in units:
+            orders.setdefault(unit.model, []).append(unit.partition)
+    return orders
+
+
+@pytest.mark.parametrize(("n_models", "n_partitions"), [(4, 4), (7, 3), (2, 5), (1, 1)])
+def test_the_fixed_plan_is_a_function_of_seed_and_epoch_and_visits_every_unit_once(
+    n_models: int, n_partitions: int
+) -> None:
+    models = [f"trial-{i:04d}" for i in range(n_models)]
+    partitions = [f"p{i}" for i in range(n_partitions)]
+    plan = fixed_plan(11, 3, models, partitions)
+    fixed_plan(12, 0, models, partitions)  # no state is carried from one call to the next
+    assert fixed_plan(11, 3, list(reversed(models)), list(reversed(partitions))) == plan
+    assert len(plan) == max(n_models, n_partitions)
+    units = [u for sub_epoch in plan for u in sub_epoch]
+    assert sorted(units) == sorted(Unit(m, p) for m in models for p in partitions)  # each once
+    for sub_epoch in plan:  # no model, no partition twice in one sub-epoch
+        assert len({u.model for u in sub_epoch}) == len({u.partition for u in sub_epoch}) == len(sub_epoch)
+        assert len(sub_epoch) <= min(n_models, n_partitions)
+    if n_models * n_partitions > 1:  # another epoch or seed, another plan
+        assert any(fixed_plan(11, e, models, partitions) != plan for e in range(4, 8))
+        assert any(fixed_plan(s, 3, models, partitions) != plan for s in range(4))
+
+
+@pytest.mark.parametrize(("n_models", "n_partitions"), [(5, 2), (3, 3), (2, 4)])
+def test_a_fixed_schedule_trains_each_model_in_its_planned_order_whatever_the_timings(
+    n_models: int, n_partitions: int
+) -> None:
+    models = [f"m{i}" for i in range(n_models)]
+    partitions = [f"p{i}" for i in range(n_partitions)]
+    workers = [f"w{i}" for i in range(n_partitions)]
+    planned = [_planned_orders(fixed_plan(5, epoch, models, partitions)) for epoch in range(2)]
+    for timing in range(12):
+        rng = random.Random(timing)
+        per_model = {m: rng.uniform(0.2, 4.0) for m in models}
+        scheduler = MopScheduler(round_robin(partitions, workers), seed=5, schedule="fixed")
+        for epoch in range(2):
+            records = _epoch(scheduler, models, per_model, epoch, jitter=rng)
+            check_invariants(records, models, partitions)
+            assert _orders(records) == planned[epoch], (timing, epoch)
+
+
+def test_a_fixed_schedule_keeps_its_plan_through_lost_stopped_and_restarted_workers() -> None:
+    """A worker killed (its unit redone), one stopped by a spot notice (its pass finished first)
+    and a restarted one: the units run elsewhere or later, each model's order is the plan's."""
+    models, partitions = ["a", "b", "c", "d"], ["p0", "p1", "p2"]
+    planned = _planned_orders(fixed_plan(2, 0, models, partitions))
+
+    def faults(scheduler: MopScheduler, started: int) -> None:
+        if started == 2:  # w1 dies without notice: its unit goes back to the queue
+            scheduler.lose_worker("w1", ["w0", "w2"])
+        elif started == 5:  # w2 gets a spot notice: its unit saved mid-pass, finished first
+            stopped = scheduler.running.get("w2")
+            scheduler.lose_worker("w2", ["w0"], saved=True)
+            assert stopped is None or scheduler.resume[stopped.model] == stopped.partition
+        elif started == 7:  # a restarted worker takes partitions back
+            assert scheduler.add_worker("w3")
+
+    scheduler = MopScheduler(round_robin(partitions, ["w0", "w1", "w2"]), seed=2)
+    records = _epoch(scheduler, models, {m: 1.0 + ord(m) % 3 for m in models}, on_start=faults)
+    check_invariants(records, models, partitions)
+    assert _orders(records) == planned
+    assert "w3" in set(scheduler.placement.values()) and scheduler.resume == {}
+
+
+def test_a_greedy_schedule_follows_the_timings() -> None:
+    """What the fixed plan is for: under the greedy queue a model's order of partitions depends
+    on which worker frees first."""
+    models, partitions = ["a", "b", "c", "d"], ["p0", "p1"]
+    seen = set()
+    for timing in range(8):
+        rng = random.Random(timing)
+        scheduler = MopScheduler(round_robin(partitions, ["w0", "w1"]), seed=0, schedule="greedy")
+        records = _epoch(scheduler, models, {m: rng.uniform(0.5, 3.0) for m in models}, jitter=rng)
+        seen.add(tuple(sorted((m, tuple(o)) for m, o in _orders(records).items())))
+    assert len(seen) > 1
+
+
+def test_the_schedules_are_a_registry() -> None:
+    assert set(SCHEDULES) == {"fixed", "greedy"}
+    assert MopScheduler({"p0": "w0"}).schedule == "fixed"  # the default
+    with pytest.raises(ValueError, match="unknown MOP schedule 'fifo'"):
+        MopScheduler({"p0": "w0"}, schedule="fifo")
+
+
 def test_no_worker_waits_behind_a_model_running_elsewhere() -> None:
-    """Two partitions: starting the models with both units left first leaves no worker idle
-    (the plain first-in-the-shuffled-queue rule idles a worker at the end of many epochs)."""
+    """Greedy, two partitions: starting the models with both units left first leaves no worker
+    idle (the plain first-in-the-shuffled-queue rule idles a worker at the end of many epochs)."""
     models = [f"m{i}" for i in range(8)]
     for seed in range(40):
         rng = random.Random(seed)
         seconds = {m: rng.uniform(0.5, 3.0) for m in models}
-        scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0", "w1"]), seed=seed)
+        scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0", "w1"]), seed=seed, schedule="greedy")
         for _ in range(2):  # the second epoch also orders by the measured unit times
             records = _epoch(scheduler, models, seconds)
             check_invariants(records, models, ["p0", "p1"])
@@ -43,7 +168,7 @@ def test_no_worker_waits_behind_a_model_running_elsewhere() -> None:
 
 
 def test_the_longest_model_goes_first_among_equals() -> None:
-    scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0"]), seed=0)
+    scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0"]), seed=0, schedule="greedy")
     scheduler.record_cost("slow", 5.0)
     scheduler.record_cost("fast", 1.0)
     scheduler.start_epoch(["fast", "slow"])
