@@ -50,6 +50,7 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "n_trials": ("search", "n_trials"),
     "epochs": ("search", "epochs"),
     "parallel_trials": ("search", "parallel_trials"),
+    "trial_batches": ("search", "trial_batches"),
     "seed": ("search", "seed"),
     "sampler": ("search", "sampler"),
     "pruner": ("search", "pruner"),

@@ -5,6 +5,13 @@ Volatile workers: an epoch whose worker got a spot notice comes back as ``UnitPr
 its state at the last batch boundary and is submitted again from there; one whose worker died
 (SIGKILL) is run again from the epoch's start by Dask. ``redone_unit_seconds`` sums the work
 lost (the scheduler's record of the spans that never finished, less what a notice saved).
+
+In batches (``batches=True``, the search's ``trial_batches``) the run does not depend on which
+epoch finishes first: new models start only once every model of the previous batch is done, and
+a batch trains in step, each model's epoch result held until every model of the batch has one,
+then handed to the controller in the order the models started, before their next epochs are
+submitted. The controller (its sampler and pruner) so sees the same reports in the same order
+whatever the timings.
 """
 
 from __future__ import annotations
@@ -45,8 +52,9 @@ class TaskExecutor(Executor):
 
     At most ``slots`` models (default: the workers present) are active at once, or as many as
     ``admission`` allows (worker rounds). A freed slot goes to the controller's next model at
-    once. Every worker that trains loads the full training set once (its storage footprint is
-    the data times the number of workers), the cost MOP avoids.
+    once, or, in ``batches``, once every active model is done (see the module docstring). Every
+    worker that trains loads the full training set once (its storage footprint is the data times
+    the number of workers), the cost MOP avoids.
     """
 
     name = "task"
@@ -60,12 +68,14 @@ class TaskExecutor(Executor):
         checkpoint_root: str = "",
         slots: int | None = None,
         admission: Admission | None = None,
+        batches: bool = False,
     ) -> None:
         super().__init__(data, checkpoint_root)
         self.client = client
         self.shards = sorted(shard_names)
         self.slots = slots or len(client.scheduler_info()["workers"]) or 1
         self.admission = admission
+        self.batches = batches
         self.resumed: dict[str, dict[str, Any]] = {}  # per model: where it resumed from a checkpoint
         self.started_at: dict[str, float] = {}
 
@@ -96,7 +106,8 @@ class TaskExecutor(Executor):
                 run.collect(future)
             if stopping.stop_requested():
                 run.deferred.clear()  # they wait in their checkpoints for the resume
-            else:
+            run.release()
+            if not stopping.stop_requested():
                 run.submit_deferred()
                 run.admit()
         notice.withdraw()
@@ -136,10 +147,14 @@ class _TaskRun:
         self.in_flight: dict[Any, str] = {}
         self.leaving: set[str] = set()  # workers that said they are being preempted
         self.deferred: dict[str, float] = {}  # model -> deadline: waiting for a leaving worker to go
+        self.held: dict[str, EpochReport] = {}  # in batches: epochs waiting for the rest of their batch
+        self.started: dict[str, int] = {}  # model -> when it (last) started, counted in models
 
     def admit(self) -> None:
         """Start models while there are slots (or the admission says so): the waiting ones first,
-        then the controller's."""
+        then the controller's; in batches, only once the previous batch is done."""
+        if self.x.batches and self.active:
+            return
         while True:
             if not self.waiting and not self.active:
                 # ask before admitting: with nothing active, admission may open a new round
@@ -162,6 +177,7 @@ class _TaskRun:
         mid = spec.model_id
         self.specs[mid], self.outcomes[mid] = spec, ModelOutcome(spec)
         self.x.started_at[mid] = time.time()
+        self.started[mid] = max(self.started.values(), default=-1) + 1
         keep = True
         try:
             found = self.x.load_checkpoint(mid)
@@ -255,7 +271,6 @@ class _TaskRun:
         self.x.save_checkpoint(mid, state)
         report = EpochReport(mid, epoch, val_acc, float(record["train_loss"]), float(record["lr_end"]))
         self.next_epoch[mid] = epoch + 1
-        keep = self.x.report_epoch(self.outcomes[mid], report, self.controller)
         if epoch == 0 or (epoch + 1) % 10 == 0 or epoch + 1 == self.epochs:
             log.info(
                 "task: %s epoch %d/%d val_acc=%.4f on %s",
@@ -265,12 +280,32 @@ class _TaskRun:
                 val_acc,
                 record["worker"],
             )
-        if keep and epoch + 1 < self.epochs:
+        if self.x.batches:
+            self.held[mid] = report  # handed over with the rest of its batch (:meth:`release`)
+        else:
+            self.deliver(report)
+
+    def deliver(self, report: EpochReport) -> None:
+        """Hand a model's epoch to the controller, then submit its next epoch or end it."""
+        mid = report.model_id
+        keep = self.x.report_epoch(self.outcomes[mid], report, self.controller)
+        if keep and report.epoch + 1 < self.epochs:
             if stopping.stop_requested():  # the run stops: the next epoch starts on resume
                 return
             self.submit(mid)
         else:
             self.finish(mid, stopped_early=not keep)
+
+    def release(self) -> None:
+        """In batches: the held epochs, in the order their models started, once every active model
+        has one (a failed model has left the batch), or once nothing else can come (the run stops)."""
+        if not self.held:
+            return
+        if not self.active <= set(self.held) and (self.in_flight or self.deferred):
+            return
+        held, self.held = self.held, {}
+        for mid in sorted(held, key=self.started.__getitem__):
+            self.deliver(held[mid])
 
     def _account_killed(self, mid: str, epoch: int, future: Any) -> bool:
         """Record the work of attempts of this epoch lost with a killed worker (from the

@@ -40,6 +40,12 @@ class SearchConfig(StageConfig):
         le=256,
         description="Trials trained at once under task (each on a Dask worker; the cluster is MOPFLOW_DASK_WORKERS)",
     )
+    trial_batches: bool = Field(
+        False,
+        description="strategy=task: start trials in batches of parallel_trials, the next once the whole batch "
+        "has finished, and train a batch in step (each epoch decided in trial order once all its trials "
+        "reported it): runs with the same seed give the same trials, but a batch waits for its slowest trial",
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Sampler and training seed")
     sampler: SamplerName = Field(
         "tpe", description="Optuna sampler, seeded: tpe, random, grid, gp (Gaussian process), cmaes"
@@ -156,6 +162,20 @@ class SearchConfig(StageConfig):
             raise ValueError(
                 f"min_resource={self.min_resource} is more than epochs={self.epochs}: no trial would "
                 f"ever reach a pruning decision; give min_resource <= {self.epochs}, or pruner='none'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _batches_under_task(self) -> SearchConfig:
+        if self.trial_batches and self.strategy != "task":
+            raise ValueError(
+                f"trial_batches applies to strategy='task', not {self.strategy!r} (ddp trains one trial "
+                "at a time; under mop, mop_schedule='fixed' fixes the order)"
+            )
+        if self.trial_batches and self.worker_schedule is not None:
+            raise ValueError(
+                "trial_batches and worker_schedule cannot be combined: the schedule sizes each batch by "
+                "the workers present, trial_batches by parallel_trials"
             )
         return self
 

@@ -322,7 +322,13 @@ def _task_executor(s: ExecutorSetting) -> Executor:
 
     register_preemption(s.client)  # spot notices: epochs checkpoint mid-pass and move on
     return TaskExecutor(
-        s.client, s.data, s.shards, s.checkpoint_root, slots=s.cfg.parallel_trials, admission=s.scaling
+        s.client,
+        s.data,
+        s.shards,
+        s.checkpoint_root,
+        slots=s.cfg.parallel_trials,
+        admission=s.scaling,
+        batches=s.cfg.trial_batches,
     )
 
 
