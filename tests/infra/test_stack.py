@@ -405,8 +405,13 @@ def test_browser_trigger_form_starts_sweeps_from_its_inputs_and_its_json(
         for key in ("n_trials", "epochs", "top_k"):
             dialog.get_by_role("spinbutton", name=key, exact=True).fill(str(FORM_TINY[key]))
         dialog.get_by_role("button", name="Advanced", exact=True).click()
-        for key in ("num_samples", "n_shards", "min_resource", "distill_epochs", "munge_multiplier"):
+        for key in ("num_samples", "n_shards", "distill_epochs", "munge_multiplier"):
             dialog.get_by_role("spinbutton", name=key, exact=True).fill(str(FORM_TINY[key]))
+        # min_resource may be empty (its default): a text field whose JSON value must be an integer
+        min_resource = page.locator("label").filter(has_text=re.compile(r"^min_resource\s*\*?$"))
+        dialog.get_by_role("group").filter(has=min_resource).locator("input, textarea").first.fill(
+            str(FORM_TINY["min_resource"])
+        )
         dialog.get_by_role("spinbutton", name="max_gap_to_ensemble", exact=True).fill("100")
         model_name = page.locator("label").filter(has_text=re.compile(r"^model_name\s*\*?$"))
         dialog.get_by_role("group").filter(has=model_name).locator("input").fill(FORM_TINY["model_name"])
