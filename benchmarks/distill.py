@@ -52,14 +52,15 @@ Targets (each printed as PASS/FAIL)
 The stacked-vs-loop ensemble latency ratio is printed for information only.
 
 Output: a plain-text table on stdout, the target lines, and every figure in
-``benchmarks/results/distill.json`` (with the CPU count, load averages and the date). Latencies
+``benchmarks/results/distill.json`` (with the CPU count, load averages and the date; ``--out``
+names another folder or file, and a ``--quick`` run writes only there). Latencies
 are wall-clock on a shared machine: other processes running at the same time inflate them.
 
 Run it from the repository root::
 
     .venv/bin/python benchmarks/distill.py                # full: 4 members x 80 epochs, students on the DistillConfig defaults
     .venv/bin/python benchmarks/distill.py --seeds 2      # students repeated over 2 seeds
-    .venv/bin/python benchmarks/distill.py --quick        # smoke test: 2 members, 5 epochs, 5 student epochs
+    .venv/bin/python benchmarks/distill.py --quick --out /tmp/bench  # smoke test: 2 members, 2 epochs, 2 student epochs
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ from mopflow.compression.evaluate import format_table, latency_ms, quantize_stat
 from mopflow.training.compute.cluster import dask_client  # noqa: E402
 from mopflow.training.data import load_manifest, load_split, shard_dataset  # noqa: E402
 from mopflow.training.data.config import DataConfig  # noqa: E402
+from mopflow.training.models.builtin import ArchSpec  # noqa: E402
 from mopflow.training.models.bundle import ProbabilityEnsemble, StackedEnsemble  # noqa: E402
 from mopflow.training.models.bundle import accuracy as student_accuracy  # noqa: E402
 from mopflow.training.models.families import DataSpec  # noqa: E402
@@ -168,6 +170,19 @@ class StudentRun:
     distilled_train_s: float
     hard_train_s: float
     hard_epochs: int
+
+
+def arch_params(arch: ArchSpec) -> str:
+    """The architecture's own parameters, as ``width 16 depth 3``."""
+    return " ".join(f"{k} {v}" for k, v in arch.params.items())
+
+
+def results_file(out: Path | None, quick: bool) -> Path | None:
+    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
+    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``."""
+    if out is None:
+        return None if quick else RESULTS_PATH
+    return out if out.suffix == ".json" else out / RESULTS_PATH.name
 
 
 def n_params(module: nn.Module) -> int:
@@ -323,7 +338,7 @@ def mean(values: Sequence[float]) -> float:
     return float(np.mean(values))
 
 
-def run(settings: Settings, results_path: Path) -> int:
+def run(settings: Settings, results_path: Path | None) -> int:
     started_at = datetime.now(UTC)
     wall_start = time.monotonic()
     # One thread: these models are tiny, and on a small shared machine more intra-op threads
@@ -369,10 +384,9 @@ def run(settings: Settings, results_path: Path) -> int:
         dcfg = DistillConfig(epochs=settings.student_epochs)
         plan = plan_student(dcfg, ensemble_params, DataSpec(n_features, num_classes))
         log.info(
-            "student: %s width=%d depth=%d, %d params (budget %d)",
+            "student: %s %s, %d params (budget %d)",
             plan.arch.family,
-            plan.arch.width,
-            plan.arch.depth,
+            arch_params(plan.arch),
             plan.num_params,
             plan.budget,
         )
@@ -525,7 +539,7 @@ def run(settings: Settings, results_path: Path) -> int:
         header = (
             f"MNIST-1D distillation benchmark ({'quick' if settings.quick else 'full'}): "
             f"{len(complete)} members x {settings.epochs} epochs, student {plan.arch.family} "
-            f"w{plan.arch.width} d{plan.arch.depth}, {settings.student_epochs} epochs, {settings.seeds} seed(s); "
+            f"{arch_params(plan.arch)}, {settings.student_epochs} epochs, {settings.seeds} seed(s); "
             f"test n={len(y_test)}; latency: 1 thread, median of {settings.repeats}, "
             "probability outputs; student accuracies are seed means"
         )
@@ -622,6 +636,9 @@ def run(settings: Settings, results_path: Path) -> int:
             },
             "printed": [header, format_table(rows), *lines],
         }
+        if results_path is None:
+            print("\nnot written (--quick writes its JSON only to --out)")
+            return 0
         results_path.parent.mkdir(parents=True, exist_ok=True)
         results_path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {results_path}")
@@ -630,10 +647,12 @@ def run(settings: Settings, results_path: Path) -> int:
         shutil.rmtree(data_root, ignore_errors=True)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
-        "--quick", action="store_true", help="smoke test: 2 members, 5 epochs, 5 student epochs"
+        "--quick",
+        action="store_true",
+        help="smoke test: 2 members, 2 epochs, 2 student epochs, 10 timed passes per latency",
     )
     parser.add_argument("--seeds", type=int, default=1, help="student seeds (distilled + hard-label each)")
     parser.add_argument(
@@ -641,20 +660,29 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
     )
     parser.add_argument("--epochs", type=int, default=None, help="epochs per ensemble member")
     parser.add_argument("--student-epochs", type=int, default=None, help="student training epochs")
-    parser.add_argument("--repeats", type=int, default=50, help="timed forward passes per latency figure")
-    parser.add_argument("--out", type=Path, default=RESULTS_PATH, help="where the JSON is written")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed forward passes per latency figure (default 50)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
+    )
     args = parser.parse_args(argv)
     members = args.members if args.members is not None else (2 if args.quick else 4)
-    epochs = args.epochs if args.epochs is not None else (5 if args.quick else 80)
+    epochs = args.epochs if args.epochs is not None else (2 if args.quick else 80)
     full_epochs = DistillConfig().epochs  # the pipeline's default schedule
     student_epochs = (
-        args.student_epochs if args.student_epochs is not None else (5 if args.quick else full_epochs)
+        args.student_epochs if args.student_epochs is not None else (2 if args.quick else full_epochs)
     )
     if not 1 <= members <= len(MEMBER_CONFIGS):
         parser.error(f"--members must be between 1 and {len(MEMBER_CONFIGS)}")
-    if args.seeds < 1 or epochs < 1 or student_epochs < 1 or args.repeats < 1:
+    repeats = args.repeats if args.repeats is not None else (10 if args.quick else 50)
+    if args.seeds < 1 or epochs < 1 or student_epochs < 1 or repeats < 1:
         parser.error("--seeds, --epochs, --student-epochs and --repeats must be >= 1")
-    return Settings(members, epochs, student_epochs, args.seeds, args.repeats, args.quick), args.out
+    settings = Settings(members, epochs, student_epochs, args.seeds, repeats, args.quick)
+    return settings, results_file(args.out, args.quick)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,13 +30,14 @@ ratio of the best repeats and of this process's CPU time per step (``time.proces
 which time spent waiting for a CPU taken by other processes does not inflate.
 
 Output: a plain-text table on stdout, the target line, and every figure in
-``benchmarks/results/overhead.json`` (with the CPU count, load averages and the date). Timings
+``benchmarks/results/overhead.json`` (with the CPU count, load averages and the date; ``--out``
+names another folder or file, and a ``--quick`` run writes only there). Timings
 are wall-clock on a shared machine: other processes running at the same time inflate them.
 
 Run it from the repository root::
 
     .venv/bin/python benchmarks/overhead.py            # full: 20,000 rows, 3 epochs, 3 repeats
-    .venv/bin/python benchmarks/overhead.py --quick    # smoke test: 2,000 rows, 1 epoch, 1 repeat
+    .venv/bin/python benchmarks/overhead.py --quick --out /tmp/bench  # smoke test: 2,000 rows, 1 epoch, 1 repeat
 """
 
 from __future__ import annotations
@@ -101,6 +102,19 @@ class Timing:
     median_iteration_ms: float
     final_loss: float
     cpu_per_step_ms: float = 0.0  # this process's CPU time per step (time lost to other processes excluded)
+
+
+def arch_params(arch: ArchSpec) -> str:
+    """The architecture's own parameters, as ``width 16 depth 3``."""
+    return " ".join(f"{k} {v}" for k, v in arch.params.items())
+
+
+def results_file(out: Path | None, quick: bool) -> Path | None:
+    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
+    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``."""
+    if out is None:
+        return None if quick else RESULTS_PATH
+    return out if out.suffix == ".json" else out / RESULTS_PATH.name
 
 
 Data = tuple[torch.Tensor, torch.Tensor]
@@ -207,7 +221,7 @@ def run_plain(data: Data, epochs: int, repeat: int, checks: bool) -> Timing:
     )
 
 
-def run(settings: Settings, out: Path) -> int:
+def run(settings: Settings, out: Path | None) -> int:
     torch.set_num_threads(1)
     dataset = make_data(settings.rows)
     runners: dict[str, Callable[[int], Timing]] = {
@@ -251,7 +265,7 @@ def run(settings: Settings, out: Path) -> int:
     ratio_min = summary["lightning"]["per_step_ms_min"] / summary["plain"]["per_step_ms_min"]
     ratio_cpu = summary["lightning"]["cpu_per_step_ms_median"] / summary["plain"]["cpu_per_step_ms_median"]
     header = (
-        f"overhead: {ARCH.family} width {ARCH.width} depth {ARCH.depth}, {settings.rows} rows, batch "
+        f"overhead: {ARCH.family} {arch_params(ARCH)}, {settings.rows} rows, batch "
         f"{BATCH_SIZE}, {settings.epochs} epochs, {settings.repeats} repeats, 1 torch thread, "
         f"{os.cpu_count()} CPUs"
     )
@@ -312,26 +326,34 @@ def run(settings: Settings, out: Path) -> int:
         "timings": [asdict(t) for t in timings],
         "printed": [header, table, target_line, *info_lines],
     }
+    if out is None:
+        print("\nnot written (--quick writes its JSON only to --out)")
+        return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out}")
     return 0
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="smoke test: 2000 rows, 1 epoch, 1 repeat")
     parser.add_argument("--rows", type=int, default=None, help="training rows (default 20000)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs per run (default 3)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3)")
-    parser.add_argument("--out", type=Path, default=RESULTS_PATH, help="where the JSON is written")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
+    )
     args = parser.parse_args(argv)
     rows = args.rows or (2000 if args.quick else 20_000)
     epochs = args.epochs or (1 if args.quick else 3)
     repeats = args.repeats or (1 if args.quick else 3)
     if rows < BATCH_SIZE or epochs < 1 or repeats < 1:
         parser.error(f"--rows must be >= {BATCH_SIZE}; --epochs and --repeats >= 1")
-    return Settings(rows, epochs, repeats, args.quick), args.out
+    return Settings(rows, epochs, repeats, args.quick), results_file(args.out, args.quick)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,12 +23,13 @@ Targets (ratios in one run, 10N against N): peak memory of the task process and 
 them, reporting the peak memory of the driver and of the workers. ``--big-only`` runs just that and
 adds it to the recorded results (the N and 10N runs already in ``scale.json`` stay as they are).
 
-Output: a table on stdout and every figure in ``benchmarks/results/scale.json``.
+Output: a table on stdout and every figure in ``benchmarks/results/scale.json`` (``--out`` names
+another folder or file, and a ``--quick`` run writes only there).
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/scale.py                      # N = 100,000 and 1,000,000
-    .venv/bin/python benchmarks/scale.py --rows 4000 --quick  # smoke test
+    .venv/bin/python benchmarks/scale.py                          # N = 100,000 and 1,000,000
+    .venv/bin/python benchmarks/scale.py --quick --out /tmp/bench  # smoke test: 1,000 and 2,000 rows
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ def run_pipeline(rows: int, args: argparse.Namespace, work: Path) -> dict[str, A
     command = [str(REPO_ROOT / ".venv" / "bin" / "mopflow"), "run", "--verbose"]
     for key, value in conf_for(rows, args).items():
         command += ["--set", f"{key}={value}"]
-    env = {**os.environ, "MOPFLOW_HOME": str(home)}
+    # the embedded defaults: no MOPFLOW_*, Airflow or MLflow setting of this shell reaches the run
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    env["MOPFLOW_HOME"] = str(home)
     log_path = work / f"run-{rows}.log"
     started = time.monotonic()
     with open(log_path, "w") as log_file:
@@ -212,8 +215,9 @@ def print_table(result: Mapping[str, Any]) -> None:
             f"{run['rows']:>10} {run['wall_s']:>8.1f} {run['task_peak_mb']:>13} {run['worker_peak_mb']:>15}  {stages}"
         )
     found, verdicts = result["ratios"], result["verdict"]
+    factor = result.get("settings", {}).get("factor", 10)
     print(
-        f"\n10N / N: task memory {found['task_memory']:.2f}x ({verdicts['task_memory']}, goal <= {MEMORY_GOAL}), "
+        f"\n{factor}N / N: task memory {found['task_memory']:.2f}x ({verdicts['task_memory']}, goal <= {MEMORY_GOAL}), "
         f"worker memory {found['worker_memory']:.2f}x ({verdicts['worker_memory']}, goal <= {MEMORY_GOAL}), "
         f"wall {found['wall']:.2f}x ({verdicts['wall']}, goal <= {WALL_GOAL})"
     )
@@ -227,9 +231,11 @@ def print_table(result: Mapping[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=100_000, help="N")
-    parser.add_argument("--factor", type=int, default=10)
-    parser.add_argument("--rows-per-shard", type=int, default=25_000)
+    parser.add_argument("--rows", type=int, default=None, help="N (default 100,000)")
+    parser.add_argument("--factor", type=int, default=None, help="the larger run's rows / N (default 10)")
+    parser.add_argument(
+        "--rows-per-shard", type=int, default=None, help="training rows per shard (default 25,000)"
+    )
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--distill-epochs", type=int, default=1)
@@ -241,14 +247,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run only the --big part and add it to the results already recorded in --output",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke test: small shards")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: N = 1,000 and 2N rows, shards of 500 rows"
+    )
+    parser.add_argument(
+        "--out",
+        "--output",
+        dest="output",
+        type=Path,
+        default=None,
+        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
+    )
     args = parser.parse_args(argv)
-    if args.quick:
-        args.rows_per_shard = max(500, args.rows // 2)
-    if args.big_only and (args.big <= 0 or not args.output.exists()):
+    quick = {"rows": 1_000, "factor": 2, "rows_per_shard": 500}
+    full = {"rows": 100_000, "factor": 10, "rows_per_shard": 25_000}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.output = results_file(args.output, args.quick)
+    if args.big_only and (args.big <= 0 or args.output is None or not args.output.exists()):
         parser.error(f"--big-only needs --big ROWS > 0 and recorded results in {args.output}")
     return args
+
+
+def results_file(out: Path | None, quick: bool) -> Path | None:
+    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
+    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``."""
+    if out is None:
+        return None if quick else RESULTS
+    return out if out.suffix == ".json" else out / RESULTS.name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,11 +304,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.big:
             result = with_big(result, big_run(args.big, work))
-        elif args.output.exists():  # not rerun: the recorded big run (dated) stays
+        elif args.output is not None and args.output.exists():  # not rerun: the recorded big run stays
             result["big"] = json.loads(args.output.read_text()).get("big")
+    print_table(result)
+    if args.output is None:
+        print("not written (--quick writes its JSON only to --out)")
+        return 0
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print_table(result)
     print(f"wrote {args.output}")
     return 0
 

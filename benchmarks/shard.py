@@ -8,8 +8,9 @@ What is measured
    thread per worker process, 127.0.0.1 only) and a fresh temporary ``data_root``. The reference
    is a single-process pandas/numpy baseline without Dask that writes the same shards: it calls
    ``generate_mnist1d_partition`` for each partition in turn (same sizes and seeds as the stage),
-   concatenates the rows of each split, writes the same shards (``n_shards`` train, 1 validation,
-   1 test) with ``DataFrame.to_parquet`` and the stage's ``PARQUET_WRITE_OPTIONS`` (the same
+   concatenates the rows of each split, writes the same shards (the stage's counts:
+   ``training_shards`` train, ``split_shard_counts`` validation and test, each of those at most a
+   training shard's rows) with ``DataFrame.to_parquet`` and the stage's ``PARQUET_WRITE_OPTIONS`` (the same
    encoding, so the same bytes) and computes the sha256 of each file; like the stage it checks
    every partition (``partition_stats``, ``validate_stats``) and computes the manifest's
    figures (class counts per shard, the train features' mean/std), which are compared with the
@@ -45,12 +46,14 @@ What is measured
    slowed): a speedup on 2 workers can only be read against it.
 
 Output: a plain-text table on stdout and every figure in ``benchmarks/results/shard.json``
-(with the machine's CPU count and the date). Nothing is downloaded; MNIST-1D is generated.
+(with the machine's CPU count and the date; ``--out`` names another folder or file, and a
+``--quick`` run writes only there). Nothing is downloaded; MNIST-1D is generated. The exit
+status is 0 when both targets pass (a ``--quick`` run: when it completes).
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/shard.py                               # full size (minutes)
-    .venv/bin/python benchmarks/shard.py --rows 20000 --base-rows 2000  # smoke test
+    .venv/bin/python benchmarks/shard.py                          # full size (minutes)
+    .venv/bin/python benchmarks/shard.py --quick --out /tmp/bench  # smoke test: 20,000 / 2,000 rows, 1 round
 """
 
 from __future__ import annotations
@@ -246,6 +249,8 @@ def _baseline_once(cfg: Any, out_dir: Path) -> tuple[int, dict[str, str], dict[s
         feature_sums,
         generate_mnist1d_partition,
         partition_stats,
+        split_shard_counts,
+        training_shards,
         validate_stats,
     )
 
@@ -255,8 +260,12 @@ def _baseline_once(cfg: Any, out_dir: Path) -> tuple[int, dict[str, str], dict[s
         for p, (start, stop) in enumerate(even_chunks(cfg.num_samples, n_parts))
     ]
     features = feature_columns(frames[0].shape[1] - 3)  # all but label, hash and split
-    validate_stats([partition_stats(f, features) for f in frames], cfg, features, cfg.n_shards)
-    per_split_shards = {"train": cfg.n_shards, "validation": 1, "test": 1}
+    totals = validate_stats([partition_stats(f, features) for f in frames], cfg, features, cfg.n_shards)
+    # the stage's shard counts: n_shards training shards (more past max_shard_mb; a row is its
+    # float32 features and an int64 label), validation and test in shards of at most as many rows
+    row_bytes = 4 * len(features) + 8
+    train_shards = training_shards(totals["split_rows"]["train"], row_bytes, cfg.n_shards, cfg.max_shard_mb)
+    per_split_shards = split_shard_counts(totals["split_rows"], train_shards)
     written, hashes = 0, {}
     class_counts: dict[str, dict[str, int]] = {}
     train_sums: list[dict[str, Any]] = []
@@ -400,7 +409,7 @@ def spawn(name: str, rows: int, timeout_s: float, warmup: int = 1) -> RunResult:
     with tempfile.TemporaryDirectory(prefix="mopflow-shard-bench-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--run", name, "--rows", str(rows)]
-        cmd += ["--out", str(out), "--warmup", str(warmup)]
+        cmd += ["--result-file", str(out), "--warmup", str(warmup)]
         subprocess.run(cmd, check=True, timeout=timeout_s, cwd=REPO_ROOT)  # noqa: S603
         result = RunResult(**json.loads(out.read_text()))
     print(f"  {name}: {result.wall_s:.1f}s", file=sys.stderr, flush=True)
@@ -459,7 +468,7 @@ def spin(iterations: int = SPIN_ITERATIONS) -> float:
     return time.perf_counter() - started
 
 
-def machine_parallelism() -> dict[str, float]:
+def machine_parallelism(iterations: int = SPIN_ITERATIONS) -> dict[str, float]:
     """How much of two CPUs the machine gives right now: the same CPU-bound loop run alone, then
     in two processes at once. ``two_process_speedup`` = 2 x alone / the slower of the two (2.0:
     two full CPUs; on a VM whose host is busy it can drop well below that, and no program can
@@ -468,8 +477,8 @@ def machine_parallelism() -> dict[str, float]:
 
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         pool.map(spin, [1_000_000] * 2)  # both processes started and warm
-        alone = pool.apply(spin)
-        together = pool.map(spin, [SPIN_ITERATIONS] * 2, chunksize=1)
+        alone = pool.apply(spin, (iterations,))
+        together = pool.map(spin, [iterations] * 2, chunksize=1)
     return {"alone_s": alone, "together_s": max(together), "two_process_speedup": 2 * alone / max(together)}
 
 
@@ -485,7 +494,13 @@ def median_run(results: list[RunResult], wall: Any = lambda r: r.wall_s) -> RunR
 
 
 def main_orchestrate(
-    rows: int, base_rows: int, timeout_s: float, results_path: Path, repeats: int = 5, warmup: int = 1
+    rows: int,
+    base_rows: int,
+    timeout_s: float,
+    results_path: Path | None,
+    repeats: int = 5,
+    warmup: int = 1,
+    spin_iterations: int = SPIN_ITERATIONS,
 ) -> int:
     """Run every configuration ``repeats`` times, interleaved (baseline, 1 worker, 2 workers, then
     again), so that a drift of the machine's speed touches every configuration alike; the table
@@ -497,7 +512,7 @@ def main_orchestrate(
     rounds: list[dict[str, RunResult]] = []
     machine: list[dict[str, float]] = []  # the machine check before each round
     for r in range(repeats):
-        machine.append(machine_parallelism())
+        machine.append(machine_parallelism(spin_iterations))
         order = RUNS[r % len(RUNS) :] + RUNS[: r % len(RUNS)]
         rounds.append({name: spawn(name, rows, timeout_s, warmup) for name in order})
     runs = {name: median_run([r[name] for r in rounds]) for name in RUNS}
@@ -600,6 +615,7 @@ def main_orchestrate(
             "sample_interval_s": SAMPLE_INTERVAL_S,
             "repeats": repeats,
             "warmup": warmup,
+            "machine_check_iterations": spin_iterations,
         },
         "table": table,
         "runs": {name: asdict(r) for name, r in runs.items()} | {"dask-2-workers-base": asdict(base)},
@@ -620,40 +636,79 @@ def main_orchestrate(
         "manifest_figures_equal_to_baseline": same_figures,
         "rows_as_requested": rows_ok,
     }
-    results_path.parent.mkdir(parents=True, exist_ok=True)
-    results_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {results_path}")
+    if results_path is None:
+        print("not written (--quick writes its JSON only to --out)")
+    else:
+        results_path.parent.mkdir(parents=True, exist_ok=True)
+        results_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {results_path}")
     return 0 if speedup_ok and memory_ok else 1
+
+
+def results_file(out: Path | None, quick: bool) -> Path | None:
+    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
+    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``."""
+    if out is None:
+        return None if quick else RESULTS_PATH
+    return out if out.suffix == ".json" else out / RESULTS_PATH.name
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--rows", type=int, default=1_000_000, help="rows for the throughput runs")
-    parser.add_argument("--base-rows", type=int, default=100_000, help="rows of the memory-scaling base run")
+    parser.add_argument(
+        "--rows", type=int, default=None, help="rows for the throughput runs (default 1,000,000)"
+    )
+    parser.add_argument(
+        "--base-rows", type=int, default=None, help="rows of the memory-scaling base run (default 100,000)"
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per configuration")
     parser.add_argument(
-        "--repeats", type=int, default=5, help="interleaved runs of each configuration (median reported)"
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved runs of each configuration (median reported; default 5)",
     )
     parser.add_argument(
         "--warmup",
         type=int,
-        default=1,
-        help="untimed runs in the same processes before the timed one (0: time the first, cold run)",
+        default=None,
+        help="untimed runs in the same processes before the timed one (0: time the first, cold run; default 1)",
     )
-    parser.add_argument("--results", type=Path, default=RESULTS_PATH, help="where to write the JSON")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 20,000 and 2,000 rows, 1 round, no warm-up, a short machine check",
+    )
+    parser.add_argument(
+        "--out",
+        "--results",
+        dest="out",
+        type=Path,
+        default=None,
+        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
+    )
     parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)  # internal: one config
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # internal: its result file
+    parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)  # internal: its result
     args = parser.parse_args(argv)
+    quick = args.quick
+    rows = args.rows if args.rows is not None else (20_000 if quick else 1_000_000)
+    base_rows = args.base_rows if args.base_rows is not None else (2_000 if quick else 100_000)
+    repeats = args.repeats if args.repeats is not None else (1 if quick else 5)
+    warmup = args.warmup if args.warmup is not None else (0 if quick else 1)
     if args.run:
-        if args.out is None:
-            parser.error("--run needs --out")
-        run_one(args.run, args.rows, args.out, args.warmup)
+        if args.result_file is None:
+            parser.error("--run needs --result-file")
+        run_one(args.run, rows, args.result_file, warmup)
         return 0
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {args.warmup}")
-    return main_orchestrate(args.rows, args.base_rows, args.timeout, args.results, args.repeats, args.warmup)
+    if repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {warmup}")
+    spin_iterations = SPIN_ITERATIONS // 10 if quick else SPIN_ITERATIONS
+    code = main_orchestrate(
+        rows, base_rows, args.timeout, results_file(args.out, quick), repeats, warmup, spin_iterations
+    )
+    return 0 if quick else code  # a smoke test's sizes are not the targets'
 
 
 if __name__ == "__main__":

@@ -49,12 +49,14 @@ so the runs to 0.80 take longer than its 6 h deadline. Criterion (the paper's or
 target over the seeds two-bids < one-bid < on-demand, every run reaching the target.
 
 Output: tables on stdout, ``benchmarks/results/volatile.json`` (both parts) and
-``benchmarks/results/volatile_cost_accuracy.png`` (accuracy against cost and against wall time, (b)).
+``benchmarks/results/volatile_cost_accuracy.png`` (accuracy against cost and against wall time, (b));
+``--out`` names another folder (or the JSON file, the plot beside it), and a ``--quick`` run writes
+only there.
 
 Run it from the repository root::
 
     .venv/bin/python benchmarks/volatile.py            # (a) 10,000 iterations; (b) 5 seeds x 3 x 10,000
-    .venv/bin/python benchmarks/volatile.py --quick    # (a) 1,500 it., eta 1.002; (b) 2 seeds x 3,000 it.
+    .venv/bin/python benchmarks/volatile.py --quick --out /tmp/bench  # 2,000 samples; (a) 400 it., eta 1.01; (b) 1 seed x 600 it.
 """
 
 from __future__ import annotations
@@ -147,6 +149,20 @@ def first_at_or_above(result: GrowingResult, target: float) -> tuple[int, int] |
 Data = tuple[torch.Tensor, torch.Tensor]
 
 
+def arch_params(arch: ArchSpec) -> str:
+    """The architecture's own parameters, as ``width 16 depth 3``."""
+    return " ".join(f"{k} {v}" for k, v in arch.params.items())
+
+
+def results_file(out: Path | None, quick: bool) -> Path | None:
+    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
+    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``.
+    The plot goes beside it."""
+    if out is None:
+        return None if quick else RESULTS_PATH
+    return out if out.suffix == ".json" else out / RESULTS_PATH.name
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -223,7 +239,7 @@ def part_a(
         row["target_spot_cost_ratio"] = row["target_spot_cost"] / base["target_spot_cost"] if both else None
 
     print(
-        f"(a) MNIST-1D, {ARCH.family} w{ARCH.width} d{ARCH.depth}, {iterations} iterations, b={BATCH}/worker,"
+        f"(a) MNIST-1D, {ARCH.family} {arch_params(ARCH)}, {iterations} iterations, b={BATCH}/worker,"
         f" lr {BASE_LR}*n_j; prices uniform [{PRICES.low}, {PRICES.high}], planner's one bid {bid:.4f}"
         f" (active {active_fraction:.1%}); target accuracy {target:.4f} (static final - 0.5 pt)"
     )
@@ -463,7 +479,7 @@ def part_b(
     )
 
     print(
-        f"(b) MNIST-1D, {ARCH.family} w{ARCH.width} d{ARCH.depth}, {iterations} iterations, b={BATCH}/worker,"
+        f"(b) MNIST-1D, {ARCH.family} {arch_params(ARCH)}, {iterations} iterations, b={BATCH}/worker,"
         f" lr {BASE_LR}*n; prices uniform [{PRICES.low}, {PRICES.high}] i.i.d. per {ITERATION_SECONDS:g} s slot,"
         f" on-demand {ON_DEMAND:g}; plan_spot (error 0.05, deadline {PLAN_CONFIG.deadline_hours:g} h,"
         f" n_max {N_MAX}); {seeds} seeds (means); target accuracy {target:.2f} (evaluated every {B_EVAL_EVERY})"
@@ -585,6 +601,7 @@ def _compact(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=10_000, help="MNIST-1D samples (80%% train)")
     parser.add_argument("--iterations", type=int, default=10_000, help="(a) iterations")
     parser.add_argument("--eta", type=float, default=1.0004, help="(a) growth factor")
     parser.add_argument("--eval-every", type=int, default=250, help="(a) evaluation period")
@@ -592,29 +609,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="(b) seeds")
     parser.add_argument("--target", type=float, default=0.80, help="(b) target accuracy")
     parser.add_argument(
-        "--quick", action="store_true", help="(a) 1,500 it., eta 1.002; (b) 2 seeds x 3,000 it., target 0.50"
+        "--quick",
+        action="store_true",
+        help="smoke test: 2,000 samples; (a) 400 it., eta 1.01; (b) 1 seed x 600 it., target 0.25",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder (or .json file) for the JSON and the plot; default benchmarks/results/, "
+        "nowhere with --quick",
     )
     args = parser.parse_args(argv)
     targets: tuple[float, ...] = (0.70, 0.75, 0.80, 0.85)
     if args.quick:
-        args.iterations, args.eta = 1_500, 1.002
-        args.b_iterations, args.seeds, args.target = 3_000, 2, 0.50
-        targets = (0.45, 0.50, 0.55)
+        args.samples, args.iterations, args.eta, args.eval_every = 2_000, 400, 1.01, 100
+        args.b_iterations, args.seeds, args.target = 600, 1, 0.25
+        targets = (0.20, 0.25, 0.30)
     if not 0.0 < args.target < 1.0 or args.seeds < 1:
         parser.error(f"--target {args.target} must lie in (0, 1) and --seeds {args.seeds} be >= 1")
     targets = tuple(sorted({*targets, args.target}))
+    results_path = results_file(args.out, args.quick)
     torch.set_num_threads(1)
     began = time.perf_counter()
-    train, test = mnist1d(10_000)
+    train, test = mnist1d(args.samples)
     report = plan_spot(PLAN_CONFIG)
     result_a = part_a(args.iterations, args.eta, args.eval_every, planner_bid(report), train, test)
     print()
     result_b = part_b(args.b_iterations, args.seeds, args.target, targets, report, train, test)
     elapsed = time.perf_counter() - began
     print(f"elapsed {elapsed:.0f} s")
+    if results_path is None:
+        print("not written (--quick writes its JSON and plot only to --out)")
+        return 0
 
-    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    plot(result_b, PLOT_PATH)
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    plot_path = results_path.parent / PLOT_PATH.name
+    plot(result_b, plot_path)
     payload = {
         "benchmark": "volatile",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -625,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
             "on_demand_price": ON_DEMAND,
             "iteration_seconds": ITERATION_SECONDS,
             "plan_config": PLAN_CONFIG.model_dump(mode="json"),
-            "data": "mnist1d default arguments, 10,000 samples, seed 42 (8,000 train / 2,000 test)",
+            "data": f"mnist1d default arguments, {args.samples:,} samples, seed 42 (80% train / 20% test)",
         },
         "a": result_a,
         "b": result_b,
@@ -633,8 +664,8 @@ def main(argv: list[str] | None = None) -> int:
         "criterion_b_met": result_b["criterion_met"],
         "elapsed_seconds": elapsed,
     }
-    RESULTS_PATH.write_text(_compact(json.dumps(payload, indent=2)) + "\n")
-    print(f"wrote {RESULTS_PATH.relative_to(REPO_ROOT)} and {PLOT_PATH.relative_to(REPO_ROOT)}")
+    results_path.write_text(_compact(json.dumps(payload, indent=2)) + "\n")
+    print(f"wrote {results_path} and {plot_path}")
     return 0
 
 

@@ -1,0 +1,201 @@
+"""Every benchmark's ``--quick`` run, end to end, as a subprocess: it completes, its JSON goes to a
+temporary folder (``--out``) with the benchmark's figures in it, and the recorded results in
+``benchmarks/results/`` stay as they were. The figures of a quick run mean nothing; what is
+checked is what holds at any size (the shapes of the report, the invariants of the method)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.benchmarks.loader import BENCHMARKS_DIR, load_benchmark
+
+RESULTS_DIR = BENCHMARKS_DIR / "results"
+STAGES = ["shard", "search", "ensemble", "distill", "register"]
+
+Report = dict[str, Any]
+
+
+def _fraction(value: Any) -> bool:
+    return isinstance(value, float) and 0.0 <= value <= 1.0
+
+
+def check_distill(report: Report, out: Path) -> None:
+    assert report["settings"]["quick"] and report["settings"]["members"] == 2
+    assert [m["state"] for m in report["members"]] == ["COMPLETE", "COMPLETE"]
+    assert set(report["targets"]) == {"recovered_gain", "param_ratio", "student_speedup_b256", "int8"}
+    student = report["student"]
+    assert student["params"] <= student["budget"] <= 0.1 * report["ensemble"]["params"]
+    assert report["targets"]["param_ratio"]["status"] == "PASS"  # the plan sizes it to the budget
+    assert student["arch"]["family"] == "cnn" and set(student["arch"]["params"]) == {"width", "depth"}
+    assert [row["model"] for row in report["rows"]][3:] == [
+        "student (distilled)",
+        "student (hard labels)",
+        "student int8",
+    ]
+    for row in report["rows"]:
+        assert _fraction(row["test_acc"]) and row["latency_ms_b1"] > 0 and row["latency_ms_b256"] > 0
+    seed = student["per_seed"][0]
+    assert all(_fraction(seed[k]) for k in ("distilled_test_acc", "hard_label_test_acc", "int8_test_acc"))
+
+
+def check_overhead(report: Report, out: Path) -> None:
+    summary = report["summary"]
+    steps = math.ceil(report["settings"]["rows"] / report["settings"]["batch_size"])
+    assert {loop: s["steps"] for loop, s in summary.items()} == dict.fromkeys(
+        ("lightning", "plain", "plain_checks"), steps
+    )  # every loop trains on the same batches
+    assert all(s["per_step_ms_median"] > 0 for s in summary.values())
+    assert report["ratio"] > 0 and report["target"]["status"] in {"PASS", "FAIL"}
+    assert report["settings"]["arch"]["params"] == {"width": 16, "depth": 3}
+
+
+def check_volatile(report: Report, out: Path) -> None:
+    static, growing = report["a"]["rows"]
+    assert (static["schedule"], growing["schedule"]) == ("static", "exponential")
+    assert growing["worker_iterations"] < static["worker_iterations"]
+    assert _fraction(static["final_accuracy"]) and _fraction(growing["final_accuracy"])
+    rows = {row["strategy"]: row for row in report["b"]["rows"]}
+    assert list(rows) == ["on-demand", "one-bid", "two-bids"]
+    # one bid for every worker: they all train or none does, so it learns as on-demand does, and
+    # pays spot prices below its bid (below on-demand) for the same updates
+    assert report["b"]["one_bid_trains_as_on_demand"] is True
+    assert 0 < rows["one-bid"]["cost"] < rows["on-demand"]["cost"]
+    assert all(run["idle_hours"] == 0.0 for run in rows["on-demand"]["runs"])  # never outbid
+    assert (out / "volatile_cost_accuracy.png").stat().st_size > 0
+
+
+def check_shard(report: Report, out: Path) -> None:
+    assert [row["config"] for row in report["table"]] == [
+        "baseline",
+        "dask-1-worker",
+        "dask-2-workers",
+        "dask-2-workers",
+    ]
+    # the single-process baseline writes the stage's very shards and manifest figures
+    assert report["shards_identical_to_baseline"] is True
+    assert report["manifest_figures_equal_to_baseline"] is True
+    assert report["rows_as_requested"] is True
+    assert report["targets"]["speedup_2_workers"]["value"] > 0
+    assert report["targets"]["driver_memory_ratio"]["value"] > 0
+
+
+def check_search(report: Report, out: Path) -> None:
+    assert not report["partial"]
+    assert sorted((r["arm"], r["seed"]) for r in report["rows"]) == [
+        ("random", 0),
+        ("random", 1),
+        ("tpe+asha", 0),
+        ("tpe+asha", 1),
+    ]
+    for row in report["rows"]:
+        assert row["strategy"] == "task" and 0 < row["epochs_to_target"] <= row["epochs_trained"]
+        assert sum(row["trials"].values()) >= 1
+    assert [(e["arm"], e["runs"]) for e in report["summary"]] == [("random", 2), ("tpe+asha", 2)]
+    assert "ci95" in report["summary"][1] and set(report["verdict"]["task"]) == {"tpe+asha", "tpe+asha+warm"}
+
+
+def check_mnist1d_accuracy(report: Report, out: Path) -> None:
+    result = report["result"]
+    assert _fraction(result["ensemble_test_acc"]) and _fraction(result["student_test_acc"])
+    assert result["student_params"] < result["ensemble_params"]
+    assert report["targets"]["param_ratio"]["status"] == "PASS"  # the student is planned to the budget
+    assert list(report["info"]["stage_seconds"]) == STAGES  # read from the run's own log
+    assert report["info"]["trials"]["COMPLETE"] >= 2
+
+
+def check_images(report: Report, out: Path) -> None:
+    assert list(report["accuracy"]) == ["ensemble", "best trial", "hard-label student", "distilled student"]
+    assert all(_fraction(acc) for acc in report["accuracy"].values())
+    assert report["student_arch"]["family"] == "cnn2d" and report["student_arch"]["input_shape"] == [
+        3,
+        16,
+        16,
+    ]
+    assert report["targets"]["param_ratio"]["status"] == "PASS"
+    assert report["kept"]["model"] in {"student", "hard-label student"}
+    assert report["targets"]["recovered_gain"]["status"] in {"PASS", "FAIL", "UNDEFINED"}
+
+
+def check_scale(report: Report, out: Path) -> None:
+    small, large = report["runs"]
+    assert (small["rows"], large["rows"]) == (1000, 2000)
+    assert (small["conf"]["n_shards"], large["conf"]["n_shards"]) == (2, 4)  # the shards grow with the data
+    for run in (small, large):
+        assert run["wall_s"] > 0 and run["task_peak_mb"] > 0 and run["worker_peak_mb"] > 0
+        assert list(run["stage_peak_mb"]) == STAGES  # each stage's log line
+    assert set(report["ratios"]) == set(report["verdict"]) == {"task_memory", "worker_memory", "wall"}
+
+
+QUICK: dict[str, Callable[[Report, Path], None]] = {
+    "distill": check_distill,
+    "overhead": check_overhead,
+    "search": check_search,
+    "shard": check_shard,
+    "volatile": check_volatile,
+}
+# Their quick runs are whole `mopflow run`s (one to two minutes each): run with
+# MOPFLOW_BENCH_PIPELINES=1, outside the suite's time budget.
+PIPELINE_QUICK: dict[str, Callable[[Report, Path], None]] = {
+    "images": check_images,
+    "mnist1d_accuracy": check_mnist1d_accuracy,
+    "scale": check_scale,
+}
+
+
+def _recorded() -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in RESULTS_DIR.iterdir()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(QUICK))
+def test_the_quick_run_writes_its_figures_to_out(name: str, tmp_path: Path) -> None:
+    _quick_run(name, tmp_path, QUICK[name])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("MOPFLOW_BENCH_PIPELINES") != "1", reason="MOPFLOW_BENCH_PIPELINES=1 runs it"
+)
+@pytest.mark.parametrize("name", sorted(PIPELINE_QUICK))
+def test_the_quick_pipeline_run_writes_its_figures_to_out(name: str, tmp_path: Path) -> None:
+    _quick_run(name, tmp_path, PIPELINE_QUICK[name])
+
+
+def _quick_run(name: str, tmp_path: Path, check: Callable[[Report, Path], None]) -> None:
+    recorded = _recorded()
+    # nothing of this process's settings (MLflow exports its URIs when used in-process) leaks in
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS_DIR / f"{name}.py"), "--quick", "--out", str(tmp_path)],
+        cwd=BENCHMARKS_DIR.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.loads((tmp_path / f"{name}.json").read_text())
+    assert report["benchmark"] == name
+    check(report, tmp_path)
+    assert _recorded() == recorded  # nothing written over the recorded results
+
+
+def test_the_quick_runs_are_of_benchmarks_that_exist() -> None:
+    assert set(QUICK) | set(PIPELINE_QUICK) <= {p.stem for p in BENCHMARKS_DIR.glob("*.py")}
+
+
+@pytest.mark.parametrize(
+    "script", sorted(p for p in BENCHMARKS_DIR.glob("*.py") if p.stem not in QUICK), ids=lambda p: p.name
+)
+def test_a_benchmark_run_elsewhere_imports(script: Path) -> None:
+    module = load_benchmark(script)
+    assert callable(getattr(module, "main", None)), f"{script.name} has no main()"
