@@ -312,6 +312,12 @@ def conf_json_schema() -> dict[str, dict[str, Any]]:
             default = None
         elif key == "spot_bids":  # a list, or the same as text in the trigger form ("1.0, 0.5")
             schema["anyOf"] = [*schema["anyOf"], {"type": "string", "maxLength": 8192}]
+        numbers = [part for part in schema.get("anyOf", []) if part.get("type") in ("integer", "number")]
+        if numbers and len(schema["anyOf"]) == 2 and {"type": "null"} in schema["anyOf"]:
+            # a number that may be empty: one type list, which the trigger form sends as a number
+            # (with anyOf it sends the text typed, which the schema then refuses)
+            schema = {k: v for k, v in schema.items() if k != "anyOf"} | numbers[0]
+            schema["type"] = ["null", numbers[0]["type"]]
         if default in (None, "") and isinstance(schema.get("type"), str):
             # Optional text: null is "not set". Airflow's trigger form requires every field whose
             # type does not allow null, and an empty required field disables its Trigger button.
