@@ -87,6 +87,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importa
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from studies import output  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mopflow.compression.config import DistillConfig  # noqa: E402
@@ -172,17 +173,12 @@ class StudentRun:
     hard_epochs: int
 
 
-def arch_params(arch: ArchSpec) -> str:
-    """The architecture's own parameters, as ``width 16 depth 3``."""
-    return " ".join(f"{k} {v}" for k, v in arch.params.items())
+arch_params = output.arch_params
 
 
 def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
-    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``."""
-    if out is None:
-        return None if quick else RESULTS_PATH
-    return out if out.suffix == ".json" else out / RESULTS_PATH.name
+    """Where the JSON goes (:func:`studies.output.results_file`)."""
+    return output.results_file(out, quick, RESULTS_PATH)
 
 
 def n_params(module: nn.Module) -> int:
@@ -196,7 +192,7 @@ def train_members(settings: Settings, data_root: str) -> tuple[str, list[TrialRe
     from mopflow.training.executors import DataRef, ModelSpec
     from mopflow.training.executors.task import TaskExecutor
     from mopflow.training.executors.units import state_to_bundle
-    from mopflow.training.models.builtin import ArchSpec, count_params
+    from mopflow.training.models.builtin import count_params
 
     with dask_client("", N_DASK_WORKERS) as client:
         started = time.monotonic()

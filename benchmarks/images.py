@@ -40,6 +40,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from studies import output  # noqa: E402
+
 from mopflow.compression.distill.keep import REPORT_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,11 +80,8 @@ def run_demo(overrides: list[str]) -> tuple[dict, float]:
 
 
 def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
-    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``."""
-    if out is None:
-        return None if quick else RESULTS
-    return out if out.suffix == ".json" else out / RESULTS.name
+    """Where the JSON goes (:func:`studies.output.results_file`)."""
+    return output.results_file(out, quick, RESULTS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from studies import output  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "mnist1d_accuracy.json"
 DEFAULT_CONFIG = REPO_ROOT / "infra" / "configs" / "demo.yaml"
@@ -290,11 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
-    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``."""
-    if out is None:
-        return None if quick else RESULTS_PATH
-    return out if out.suffix == ".json" else out / RESULTS_PATH.name
+    """Where the JSON goes (:func:`studies.output.results_file`)."""
+    return output.results_file(out, quick, RESULTS_PATH)
 
 
 if __name__ == "__main__":

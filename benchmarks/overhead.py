@@ -64,6 +64,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importa
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from studies import output  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mopflow.training.models.builtin import ArchSpec, build_model  # noqa: E402
@@ -104,17 +105,12 @@ class Timing:
     cpu_per_step_ms: float = 0.0  # this process's CPU time per step (time lost to other processes excluded)
 
 
-def arch_params(arch: ArchSpec) -> str:
-    """The architecture's own parameters, as ``width 16 depth 3``."""
-    return " ".join(f"{k} {v}" for k, v in arch.params.items())
+arch_params = output.arch_params
 
 
 def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
-    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``."""
-    if out is None:
-        return None if quick else RESULTS_PATH
-    return out if out.suffix == ".json" else out / RESULTS_PATH.name
+    """Where the JSON goes (:func:`studies.output.results_file`)."""
+    return output.results_file(out, quick, RESULTS_PATH)
 
 
 Data = tuple[torch.Tensor, torch.Tensor]

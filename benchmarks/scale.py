@@ -49,6 +49,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from studies import output
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -271,11 +273,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
-    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``."""
-    if out is None:
-        return None if quick else RESULTS
-    return out if out.suffix == ".json" else out / RESULTS.name
+    """Where the JSON goes (:func:`studies.output.results_file`)."""
+    return output.results_file(out, quick, RESULTS)
 
 
 def main(argv: list[str] | None = None) -> int:

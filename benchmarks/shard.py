@@ -75,6 +75,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from studies import output  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importable
     sys.path.insert(0, str(REPO_ROOT))
@@ -646,11 +648,8 @@ def main_orchestrate(
 
 
 def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
-    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``."""
-    if out is None:
-        return None if quick else RESULTS_PATH
-    return out if out.suffix == ".json" else out / RESULTS_PATH.name
+    """Where the JSON goes (:func:`studies.output.results_file`)."""
+    return output.results_file(out, quick, RESULTS_PATH)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` and ``i
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
+from studies import output  # noqa: E402
 from studies.growing import GrowingConfig, GrowingResult, Volatility, train_growing  # noqa: E402
 from studies.growing_report import account_prefix, cost_curve  # noqa: E402
 
@@ -149,18 +150,12 @@ def first_at_or_above(result: GrowingResult, target: float) -> tuple[int, int] |
 Data = tuple[torch.Tensor, torch.Tensor]
 
 
-def arch_params(arch: ArchSpec) -> str:
-    """The architecture's own parameters, as ``width 16 depth 3``."""
-    return " ".join(f"{k} {v}" for k, v in arch.params.items())
+arch_params = output.arch_params
 
 
 def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes: ``--out`` (a folder, where it is named for the benchmark, or a
-    ``.json`` file), else ``benchmarks/results/``; a ``--quick`` run writes it only to ``--out``.
-    The plot goes beside it."""
-    if out is None:
-        return None if quick else RESULTS_PATH
-    return out if out.suffix == ".json" else out / RESULTS_PATH.name
+    """Where the JSON goes (:func:`studies.output.results_file`)."""
+    return output.results_file(out, quick, RESULTS_PATH)
 
 
 def _fmt(v: float | None, spec: str) -> str:
