@@ -93,6 +93,8 @@ class Executor(ABC):
         self.records: list[dict[str, Any]] = []  # one per unit/pass: worker, model, timings
         self.interruptions: list[dict[str, Any]] = []  # one per unit, epoch or job lost or stopped
         self.redone_unit_seconds = 0.0  # work lost with interrupted units, to be done again
+        # per model: where it went on from a checkpoint (epoch done, optimizer step, after a notice)
+        self.resumed: dict[str, dict[str, Any]] = {}
 
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
@@ -178,6 +180,17 @@ class Executor(ABC):
         from mopflow.training.trainable.state import read_meta
 
         return data, read_meta(data)
+
+    def note_resumed(self, model_id: str, epoch: int, state: bytes) -> None:
+        """Record that ``model_id`` goes on from its checkpoint after ``epoch`` (a retried or
+        promoted trial, or one stopped by a notice)."""
+        from mopflow.training.trainable.state import global_step, partial_meta
+
+        self.resumed[model_id] = {
+            "epoch": epoch,
+            "step": global_step(state),
+            "after_notice": partial_meta(state) is not None,
+        }
 
 
 class OneModelAtATime(Executor):

@@ -1,14 +1,19 @@
 """One rank of a DDP trial, run as a task in a Dask worker process.
 
-A trial's W ranks are W tasks on W distinct workers (those with the resources the trial needs);
+A trial's W ranks are W tasks on W distinct workers (a gang: ``training/executors/ddp_workers.py``);
 they form their own process group with a rendezvous at rank 0's worker (``main_address`` and a
-port that worker picked). Each epoch is one pass of the trainable unit (``training/trainable/unit.py``) over the rank's share of the
-rows, under Lightning's DDP strategy with :class:`DaskRankEnvironment`, which tells it the
-processes exist already (nothing is launched; the process group made for the first epoch serves
-the rest). Rank 0 alone validates, reports each epoch (a Dask ``Queue`` the coordinator reads),
-writes the epoch checkpoint and reads the coordinator's stop decision (a Dask ``Event``), which
-it broadcasts, so every rank stops at the same epoch boundary.
-A collective that waits longer than ``collective_timeout_s`` (a rank died) fails the rank.
+port that worker picked). Each epoch is one pass of the trainable unit
+(``training/trainable/unit.py``) over the rank's share of the rows, under Lightning's DDP
+strategy with :class:`DaskRankEnvironment`, which tells it the processes exist already (nothing
+is launched; the process group made for the first epoch serves the rest). Rank 0 alone
+validates, writes the epoch checkpoint, reports the epoch (a Dask ``Queue`` the coordinator
+reads) and waits for the coordinator's decision, which it broadcasts: every rank stops at the
+epoch the decision was made on, and none trains past it.
+
+After every batch the ranks agree on whether any of them got a spot notice (one all-reduce of a
+flag); if so, all stop at that batch, rank 0 writes the state there, and the job returns to be
+continued from it. A collective that waits longer than ``collective_timeout_s`` (a rank died)
+fails the rank.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ if TYPE_CHECKING:
     from mopflow.training.trainable.unit import TrainableUnit
 
 log = logging.getLogger(__name__)
+
+GO, STOP = "go", "stop"  # the coordinator's answer to each epoch report
 
 
 class DaskRankEnvironment(ClusterEnvironment):
@@ -83,8 +90,8 @@ def free_port() -> tuple[str, int]:
 
 def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[str, Any]:
     """Train ``job``'s model as rank ``rank`` of ``job["world_size"]``: the trainable unit, one
-    pass per epoch over this rank's share of the data under a DDP strategy; rank 0 returns the
-    final state and its reports, the others an empty result."""
+    pass per epoch over this rank's share of the data under a DDP strategy. Rank 0 returns the
+    final state; ``preempted`` (the batch) when every rank stopped on a spot notice."""
     import os
 
     import pytorch_lightning as pl
@@ -92,6 +99,7 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     from pytorch_lightning.strategies import DDPStrategy
 
     from mopflow.training.search.trial import quiet_lightning
+    from mopflow.training.trainable.unit import PassInterrupted
 
     torch.set_num_threads(1)
     quiet_lightning()
@@ -100,20 +108,34 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     rank0 = _RankZero(job, unit, data) if rank == 0 else None  # validates, checkpoints, reports
     comm = _CommHook(bool(job.get("bf16_compress")))
     timeout = timedelta(seconds=float(job.get("collective_timeout_s", 120)))
+    result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "preempted": 0}
+    epoch = start = int(job.get("start_epoch", 0))
     try:
-        for epoch in range(int(job.get("start_epoch", 0)), epochs):
+        for epoch in range(start, epochs):
             strategy = DDPStrategy(
                 cluster_environment=DaskRankEnvironment(address, port, rank, world),
                 process_group_backend=unit.spec.device.ddp_backend(),  # nccl between GPUs, gloo on CPU
                 timeout=timeout,
             )
-            record = unit.train_pass(
-                tensors,
-                epoch,
-                callbacks=[comm.callback(pl)],
-                shard=(rank, world),
-                trainer_kwargs={"strategy": strategy, "num_nodes": world, "use_distributed_sampler": False},
-            )
+            unit.meta["epoch"] = epoch - 1  # a state taken mid-pass continues this epoch
+            try:
+                record = unit.train_pass(
+                    tensors,
+                    epoch,
+                    stop=_AgreedNotice(unit.spec.device.torch_device()),
+                    callbacks=[comm.callback(pl)],
+                    shard=(rank, world),
+                    trainer_kwargs={
+                        "strategy": strategy,
+                        "num_nodes": world,
+                        "use_distributed_sampler": False,
+                    },
+                )
+            except PassInterrupted as stopped:  # every rank, at the same batch
+                if rank0 is not None:
+                    rank0.save(stopped.state)
+                result |= {"preempted": stopped.batches}
+                break
             loss = torch.tensor([record.train_loss], dtype=torch.float64)
             torch.distributed.all_reduce(loss)  # the epoch's loss over every rank's rows
             stop = [rank0.end_epoch(epoch, float(loss.item() / world), record.lr_end) if rank0 else False]
@@ -123,13 +145,31 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     finally:
         if torch.distributed.is_initialized():  # the worker trains other ranks and trials later
             torch.distributed.destroy_process_group()
-    return {
-        "rank": rank,
-        "pid": os.getpid(),
+    return result | {
+        "epoch": epoch,
         "state": rank0.last_state if rank0 else None,
         "reports": rank0.reports if rank0 else [],
         "allreduce_bytes": comm.bytes,
     }
+
+
+class _AgreedNotice:
+    """Asked after every batch by every rank: whether any rank got a spot notice (or the run's
+    stop), agreed by an all-reduce so that all stop at the same batch."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def __call__(self) -> bool:
+        import torch
+
+        from mopflow.training.volatile.preempt import notice_received
+
+        self.flag.fill_(1 if notice_received() else 0)
+        torch.distributed.all_reduce(self.flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(self.flag.item())
 
 
 def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
@@ -166,20 +206,26 @@ def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
 
 class _RankZero:
     """What rank 0 alone does after each epoch: validate the whole split, write the checkpoint,
-    report to the coordinator and read its stop decision."""
+    report to the coordinator and wait for its decision."""
 
     def __init__(self, job: dict[str, Any], unit: TrainableUnit, data: DataRef) -> None:
         self.job, self.unit, self.data = job, unit, data
         self.reports: list[dict[str, Any]] = []
         self.last_state: bytes | None = None
 
+    def save(self, state: bytes) -> None:
+        """Write ``state`` as the trial's checkpoint (when it keeps one)."""
+        from mopflow.infra.base import storage
+
+        if self.job.get("checkpoint_uri"):
+            storage.write_bytes_atomic(self.job["checkpoint_uri"], state, self.data.storage_options)
+
     def end_epoch(self, epoch: int, train_loss: float, lr: float) -> bool:
         """Report ``epoch`` (its loss over every rank); True when the coordinator says stop."""
         import os
 
-        from distributed import Event, Queue
+        from distributed import Queue
 
-        from mopflow.infra.base import storage
         from mopflow.training.executors.units import load_eval_split
 
         report = {
@@ -192,11 +238,12 @@ class _RankZero:
             "pid": os.getpid(),
         }
         state = self.last_state = self.unit.export_state({"epoch": epoch})
-        if self.job.get("checkpoint_uri"):  # before the report: a report means a checkpoint
-            storage.write_bytes_atomic(self.job["checkpoint_uri"], state, self.data.storage_options)
+        self.save(state)  # before the report: a report means a checkpoint
         self.reports.append(report)
         Queue(self.job["queue"]).put(json.dumps(report))
-        return bool(Event(self.job["stop_event"]).is_set())
+        # the other ranks wait in the broadcast meanwhile: nobody trains past an undecided epoch
+        wait_s = float(self.job.get("collective_timeout_s", 120))
+        return bool(Queue(self.job["decisions"]).get(timeout=wait_s) == STOP)
 
 
 class _CommHook:

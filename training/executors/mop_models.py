@@ -70,6 +70,7 @@ class MopModels:
             self.next_epoch[mid], self.visited[mid] = epoch + 1, []
         else:
             self.next_epoch[mid], self.visited[mid] = epoch, seen
+        self.x.note_resumed(mid, self.next_epoch[mid] - 1, state)
         log.info("mop: %s resumes at epoch %d from its checkpoint", mid, self.next_epoch[mid] + 1)
 
     def unit_done(self, model_id: str, state: bytes) -> None:

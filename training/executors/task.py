@@ -76,7 +76,6 @@ class TaskExecutor(Executor):
         self.slots = slots or len(client.scheduler_info()["workers"]) or 1
         self.admission = admission
         self.batches = batches
-        self.resumed: dict[str, dict[str, Any]] = {}  # per model: where it resumed from a checkpoint
         self.started_at: dict[str, float] = {}
 
     def may_start(self, active: int) -> bool:

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 class SearchController:
     """Optuna behind the executor interface (a :class:`~mopflow.training.executors.base.Controller`), in
-    the coordinator: every epoch report reaches the study when it happens, the pruner decides
-    there, and a finished model is told at once (``on_done``), so the sampler and the pruner learn
+    the coordinator: every epoch report reaches the study as the executor hears it (under MOP at
+    the end of the round), the pruner decides there, and a finished model is told at once (``on_done``), so the sampler and the pruner learn
     from it while the sweep goes on.
 
     Under ``pruner="asha"`` the controller keeps the rungs itself (:class:`~mopflow.training.search.rungs.Rungs`):

@@ -1,8 +1,8 @@
 """The search over an executor (``task``, ``mop``, ``ddp``), the one place a strategy is chosen.
 
 Optuna stays in the coordinator behind the executor interface (``training/search/controller.py``):
-every epoch report reaches the study when it happens, the pruner decides there, and a finished
-model is told at once, so the sampler and the pruner learn from it while the sweep goes on.
+every epoch report reaches the study as the executor hears it (under ``mop``: a round's reports at
+the end of the round), the pruner decides there, and a finished model is told at once, so the sampler and the pruner learn from it while the sweep goes on.
 """
 
 from __future__ import annotations
@@ -353,6 +353,7 @@ def _mop_executor(s: ExecutorSetting) -> Executor:
 def _ddp_executor(s: ExecutorSetting) -> Executor:
     from mopflow.training.executors.ddp import DDPExecutor
 
+    register_preemption(s.client)  # spot notices: every rank of a job checkpoints at the same batch
     return DDPExecutor(
         s.client, s.data, s.cfg.ddp_world_size, s.checkpoint_root, bf16_compress=s.cfg.bf16_compress
     )
@@ -369,7 +370,7 @@ class Strategy:
 
 # strategy name -> how it trains (names: mopflow.training.search.algorithms.StrategyName)
 STRATEGIES: dict[str, Strategy] = {
-    # task admits trials itself as slots free up; MOP starts with its slots, DDP with one job
+    # task and DDP admit trials themselves as slots (gangs of workers) free up; MOP starts with its slots
     "task": Strategy(_task_executor, lambda cfg: 0),
     "mop": Strategy(_mop_executor, lambda cfg: cfg.model_slots),
     "ddp": Strategy(_ddp_executor, lambda cfg: 1),

@@ -193,3 +193,52 @@ def test_a_restarted_mop_coordinator_loses_at_most_the_sub_epochs_in_flight(
     assert all([h["epoch"] for h in r.history] == [0, 1, 2, 3] for r in outcome.results)
     units = sum(len(records) for records in outcome.epoch_records.values())
     assert units == 2 * 2 * 2  # 2 models x the 2 epochs left x 2 partitions: nothing done twice
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["mop", "ddp"])
+@pytest.mark.parametrize("pruner", ["asha", "successive_halving", "hyperband"])
+def test_rung_pruners_prune_live_and_nothing_trains_past_a_decision(
+    pruner: str, strategy: str, small_manifest: str, dask_client: Any, tmp_path: Path
+) -> None:
+    """Two good trials, then three that cannot learn, judged at the first epoch: each pruner
+    prunes in a real sweep, a pruned trial's history, state and checkpoint end at the epoch it
+    was judged on, and an ASHA promotion goes on from that checkpoint at the next epoch."""
+    from mopflow.training.search.rungs import PROMOTED_ATTR
+    from mopflow.training.search.study import make_storage
+    from mopflow.training.trainable.state import read_meta
+
+    cfg = SearchConfig(
+        n_trials=5,
+        epochs=3,
+        strategy=strategy,
+        model_slots=2,
+        ddp_world_size=2,
+        space=SPACE,
+        sampler="random",
+        pruner=pruner,
+        min_resource=1,
+    )
+    _enqueue(str(tmp_path / "journal.log"), cfg, [GOOD_LR, GOOD_LR, BAD_LR, BAD_LR, BAD_LR])
+    outcome = _sweep(cfg, small_manifest, tmp_path, dask_client)
+    by_number = {r.number: r for r in outcome.results}
+    pruned = [r for r in outcome.results if r.state == "PRUNED"]
+    assert pruned, [(r.number, r.state, r.pruned_epoch) for r in outcome.results]
+    for result in pruned:
+        assert result.pruned_epoch is not None and len(result.history) == result.pruned_epoch + 1
+    study = optuna.load_study(study_name="live", storage=make_storage(str(tmp_path / "journal.log")))
+    promotions = {
+        t.number: t.user_attrs[PROMOTED_ATTR] for t in study.trials if PROMOTED_ATTR in t.user_attrs
+    }
+    for result in pruned:  # the kept checkpoint ends where the record ends (unless promoted on)
+        model = tmp_path / "ckpt" / f"trial-{result.number:04d}" / "last.safetensors"
+        if result.number not in promotions.values():
+            assert read_meta(model.read_bytes())["epoch"] == result.pruned_epoch, result.number
+    if pruner == "asha":
+        assert promotions, "ASHA promoted no waiting model"
+    for number, earlier in promotions.items():
+        judged_at = max(study.trials[earlier].intermediate_values)  # the rung it waited at
+        assert study.trials[earlier].state == optuna.trial.TrialState.PRUNED
+        promoted = by_number[number]
+        assert promoted.resumed_from_epoch == judged_at, (promoted, study.trials[earlier])
+        assert [h["epoch"] for h in promoted.history] == list(range(len(promoted.history)))

@@ -1,0 +1,132 @@
+"""Where DDP trials' ranks run: gangs of workers, all of a trial's ranks placed at once or none.
+
+A trial of world size ``w`` needs ``w`` Dask workers that hold the resources it asks for
+(``GPU``, or a CPU slot) and see *different* devices: two ranks sharing a GPU would train one
+device twice over. Workers started with ``trials_per_gpu > 1`` share a GPU (the same
+``CUDA_VISIBLE_DEVICES``), so a gang takes at most one of them per GPU. With ``W`` such workers,
+``floor(W / w)`` trials train at once; a trial whose gang lost a worker gives the rest back and
+waits for a whole new gang, so the other trials go on undisturbed.
+
+:func:`choose_gang` is the pure choice; :class:`WorkerGangs` keeps which workers are taken,
+under a lock, for the executor's threads (one per trial in flight).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+WAIT_POLL_S = 0.2
+
+
+class PlacementError(RuntimeError):
+    """The cluster can never hold a trial's ranks (too few workers, or too few devices)."""
+
+
+def choose_gang(free: Mapping[str, str], world_size: int) -> list[str] | None:
+    """``world_size`` workers of ``free`` (address -> the device it sees) on distinct devices,
+    in address order (rank 0 first); None when ``free`` has too few distinct devices."""
+    gang: list[str] = []
+    devices: set[str] = set()
+    for address in sorted(free):
+        if free[address] not in devices:
+            gang.append(address)
+            devices.add(free[address])
+        if len(gang) == world_size:
+            return gang
+    return None
+
+
+def concurrent_trials(devices: Mapping[str, str], world_size: int) -> int:
+    """How many trials of ``world_size`` ranks the workers (address -> device) hold at once:
+    ``floor(W / w)``, fewer when workers share devices (each gang needs distinct ones)."""
+    taken: set[str] = set()
+    trials = 0
+    while (gang := choose_gang({a: d for a, d in devices.items() if a not in taken}, world_size)) is not None:
+        taken.update(gang)
+        trials += 1
+    return trials
+
+
+def placement_problem(devices: Mapping[str, str], world_size: int, needed: Mapping[str, float]) -> str | None:
+    """Why no trial of ``world_size`` ranks fits the workers (address -> device), or None."""
+    if concurrent_trials(devices, world_size):
+        return None
+    what = f" with resources {dict(needed)}" if needed else ""
+    distinct = len(set(devices.values()))
+    if len(devices) >= world_size:  # enough workers, too few devices: they share GPUs
+        return (
+            f"ddp_world_size={world_size} needs its ranks on {world_size} different devices; the cluster's "
+            f"{len(devices)} workers{what} see {distinct} (workers started with trials_per_gpu > 1 share a "
+            f"GPU: give trials_per_gpu=1, or more GPUs)"
+        )
+    return (
+        f"ddp_world_size={world_size} needs {world_size} Dask workers{what}; the cluster has {len(devices)}"
+    )
+
+
+def worker_device(dask_worker: Any) -> str:
+    """The device a worker process trains on (``client.run`` hands it ``dask_worker``): its
+    visible GPU(s), else its own CPU slot."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return f"cuda:{visible}" if visible else f"cpu:{dask_worker.address}"
+
+
+class WorkerGangs:
+    """The workers taken by DDP trials in flight; hands out whole gangs (see the module)."""
+
+    def __init__(self, client: Any, world_size: int, needed: Mapping[str, float]) -> None:
+        self.client, self.world_size, self.needed = client, world_size, dict(needed)
+        self._taken: set[str] = set()
+        self._known: dict[str, str] = {}  # address -> device, asked once per worker
+        self._lock = threading.Lock()
+
+    def devices(self) -> dict[str, str]:
+        """Address -> device of the live workers that hold the resources a rank needs."""
+        info = self.client.scheduler_info()["workers"]
+        fit = [
+            address
+            for address, worker in info.items()
+            if all(float((worker.get("resources") or {}).get(k, 0)) >= v for k, v in self.needed.items())
+        ]
+        new = [a for a in fit if a not in self._known]
+        if new:
+            self._known |= self.client.run(worker_device, workers=new)
+        return {a: self._known[a] for a in fit if a in self._known}
+
+    def slots(self, wait_s: float) -> int:
+        """How many trials may train at once; waits up to ``wait_s`` for workers (a restarting
+        one) and raises :class:`PlacementError` when not even one trial fits."""
+        deadline = time.monotonic() + wait_s
+        while not (n := concurrent_trials(self.devices(), self.world_size)) and time.monotonic() < deadline:
+            time.sleep(WAIT_POLL_S * 2)
+        if not n:
+            raise PlacementError(placement_problem(self.devices(), self.world_size, self.needed))
+        return n
+
+    def take(self, wait_s: float, avoid: Sequence[str] = ()) -> list[str]:
+        """A whole gang of free workers (rank 0 first), taken; waits up to ``wait_s`` for one.
+        ``avoid``: workers known to be leaving (a spot notice)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            devices = self.devices()
+            with self._lock:
+                free = {a: d for a, d in devices.items() if a not in self._taken and a not in avoid}
+                gang = choose_gang(free, self.world_size)
+                if gang is not None:
+                    self._taken.update(gang)
+                    return gang
+            if time.monotonic() > deadline:
+                problem = placement_problem(devices, self.world_size, self.needed)
+                raise PlacementError(
+                    problem or f"no {self.world_size} free workers on distinct devices within {wait_s:.0f}s"
+                )
+            time.sleep(WAIT_POLL_S)
+
+    def give_back(self, gang: Sequence[str]) -> None:
+        """The gang's workers are free again (those still in the cluster)."""
+        with self._lock:
+            self._taken.difference_update(gang)
