@@ -37,6 +37,7 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
     (:func:`load_partition`) when they fit the worker's memory budget (``MOPFLOW_TRAIN_MEMORY_MB``),
     else a :class:`~mopflow.training.data.streaming.StreamedRows` that reads them from the shards each pass."""
     from mopflow.training.data import load_manifest
+    from mopflow.training.data.examples import batch_decoder, decoded_row_bytes
     from mopflow.training.data.streaming import (
         StreamedRows,
         block_reader,
@@ -52,7 +53,7 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
     if (data.manifest_uri, names) not in _STREAMED:
         manifest = load_manifest(data.manifest_uri, data.storage_options)
         rows = sum(int(e["rows"]) for e in manifest["splits"]["train"] if e["name"] in names)
-        held = rows * (4 * len(manifest["feature_columns"]) + 8)  # float32 features, int64 label
+        held = rows * decoded_row_bytes(manifest)  # float32 features, int64 label
         budget = train_memory_bytes()
         if held <= budget:
             return load_partition(data, names, device)
@@ -69,6 +70,7 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
             shard_blocks(data.manifest_uri, manifest, names, options),
             block_reader(data.manifest_uri, manifest, options, local),
             shuffle_buffer_rows(),
+            batch_decoder(manifest),
         )
     return _STREAMED[(data.manifest_uri, names)]
 
