@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mopflow.training.data.ref import DataRef
+from mopflow.training.trainable.augment import augmenter
 from mopflow.training.trainable.schedule import steps_per_epoch
 from mopflow.training.trainable.unit import ModelSpec, PassInterrupted, TrainableUnit
 from mopflow.training.volatile import preempt
@@ -134,6 +135,7 @@ def _unit(spec: ModelSpec, data: DataRef, state: bytes | None, total_steps: int)
     unit = TrainableUnit.build(spec, load_manifest(data.manifest_uri, data.storage_options), total_steps)
     if state is not None:
         unit.import_state(state)
+    unit.augment = augmenter(data.augment, data.spec.modality, data.spec.input_shape)
     return unit
 
 
