@@ -26,7 +26,7 @@ import numpy as np
 
 from mopflow.infra.base import storage
 from mopflow.infra.base.storage import canonical_hash
-from mopflow.training.data.examples import batch_decoder, decoded_row_bytes
+from mopflow.training.data.examples import batch_decoder, decoded_row_bytes, stored_row_bytes
 from mopflow.training.data.streaming import Block
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def train_split_rows(manifest_uri: str, storage_options: Mapping[str, Any] | Non
     return StreamedRows(
         shard_blocks(manifest_uri, manifest, names, options),
         block_reader(manifest_uri, manifest, options),
-        shuffle_buffer_rows(),
+        shuffle_buffer_rows(row_bytes=stored_row_bytes(manifest)),
         batch_decoder(manifest),
     )
 

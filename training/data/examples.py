@@ -257,6 +257,12 @@ def input_dim(manifest: Mapping[str, Any]) -> int:
     return len(manifest["feature_columns"])
 
 
+def stored_row_bytes(manifest: Mapping[str, Any]) -> float:
+    """Mean bytes of one stored training row (what a streamed pass's shuffle buffer holds)."""
+    entries = manifest["splits"]["train"]
+    return sum(float(e["bytes"]) for e in entries) / max(1, sum(int(e["rows"]) for e in entries))
+
+
 def decoded_row_bytes(manifest: Mapping[str, Any]) -> int:
     """Bytes one decoded training row takes in memory (float32 values, an int64 label)."""
     return 4 * input_dim(manifest) + 8

@@ -24,6 +24,7 @@ TRAIN_MEMORY_ENV = "MOPFLOW_TRAIN_MEMORY_MB"
 DEFAULT_TRAIN_MEMORY_MB = 2048.0
 SHUFFLE_ROWS_ENV = "MOPFLOW_SHUFFLE_BUFFER_ROWS"
 DEFAULT_SHUFFLE_ROWS = 65_536
+SHUFFLE_BUFFER_BYTES = 128 * 2**20  # the default buffer's bound for wide rows (stored bytes)
 
 
 def memory_budget_bytes(name: str, default_mb: float, environ: Mapping[str, str] = os.environ) -> float:
@@ -43,10 +44,13 @@ def train_memory_bytes(environ: Mapping[str, str] = os.environ) -> float:
     return memory_budget_bytes(TRAIN_MEMORY_ENV, DEFAULT_TRAIN_MEMORY_MB, environ)
 
 
-def shuffle_buffer_rows(environ: Mapping[str, str] = os.environ) -> int:
-    """Rows the shuffle buffer of a streamed pass holds."""
+def shuffle_buffer_rows(environ: Mapping[str, str] = os.environ, row_bytes: float = 0.0) -> int:
+    """Rows the shuffle buffer of a streamed pass holds: the setting, else the default, fewer for
+    rows over ``SHUFFLE_BUFFER_BYTES / DEFAULT_SHUFFLE_ROWS`` bytes (images), so the buffer's
+    memory does not grow with the rows' size."""
     raw = environ.get(SHUFFLE_ROWS_ENV, "").strip()
-    rows = int(raw) if raw.isdigit() else DEFAULT_SHUFFLE_ROWS
+    by_bytes = max(1024, int(SHUFFLE_BUFFER_BYTES // max(1.0, row_bytes)))
+    rows = int(raw) if raw.isdigit() else min(DEFAULT_SHUFFLE_ROWS, by_bytes)
     if rows < 1:
         raise ValueError(f"{SHUFFLE_ROWS_ENV}={raw!r} must be a positive number of rows")
     return rows

@@ -38,7 +38,7 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
     (:func:`load_partition`) when they fit the worker's memory budget (``MOPFLOW_TRAIN_MEMORY_MB``),
     else a :class:`~mopflow.training.data.streaming.StreamedRows` that reads them from the shards each pass."""
     from mopflow.training.data import load_manifest
-    from mopflow.training.data.examples import batch_decoder, decoded_row_bytes
+    from mopflow.training.data.examples import batch_decoder, decoded_row_bytes, stored_row_bytes
     from mopflow.training.data.streaming import (
         StreamedRows,
         block_reader,
@@ -70,7 +70,7 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
         _STREAMED[(data.manifest_uri, names)] = StreamedRows(
             shard_blocks(data.manifest_uri, manifest, names, options),
             block_reader(data.manifest_uri, manifest, options, local),
-            shuffle_buffer_rows(),
+            shuffle_buffer_rows(row_bytes=stored_row_bytes(manifest)),
             batch_decoder(manifest),
         )
     return _STREAMED[(data.manifest_uri, names)]
