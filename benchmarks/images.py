@@ -21,10 +21,20 @@ Output: a table on stdout, the target lines, and every figure in
 folder or file, and a ``--quick`` run writes only there). Wall time is reported for
 information; on a shared machine other processes inflate it.
 
+``--storage``: images at real size instead (``benchmarks/studies/image_io.py``): a generated
+folder of RGB 64x64 PNGs (``--images``, 20,000 by default) sharded on two Dask workers; shard bytes
+against the folder's (target <= 1.2x), the shard stage's wall time, streamed training images/s
+of one worker (decoded and augmented batch by batch) against a plain DataLoader over the same
+PNGs with the same decode and augmentation (target >= 0.9x), and the peak RSS of a worker
+streaming a pass, at ``--images`` and at ten times as many (target: at most 1.2x). Written to
+``benchmarks/results/image_storage.json``.
+
 Run it from the repository root::
 
     .venv/bin/python benchmarks/images.py             # the image demo config
     .venv/bin/python benchmarks/images.py --quick --out /tmp/bench  # smoke test: 800 images, 2 trials, 1 epoch
+    .venv/bin/python benchmarks/images.py --storage                 # shards, throughput and RSS
+    .venv/bin/python benchmarks/images.py --storage --quick --out /tmp/bench  # the same at 400/4,000 images
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ from mopflow.compression.distill.keep import REPORT_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "images.json"
+STORAGE_RESULTS = REPO / "benchmarks" / "results" / "image_storage.json"
+TARGET_BYTES, TARGET_THROUGHPUT, TARGET_RSS = 1.2, 0.9, 1.2
 CONFIG = REPO / "infra" / "configs" / "images.yaml"
 TARGET_GAIN = 0.80
 TARGET_RATIO = 0.10
@@ -93,7 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
     )
+    parser.add_argument(
+        "--storage", action="store_true", help="shard bytes, throughput and RSS of PNG images"
+    )
+    parser.add_argument(
+        "--images", type=int, default=20_000, help="--storage: images in the generated folder"
+    )
     args = parser.parse_args(argv)
+    if args.storage:
+        return storage_main(args)
     out = results_file(args.out, args.quick)
     overrides = QUICK if args.quick else []
     load_before = list(os.getloadavg())
@@ -151,6 +171,67 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {
             "recovered_gain": {"bound": TARGET_GAIN, "status": gain_status},
             "param_ratio": {"bound": TARGET_RATIO, "status": "PASS" if ratio_ok else "FAIL"},
+        },
+    }
+    if out is None:
+        print("not written (--quick writes its JSON only to --out)")
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def storage_main(args: argparse.Namespace) -> int:
+    """``--storage``: measure, print the figures and their targets, write the JSON."""
+    from studies.image_io import measure
+
+    small = 400 if args.quick else args.images
+    large = 10 * small
+    out = output.results_file(args.out, args.quick, STORAGE_RESULTS)
+    load_before = list(os.getloadavg())
+    with tempfile.TemporaryDirectory() as tmp:
+        report = measure(Path(tmp), small, large, workers=2, limit=min(small, 5_000))
+    first, second = report[str(small)], report[str(large)]
+    checks = {
+        "shard_over_folder": (first["shard_over_folder"], first["shard_over_folder"] <= TARGET_BYTES),
+        "throughput_ratio": (report["throughput_ratio"], report["throughput_ratio"] >= TARGET_THROUGHPUT),
+        "rss_ratio": (report["rss_ratio"], report["rss_ratio"] <= TARGET_RSS),
+    }
+    print(
+        f"\n{'images':>8} {'folder MB':>10} {'shard MB':>9} {'ratio':>6} {'shard s':>8} {'cols':>5} {'peak RSS MB':>12}"
+    )
+    for count, row in ((small, first), (large, second)):
+        print(
+            f"{count:>8} {row['folder_bytes'] / 1e6:>10.1f} {row['shard_bytes'] / 1e6:>9.1f} "
+            f"{row['shard_over_folder']:>6.3f} {row['shard_wall_s']:>8.1f} {row['columns']:>5} {row['peak_rss_mb']:>12.0f}"
+        )
+    print(
+        f"images/s per worker: streamed {report['streamed']['images_per_s']:.0f}, "
+        f"DataLoader {report['dataloader']['images_per_s']:.0f}"
+    )
+    for name, bound in (
+        ("shard_over_folder", f"<= {TARGET_BYTES}"),
+        ("throughput_ratio", f">= {TARGET_THROUGHPUT}"),
+        ("rss_ratio", f"<= {TARGET_RSS}"),
+    ):
+        value, ok = checks[name]
+        print(f"{name}: {value:.3f} (target {bound}): {'PASS' if ok else 'FAIL'}")
+    print(
+        f"info  load average before {load_before[0]:.1f} on {os.cpu_count()} CPUs (a shared machine inflates times)"
+    )
+    report |= {
+        "benchmark": "image_storage",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_before": load_before,
+            "loadavg_after": list(os.getloadavg()),
+        },
+        "targets": {
+            name: {"value": value, "status": "PASS" if ok else "FAIL"} for name, (value, ok) in checks.items()
         },
     }
     if out is None:

@@ -26,6 +26,7 @@ import numpy as np
 
 from mopflow.infra.base import storage
 from mopflow.infra.base.storage import canonical_hash
+from mopflow.training.data.examples import batch_decoder, decoded_row_bytes, stored_row_bytes
 from mopflow.training.data.streaming import Block
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ def build_transfer_set(
     blocks = [Block(uri, 0, rows) for shard in written for uri, rows, _ in shard]
     real = sum(r for shard in written for _, _, r in shard)
     classes = DataSpec.from_manifest(manifest).num_classes
-    row_bytes = 4 * len(manifest["feature_columns"]) + 8 + 4 * classes
+    row_bytes = decoded_row_bytes(manifest) + 4 * classes
     total = sum(b.rows for b in blocks)
     return TransferSet(blocks, real, total - real, row_bytes)
 
@@ -202,7 +203,7 @@ def train_split_rows(manifest_uri: str, storage_options: Mapping[str, Any] | Non
     manifest = load_manifest(manifest_uri, storage_options)
     names = [str(e["name"]) for e in manifest["splits"]["train"]]
     rows = sum(int(e["rows"]) for e in manifest["splits"]["train"])
-    held = rows * (4 * len(manifest["feature_columns"]) + 8)
+    held = rows * decoded_row_bytes(manifest)
     if held <= distill_memory_bytes():
         x, y = load_split(manifest_uri, "train", storage_options)
         return [torch.from_numpy(x), torch.from_numpy(y)]
@@ -213,7 +214,8 @@ def train_split_rows(manifest_uri: str, storage_options: Mapping[str, Any] | Non
     return StreamedRows(
         shard_blocks(manifest_uri, manifest, names, options),
         block_reader(manifest_uri, manifest, options),
-        shuffle_buffer_rows(),
+        shuffle_buffer_rows(row_bytes=stored_row_bytes(manifest)),
+        batch_decoder(manifest),
     )
 
 

@@ -45,6 +45,7 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "nan_policy": ("data", "nan_policy"),
     "stratify": ("data", "stratify"),
     "image_size": ("data", "image_size"),
+    "mixed_channels": ("data", "mixed_channels"),
     "tensor_column": ("data", "tensor_column"),
     "num_classes": ("data", "num_classes"),
     "n_trials": ("search", "n_trials"),
@@ -52,6 +53,7 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "parallel_trials": ("search", "parallel_trials"),
     "trial_batches": ("search", "trial_batches"),
     "seed": ("search", "seed"),
+    "augment": ("search", "augment"),
     "sampler": ("search", "sampler"),
     "pruner": ("search", "pruner"),
     "min_resource": ("search", "min_resource"),
@@ -187,9 +189,11 @@ class PipelineConfig(BaseModel):
         cannot take data of ``data``'s modality and shape (a DataSpec)."""
         from mopflow.training.models.builtin import ArchSpec, count_params
         from mopflow.training.models.families import get_family
+        from mopflow.training.trainable.augment import resolve
 
         space = self.search.search_space(data.modality)
         check_space_fits(space, data)
+        resolve(self.search.augment, data.modality)  # an augmentation the data cannot take
         distill = self.distill.resolved(data.modality)
         student_family = get_family(distill.family)
         if not student_family.fits(data):

@@ -9,7 +9,6 @@ from typing import Any
 
 from mopflow.infra.base.settings import Settings
 from mopflow.infra.stages.context import Stage, stage
-from mopflow.training.models.families import DataSpec
 
 log = logging.getLogger(__name__)
 
@@ -143,16 +142,15 @@ def load_candidates(study_name: str, storage_url: str) -> list[Any]:
 
 
 def example_input(manifest_uri: str, storage_options: Mapping[str, Any]) -> Any:
-    """A few validation examples as the model's input example: a frame of a table's columns, or
-    an array of tensors ``(n, *shape)`` for images and sequences."""
-    import pandas as pd
-
-    from mopflow.training.data import load_manifest, load_split
+    """A few validation examples as the model's input example: a frame of a table's columns, an
+    array of tensors ``(n, *shape)`` for images and sequences (a TensorSpec signature), or one
+    column of base64 images for images stored encoded (one string column)."""
+    from mopflow.compression.registry.inputs import served_examples
+    from mopflow.training.data import load_manifest, read_shard
+    from mopflow.training.data.reading import shard_arrays
 
     manifest = load_manifest(manifest_uri, storage_options)
-    first = manifest["splits"]["validation"][:1]  # one shard is enough for five rows
-    x, _ = load_split(manifest_uri, "validation", storage_options, shard_names=[e["name"] for e in first])
-    data = DataSpec.from_manifest(manifest)
-    if data.modality != "table":  # a tensor of examples: the signature is a TensorSpec
-        return x[:5].reshape(-1, *data.input_shape)
-    return pd.DataFrame(x[:5], columns=manifest["feature_columns"])
+    first = manifest["splits"]["validation"][0]  # one shard is enough for five rows
+    frame = read_shard(manifest_uri, manifest, first, storage_options).iloc[:5]
+    x, _ = shard_arrays(frame, manifest)
+    return served_examples(frame, x, manifest)

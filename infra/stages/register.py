@@ -153,10 +153,11 @@ def champion_accuracy(name: str, shard: Mapping[str, Any], st: Stage) -> float:
     """The current champion's test accuracy on this run's test set (through its pyfunc), one test
     shard in memory at a time."""
     import mlflow
-    import pandas as pd
 
+    from mopflow.compression.registry.inputs import served_examples
     from mopflow.compression.registry.model_registry import CHAMPION
-    from mopflow.training.data import load_manifest, load_split
+    from mopflow.training.data import load_manifest, read_shard
+    from mopflow.training.data.reading import shard_arrays
     from mopflow.training.models.metrics import top1_correct
 
     manifest_uri = str(shard["manifest_uri"])
@@ -164,8 +165,9 @@ def champion_accuracy(name: str, shard: Mapping[str, Any], st: Stage) -> float:
     champion = mlflow.pyfunc.load_model(f"models:/{name}@{CHAMPION}")
     correct = rows = 0
     for entry in manifest["splits"]["test"]:
-        x, y = load_split(manifest_uri, "test", st.storage_options, shard_names=[entry["name"]])
-        probs = champion.predict(pd.DataFrame(x, columns=manifest["feature_columns"]))
+        frame = read_shard(manifest_uri, manifest, entry, st.storage_options)
+        x, y = shard_arrays(frame, manifest)
+        probs = champion.predict(served_examples(frame, x, manifest))
         correct, rows = correct + top1_correct(probs.to_numpy(), y), rows + len(y)
     return correct / rows if rows else 0.0
 

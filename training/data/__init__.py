@@ -50,6 +50,7 @@ from mopflow.training.data.reading import (
     read_shard,
     shard_problem,
     split_shards,
+    stored_images,
     verify_manifest,
 )
 from mopflow.training.data.rules import (
@@ -138,6 +139,7 @@ __all__ = [
     "shard_key",
     "split_shard_counts",
     "split_shards",
+    "stored_images",
     "training_shards",
     "shard_problem",
     "source_partitions",

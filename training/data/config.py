@@ -28,6 +28,11 @@ class DataConfig(StageConfig):
         max_length=2,
         description="Image folders: resize every image to [height, width]; None = all must have one size",
     )
+    mixed_channels: Literal["refuse", "convert"] = Field(
+        "refuse",
+        description="Images with different channel counts (grayscale among colour): refuse them, naming "
+        "the odd ones, or convert every image to the largest channel count when it is read",
+    )
     tensor_column: str | None = Field(
         None,
         min_length=1,

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from mopflow.infra.base import storage
+from mopflow.training.data.examples import EXAMPLE_COLUMN, STAT_PREFIXES, arrow_examples, row_group_rows
 from mopflow.training.data.manifest import LABEL_COLUMN, PARQUET_WRITE_OPTIONS, SPLITS
 from mopflow.training.data.rules import (
     HASH_COLUMN,
@@ -106,6 +107,8 @@ def partition_stats(frame: pd.DataFrame, features: Sequence[str]) -> dict[str, A
         if not problems and (pd.to_numeric(labels) < 0).any():
             problems.append(f"{int(pd.to_numeric(labels).min())}")
     classes = {} if problems else pd.to_numeric(labels).astype(np.int64).value_counts().to_dict()
+    if list(features) == [EXAMPLE_COLUMN]:  # examples: their statistics are finite when they are
+        features = [c for c in frame.columns if c.startswith(STAT_PREFIXES)]
     values = frame[list(features)].to_numpy()
     if values.dtype.kind != "f":  # prepared features are float32; no float64 copy for the check
         values = values.astype(np.float64)
@@ -146,21 +149,49 @@ def parquet_bytes(frame: pd.DataFrame) -> memoryview:
     return memoryview(sink.getvalue())
 
 
+def example_parquet_bytes(part: pd.DataFrame, layout: Mapping[str, Any]) -> memoryview:
+    """An example shard's parquet bytes: the example column (binary, or a fixed-size list) and
+    the label, in row groups of about ``ROW_GROUP_BYTES``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    values = part[EXAMPLE_COLUMN].tolist()
+    table = pa.table(
+        {
+            EXAMPLE_COLUMN: arrow_examples(values, layout),
+            LABEL_COLUMN: pa.array(part[LABEL_COLUMN].to_numpy(dtype=np.int64)),
+        }
+    )
+    row_bytes = sum(len(v) for v in values) / max(1, len(values))
+    options = PARQUET_WRITE_OPTIONS | {"row_group_size": row_group_rows(row_bytes)}
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="snappy", **options)
+    return memoryview(sink.getvalue())
+
+
 def write_shard(
     url: str,
     storage_options: Mapping[str, Any] | None,
     pieces: Sequence[pd.DataFrame],
     bounds: Sequence[tuple[int, int]] | None = None,
+    layout: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write one parquet shard from its pieces (in order; rows ``start:stop`` of each piece
-    when ``bounds`` is given); return its stats."""
+    when ``bounds`` is given); return its stats. With an example ``layout`` the pieces' statistics
+    columns give the sums and are not written."""
     if bounds is not None:
         pieces = [piece.iloc[start:stop] for piece, (start, stop) in zip(pieces, bounds, strict=True)]
     part = pieces[0].reset_index(drop=True) if len(pieces) == 1 else pd.concat(pieces, ignore_index=True)
     part[LABEL_COLUMN] = pd.to_numeric(part[LABEL_COLUMN]).astype(np.int64)
-    data = parquet_bytes(part)
+    if layout is not None:
+        stats = [c for c in part.columns if c.startswith(STAT_PREFIXES)]
+        sums, sumsq = feature_sums(part[stats].to_numpy())
+        part = part[[EXAMPLE_COLUMN, LABEL_COLUMN]]
+        data = example_parquet_bytes(part, layout)
+    else:
+        data = parquet_bytes(part)
+        sums, sumsq = feature_sums(part.drop(columns=[LABEL_COLUMN]).to_numpy())
     storage.write_bytes_atomic(url, data, storage_options)
-    sums, sumsq = feature_sums(part.drop(columns=[LABEL_COLUMN]).to_numpy())
     counts = part[LABEL_COLUMN].value_counts().sort_index()
     return {
         "rows": len(part),

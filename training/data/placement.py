@@ -190,6 +190,7 @@ def submit_shard(
     writer: str | None,
     priority: int,
     split_pieces: Sequence[Any] | None = None,
+    layout: Mapping[str, Any] | None = None,
 ) -> Any:
     """Submit one shard: slice each partition where it lives, write on ``writer``.
 
@@ -198,7 +199,7 @@ def submit_shard(
     slicing tasks run before every write (``SLICE_PRIORITY``): a worker busy with a long write
     would otherwise keep the other waiting for the slices it holds. ``split_pieces``: each
     partition's rows of the split, already cut (one per entry of ``slices``); the writer takes
-    its rows from them.
+    its rows from them. ``layout``: the example column's (images and sequences).
     """
     bounds = None if split_pieces is None else [(start, stop) for _, start, stop in slices]
     pieces = (
@@ -220,7 +221,15 @@ def submit_shard(
     )
     held += pieces
     future = client.submit(
-        write_shard, url, storage_options, pieces, bounds, pure=False, priority=priority, **_pinned(writer)
+        write_shard,
+        url,
+        storage_options,
+        pieces,
+        bounds,
+        layout,
+        pure=False,
+        priority=priority,
+        **_pinned(writer),
     )
     held.append(future)
     return future

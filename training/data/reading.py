@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mopflow.infra.base import storage
+from mopflow.training.data.examples import decode_examples
 from mopflow.training.data.manifest import MANIFEST_VERSION, SPLITS, ShardIntegrityError
 from mopflow.training.data.rules import manifest_hash
 
@@ -110,14 +111,36 @@ def load_split(
     manifest = load_manifest(manifest_uri, storage_options)
     entries = [e for e in manifest["splits"][split] if shard_names is None or e["name"] in shard_names]
     frames = [read_shard(manifest_uri, manifest, e, storage_options, cache_dir) for e in entries]
-    return _arrays(pd.concat(frames, ignore_index=True), manifest)
+    return shard_arrays(pd.concat(frames, ignore_index=True), manifest)
 
 
-def _arrays(frame: pd.DataFrame, manifest: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    # writable and C-ordered (torch takes it without a copy; a read-only view of Arrow's buffers is copied)
-    x = np.require(frame[manifest["feature_columns"]].to_numpy(dtype=np.float32), requirements=["C", "W"])
+def shard_arrays(frame: pd.DataFrame, manifest: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's rows as features (float32; examples decoded, images resized) and labels (int64)."""
+    layout = manifest.get("example")
+    if layout is not None:  # one example column: decoded (images resized) into flat rows
+        x = decode_examples(frame[layout["column"]].to_numpy(), layout)
+    else:  # writable and C-ordered (torch takes it without a copy; a read-only view of Arrow's is copied)
+        x = np.require(frame[manifest["feature_columns"]].to_numpy(dtype=np.float32), requirements=["C", "W"])
     y = np.require(frame[manifest["label_column"]].to_numpy(dtype=np.int64), requirements=["W"])
     return x, y
+
+
+def stored_images(
+    manifest_uri: str, split: str, count: int, storage_options: Mapping[str, Any] | None = None
+) -> list[bytes]:
+    """The first ``count`` examples of a split of encoded images, as stored (the bytes a client
+    sends a served model); empty for other data."""
+    manifest = load_manifest(manifest_uri, storage_options)
+    layout = manifest.get("example")
+    if layout is None or layout["encoding"] != "image":
+        return []
+    found: list[bytes] = []
+    for entry in manifest["splits"][split]:
+        frame = read_shard(manifest_uri, manifest, entry, storage_options)
+        found += [bytes(v) for v in frame[layout["column"]].iloc[: count - len(found)]]
+        if len(found) >= count:
+            break
+    return found
 
 
 def split_shards(
@@ -128,7 +151,7 @@ def split_shards(
         raise ValueError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
     manifest = load_manifest(manifest_uri, storage_options)  # read and verified once, not per shard
     for entry in manifest["splits"][split]:
-        yield _arrays(read_shard(manifest_uri, manifest, entry, storage_options), manifest)
+        yield shard_arrays(read_shard(manifest_uri, manifest, entry, storage_options), manifest)
 
 
 def shard_problem(

@@ -19,6 +19,7 @@ class DataRef:
     spec: DataSpec
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str = ""
+    augment: str = "none"  # the training batches' augmentation spec (training.trainable.augment)
 
     @classmethod
     def open(
@@ -36,4 +37,5 @@ class DataRef:
             DataSpec(**data["spec"]),
             dict(data["storage_options"]),
             str(data["cache_dir"]),
+            str(data.get("augment", "none")),
         )

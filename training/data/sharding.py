@@ -15,6 +15,7 @@ import numpy as np
 
 from mopflow.infra.base import storage
 from mopflow.training.data.config import DataConfig
+from mopflow.training.data.examples import group_normalization
 from mopflow.training.data.manifest import LABEL_COLUMN, MANIFEST_NAME, MANIFEST_VERSION, SPLITS, ShardResult
 from mopflow.training.data.partitions import partition_stats, restratify_partition
 from mopflow.training.data.placement import on_holders, partition_holders, per_partition_as_done, submit_shard
@@ -91,7 +92,9 @@ def shard_dataset(
     log.info("shard: %s rows per split in %d partition(s)", totals["split_rows"], len(partitions))
     try:
         shards = _plan(stats, split_shard_counts(totals["split_rows"], _training_shards(cfg, totals, info)))
-        results = _write_shards(client, partitions, shards, whole_pieces, out_dir, storage_options, held)
+        results = _write_shards(
+            client, partitions, shards, whole_pieces, out_dir, storage_options, held, info.example
+        )
     except Exception:
         client.cancel(held)
         _remove_partial(out_dir, storage_options)
@@ -118,7 +121,8 @@ def shard_dataset(
 def _training_shards(cfg: DataConfig, totals: Mapping[str, Any], info: SourceInfo) -> int:
     """``cfg.n_shards``, or more when its shards would exceed ``cfg.max_shard_mb`` (logged)."""
     train_rows = int(totals["split_rows"].get("train", 0))
-    count = training_shards(train_rows, 4 * len(info.features) + 8, cfg.n_shards, cfg.max_shard_mb)
+    row_bytes = int(info.row_bytes or 4 * len(info.features)) + 8
+    count = training_shards(train_rows, row_bytes, cfg.n_shards, cfg.max_shard_mb)
     if count > cfg.n_shards:
         log.info(
             "shard: writing %d training shards, not n_shards=%d: a shard holds at most max_shard_mb=%g MB",
@@ -212,6 +216,7 @@ def _write_shards(
     out_dir: str,
     storage_options: Mapping[str, Any] | None,
     held: list[Any],
+    layout: Mapping[str, Any] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Write ``shards`` under ``out_dir``, each on the worker that holds most of its rows (as
     balanced by rows); what each write returned, by split, in the order of ``shards``."""
@@ -226,7 +231,18 @@ def _write_shards(
         url = storage.join(out_dir, shard_name)
         futures[split].append(
             submit_shard(
-                client, partitions, holders, split, slices, url, storage_options, held, writer, n_rows, pieces
+                client,
+                partitions,
+                holders,
+                split,
+                slices,
+                url,
+                storage_options,
+                held,
+                writer,
+                n_rows,
+                pieces,
+                layout,
             )
         )
     return {split: client.gather(fs) for split, fs in futures.items()}
@@ -234,7 +250,9 @@ def _write_shards(
 
 def _normalization(mean: list[float], std: list[float], info: SourceInfo) -> dict[str, Any]:
     """The manifest's feature normalization: per feature, and for images per channel too (every
-    pixel of a channel shares its statistics)."""
+    pixel of a channel shares its statistics; a sequence's steps share each feature's)."""
+    if info.example is not None:  # the means of the examples' statistics columns
+        return group_normalization(mean, info.example)
     if info.modality != "image":
         return {"mean": mean, "std": std}
     channel_mean, channel_std = channel_normalization(mean, std, info.input_shape)
@@ -272,6 +290,7 @@ def _manifest(
         "label_column": LABEL_COLUMN,
         "num_classes": int(max(n_classes_hint, max(totals["classes"]) + 1)),
         "schema": results["train"][0]["schema"],
+        **({"example": info.example} if info.example is not None else {}),
         "dropped_rows": int(totals["dropped"]),
         "normalization": _normalization(*combine_stats(results["train"]), info),
         "classes": info.classes,

@@ -24,6 +24,7 @@ TRAIN_MEMORY_ENV = "MOPFLOW_TRAIN_MEMORY_MB"
 DEFAULT_TRAIN_MEMORY_MB = 2048.0
 SHUFFLE_ROWS_ENV = "MOPFLOW_SHUFFLE_BUFFER_ROWS"
 DEFAULT_SHUFFLE_ROWS = 65_536
+SHUFFLE_BUFFER_BYTES = 128 * 2**20  # the default buffer's bound for wide rows (stored bytes)
 
 
 def memory_budget_bytes(name: str, default_mb: float, environ: Mapping[str, str] = os.environ) -> float:
@@ -43,10 +44,13 @@ def train_memory_bytes(environ: Mapping[str, str] = os.environ) -> float:
     return memory_budget_bytes(TRAIN_MEMORY_ENV, DEFAULT_TRAIN_MEMORY_MB, environ)
 
 
-def shuffle_buffer_rows(environ: Mapping[str, str] = os.environ) -> int:
-    """Rows the shuffle buffer of a streamed pass holds."""
+def shuffle_buffer_rows(environ: Mapping[str, str] = os.environ, row_bytes: float = 0.0) -> int:
+    """Rows the shuffle buffer of a streamed pass holds: the setting, else the default, fewer for
+    rows over ``SHUFFLE_BUFFER_BYTES / DEFAULT_SHUFFLE_ROWS`` bytes (images), so the buffer's
+    memory does not grow with the rows' size."""
     raw = environ.get(SHUFFLE_ROWS_ENV, "").strip()
-    rows = int(raw) if raw.isdigit() else DEFAULT_SHUFFLE_ROWS
+    by_bytes = max(1024, int(SHUFFLE_BUFFER_BYTES // max(1.0, row_bytes)))
+    rows = int(raw) if raw.isdigit() else min(DEFAULT_SHUFFLE_ROWS, by_bytes)
     if rows < 1:
         raise ValueError(f"{SHUFFLE_ROWS_ENV}={raw!r} must be a positive number of rows")
     return rows
@@ -133,9 +137,10 @@ class StreamedBatches:
         skip: int,
         shard: tuple[int, int],
         device: str,
+        decode: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         self.chunks, self.rank_rows, self.batch_size = chunks, rank_rows, batch_size
-        self.skip, self.shard, self.device = skip, shard, device
+        self.skip, self.shard, self.device, self.decode = skip, shard, device, decode
 
     def __len__(self) -> int:
         return max(0, -(-self.rank_rows // self.batch_size) - self.skip)
@@ -146,19 +151,24 @@ class StreamedBatches:
         batches = rank_batches(self.chunks(), self.batch_size, self.rank_rows, self.shard)
         for index, batch in enumerate(batches):
             if index >= self.skip:
+                if self.decode is not None:  # encoded examples: decoded a batch at a time
+                    batch = (self.decode(batch[0]), *batch[1:])
                 yield [torch.from_numpy(a).to(self.device) for a in batch]
 
 
 class StreamedRows:
-    """A training partition read from its shards pass by pass instead of held in memory."""
+    """A training partition read from its shards pass by pass instead of held in memory
+    (``decode``: what turns a batch's encoded examples into rows, when the reader keeps them
+    encoded)."""
 
     def __init__(
         self,
         blocks: Sequence[Block],
         read: Reader,
         buffer_rows: int,
+        decode: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
-        self.blocks, self.read, self.buffer_rows = list(blocks), read, buffer_rows
+        self.blocks, self.read, self.buffer_rows, self.decode = list(blocks), read, buffer_rows, decode
         self.n_rows = sum(b.rows for b in self.blocks)
 
     def __len__(self) -> int:
@@ -184,7 +194,7 @@ class StreamedRows:
         def chunks() -> Iterator[Chunk]:
             return stream_rows(self.blocks, self.read, seed, epoch, pass_index, self.buffer_rows)
 
-        return StreamedBatches(chunks, rank_rows, batch_size, skip, shard, device)
+        return StreamedBatches(chunks, rank_rows, batch_size, skip, shard, device, self.decode)
 
 
 def shard_blocks(
@@ -258,13 +268,15 @@ def block_reader(
     storage_options: Mapping[str, Any],
     local: Mapping[str, str] | None = None,
 ) -> Reader:
-    """A function reading one block's features (float32) and labels (int64), from the shard's
+    """A function reading one block's features (float32; encoded images stay encoded, see
+    :func:`~mopflow.training.data.examples.batch_decoder`) and labels (int64), from the shard's
     local copy when ``local`` has one; a shard that fails mid-stream raises
     :class:`~mopflow.training.data.ShardIntegrityError` naming it."""
     import pyarrow.parquet as pq
 
     from mopflow.infra.base import storage
     from mopflow.training.data import ShardIntegrityError
+    from mopflow.training.data.examples import read_examples
 
     base = manifest_uri.rsplit("/", 1)[0]
     features, label = list(manifest["feature_columns"]), str(manifest["label_column"])
@@ -287,8 +299,7 @@ def block_reader(
                 f"shard {block.shard} changed mid-stream: row group {block.row_group} has "
                 f"{table.num_rows} rows, its footer said {block.rows}"
             )
-        frame = table.to_pandas()
-        x = np.require(frame[features].to_numpy(dtype=np.float32), requirements=["C", "W"])
-        return x, np.require(frame[label].to_numpy(dtype=np.int64), requirements=["W"])
+        x = read_examples(table, manifest, decode=False)
+        return x, np.require(table.column(label).to_numpy().astype(np.int64), requirements=["W"])
 
     return read

@@ -72,3 +72,5 @@ class SourceInfo:
     classes: list[str] | None = None  # class names (image folders)
     detail: Any = None  # what the kind's partitions need (an image listing, .npy headers)
     storage_options: Any = None  # the source's (its partitions read it on the workers)
+    example: dict[str, Any] | None = None  # images and sequences: one example column (its layout)
+    row_bytes: float = 0.0  # stored bytes per example (0: 4 per feature)

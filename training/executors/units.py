@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mopflow.training.data.ref import DataRef
+from mopflow.training.trainable.augment import augmenter
 from mopflow.training.trainable.schedule import steps_per_epoch
 from mopflow.training.trainable.unit import ModelSpec, PassInterrupted, TrainableUnit
 from mopflow.training.volatile import preempt
@@ -37,6 +38,7 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
     (:func:`load_partition`) when they fit the worker's memory budget (``MOPFLOW_TRAIN_MEMORY_MB``),
     else a :class:`~mopflow.training.data.streaming.StreamedRows` that reads them from the shards each pass."""
     from mopflow.training.data import load_manifest
+    from mopflow.training.data.examples import batch_decoder, decoded_row_bytes, stored_row_bytes
     from mopflow.training.data.streaming import (
         StreamedRows,
         block_reader,
@@ -52,7 +54,7 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
     if (data.manifest_uri, names) not in _STREAMED:
         manifest = load_manifest(data.manifest_uri, data.storage_options)
         rows = sum(int(e["rows"]) for e in manifest["splits"]["train"] if e["name"] in names)
-        held = rows * (4 * len(manifest["feature_columns"]) + 8)  # float32 features, int64 label
+        held = rows * decoded_row_bytes(manifest)  # float32 features, int64 label
         budget = train_memory_bytes()
         if held <= budget:
             return load_partition(data, names, device)
@@ -68,7 +70,8 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
         _STREAMED[(data.manifest_uri, names)] = StreamedRows(
             shard_blocks(data.manifest_uri, manifest, names, options),
             block_reader(data.manifest_uri, manifest, options, local),
-            shuffle_buffer_rows(),
+            shuffle_buffer_rows(row_bytes=stored_row_bytes(manifest)),
+            batch_decoder(manifest),
         )
     return _STREAMED[(data.manifest_uri, names)]
 
@@ -132,6 +135,7 @@ def _unit(spec: ModelSpec, data: DataRef, state: bytes | None, total_steps: int)
     unit = TrainableUnit.build(spec, load_manifest(data.manifest_uri, data.storage_options), total_steps)
     if state is not None:
         unit.import_state(state)
+    unit.augment = augmenter(data.augment, data.spec.modality, data.spec.input_shape)
     return unit
 
 

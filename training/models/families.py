@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -68,7 +69,8 @@ class DataSpec:
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any]) -> DataSpec:
         """The data spec of a shard manifest (manifests of tables carry no shape: ``(n_features,)``)."""
-        n_features = len(manifest["feature_columns"])
+        example = manifest.get("example")  # one example column: its shape gives the size
+        n_features = math.prod(example["shape"]) if example else len(manifest["feature_columns"])
         return cls(
             n_features,
             int(manifest["num_classes"]),

@@ -11,6 +11,7 @@ from mopflow.training.config import StageConfig
 from mopflow.training.executors.scheduler import MopScheduleName
 from mopflow.training.search.algorithms import PrunerName, SamplerName, StrategyName
 from mopflow.training.search.space import SearchSpace, default_space, parse_space
+from mopflow.training.trainable.augment import parse_spec
 from mopflow.training.volatile.workers import WorkerSchedule
 
 _SCHEDULE_ARGS: dict[str, tuple[tuple[str, ...], int]] = {  # kind -> (positional fields, how many required)
@@ -54,6 +55,13 @@ class SearchConfig(StageConfig):
         "asha",
         description="Pruner at epoch boundaries: asha (waiting models promoted later), "
         "successive_halving (Optuna's, no waiting), hyperband, median, none",
+    )
+    augment: str = Field(
+        "auto",
+        max_length=200,
+        description="Augmentation of the training batches, on the workers, seeded: 'auto' (images: "
+        "flip,shift:2; sequences: shift:2,noise:0.02; tables: none), 'none', or names with an optional "
+        "amount: crop[:min scale], flip[:probability], shift[:pixels or steps], noise[:relative std]",
     )
     grid_points: int = Field(
         3, ge=2, le=32, description="sampler=grid: values per int/float parameter (log-spaced if log)"
@@ -213,6 +221,12 @@ class SearchConfig(StageConfig):
                     "spot_trace and worker_schedule cannot be combined (both resize the cluster)"
                 )
         return self
+
+    @field_validator("augment")
+    @classmethod
+    def _augment(cls, value: str) -> str:
+        parse_spec(value)  # an AugmentError (a ValueError) names the bad part
+        return value.strip().lower()
 
     @field_validator("space", mode="before")
     @classmethod

@@ -102,7 +102,11 @@ def _search(
     progress.publish("search", total=cfg.n_trials, finished=len(already))
     manifest = load_manifest(manifest_uri, storage_options)
     data = DataRef(
-        manifest_uri, DataSpec.from_manifest(manifest), dict(storage_options or {}), shard_cache_dir()
+        manifest_uri,
+        DataSpec.from_manifest(manifest),
+        dict(storage_options or {}),
+        shard_cache_dir(),
+        cfg.augment,
     )
     shards = [e["name"] for e in manifest["splits"]["train"]]
     scaling = round_scaling(cfg, client)  # worker_schedule: n_j workers per round

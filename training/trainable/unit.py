@@ -24,6 +24,7 @@ from typing import Any
 
 from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.models.families import DataSpec
+from mopflow.training.trainable.augment import AugmentedBatches
 from mopflow.training.trainable.batches import Batches, pass_order, rank_share
 from mopflow.training.trainable.state import load_moments, moments_of, state_metadata
 
@@ -102,6 +103,7 @@ class TrainableUnit:
         self._moments: dict[int, dict[str, Any]] = {}
         self._partial: dict[str, Any] | None = None  # where a stopped pass goes on
         self._rng: Any = None
+        self.augment: Any = None  # an Augmenter of the training batches (training.trainable.augment)
 
     @classmethod
     def build(
@@ -176,6 +178,8 @@ class TrainableUnit:
             batches = Batches(
                 [self._on_device(t) for t in tensors], order[plan.skip * batch_size :], batch_size
             )
+        if self.augment:  # on the worker, each batch seeded by its place in the pass
+            batches = AugmentedBatches(batches, self.augment, self.spec.seed, epoch, pass_index, plan.skip)
         _fit(trainer, module, batches)
         steps = int(trainer.global_step)
         self.capture(holder["optimizer"], self.global_step + steps)

@@ -1,9 +1,9 @@
 """Sources of image and sequence data: the generated image dataset and NumPy arrays (image
 folders and parquet tensor columns: ``mopflow.training.data.sources.images``).
 
-Each source turns into the partitions the shard stage already handles (flat ``x_<i>`` feature
-columns, a label, a content hash and a split per row); the example's shape and the modality go
-to the manifest.
+Each source turns into the partitions the shard stage handles (a label, a content hash and a
+split per row): tables as flat feature columns, images and sequences as one example column
+(``mopflow.training.data.examples``); the example's shape and the modality go to the manifest.
 """
 
 from __future__ import annotations
@@ -16,9 +16,23 @@ import numpy as np
 import pandas as pd
 
 from mopflow.infra.base import storage
-from mopflow.training.data.manifest import LABEL_COLUMN
+from mopflow.training.data.examples import (
+    content_hash,
+    example_stats,
+    examples_frame,
+    stat_columns,
+    tensor_blobs,
+)
+from mopflow.training.data.manifest import LABEL_COLUMN, SPLITS
 from mopflow.training.data.partitions import prepare_table_partition
-from mopflow.training.data.rules import feature_columns
+from mopflow.training.data.rules import (
+    HASH_COLUMN,
+    SPLIT_COLUMN,
+    SplitRule,
+    assign_splits,
+    feature_columns,
+    mark_nonfinite,
+)
 
 NPY_FILES = ("x.npy", "y.npy")
 SHAPES_CLASSES = ("disk", "ring", "square", "frame", "triangle", "diamond", "cross", "bar")
@@ -197,10 +211,32 @@ def prepared_partition(x: np.ndarray, y: np.ndarray, split: SplitSettings) -> pd
     )
 
 
+def prepared_examples(
+    blobs: Sequence[bytes], stats: np.ndarray, y: np.ndarray, split: SplitSettings
+) -> pd.DataFrame:
+    """Examples (encoded images or tensors, as bytes), their statistics and labels as a
+    partition: split by a hash of each example's bytes and label, NaN/inf marked."""
+    labels = np.asarray(y)
+    frame = examples_frame(blobs, stats, labels)
+    u = content_hash(blobs, labels, f"split-{split.seed}")
+    rule = SplitRule(
+        SPLITS, ("test", "validation"), (split.test_fraction, split.test_fraction + split.val_fraction)
+    )
+    frame[HASH_COLUMN] = u
+    frame[SPLIT_COLUMN] = assign_splits(u, np.empty(0), rule, None)
+    return mark_nonfinite(frame, stat_columns(stats.shape[1] // 2), split.nan_policy)
+
+
+def tensor_examples(x: np.ndarray, y: np.ndarray, modality: str, split: SplitSettings) -> pd.DataFrame:
+    """Tensors ``(n, *shape)`` (kept in their dtype) and labels as a partition of examples."""
+    return prepared_examples(tensor_blobs(x), example_stats(x, modality), y, split)
+
+
 def shapes_partition(rows: int, seed: int, split: SplitSettings) -> pd.DataFrame:
     """``rows`` generated images (generator seed ``seed``), split by content hash."""
     x, y = generate_shapes(rows, seed)
-    return prepared_partition(x, y, split)
+    shape, _ = shapes_data_spec()
+    return tensor_examples(x.reshape(len(x), *shape), y, "image", split)
 
 
 def npy_partition(
@@ -213,5 +249,10 @@ def npy_partition(
 ) -> pd.DataFrame:
     """Rows ``start:stop`` of an ``x.npy``/``y.npy`` pair, split by content hash."""
     x = read_npy_rows(storage.join(folder, "x.npy"), headers[0], start, stop, storage_options)
-    y = read_npy_rows(storage.join(folder, "y.npy"), headers[1], start, stop, storage_options)
-    return prepared_partition(x.astype(np.float32), y.astype(np.int64), split)
+    y = read_npy_rows(storage.join(folder, "y.npy"), headers[1], start, stop, storage_options).astype(
+        np.int64
+    )
+    if len(headers[0].shape) == 2:  # a table: its columns
+        return prepared_partition(x.astype(np.float32), y, split)
+    modality = "sequence" if len(headers[0].shape) == 3 else "image"
+    return tensor_examples(x.reshape(len(x), *headers[0].shape[1:]), y, modality, split)

@@ -3,11 +3,11 @@ tensors or encoded PNG/JPEG bytes) as shard-stage sources.
 
 The driver only lists files and reads schemas; images are probed (sizes, channels) and decoded
 on the Dask workers, and an unusable one is refused naming it (its path, or ``file#row=i``).
+Shards keep each image encoded as it came and each tensor whole (one example column).
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +16,14 @@ import numpy as np
 import pandas as pd
 
 from mopflow.infra.base import storage
-from mopflow.training.data.sources.arrays import SourceError, SplitSettings, prepared_partition
+from mopflow.training.data.examples import ExampleError, decode_image, example_stats, image_values
+from mopflow.training.data.sources.arrays import (
+    SourceError,
+    SplitSettings,
+    prepared_examples,
+    prepared_partition,
+    tensor_examples,
+)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 _MODE_CHANNELS = {
@@ -45,6 +52,7 @@ class ImageListing:
     labels: list[int]
     classes: list[str]
     fingerprint: dict[str, Any]
+    mean_bytes: float = 0.0  # the files' mean size
 
 
 def is_image_folder(url: str, storage_options: Mapping[str, Any] | None) -> bool:
@@ -90,21 +98,16 @@ def list_image_folder(url: str, storage_options: Mapping[str, Any] | None) -> Im
         "files": storage.canonical_hash(entries),
         "count": len(files),
     }
-    return ImageListing(files, labels, classes, fingerprint)
+    mean_bytes = sum(float(e[1] or 0) for e in entries) / max(1, len(entries))
+    return ImageListing(files, labels, classes, fingerprint, mean_bytes)
 
 
 def decode(data: bytes | None, name: str) -> Any:
     """A decoded Pillow image; undecodable bytes are refused naming the image (``name``)."""
-    from PIL import Image
-
     try:
-        image: Image.Image = Image.open(io.BytesIO(data or b""))
-        image.load()
-    except (OSError, SyntaxError, ValueError) as exc:  # UnidentifiedImageError is an OSError
-        raise SourceError(f"cannot decode image {name!r}: {exc}") from exc
-    if image.mode == "P":  # a palette: its colours (with their transparency)
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    return image
+        return decode_image(data, name)
+    except ExampleError as exc:
+        raise SourceError(str(exc)) from exc
 
 
 def probe(image: Any, name: str) -> tuple[int, int, int]:
@@ -113,19 +116,6 @@ def probe(image: Any, name: str) -> tuple[int, int, int]:
     if channels is None:
         raise SourceError(f"image {name!r} has mode {image.mode!r}; expected one of {sorted(_MODE_CHANNELS)}")
     return channels, image.height, image.width
-
-
-def pixels(image: Any, shape: Sequence[int]) -> np.ndarray:
-    """A decoded image as one flat float32 row in [0, 1], channels first, converted to
-    ``shape``'s channel count and resized to its height and width."""
-    from PIL import Image
-
-    channels, height, width = (int(n) for n in shape)
-    image = image.convert({1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}[channels])
-    if image.size != (width, height):
-        image = image.resize((width, height), Image.Resampling.BILINEAR)
-    values = np.asarray(image, dtype=np.float32).reshape(height, width, channels)
-    return (values.transpose(2, 0, 1) / 255.0).reshape(-1)
 
 
 def probe_images(
@@ -137,19 +127,34 @@ def probe_images(
 
 
 def image_shape(
-    files: Sequence[str], probes: Sequence[tuple[int, int, int]], resize: Sequence[int] | None
+    files: Sequence[str],
+    probes: Sequence[tuple[int, int, int]],
+    resize: Sequence[int] | None,
+    mixed_channels: str = "refuse",
 ) -> tuple[int, int, int]:
-    """The one (channels, height, width) of all images: mixed channel counts are refused; mixed
-    sizes are refused unless ``resize`` ((height, width)) is set, naming the sizes found."""
-    by_channels: dict[int, str] = {}
+    """The one (channels, height, width) the images are read as. Mixed channel counts are
+    refused naming the images outside the most common count, or (``mixed_channels="convert"``)
+    read as the largest count; mixed sizes are refused unless ``resize`` ((height, width)) is
+    set, naming the sizes found."""
+    by_channels: dict[int, list[str]] = {}
     by_size: dict[tuple[int, int], list[str]] = {}
     for url, (channels, height, width) in zip(files, probes, strict=True):
-        by_channels.setdefault(channels, url)
+        by_channels.setdefault(channels, []).append(url)
         by_size.setdefault((height, width), []).append(url)
-    if len(by_channels) > 1:
-        found = ", ".join(f"{c} (e.g. {url})" for c, url in sorted(by_channels.items()))
-        raise SourceError(f"images have mixed channel counts: {found}; convert them to one mode")
-    channels = next(iter(by_channels))
+    if len(by_channels) > 1 and mixed_channels != "convert":
+        common = max(by_channels, key=lambda c: (len(by_channels[c]), c))
+        odd = [
+            f"{url} ({c} channel(s))"
+            for c, urls in sorted(by_channels.items())
+            if c != common
+            for url in urls
+        ]
+        raise SourceError(
+            f"images have mixed channel counts: most have {common}, but {', '.join(odd[:5])}"
+            f"{f' and {len(odd) - 5} more' if len(odd) > 5 else ''}; convert them to one mode, or set "
+            "mixed_channels='convert'"
+        )
+    channels = max(by_channels)
     if resize is not None:
         return channels, int(resize[0]), int(resize[1])
     if len(by_size) > 1:
@@ -161,16 +166,25 @@ def image_shape(
     return channels, height, width
 
 
-def decode_images(
-    files: Sequence[str],
+def encoded_examples(
+    blobs: Sequence[bytes],
+    names: Sequence[str],
     shape: Sequence[int],
-    storage_options: Mapping[str, Any] | None,
-) -> np.ndarray:
-    """The images as flat float32 rows in [0, 1], channels first (runs on a worker)."""
-    out = np.empty((len(files), int(np.prod(shape))), dtype=np.float32)
-    for i, url in enumerate(files):
-        out[i] = pixels(decode(storage.read_bytes(url, storage_options), url), shape)
-    return out
+    labels: np.ndarray,
+    split: SplitSettings,
+) -> pd.DataFrame:
+    """Encoded images kept as they are, as a partition: each is decoded here once (an
+    undecodable one is refused naming it) for its statistics at ``shape``."""
+    stats = np.empty((len(blobs), 2 * int(shape[0])), dtype=np.float64)
+    for i, (blob, name) in enumerate(zip(blobs, names, strict=True)):
+        values = image_values(decode(blob, name), shape)
+        stats[i] = example_stats(values[None], "image")[0]
+    return prepared_examples(blobs, stats, labels, split)
+
+
+def image_formats(files: Sequence[str]) -> list[str]:
+    """The image formats of a folder's files, by extension (``png``, ``jpeg``)."""
+    return sorted({"jpeg" if f.lower().endswith((".jpg", ".jpeg")) else "png" for f in files})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +200,7 @@ class TensorColumn:
     column: str
     label: str
     shape: tuple[int, ...] | None
+    dtype: str = "float32"  # the tensors' value type
 
 
 def tensor_column(
@@ -210,8 +225,10 @@ def tensor_column(
         if name not in schema.names:
             raise SourceError(f"column {name!r} is not in {url!r}; its columns are {schema.names}")
     kind = schema.field(column).type
+    dtype = "float32"
     if isinstance(kind, pa.FixedShapeTensorType):
         shape: tuple[int, ...] | None = tuple(int(n) for n in kind.shape)
+        dtype = np.dtype(kind.value_type.to_pandas_dtype()).name
     elif pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
         shape = None
     else:
@@ -220,7 +237,7 @@ def tensor_column(
             "(encoded PNG/JPEG images)"
         )
     urls = [fs.unstrip_protocol(f) if "://" in url else f for f in files]
-    return TensorColumn(urls, column, label, shape)
+    return TensorColumn(urls, column, label, shape, dtype)
 
 
 def _read_columns(url: str, columns: Sequence[str], storage_options: Mapping[str, Any] | None) -> Any:
@@ -242,21 +259,6 @@ def probe_encoded(
     ]
 
 
-def tensor_rows(
-    url: str, source: TensorColumn, shape: Sequence[int], storage_options: Mapping[str, Any] | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """One parquet file's examples as flat float32 rows and its labels (runs on a worker)."""
-    table = _read_columns(url, [source.column, source.label], storage_options)
-    labels = table.column(source.label).to_numpy()
-    values = table.column(source.column).combine_chunks()
-    if source.shape is not None:
-        return values.to_numpy_ndarray().reshape(len(table), -1).astype(np.float32), labels
-    out = np.empty((len(table), int(np.prod(shape))), dtype=np.float32)
-    for i, blob in enumerate(values.to_pylist()):
-        out[i] = pixels(decode(blob, f"{url}#row={i}"), shape)
-    return out, labels
-
-
 # ---------------------------------------------------------------------------------------------
 # Partitions (run on the Dask workers)
 
@@ -268,10 +270,9 @@ def image_partition(
     split: SplitSettings,
     storage_options: Mapping[str, Any] | None,
 ) -> pd.DataFrame:
-    """Decoded images of one partition, split by content hash."""
-    return prepared_partition(
-        decode_images(files, shape, storage_options), np.asarray(labels, dtype=np.int64), split
-    )
+    """One partition of an image folder: the files' bytes as they are, split by content hash."""
+    blobs = [storage.read_bytes(url, storage_options) for url in files]
+    return encoded_examples(blobs, files, shape, np.asarray(labels, dtype=np.int64), split)
 
 
 def tensor_partition(
@@ -281,6 +282,16 @@ def tensor_partition(
     split: SplitSettings,
     storage_options: Mapping[str, Any] | None,
 ) -> pd.DataFrame:
-    """One parquet file's tensors or decoded images, split by content hash."""
-    x, y = tensor_rows(url, source, shape, storage_options)
-    return prepared_partition(x, y, split)
+    """One parquet file's tensors (kept in their dtype) or encoded images (kept encoded), split
+    by content hash."""
+    table = _read_columns(url, [source.column, source.label], storage_options)
+    labels = table.column(source.label).to_numpy()
+    values = table.column(source.column).combine_chunks()
+    if source.shape is not None:
+        x = values.to_numpy_ndarray()
+        modality = {1: "table", 2: "sequence", 3: "image"}[len(source.shape)]
+        if modality == "table":
+            return prepared_partition(x.reshape(len(table), -1).astype(np.float32), labels, split)
+        return tensor_examples(x, labels, modality, split)
+    names = [f"{url}#row={i}" for i in range(len(table))]
+    return encoded_examples(values.to_pylist(), names, shape, labels, split)

@@ -5,12 +5,16 @@ registry of kinds is :mod:`mopflow.training.data.sources.select`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from mopflow.infra.base import storage
 from mopflow.training.data.config import DataConfig
+from mopflow.training.data.examples import EXAMPLE_COLUMN, IMAGE, TENSOR, example_layout
 from mopflow.training.data.rules import (
     PARTITION_SEED_STRIDE,
     even_chunks,
@@ -26,6 +30,7 @@ from mopflow.training.data.sources.arrays import (
     shapes_partition,
 )
 from mopflow.training.data.sources.images import (
+    image_formats,
     image_partition,
     image_shape,
     list_image_folder,
@@ -39,6 +44,24 @@ from mopflow.training.models.families import DataSpec
 
 PROBE_CHUNK = 256  # images whose headers one task reads
 SHAPES_GENERATOR = "shapes-1"
+# in the fingerprint of every source stored as one example column: their shards' address changed
+EXAMPLE_STORAGE = {"storage": "example-column-1"}
+
+
+def _examples(
+    info: SourceInfo, encoding: str, dtype: str, row_bytes: float, formats: list[str] | None = None
+) -> SourceInfo:
+    """``info`` stored as one example column (images and sequences; tables keep their columns)."""
+    if info.modality == "table":
+        return info
+    layout = example_layout(encoding, info.input_shape, info.modality, dtype, formats or [])
+    return dataclasses.replace(
+        info,
+        fingerprint=info.fingerprint | EXAMPLE_STORAGE,
+        features=[EXAMPLE_COLUMN],
+        example=layout,
+        row_bytes=row_bytes,
+    )
 
 
 def _split(cfg: DataConfig) -> SplitSettings:
@@ -56,7 +79,8 @@ def describe_shapes(cfg: DataConfig, storage_options: Mapping[str, Any] | None, 
         "generator": SHAPES_GENERATOR,
     }
     names = [str(c) for c in range(classes)]
-    return SourceInfo(fingerprint, feature_columns(math.prod(shape)), None, "image", shape, "shapes", names)
+    info = SourceInfo(fingerprint, feature_columns(math.prod(shape)), None, "image", shape, "shapes", names)
+    return _examples(info, TENSOR, "float32", 4.0 * math.prod(shape))
 
 
 def shapes_spec(cfg: DataConfig) -> DataSpec:
@@ -74,7 +98,7 @@ def describe_npy(cfg: DataConfig, storage_options: Mapping[str, Any] | None, cli
     )
     shape, modality = check_npy_pair(*headers, cfg.dataset)
     fingerprint = _files_fingerprint(cfg, storage_options) | {"seed": cfg.seed, "shape": list(shape)}
-    return SourceInfo(
+    info = SourceInfo(
         fingerprint,
         feature_columns(math.prod(shape)),
         None,
@@ -85,6 +109,7 @@ def describe_npy(cfg: DataConfig, storage_options: Mapping[str, Any] | None, cli
         headers,
         storage_options,
     )
+    return _examples(info, TENSOR, str(headers[0].dtype), headers[0].dtype.itemsize * math.prod(shape))
 
 
 def _files_fingerprint(cfg: DataConfig, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -108,9 +133,9 @@ def describe_images(cfg: DataConfig, storage_options: Mapping[str, Any] | None, 
     else:
         futures = [client.submit(probe_images, chunk, storage_options, pure=False) for chunk in chunks]
         probes = [p for part in client.gather(futures) for p in part]
-    shape = image_shape(listing.files, probes, cfg.image_size)
+    shape = image_shape(listing.files, probes, cfg.image_size, cfg.mixed_channels)
     fingerprint = listing.fingerprint | {"seed": cfg.seed, "shape": list(shape)}
-    return SourceInfo(
+    info = SourceInfo(
         fingerprint,
         feature_columns(math.prod(shape)),
         None,
@@ -121,6 +146,7 @@ def describe_images(cfg: DataConfig, storage_options: Mapping[str, Any] | None, 
         listing,
         storage_options,
     )
+    return _examples(info, IMAGE, "uint8", listing.mean_bytes, image_formats(listing.files))
 
 
 def describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> SourceInfo:
@@ -147,7 +173,7 @@ def describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None,
         names = [
             f"{f}#row={i}" for f, part in zip(source.files, probes, strict=True) for i in range(len(part))
         ]
-        shape = image_shape(names, [p for part in probes for p in part], cfg.image_size)
+        shape = image_shape(names, [p for part in probes for p in part], cfg.image_size, cfg.mixed_channels)
         modality = "image"
     fingerprint = table_fingerprint(cfg.dataset, storage_options) | {
         "tensor_column": cfg.tensor_column,
@@ -155,7 +181,7 @@ def describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None,
         "seed": cfg.seed,
         "shape": list(shape),
     }
-    return SourceInfo(
+    info = SourceInfo(
         fingerprint,
         feature_columns(math.prod(shape)),
         None,
@@ -166,6 +192,9 @@ def describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None,
         source,
         storage_options,
     )
+    if source.shape is None:
+        return _examples(info, IMAGE, "uint8", 4.0 * math.prod(shape) / 8, ["png", "jpeg"])
+    return _examples(info, TENSOR, source.dtype, np.dtype(source.dtype).itemsize * math.prod(shape))
 
 
 def _chunks(n: int, cfg: DataConfig) -> list[tuple[int, int]]:
