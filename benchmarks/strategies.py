@@ -19,6 +19,10 @@ weight decay 1e-5) are trained for 4 epochs each on MNIST-1D by every strategy i
   paper's "MA" baseline): the same partitions as MOP; each epoch a copy of the model trains on
   each partition at once, from the same weights, and the copies are averaged. Not a strategy of
   the search: a baseline here.
+* ``ddp_trials`` and ``ddp_one_at_a_time``: ``DDPExecutor(world_size=2)`` on a fresh 4-worker
+  ``LocalCluster`` (one thread per worker): as many trials at once as gangs of 2 workers fit (2),
+  or one (``max_trials=1``). With 8 configurations, trials wait for a gang. Compared by each
+  worker's idle fraction (``benchmarks/studies/ddp_gangs.py``).
 
 Data: ``DataConfig(num_samples=142_000, partition_rows=50_000, n_shards=4)`` (>= 100,000
 training rows; the row counts are read from the manifest) is sharded once with
@@ -57,7 +61,11 @@ Figures per strategy
   sequential's accuracy of the same configuration), in points (models that did not finish every
   epoch under both are left out; ``gap_models`` counts the rest).
 * ``idle`` (mop only): mean over MOP rounds of ``gantt.idle_fraction`` of that round's records.
-* ``cpu`` (sequential, task, mop, averaging): CPU seconds during the timed run, from psutil: the
+* ``worker_idle`` (the DDP rows): per worker, 1 - busy / wall, busy being the summed spans of the
+  executor's records whose gang includes the worker, clipped to the sweep's wall interval;
+  ``worker_idle_max`` and ``worker_idle_mean`` over the workers. A scheduling measure: it keeps
+  its meaning on a machine with fewer cores than workers.
+* ``cpu`` (every strategy): CPU seconds during the timed run, from psutil: the
   strategy subprocess (the coordinator), its live descendants (Dask nannies and workers), and
   ``other_s`` = machine busy time less both (other jobs on a shared host). Not a target: it
   tells a strategy that did more work (more worker seconds for the same rows) from one that got
@@ -69,11 +77,17 @@ MOP >= 0.9x the task-parallel throughput, <= 1/2 of its data footprint, >= 1.5x 
 throughput, idle fraction <= 10%, accuracy after the last epoch within 0.5 points of sequential.
 Model averaging's gap to sequential is reported as measured (MEASURED; the paper finds that MA
 lags, and the line says whether it does here: by more than 0.5 points).
+DDP concurrent trials: no worker idle for more than 10% of the sweep; one trial at a time's figure
+beside it (MEASURED), and the throughput gain the two rows' busy worker fractions imply where every
+worker has a core of its own (EXPECTED; with fewer cores than workers it is not measured).
 
 Output: a plain-text table on stdout, the accuracy by epoch, the target lines, and in the
 ``--out`` folder (default ``benchmarks/results/``) every figure in ``strategies.json`` (with the
 CPU count, load averages and the date) and the learning curves in ``strategies_curves.png``
-(per strategy, the mean across the configurations and their range). ``--quick`` never writes over
+(per strategy, the mean across the configurations and their range); ``--out`` may instead name
+the JSON file (``results/strategies_ddp_trials.json``: the PNG goes beside it, named after it), so
+that a run of some strategies leaves the recorded ``strategies.json`` as it is. ``--note`` is
+stored in the JSON and printed (e.g. that the machine was shared). ``--quick`` never writes over
 the committed results: without ``--out`` it writes to a new temporary folder. Timings are
 wall-clock on a shared machine: other processes running at the same time slow every strategy down.
 
@@ -87,6 +101,8 @@ Run it from the repository root::
 
     .venv/bin/python benchmarks/strategies.py            # full size (~2-3 minutes on 2 quiet cores)
     .venv/bin/python benchmarks/strategies.py --quick    # smoke test: 3000 samples, 2 configs, 2 epochs
+    .venv/bin/python benchmarks/strategies.py --strategies ddp_trials,ddp_one_at_a_time \
+        --out benchmarks/results/strategies_ddp_trials.json
     .venv/bin/python benchmarks/strategies.py --strategies mop,averaging --epochs 2 --out /tmp/s
     python benchmarks/strategies.py --device cuda --num-samples 1000000 --trials-per-gpu 1,2,4,8
 """
@@ -118,8 +134,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importable
     sys.path.insert(0, str(REPO_ROOT))
 
+from studies import ddp_gangs  # noqa: E402
+
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-STRATEGY_ORDER = ("sequential", "task", "mop", "ddp", "averaging")
+STRATEGY_ORDER = ("sequential", "task", "mop", "ddp", "averaging", *ddp_gangs.ROWS)
 N_WORKERS = 2
 DDP_WORLD_SIZE = 2
 MB = 1024 * 1024
@@ -160,11 +178,13 @@ class Settings:
     quick: bool
     device: str = "cpu"  # cpu | cuda
     trials_per_gpu: tuple[int, ...] = ()  # cuda: the task strategy again with k workers per GPU
+    name: str = ""  # the output files' name when --out names the JSON file
+    note: str = ""  # stored in the JSON and printed (--note)
 
     @property
     def stem(self) -> str:
         """The name of the output files."""
-        return "strategies-cuda" if self.device == "cuda" else "strategies"
+        return self.name or ("strategies-cuda" if self.device == "cuda" else "strategies")
 
 
 def model_specs(settings: Settings) -> list[dict[str, Any]]:
@@ -381,7 +401,9 @@ def _run_on_workers(name: str, job: dict[str, Any], specs: list[Any], data: Any,
 
 
 def _run_ddp(name: str, job: dict[str, Any], specs: list[Any], data: Any, shared: Any) -> Any:
-    """Each model's W ranks in W Dask workers, one model after another."""
+    """Each model's W ranks in W Dask workers: ``ddp`` on W workers, one model after another;
+    the gang rows (``ddp_gangs.ROWS``) on ``ddp_gangs.WORKERS`` workers, as many models at once
+    as the row allows."""
     from mopflow.training.executors.ddp import DDPExecutor
 
     world = DDP_WORLD_SIZE
@@ -389,22 +411,31 @@ def _run_ddp(name: str, job: dict[str, Any], specs: list[Any], data: Any, shared
         import torch
 
         world = max(1, min(DDP_WORLD_SIZE, torch.cuda.device_count()))
-    with _cluster(job | {"trials_per_gpu": 1}, shared, world) as (client, _):
-        client.wait_for_workers(world, timeout=120)
+    gangs = name in ddp_gangs.ROWS and job.get("device") != "cuda"
+    n_workers = ddp_gangs.WORKERS if gangs else world
+    with _cluster(job | {"trials_per_gpu": 1}, shared, n_workers) as (client, _):
+        client.wait_for_workers(n_workers, timeout=120)
         executor = DDPExecutor(
-            client, data, world_size=world, epoch_timeout_s=float(job["ddp_epoch_timeout_s"])
+            client,
+            data,
+            world_size=world,
+            epoch_timeout_s=float(job["ddp_epoch_timeout_s"]),
+            max_trials=ddp_gangs.ROWS.get(name),
         )
-        started = time.perf_counter()
-        outcomes = executor.run(specs, int(job["epochs"]))
-        wall_s = time.perf_counter() - started
+        workers = list(client.scheduler_info()["workers"])
+        sweep_start = time.time()
+        outcomes, result = _timed_run(executor, specs, int(job["epochs"]))
+        result |= ddp_gangs.idle_figures(executor.records, workers, sweep_start, time.time())
     train_rows = int(job["train_rows"])
-    result = {
-        "wall_s": wall_s,
+    at_once = ddp_gangs.trials_at_once(name, len(workers), world) if name in ddp_gangs.ROWS else 1
+    result |= {
         "world_size": world,
-        "footprint_bytes": DDP_WORLD_SIZE * train_rows * BYTES_PER_ROW,
+        "workers": len(workers),
+        "trials_at_once": at_once,
+        "footprint_bytes": at_once * world * train_rows * BYTES_PER_ROW,
         "footprint_method": (
-            f"computed: every rank loads the full training split ({DDP_WORLD_SIZE} x {train_rows} rows "
-            f"x {BYTES_PER_ROW} bytes)"
+            f"computed: every rank of the {at_once} trial(s) at once loads the full training split "
+            f"({at_once * world} x {train_rows} rows x {BYTES_PER_ROW} bytes)"
         ),
         "moved_bytes": int(sum(executor.allreduce_bytes.values())),
         "moved_method": (
@@ -414,6 +445,8 @@ def _run_ddp(name: str, job: dict[str, Any], specs: list[Any], data: Any, shared
         ),
         "moved_is_estimate": False,
         "launches_s": [float(r["end"]) - float(r["start"]) for r in executor.records],
+        "attempts": ddp_gangs.attempts(executor.records, sweep_start),
+        "interruptions": executor.interruptions,
     }
     return outcomes, result | _ddp_steps(specs, outcomes, executor.allreduce_bytes, train_rows)
 
@@ -449,6 +482,7 @@ RUNNERS: dict[str, Callable[[str, dict[str, Any], list[Any], Any, Any], Any]] = 
     "mop": _run_on_workers,
     "ddp": _run_ddp,
     "averaging": _run_on_workers,
+    **dict.fromkeys(ddp_gangs.ROWS, _run_ddp),
 }
 
 
@@ -623,6 +657,7 @@ def learning_curves(results: Mapping[str, Mapping[str, Any]], epochs: int) -> di
 def format_curves(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Accuracy by epoch per strategy: the mean across the configurations [lowest, highest]."""
     lines = ["validation accuracy by epoch (mean over configurations [min, max]):"]
+    w = max([11, *(len(name) + 1 for name in results)])
     for name, r in results.items():
         c = r.get("curve")
         if "error" in r or not c:
@@ -630,7 +665,7 @@ def format_curves(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
         cells = [
             f"{m:.4f} [{lo:.3f}, {hi:.3f}]" for m, lo, hi in zip(c["mean"], c["min"], c["max"], strict=True)
         ]
-        lines.append(f"  {name:<11}" + "  ".join(cells))
+        lines.append(f"  {name:<{w}}" + "  ".join(cells))
     return lines
 
 
@@ -673,19 +708,20 @@ def plot_curves(results: Mapping[str, Mapping[str, Any]], path: Path, title: str
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
+    w = max([11, *(len(name) + 1 for name in results)])
     header = (
-        f"{'strategy':<11}{'wall_s':>9}{'per_epoch_s':>13}{'rows_per_s':>12}{'footprint_mb':>14}"
+        f"{'strategy':<{w}}{'wall_s':>9}{'per_epoch_s':>13}{'rows_per_s':>12}{'footprint_mb':>14}"
         f"{'moved_mb':>11}{'val_acc_mean':>14}{'gap_pts':>9}{'idle':>7}"
     )
     lines = [header, "-" * len(header)]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"{name:<11}FAILED: {r['error']}")
+            lines.append(f"{name:<{w}}FAILED: {r['error']}")
             continue
         moved = r["moved_bytes"] / MB
         moved_s = f"~{moved:.1f}" if r.get("moved_is_estimate") else f"{moved:.1f}"
         lines.append(
-            f"{name:<11}{r['wall_s']:>9.1f}{r['per_epoch_s']:>13.1f}{r['rows_per_s']:>12.0f}"
+            f"{name:<{w}}{r['wall_s']:>9.1f}{r['per_epoch_s']:>13.1f}{r['rows_per_s']:>12.0f}"
             f"{r['footprint_bytes'] / MB:>14.1f}{moved_s:>11}{_fmt(r['val_acc_mean'], '.4f'):>14}"
             f"{_fmt(r.get('gap_points'), '+.2f'):>9}{_fmt(r.get('idle_fraction'), '.1%'):>7}"
         )
@@ -714,8 +750,9 @@ def format_cpu(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def evaluate_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The Cerebro targets for MOP and model averaging's measured gap; a target whose inputs are
-    missing is UNDEFINED. The accuracy lines need ``learning_curves``' ``gap_points`` in ``results``."""
+    """The Cerebro targets for MOP, model averaging's measured gap and the DDP rows' worker idle
+    (``ddp_gangs.targets``); a target whose inputs are missing is UNDEFINED. The accuracy lines
+    need ``learning_curves``' ``gap_points`` in ``results``."""
 
     def ok(name: str) -> dict[str, Any] | None:
         r = results.get(name)
@@ -765,7 +802,7 @@ def evaluate_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]
         within,
     )
     targets.append(averaging_gap(ok("averaging") if seq else None))
-    return targets
+    return targets + ddp_gangs.targets(ok("ddp_trials"), ok("ddp_one_at_a_time"))
 
 
 def averaging_gap(averaging: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -803,15 +840,22 @@ def format_target(t: dict[str, Any]) -> str:
     return f"{t['status']:<9} {t['target']}: {shown} (target {t['bound']}){note}"
 
 
-def run_all(settings: Settings, job_path: Path, work: Path, shared: Any) -> dict[str, dict[str, Any]]:
+def cluster_size(name: str) -> int:
+    """The workers a strategy runs on (``--quick``: the size of the shared cluster it takes)."""
+    return ddp_gangs.WORKERS if name in ddp_gangs.ROWS else N_WORKERS
+
+
+def run_all(
+    settings: Settings, job_path: Path, work: Path, shared: Mapping[int, Any]
+) -> dict[str, dict[str, Any]]:
     """Every strategy of the run, each in its own subprocess (``--quick``: one after another on
-    the ``shared`` cluster, in this process), with their progress printed."""
+    the ``shared`` cluster of its size, in this process), with their progress printed."""
     results: dict[str, dict[str, Any]] = {}
     job = json.loads(job_path.read_text())
     for name in settings.strategies:
         print(f"running {name} ({settings.configs} configs x {settings.epochs} epochs) ...", flush=True)
-        if shared is not None:
-            results[name] = run_guarded(name, job, shared)
+        if shared:
+            results[name] = run_guarded(name, job, shared[cluster_size(name)])
         else:
             results[name] = launch(name, job_path, work, settings.timeout_s)
         _print_progress(name, results[name])
@@ -840,6 +884,8 @@ DEFINITIONS = {
     "rows_per_s": "configs x epochs x train rows / wall_s (wall of executor.run only)",
     "per_epoch_s": "wall_s / epochs",
     "idle_fraction": "mop: mean over rounds of training.executors.gantt.idle_fraction(round records)",
+    "worker_idle": "ddp rows: per worker, 1 - busy / sweep wall; busy = sum over the executor's records "
+    "whose gang includes the worker of (end - start) clipped to the sweep's wall interval",
     "val_acc_mean": "mean over models of units.evaluate_state(final state) on the validation split",
     "curves": "per model: the val_acc of the EpochReport after each epoch (outcome.history)",
     "curve": "per epoch: mean, population std, min, max of the curves across models, and how many",
@@ -853,18 +899,19 @@ def run(settings: Settings, out_dir: Path) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-strategies-"))
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, work, ignore_errors=True)
-        shared = None
-        if settings.quick:  # one process, one cluster: it checks that everything runs, fast
+        shared: dict[int, Any] = {}
+        if settings.quick:  # one process, a cluster per size: it checks that everything runs, fast
             _one_thread_quietly()
-            shared, _ = stack.enter_context(_cluster({"device": settings.device}, None))
+            for size in sorted({cluster_size(name) for name in settings.strategies}):
+                shared[size], _ = stack.enter_context(_cluster({"device": settings.device}, None, size))
         return _run(settings, out_dir, work, shared, wall_start)
 
 
-def _run(settings: Settings, out_dir: Path, work: Path, shared: Any, wall_start: float) -> int:
+def _run(settings: Settings, out_dir: Path, work: Path, shared: dict[int, Any], wall_start: float) -> int:
     """Shard the data, run the strategies, print and write the results."""
     from importlib.metadata import version
 
-    manifest_uri, manifest, shard_s = shard(settings, str(work / "data"), shared)
+    manifest_uri, manifest, shard_s = shard(settings, str(work / "data"), next(iter(shared.values()), None))
     splits = manifest["splits"]
     train_rows = sum(int(e["rows"]) for e in splits["train"])
     val_rows = sum(int(e["rows"]) for e in splits["validation"])
@@ -893,15 +940,18 @@ def _run(settings: Settings, out_dir: Path, work: Path, shared: Any, wall_start:
     per_gpu = _trials_per_gpu_sweep(settings, job, work)
     table = format_table(results)
     targets = evaluate_targets(results)
+    gang_rows = [name for name in settings.strategies if name in ddp_gangs.ROWS]
     header = (
         f"strategies: {len(models)} configs x {settings.epochs} epochs, {train_rows} train rows, "
         f"batch {settings.batch_size}, {N_WORKERS} workers / DDP world {DDP_WORLD_SIZE}, "
         f"{os.cpu_count()} CPUs"
-        + (" (--quick: one process, one cluster; timings not comparable)" if settings.quick else "")
+        + (" (--quick: one process, shared clusters; timings not comparable)" if settings.quick else "")
+        + (f"; {ddp_gangs.WORKERS} workers for {', '.join(gang_rows)}" if gang_rows else "")
+        + (f"\nnote: {settings.note}" if settings.note else "")
     )
     curve_lines = format_curves(results)
     target_lines = [format_target(t) for t in targets]
-    cpu_lines = format_cpu(results)
+    cpu_lines = format_cpu(results) + ddp_gangs.format_idle(results)
     per_gpu_lines = format_trials_per_gpu(per_gpu)
     print(f"\n{header}\n{table}\n")
     print("\n".join([*curve_lines, "", *target_lines, *cpu_lines, *per_gpu_lines]))
@@ -913,6 +963,7 @@ def _run(settings: Settings, out_dir: Path, work: Path, shared: Any, wall_start:
     report = {
         "benchmark": "strategies",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "note": settings.note,
         "machine": {
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),
@@ -924,6 +975,7 @@ def _run(settings: Settings, out_dir: Path, work: Path, shared: Any, wall_start:
         | {
             "parallel_trials": N_WORKERS,
             "ddp_world_size": DDP_WORLD_SIZE,
+            "ddp_gang_workers": ddp_gangs.WORKERS,
             "models": models,
             "data_config": manifest["config"],
         },
@@ -1015,7 +1067,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help="folder for the JSON and the curves PNG (default benchmarks/results/; --quick: a new temporary folder)",
+        help="folder for the JSON and the curves PNG (default benchmarks/results/; --quick: a new temporary "
+        "folder), or the JSON file (NAME.json; the PNG goes beside it as NAME_curves.png)",
+    )
+    parser.add_argument(
+        "--note", default="", help="a remark stored in the JSON and printed (e.g. a shared machine)"
     )
     parser.add_argument("--run-strategy", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--job", type=Path, default=None, help=argparse.SUPPRESS)
@@ -1035,6 +1091,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 1 <= configs <= len(CONFIGS):
         raise SystemExit(f"--configs must be between 1 and {len(CONFIGS)}")
     per_gpu = tuple(int(k) for k in args.trials_per_gpu.split(",") if k.strip())
+    named = args.out is not None and args.out.suffix == ".json"  # --out names the JSON file
     if per_gpu and args.device != "cuda":
         raise SystemExit("--trials-per-gpu needs --device cuda")
     if args.device == "cuda" and not args.run_strategy:
@@ -1054,12 +1111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         strategies=strategies,
         timeout_s=args.timeout_s,
         quick=args.quick,
+        name=args.out.stem if named else "",
+        note=args.note,
     )
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import distributed  # noqa: F401 - importing it sets its loggers from Dask's config
 
     logging.getLogger("distributed").setLevel(logging.WARNING)  # its INFO chatter hides the table
-    return run(settings, output_dir(args.out, args.quick))
+    return run(settings, output_dir(args.out.parent if named else args.out, args.quick))
 
 
 def output_dir(out: Path | None, quick: bool) -> Path:

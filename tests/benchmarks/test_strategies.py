@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from studies import ddp_gangs
 
 from tests.benchmarks.loader import BENCHMARKS_DIR, load_benchmark
 
@@ -63,6 +64,44 @@ def test_mop_must_end_within_half_a_point_of_sequential(gap: float, status: str)
     assert targets["Model averaging gap to sequential (last epoch)"]["status"] == "UNDEFINED"
 
 
+def test_a_worker_is_busy_while_a_gang_that_includes_it_trains_within_the_sweep() -> None:
+    records = [
+        {
+            "model": "m0",
+            "worker": "a,b",
+            "start": 5.0,
+            "end": 12.0,
+        },  # starts before the sweep: clipped to 10..12
+        {"model": "m1", "worker": "a,b", "start": 12.0, "end": 20.0},
+        {"model": "m2", "worker": "c,d", "start": 10.0, "end": 25.0},  # ends after it: clipped to 10..20
+    ]
+    busy = ddp_gangs.busy_seconds(records, ["a", "b", "c", "d", "e"], 10.0, 20.0)
+    assert busy == {"a": 10.0, "b": 10.0, "c": 10.0, "d": 10.0, "e": 0.0}
+    figures = ddp_gangs.idle_figures(records[:2], ["a", "b", "c", "d"], 10.0, 20.0)
+    assert figures["worker_idle"] == {"a": 0.0, "b": 0.0, "c": 1.0, "d": 1.0}
+    assert figures["worker_idle_max"] == 1.0 and figures["worker_idle_mean"] == 0.5
+    assert figures["sweep_s"] == 10.0
+    # while trials wait (until m1, the last, starts at 12): c and d had nothing for those 2 s
+    assert figures["waiting_s"] == 2.0 and figures["worker_idle_waiting"]["c"] == 1.0
+    assert figures["worker_idle_waiting"]["a"] == 0.0 and figures["worker_idle_waiting_max"] == 1.0
+    (first, *_) = ddp_gangs.attempts(records, 10.0)
+    assert first["gang"] == ["a", "b"] and (first["start_s"], first["end_s"]) == (-5.0, 2.0)
+
+
+def test_concurrent_trials_pass_at_ten_percent_idle_and_the_gain_is_only_expected() -> None:
+    assert ddp_gangs.trials_at_once("ddp_trials") == 2 and ddp_gangs.trials_at_once("ddp_one_at_a_time") == 1
+    concurrent = {"worker_idle_waiting_max": 0.08, "worker_idle_mean": 0.05}
+    one = {"worker_idle_waiting_max": 1.0, "worker_idle_mean": 0.525}
+    lines = {t["target"]: t for t in ddp_gangs.targets(concurrent, one, cpus=2)}
+    assert lines["DDP concurrent trials: max worker idle while trials wait"]["status"] == "PASS"
+    assert lines["DDP one trial at a time: max worker idle while trials wait"]["status"] == "MEASURED"
+    (gain,) = [t for t in lines.values() if t["unit"] == "x"]
+    assert gain["status"] == "EXPECTED" and gain["value"] == pytest.approx(0.95 / 0.475)
+    assert "not measurable on this 2-core machine" in bench.format_target(gain)
+    failing = ddp_gangs.targets({"worker_idle_waiting_max": 0.11, "worker_idle_mean": 0.1}, None)
+    assert [t["status"] for t in failing] == ["FAIL", "UNDEFINED", "UNDEFINED"]
+
+
 def test_a_quick_run_never_writes_over_the_committed_results(tmp_path: Path) -> None:
     assert bench.output_dir(None, quick=False) == bench.RESULTS_DIR
     assert bench.output_dir(tmp_path / "out", quick=True) == tmp_path / "out"
@@ -85,7 +124,15 @@ def test_the_quick_run_writes_curves_and_gaps_for_every_strategy(tmp_path: Path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "strategies.json").read_text())
     results = report["results"]
-    assert list(results) == ["sequential", "task", "mop", "ddp", "averaging"]
+    assert list(results) == [
+        "sequential",
+        "task",
+        "mop",
+        "ddp",
+        "averaging",
+        "ddp_trials",
+        "ddp_one_at_a_time",
+    ]
     epochs, configs = report["settings"]["epochs"], report["settings"]["configs"]
     for name, r in results.items():
         assert "error" not in r, (name, r.get("log_tail"))
@@ -93,7 +140,14 @@ def test_the_quick_run_writes_curves_and_gaps_for_every_strategy(tmp_path: Path)
         assert r["curve"]["epoch"] == list(range(1, epochs + 1)), name
         assert r["gap_models"] == configs and isinstance(r["gap_points"], float), name
     assert results["sequential"]["gap_points"] == 0.0
+    trials, one = results["ddp_trials"], results["ddp_one_at_a_time"]
+    assert (trials["workers"], trials["trials_at_once"], one["trials_at_once"]) == (4, 2, 1)
+    assert trials["worker_idle_max"] < 1.0  # both trials at once: every worker held a rank
+    assert one["worker_idle_mean"] >= 0.5  # one gang of 2 of the 4 workers at a time
+    assert sorted(a["model"] for a in one["attempts"]) == sorted(one["curves"])
     targets = {t["target"]: t for t in report["targets"]}
+    assert targets["DDP concurrent trials: max worker idle"]["status"] in ("PASS", "FAIL")
+    assert targets["DDP one trial at a time: max worker idle"]["status"] == "MEASURED"
     assert targets["MOP accuracy gap to sequential (last epoch)"]["status"] in ("PASS", "FAIL")
     assert targets["Model averaging gap to sequential (last epoch)"]["status"] == "MEASURED"
     assert (tmp_path / report["curves_png"]).stat().st_size > 10_000

@@ -10,7 +10,6 @@ batch (:class:`JobPreempted`) and starts again there.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -28,7 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.2  # how long the coordinator waits for a report before it checks the ranks
+POLL_S = 0.05  # how often the coordinator looks for a report (and checks the ranks every CHECK_S)
+CHECK_S = 0.5
 
 
 class RankLost(RuntimeError):
@@ -90,9 +90,13 @@ class DDPJob:
         """The epoch the job starts at: after the latest finished epoch in the checkpoint (a
         checkpoint taken mid-epoch continues that epoch). None when the checkpoint already ends
         the training (all epochs done, or the controller stops it)."""
+        # epochs heard in an attempt that ended past its checkpoint are trained again: the record
+        # keeps only those the checkpoint covers (none without one)
+        covered = int(found[1].get("epoch", -1)) if found is not None else -1
+        self.outcome.history = [r for r in self.outcome.history if r.epoch <= covered]
         if found is None:
             return 0
-        start_epoch = int(found[1].get("epoch", -1)) + 1
+        start_epoch = covered + 1
         self.executor.note_resumed(self.spec.model_id, start_epoch - 1, found[0])
         log.info("ddp: %s resumes at epoch %d from its checkpoint", self.spec.model_id, start_epoch + 1)
         # a restarted coordinator (or a promoted trial): the epochs it had, told again
@@ -160,18 +164,26 @@ class DDPJob:
     def _follow(self, ranks: _Ranks) -> None:
         """Answer rank 0's reports with the controller's decision until every rank is done;
         raise when a rank is lost or no epoch finishes within the epoch timeout."""
-        last_progress = time.monotonic()
+        last_progress = last_check = time.monotonic()
         while True:
-            with contextlib.suppress(TimeoutError):  # nothing yet: check the ranks
-                report = _report(ranks.reports.get(timeout=POLL_S))
-                last_progress = time.monotonic()
+            # qsize, then get: a get that times out as a report arrives can lose it (asyncio's
+            # wait_for before Python 3.12), and rank 0 would wait for an answer that never comes
+            heard = _drain(ranks.reports)
+            for report in heard:
                 self._hear(report, ranks)
+            now = time.monotonic()
+            if heard:
+                last_progress = now
             done = {f for f in ranks.futures if f.done()}
             if len(done) == len(ranks.futures):
                 return
-            self._check_ranks(ranks.futures, done)
-            if time.monotonic() - last_progress > self.executor.epoch_timeout_s:
+            if done or now - last_check >= CHECK_S:
+                self._check_ranks(ranks.futures, done)
+                last_check = now
+            if now - last_progress > self.executor.epoch_timeout_s:
                 raise TimeoutError(f"no epoch finished within {self.executor.epoch_timeout_s:.0f}s")
+            if not heard:
+                time.sleep(POLL_S)
 
     def _collect(self, ranks: _Ranks) -> None:
         """The ranks' results: their processes, the bytes they all-reduced, the last reports and

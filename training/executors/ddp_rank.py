@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import socket
+import time
 from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -180,6 +181,7 @@ def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
     from mopflow.training.data import load_manifest
     from mopflow.training.data.ref import DataRef
     from mopflow.training.executors.units import training_rows
+    from mopflow.training.trainable.augment import augmenter
     from mopflow.training.trainable.schedule import steps_per_epoch
     from mopflow.training.trainable.unit import ModelSpec, TrainableUnit
 
@@ -199,6 +201,7 @@ def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
     share = n_rows // world if streamed else math.ceil(n_rows / world)
     epoch_steps = steps_per_epoch([share], int(spec.params["batch_size"]))
     unit = TrainableUnit.build(spec, manifest, epochs * epoch_steps)
+    unit.augment = augmenter(data.augment, data.spec.modality, data.spec.input_shape)  # as every unit
     if job.get("resume_uri"):  # safetensors: nothing unpickled
         unit.import_state(storage.read_bytes(job["resume_uri"], data.storage_options))
     return unit, tensors, data
@@ -242,8 +245,15 @@ class _RankZero:
         self.reports.append(report)
         Queue(self.job["queue"]).put(json.dumps(report))
         # the other ranks wait in the broadcast meanwhile: nobody trains past an undecided epoch
-        wait_s = float(self.job.get("collective_timeout_s", 120))
-        return bool(Queue(self.job["decisions"]).get(timeout=wait_s) == STOP)
+        decisions, deadline = (
+            Queue(self.job["decisions"]),
+            time.monotonic() + float(self.job.get("collective_timeout_s", 120)),
+        )
+        while not decisions.qsize():  # qsize, then get: a get timing out as the answer arrives could lose it
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no decision on epoch {epoch + 1} from the coordinator")
+            time.sleep(0.01)
+        return bool(decisions.get(timeout=5) == STOP)
 
 
 class _CommHook:

@@ -92,10 +92,11 @@ class WorkerGangs:
             for address, worker in info.items()
             if all(float((worker.get("resources") or {}).get(k, 0)) >= v for k, v in self.needed.items())
         ]
-        new = [a for a in fit if a not in self._known]
-        if new:
-            self._known |= self.client.run(worker_device, workers=new)
-        return {a: self._known[a] for a in fit if a in self._known}
+        with self._lock:  # the trials' threads ask at once; each new worker is asked once
+            new = [a for a in fit if a not in self._known]
+            if new:
+                self._known |= self.client.run(worker_device, workers=new, on_error="ignore")
+            return {a: self._known[a] for a in fit if a in self._known}
 
     def slots(self, wait_s: float) -> int:
         """How many trials may train at once; waits up to ``wait_s`` for workers (a restarting
