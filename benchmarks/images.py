@@ -73,12 +73,14 @@ QUICK = [
 ]
 
 
-def run_demo(overrides: list[str]) -> tuple[dict, float]:
-    """The image demo in a fresh MOPFLOW_HOME: its summary and wall seconds."""
+def run_demo(overrides: list[str], home: Path | None = None) -> tuple[dict, float]:
+    """The image demo in a fresh MOPFLOW_HOME (``home``, kept; else a temporary one): its
+    summary and wall seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
-        env["MOPFLOW_HOME"] = str(Path(tmp) / "home")
-        summary = Path(tmp) / "summary.json"
+        env["MOPFLOW_HOME"] = str(home or Path(tmp) / "home")
+        summary = (home or Path(tmp)) / "summary.json"
+        summary.parent.mkdir(parents=True, exist_ok=True)
         sets = [arg for item in overrides for arg in ("--set", item)]
         command = [sys.executable, "-m", "mopflow.infra.cli", "run", "--config", str(CONFIG), *sets]
         started = time.monotonic()
@@ -106,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
     )
     parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key (as mopflow run --set, after --quick's); not the demo any more",
+    )
+    parser.add_argument(
+        "--home", type=Path, default=None, help="run in this MOPFLOW_HOME and keep it (its summary.json too)"
+    )
+    parser.add_argument(
         "--storage", action="store_true", help="shard bytes, throughput and RSS of PNG images"
     )
     parser.add_argument(
@@ -115,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.storage:
         return storage_main(args)
     out = results_file(args.out, args.quick)
-    overrides = QUICK if args.quick else []
+    overrides = [*(QUICK if args.quick else []), *args.overrides]
     load_before = list(os.getloadavg())
-    summary, wall = run_demo(overrides)
+    summary, wall = run_demo(overrides, args.home)
     ensemble = float(summary["ensemble"]["test_acc"])
     # both students from the evaluation report: the summary's student is the one kept, which is
     # the hard-label twin when that one validates better

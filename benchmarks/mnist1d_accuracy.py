@@ -145,9 +145,14 @@ def format_table(row: dict[str, Any]) -> str:
     return "\n".join([header, "-" * len(header), line])
 
 
-def run(out: Path | None, overrides: Sequence[str], keep: bool, quick: bool = False) -> int:
+def run(
+    out: Path | None, overrides: Sequence[str], keep: bool, quick: bool = False, home: Path | None = None
+) -> int:
     started_at = datetime.now(UTC)
-    home = Path(tempfile.mkdtemp(prefix="mopflow-mnist1d-bench-"))
+    keep = keep or home is not None
+    if home is None:
+        home = Path(tempfile.mkdtemp(prefix="mopflow-mnist1d-bench-"))
+    home.mkdir(parents=True, exist_ok=True)
     summary_path, log_path = home / "summary.json", home / "run.log"
     load_before = os.getloadavg()
     try:
@@ -286,9 +291,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
     )
     parser.add_argument("--keep", action="store_true", help="keep the run's MOPFLOW_HOME and log")
+    parser.add_argument(
+        "--home",
+        type=Path,
+        default=None,
+        help="run in this MOPFLOW_HOME (kept, with summary.json and run.log)",
+    )
     args = parser.parse_args(argv)
     overrides = [*QUICK, *args.overrides] if args.quick else args.overrides
-    return run(results_file(args.out, args.quick), overrides, args.keep, args.quick)
+    return run(results_file(args.out, args.quick), overrides, args.keep, args.quick, args.home)
 
 
 def results_file(out: Path | None, quick: bool) -> Path | None:

@@ -1,4 +1,7 @@
-"""`mopflow run` end to end through Airflow's dag.test() on a tiny config, then the outcomes."""
+"""`mopflow run` end to end through Airflow's dag.test() on a tiny config, then the outcomes.
+
+The run is the accuracy benchmark's quick run (``benchmarks/mnist1d_accuracy.py --quick``, with the
+tiny settings on top): one pipeline run serves both, and the benchmark's report is checked too."""
 
 from __future__ import annotations
 
@@ -46,16 +49,42 @@ def _mopflow(home: Path, *args: str, timeout: int = 900) -> subprocess.Completed
     )
 
 
+def quick_benchmark(home: Path, script: str, settings: list[str]) -> dict:
+    """``benchmarks/<script> --quick`` run in ``home`` (kept) with ``settings`` on top; its report
+    (written next to ``home``, never to ``benchmarks/results/``)."""
+    report = home.parent / f"{Path(script).stem}.json"
+    recorded = {p.name: p.stat().st_mtime_ns for p in (REPO / "benchmarks" / "results").iterdir()}
+    sets = [arg for item in settings for arg in ("--set", item)]
+    command = [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--home", str(home)]
+    proc = subprocess.run(
+        [*command, "--out", str(report), *sets],
+        cwd=REPO,
+        env=_env(home),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert recorded == {p.name: p.stat().st_mtime_ns for p in (REPO / "benchmarks" / "results").iterdir()}
+    return json.loads(report.read_text())
+
+
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     home = tmp_path_factory.mktemp("e2e") / "home"
-    config = home.parent / "tiny.json"
-    config.write_text(json.dumps(TINY))
-    summary_file = home.parent / "summary.json"
-    proc = _mopflow(home, "run", "--config", str(config), "--summary-json", str(summary_file))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "mopflow run summary" in proc.stdout
-    return home, json.loads(summary_file.read_text())
+    quick_benchmark(home, "mnist1d_accuracy.py", [f"{k}={v}" for k, v in TINY.items()])
+    return home, json.loads((home / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_the_run_gives_the_accuracy_benchmarks_quick_report(pipeline_run: tuple[Path, dict]) -> None:
+    from tests.benchmarks.test_quick import check_mnist1d_accuracy
+
+    home, summary = pipeline_run
+    report = json.loads((home.parent / "mnist1d_accuracy.json").read_text())
+    check_mnist1d_accuracy(report, home.parent)
+    assert report["result"]["student_test_acc"] == summary["student"]["test_acc"]
+    assert "mopflow run summary" in (home / "run.log").read_text()
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.dags.serving import invoke, served
-from tests.dags.test_end_to_end import REPO, _mopflow
+from tests.dags.test_end_to_end import quick_benchmark
 
 TINY_IMAGES = [
     "num_samples=800",
@@ -27,20 +27,21 @@ TINY_IMAGES = [
 
 @pytest.fixture(scope="module")
 def images_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The image benchmark's quick run (``benchmarks/images.py --quick``: the image demo config)
+    with the tiny settings on top; one pipeline run serves both."""
     home = tmp_path_factory.mktemp("e2e-images") / "home"
-    summary_file = home.parent / "summary.json"
-    overrides = [arg for item in TINY_IMAGES for arg in ("--set", item)]
-    proc = _mopflow(
-        home,
-        "run",
-        "--config",
-        str(REPO / "infra" / "configs" / "images.yaml"),
-        *overrides,
-        "--summary-json",
-        str(summary_file),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return home, json.loads(summary_file.read_text())
+    quick_benchmark(home, "images.py", TINY_IMAGES)
+    return home, json.loads((home / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_the_run_gives_the_image_benchmarks_quick_report(images_run: tuple[Path, dict]) -> None:
+    from tests.benchmarks.test_quick import check_images
+
+    home, summary = images_run
+    report = json.loads((home.parent / "images.json").read_text())
+    check_images(report, home.parent)
+    assert report["accuracy"]["ensemble"] == summary["ensemble"]["test_acc"]
 
 
 @pytest.mark.slow
