@@ -3,8 +3,11 @@ driver and by the Dask worker processes through s3fs — nothing is patched."""
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -113,3 +116,83 @@ def test_user_csv_on_s3(s3_options: dict, dask_client: object) -> None:
     manifest = load_manifest(result.manifest_uri, s3_options)
     assert manifest["feature_columns"] == ["a", "b", "c", "d"]
     assert sum(e["rows"] for s in manifest["splits"].values() for e in s) == 300
+
+
+def _rows_on_a_worker(
+    manifest_uri: str, options: dict, cache_dir: str, names: list[str], memory_mb: str | None
+) -> dict[str, Any]:
+    """In a Dask worker process: the training rows of ``names`` as training reads them, held
+    (``memory_mb`` None) or streamed under that budget, and what they decoded to."""
+    from mopflow.training.data.ref import DataRef
+    from mopflow.training.data.streaming import StreamedRows
+    from mopflow.training.executors.units import clear_partitions, training_rows
+
+    before = os.environ.get("MOPFLOW_TRAIN_MEMORY_MB")
+    if memory_mb is not None:
+        os.environ["MOPFLOW_TRAIN_MEMORY_MB"] = memory_mb
+    clear_partitions()
+    try:
+        rows = training_rows(DataRef.open(manifest_uri, options, cache_dir), names)
+        if isinstance(rows, StreamedRows):
+            batches = list(rows.batches(0, 0, 0, 8))
+            x = np.concatenate([b[0].numpy() for b in batches])
+            y = np.concatenate([b[1].numpy() for b in batches])
+        else:
+            x, y = rows[0].numpy(), rows[1].numpy()
+        return {"streamed": isinstance(rows, StreamedRows), "pid": os.getpid(), "x": x, "y": y}
+    finally:
+        clear_partitions()
+        if before is None:
+            os.environ.pop("MOPFLOW_TRAIN_MEMORY_MB", None)
+        else:
+            os.environ["MOPFLOW_TRAIN_MEMORY_MB"] = before
+
+
+def test_an_image_folder_on_s3_is_sharded_and_read_back_on_the_workers(
+    s3_options: dict, dask_client: Any, tmp_path: Path
+) -> None:
+    """A PNG folder (root/<class>/*.png) uploaded to S3, sharded from its s3:// URL (files listed
+    by the driver, probed and read by the workers), and its training rows decoded on a worker,
+    held in memory and streamed."""
+    import s3fs
+    from PIL import Image
+
+    rng = np.random.default_rng(4)
+    fs = s3fs.S3FileSystem(**s3_options)
+    classes = ["circle", "square", "triangle"]
+    for label, name in enumerate(classes):
+        for i in range(12):
+            pixels = rng.integers(0, 60, (6, 5, 3)).astype(np.uint8)
+            pixels[..., label] += 150  # each class brightest in its own channel
+            out = io.BytesIO()
+            Image.fromarray(pixels, "RGB").save(out, format="PNG")
+            fs.pipe(f"mopflow-test/shapes/{name}/{i:03d}.png", out.getvalue())
+    cfg = DataConfig(dataset="s3://mopflow-test/shapes", n_shards=2, val_fraction=0.2, test_fraction=0.2)
+    result = shard_dataset(cfg, "s3://mopflow-test/image-out", dask_client, s3_options)
+    assert result.manifest_uri.startswith("s3://mopflow-test/image-out/datasets/")
+    manifest = load_manifest(result.manifest_uri, s3_options)
+    assert manifest["input_shape"] == [3, 6, 5] and manifest["example"]["encoding"] == "image"
+    assert manifest["example"]["formats"] == ["png"]
+    assert sum(e["rows"] for s in manifest["splits"].values() for e in s) == 36
+    names = [e["name"] for e in manifest["splits"]["train"]]
+    n_train = sum(e["rows"] for e in manifest["splits"]["train"])
+    cache = str(tmp_path / "cache")
+
+    held = dask_client.submit(
+        _rows_on_a_worker, result.manifest_uri, s3_options, cache, names, None, pure=False
+    ).result(timeout=60)
+    streamed = dask_client.submit(
+        _rows_on_a_worker, result.manifest_uri, s3_options, cache, names, "0.001", pure=False
+    ).result(timeout=60)
+    assert held["pid"] != os.getpid() and streamed["pid"] != os.getpid()
+    assert not held["streamed"] and streamed["streamed"]
+    x, y = held["x"], held["y"]
+    assert x.shape == (n_train, 3 * 6 * 5) and x.dtype == np.float32
+    assert x.min() >= 0.0 and x.max() <= 1.0
+    images = x.reshape(-1, 3, 6, 5)
+    for label in np.unique(y):  # decoded channels first, each class in its own channel
+        assert images[y == label].mean(axis=(0, 2, 3)).argmax() == label
+    assert streamed["x"].shape == x.shape
+    assert np.array_equal(np.sort(streamed["x"], axis=0), np.sort(x, axis=0))  # the same rows, reordered
+    assert np.array_equal(np.sort(streamed["y"]), np.sort(y))
+    assert shard_dataset(cfg, "s3://mopflow-test/image-out", dask_client, s3_options).reused
