@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -107,17 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config key (as mopflow run --set, after --quick's); not the demo any more",
-    )
-    parser.add_argument(
-        "--home", type=Path, default=None, help="run in this MOPFLOW_HOME and keep it (its summary.json too)"
-    )
+    output.add_pipeline_options(parser)
     parser.add_argument(
         "--storage", action="store_true", help="shard bytes, throughput and RSS of PNG images"
     )
@@ -165,13 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "images",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg_before": load_before,
-            "loadavg_after": list(os.getloadavg()),
-        },
+        "machine": output.machine(load_before),
         "settings": {"config": str(CONFIG.relative_to(REPO)), "overrides": overrides},
         "accuracy": {name: acc for name, acc, _ in rows},
         "params": {"ensemble": rows[0][2], "student": rows[2][2]},
@@ -236,13 +219,7 @@ def storage_main(args: argparse.Namespace) -> int:
     report |= {
         "benchmark": "image_storage",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg_before": load_before,
-            "loadavg_after": list(os.getloadavg()),
-        },
+        "machine": output.machine(load_before),
         "targets": {
             name: {"value": value, "status": "PASS" if ok else "FAIL"} for name, (value, ok) in checks.items()
         },

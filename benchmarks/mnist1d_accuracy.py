@@ -274,14 +274,6 @@ def run(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config key (as mopflow run --set); not the demo any more, for smoke runs",
-    )
-    parser.add_argument(
         "--quick", action="store_true", help="smoke test: " + " ".join(QUICK) + " (before any --set)"
     )
     parser.add_argument(
@@ -291,12 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
     )
     parser.add_argument("--keep", action="store_true", help="keep the run's MOPFLOW_HOME and log")
-    parser.add_argument(
-        "--home",
-        type=Path,
-        default=None,
-        help="run in this MOPFLOW_HOME (kept, with summary.json and run.log)",
-    )
+    output.add_pipeline_options(parser)
     args = parser.parse_args(argv)
     overrides = [*QUICK, *args.overrides] if args.quick else args.overrides
     return run(results_file(args.out, args.quick), overrides, args.keep, args.quick, args.home)

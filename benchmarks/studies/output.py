@@ -1,8 +1,12 @@
-"""What every benchmark script shares about its output: where its JSON goes, and how a model's
-architecture is printed."""
+"""What every benchmark script shares about its output: where its JSON goes, the machine it ran
+on, how a model's architecture is printed, and the options of a benchmark that is a pipeline run."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import platform
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,3 +23,31 @@ def results_file(out: Path | None, quick: bool, recorded: Path) -> Path | None:
 def arch_params(arch: Any) -> str:
     """The architecture's own parameters, as ``width 16 depth 3``."""
     return " ".join(f"{k} {v}" for k, v in arch.params.items())
+
+
+def machine(load_before: Sequence[float]) -> dict[str, Any]:
+    """The machine a benchmark ran on, with the load average before and after it (other
+    processes on a shared machine inflate wall times)."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(os.getloadavg()),
+    }
+
+
+def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE`` (after ``--quick``'s) and ``--home DIR`` for a benchmark whose run is a
+    whole ``mopflow run``."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key (as mopflow run --set, after --quick's); not the demo any more",
+    )
+    parser.add_argument(
+        "--home", type=Path, default=None, help="run in this MOPFLOW_HOME and keep it (with summary.json)"
+    )
