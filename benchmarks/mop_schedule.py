@@ -15,8 +15,8 @@ Two mixes of configurations (``--mixes``):
 * ``mixed``: ``CONFIGS``, 1-D CNNs and MLPs of different widths and depths (unit times differ by
   several times: the fixed plan makes a model wait for its next partition where the greedy queue
   sends it to whichever is free);
-* ``uniform``: one configuration (``UNIFORM``) under as many seeds (equal unit times: the Latin
-  square packs the workers whatever the schedule).
+* ``uniform``: one configuration (``UNIFORM``) under as many seeds (equal unit times: either
+  schedule packs the workers).
 
 Figures per run: ``wall_s`` of ``executor.run`` alone; ``rows_per_s`` = models x epochs x training
 rows / wall; ``idle`` = mean over the rounds of ``gantt.idle_fraction``; ``orders``, each model's

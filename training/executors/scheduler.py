@@ -6,8 +6,9 @@ whose model is idle and whose partition it holds. Which one is the schedule's ch
 (:data:`SCHEDULES`):
 
 * ``fixed`` (the default): each epoch has a plan (:func:`fixed_plan`), a function of the seed and
-  the epoch alone (and of which models and partitions there are): a seeded Latin square in which
-  sub-epoch ``k`` trains model row ``i`` on partition column ``(i + k) mod n``. A model visits the
+  the epoch alone (and of which models and partitions there are), after Cerebro's randomized
+  schedule: the models and the partitions are shuffled and model row ``i`` visits partition
+  column ``(i + k) mod n`` at sub-epoch ``k``, ``n`` the number of partitions. A model visits the
   partitions in its row's order whatever the timings, so a sweep trains the same models the same
   way on every run; a worker that frees early takes the earliest planned unit that is ready on
   it (its model idle, and that partition its model's next), or waits.
@@ -45,23 +46,22 @@ class Unit:
 
 
 def fixed_plan(seed: int, epoch: int, models: Iterable[str], partitions: Iterable[str]) -> list[list[Unit]]:
-    """One epoch's sub-epochs as a seeded Latin square (Cerebro's randomized schedule).
+    """One epoch's sub-epochs after Cerebro's randomized schedule, seeded by ``(seed, epoch)``.
 
-    The models (rows) and the partitions (columns) are shuffled by ``(seed, epoch)``; with
-    ``n = max(models, partitions)``, sub-epoch ``k`` trains row ``i`` on column ``(i + k) mod n``
-    when that column is a partition (more models than partitions: the row waits that sub-epoch;
-    fewer: that partition rests). Every (model, partition) comes once in the ``n`` sub-epochs and no
-    model or partition twice in one. The result depends on its arguments alone.
+    The models (rows) and the partitions (columns) are shuffled; sub-epoch ``k`` of ``n`` (the
+    number of partitions) trains row ``i`` on column ``(i + k) mod n``. Every (model, partition)
+    comes once and no model twice in a sub-epoch. With fewer models than partitions some partitions
+    rest each sub-epoch (a Latin square's rows); with more, the rows start on every column in turn,
+    so each partition has ``models / n`` models, give or take one, waiting at every sub-epoch and no
+    worker waits for a model that is busy elsewhere (a square of ``max(models, n)`` sub-epochs
+    would start most models on one column). The result depends on its arguments alone.
     """
     rng = random.Random(f"mop-plan:{seed}:{epoch}")  # a str seed is hashed the same in every process
     rows, columns = sorted(set(models)), sorted(set(partitions))
     rng.shuffle(rows)
     rng.shuffle(columns)
-    n = max(len(rows), len(columns))
-    return [
-        [Unit(model, columns[(i + k) % n]) for i, model in enumerate(rows) if (i + k) % n < len(columns)]
-        for k in range(n)
-    ]
+    n = len(columns)
+    return [[Unit(model, columns[(i + k) % n]) for i, model in enumerate(rows)] for k in range(n)]
 
 
 class UnitChoice(Protocol):

@@ -5,6 +5,7 @@ units left first)."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -81,12 +82,17 @@ def test_the_fixed_plan_is_a_function_of_seed_and_epoch_and_visits_every_unit_on
     plan = fixed_plan(11, 3, models, partitions)
     fixed_plan(12, 0, models, partitions)  # no state is carried from one call to the next
     assert fixed_plan(11, 3, list(reversed(models)), list(reversed(partitions))) == plan
-    assert len(plan) == max(n_models, n_partitions)
+    assert len(plan) == n_partitions
     units = [u for sub_epoch in plan for u in sub_epoch]
     assert sorted(units) == sorted(Unit(m, p) for m in models for p in partitions)  # each once
-    for sub_epoch in plan:  # no model, no partition twice in one sub-epoch
-        assert len({u.model for u in sub_epoch}) == len({u.partition for u in sub_epoch}) == len(sub_epoch)
-        assert len(sub_epoch) <= min(n_models, n_partitions)
+    for sub_epoch in plan:  # no model twice in one sub-epoch; the partitions evenly loaded
+        assert len({u.model for u in sub_epoch}) == len(sub_epoch) == n_models
+        load = Counter(u.partition for u in sub_epoch)
+        if n_models <= n_partitions:
+            assert set(load.values()) == {1}
+        else:  # every partition has its share of the models, give or take one
+            assert len(load) == n_partitions
+            assert max(load.values()) - min(load.values()) <= 1
     if n_models * n_partitions > 1:  # another epoch or seed, another plan
         assert any(fixed_plan(11, e, models, partitions) != plan for e in range(4, 8))
         assert any(fixed_plan(s, 3, models, partitions) != plan for s in range(4))
@@ -153,16 +159,20 @@ def test_the_schedules_are_a_registry() -> None:
         MopScheduler({"p0": "w0"}, schedule="fifo")
 
 
-def test_no_worker_waits_behind_a_model_running_elsewhere() -> None:
-    """Greedy, two partitions: starting the models with both units left first leaves no worker
-    idle (the plain first-in-the-shuffled-queue rule idles a worker at the end of many epochs)."""
+@pytest.mark.parametrize("schedule", ["greedy", "fixed"])
+def test_no_worker_waits_behind_a_model_running_elsewhere(schedule: str) -> None:
+    """Two partitions, eight models whose unit times differ up to 6x: no worker is ever idle.
+    Greedy starts the models with both units left first (the plain first-in-the-shuffled-queue
+    rule idles a worker at the end of many epochs); the fixed plan starts half the models on each
+    partition (a square plan of eight sub-epochs started seven of them on one and idled a worker
+    4 to 12% of each epoch)."""
     models = [f"m{i}" for i in range(8)]
     for seed in range(40):
         rng = random.Random(seed)
         seconds = {m: rng.uniform(0.5, 3.0) for m in models}
-        scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0", "w1"]), seed=seed, schedule="greedy")
-        for _ in range(2):  # the second epoch also orders by the measured unit times
-            records = _epoch(scheduler, models, seconds)
+        scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0", "w1"]), seed=seed, schedule=schedule)
+        for epoch in range(2):  # the second epoch also orders by the measured unit times
+            records = _epoch(scheduler, models, seconds, epoch=epoch)
             check_invariants(records, models, ["p0", "p1"])
             assert idle_fraction(records) < 1e-9, (seed, records)
 
