@@ -34,6 +34,7 @@ def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bo
     """
     from mopflow.infra.base import stopping
     from mopflow.infra.base.settings import Settings
+    from mopflow.training.compute.cluster import shared_local_clusters
 
     settings = Settings.from_env()
     record, run_conf = _run_conf(settings.home, conf, resume)
@@ -47,7 +48,8 @@ def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bo
     handlers = local_runs.stopping_handlers(record, settings.home, tracking, timeout_s, fail_dag_run)
     started = time.monotonic()
     log_file = local_runs.log_file_of(settings.home, record.run_key)
-    dag_run = _run_dag(dag, run_conf, record, log_file, verbose, handlers)
+    with shared_local_clusters():  # the stages run here in turn: one LocalCluster serves them all
+        dag_run = _run_dag(dag, run_conf, record, log_file, verbose, handlers)
     wall = time.monotonic() - started
     if stopping.stop_requested():
         raise _stopped(record, settings.home, tracking)

@@ -1,10 +1,17 @@
-"""Dask client at the edge: an existing scheduler when an address is set, else a LocalCluster."""
+"""Dask client at the edge: an existing scheduler when an address is set, else a LocalCluster.
+
+One process that runs several stages in turn (``mopflow run``) can keep its LocalCluster between
+them (:func:`shared_local_clusters`): the workers start once and have their imports done when the
+next stage needs them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import dask
 from distributed import Client, LocalCluster
@@ -28,6 +35,30 @@ def local_gpus(accelerator: str, gpus: Sequence[str] | None = None) -> list[str]
     return found
 
 
+# Within shared_local_clusters(): the LocalClusters kept between uses, by the shape asked for.
+_SHARED: dict[tuple[Any, ...], _Local] | None = None
+
+
+@contextmanager
+def shared_local_clusters() -> Iterator[None]:
+    """Within this block, :func:`dask_client` keeps each LocalCluster it starts and hands it to the
+    next use asking for the same workers, instead of starting another (one per stage cost a
+    pipeline run seconds of worker start-up each time); all are closed when the block ends. A
+    cluster whose workers changed meanwhile (one lost, or scaled by a volatile sweep) is closed
+    after its use rather than kept."""
+    global _SHARED
+    if _SHARED is not None:  # already sharing (nested): the outer block closes them
+        yield
+        return
+    _SHARED = {}
+    try:
+        yield
+    finally:
+        kept, _SHARED = _SHARED, None
+        for local in kept.values():
+            local.close()
+
+
 @contextmanager
 def dask_client(
     address: str = "",
@@ -36,7 +67,8 @@ def dask_client(
     trials_per_gpu: int = 1,
     gpus: Sequence[str] | None = None,
 ) -> Iterator[Client]:
-    """Yield a Dask client; a LocalCluster (one thread per worker process) is closed on exit.
+    """Yield a Dask client; a LocalCluster (one thread per worker process) is closed on exit,
+    or kept for the next use within :func:`shared_local_clusters`.
 
     With an ``accelerator`` other than ``cpu`` and CUDA devices visible, the LocalCluster starts
     ``trials_per_gpu`` worker processes per GPU instead of ``n_workers``, each seeing only its
@@ -48,47 +80,94 @@ def dask_client(
             yield client
         return
     plan = gpu_worker_plan(local_gpus(accelerator, gpus), trials_per_gpu)
+    key = (n_workers, tuple(plan))
+    if _SHARED is not None and key in _SHARED:
+        local = _SHARED.pop(key)
+        log.info("using the running Dask LocalCluster (%d worker processes)", local.size)
+    else:
+        local = _start(n_workers, plan, trials_per_gpu)
+    try:
+        yield local.client
+    finally:
+        if _SHARED is not None and key not in _SHARED and local.unchanged():
+            _SHARED[key] = local
+        else:
+            local.close()
+
+
+def _start(n_workers: int, plan: Sequence[WorkerSpec], trials_per_gpu: int) -> _Local:
+    """A LocalCluster of ``n_workers`` CPU workers, or of one worker per ``plan`` entry, and its client."""
     if plan:
         log.info(
             "starting Dask LocalCluster with %d GPU worker processes (%d per GPU)", len(plan), trials_per_gpu
         )
     else:
         log.info("starting Dask LocalCluster with %d worker processes", n_workers)
-    with (
+    with contextlib.ExitStack() as undo:  # what is entered here is undone in this order on close
         # Dask's nanny starts workers with MALLOC_TRIM_THRESHOLD_=65536, which freezes glibc's
         # mmap threshold: every numpy temporary over 128 KiB is then mmap'd and page-faulted
         # afresh, and the heap is trimmed on each free. MNIST-1D generation cost 15-45% more CPU
         # in a worker than in a plain process (benchmarks/shard.py); glibc's defaults it is.
-        dask.config.set(
-            {
-                "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
-                # The statistical profiler samples every worker's stack 100 times a second,
-                # taking the GIL from the task each time; its only reader is the dashboard,
-                # which a LocalCluster here never serves (dashboard_address=None).
-                "distributed.worker.profile.enabled": False,
-                # Every process's event loop wakes 50 times a second to time itself (tick), and
-                # samples its own memory and system counters every 100-500 ms: idle, the three
-                # processes used 0.64 CPU-s per 7 s (about 5% of a 2-core machine, taken from
-                # the tasks). These intervals cut that to 0.09 CPU-s; the memory limits are still
-                # checked twice a second and a blocked event loop still warned about after 3 s.
-                "distributed.admin.tick.interval": "500ms",
-                "distributed.admin.system-monitor.interval": "2s",
-                "distributed.worker.memory.monitor-interval": "500ms",
-            }
-        ),
-        LocalCluster(
-            n_workers=0 if plan else n_workers,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            host="127.0.0.1",
-            silence_logs=logging.WARNING,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+        # Held while the cluster runs: a worker restarted later is started with them too.
+        undo.enter_context(
+            dask.config.set(
+                {
+                    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                    # The statistical profiler samples every worker's stack 100 times a second,
+                    # taking the GIL from the task each time; its only reader is the dashboard,
+                    # which a LocalCluster here never serves (dashboard_address=None).
+                    "distributed.worker.profile.enabled": False,
+                    # Every process's event loop wakes 50 times a second to time itself (tick),
+                    # and samples its own memory and system counters every 100-500 ms: idle, the
+                    # three processes used 0.64 CPU-s per 7 s (about 5% of a 2-core machine, taken
+                    # from the tasks). These intervals cut that to 0.09 CPU-s; the memory limits
+                    # are still checked twice a second and a blocked event loop still warned
+                    # about after 3 s.
+                    "distributed.admin.tick.interval": "500ms",
+                    "distributed.admin.system-monitor.interval": "2s",
+                    "distributed.worker.memory.monitor-interval": "500ms",
+                }
+            )
+        )
+        cluster = undo.enter_context(
+            LocalCluster(
+                n_workers=0 if plan else n_workers,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=None,
+                host="127.0.0.1",
+                silence_logs=logging.WARNING,
+            )
+        )
+        # Closed, not exited: a client's exit resets a context variable, and a kept cluster's
+        # client is closed from another context than the stage's that started it.
+        client = Client(cluster)
+        undo.callback(client.close)
         if plan:
             _add_workers(cluster, client, plan)
-        yield client
+        return _Local(cluster, client, len(plan) or n_workers, undo.pop_all())
+
+
+class _Local:
+    """A LocalCluster started here, its client, and what closes them (the settings restored last)."""
+
+    def __init__(self, cluster: LocalCluster, client: Client, size: int, undo: contextlib.ExitStack) -> None:
+        self.cluster, self.client, self.size, self._undo = cluster, client, size, undo
+
+    def unchanged(self) -> bool:
+        """Whether it still has the workers it was started with, all connected."""
+        try:
+            return (
+                self.client.status == "running"
+                and len(self.cluster.worker_spec) == self.size
+                and len(self.client.scheduler_info()["workers"]) == self.size
+            )
+        except Exception:  # a cluster that cannot answer is not kept
+            return False
+
+    def close(self) -> None:
+        """Close the client, then the cluster (the worker processes end), then restore the settings."""
+        self._undo.close()
 
 
 def _add_workers(cluster: LocalCluster, client: Client, plan: Sequence[WorkerSpec]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mopflow.training.compute.cluster import dask_client
+from mopflow.training.compute.cluster import dask_client, shared_local_clusters
 
 
 def _worker_settings(dask_worker: Any) -> dict[str, Any]:
@@ -35,3 +35,28 @@ def test_local_workers_keep_background_work_low() -> None:
     # the scheduler lives in this process: the same settings apply to its event loop
     assert scheduler_ms["tick"] == 500
     assert scheduler_ms["monitor"] == 2000
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def test_stages_in_one_process_share_a_local_cluster_until_the_block_ends() -> None:
+    """Within ``shared_local_clusters`` a second use gets the first one's workers (the same
+    processes, imports done); another shape starts its own; when the block ends every worker
+    process has ended."""
+    import psutil
+
+    with shared_local_clusters():
+        with dask_client("", 1) as client:
+            first = set(client.run(_pid).values())
+            address = client.scheduler.address
+        assert all(psutil.pid_exists(pid) for pid in first)  # kept between the uses
+        with dask_client("", 1) as client:
+            assert client.scheduler.address == address
+            assert set(client.run(_pid).values()) == first
+        with dask_client("", 2) as other:
+            assert other.scheduler.address != address
+            workers = first | set(other.run(_pid).values())
+    assert len(workers) == 3
+    assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
