@@ -66,7 +66,6 @@ Run it from the repository root::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -632,12 +631,7 @@ def run(settings: Settings, results_path: Path | None) -> int:
             },
             "printed": [header, format_table(rows), *lines],
         }
-        if results_path is None:
-            print("\nnot written (--quick writes its JSON only to --out)")
-            return 0
-        results_path.parent.mkdir(parents=True, exist_ok=True)
-        results_path.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {results_path}")
+        output.write_report(results_path, report, lead="\n")
         return 0
     finally:
         shutil.rmtree(data_root, ignore_errors=True)

@@ -169,12 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             "param_ratio": {"bound": TARGET_RATIO, "status": "PASS" if ratio_ok else "FAIL"},
         },
     }
-    if out is None:
-        print("not written (--quick writes its JSON only to --out)")
-        return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    output.write_report(out, report)
     return 0
 
 
@@ -224,12 +219,7 @@ def storage_main(args: argparse.Namespace) -> int:
             name: {"value": value, "status": "PASS" if ok else "FAIL"} for name, (value, ok) in checks.items()
         },
     }
-    if out is None:
-        print("not written (--quick writes its JSON only to --out)")
-        return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    output.write_report(out, report)
     return 0
 
 

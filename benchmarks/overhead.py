@@ -43,7 +43,6 @@ Run it from the repository root::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -322,12 +321,7 @@ def run(settings: Settings, out: Path | None) -> int:
         "timings": [asdict(t) for t in timings],
         "printed": [header, table, target_line, *info_lines],
     }
-    if out is None:
-        print("\nnot written (--quick writes its JSON only to --out)")
-        return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    output.write_report(out, report, lead="\n")
     return 0
 
 

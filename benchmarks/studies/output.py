@@ -4,6 +4,7 @@ on, how a model's architecture is printed, and the options of a benchmark that i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 from collections.abc import Sequence
@@ -18,6 +19,17 @@ def results_file(out: Path | None, quick: bool, recorded: Path) -> Path | None:
     if out is None:
         return None if quick else recorded
     return out if out.suffix == ".json" else out / recorded.name
+
+
+def write_report(out: Path | None, report: dict[str, Any], lead: str = "") -> None:
+    """Write the report's JSON to ``out`` and say where, or say it was not written (a ``--quick``
+    run without ``--out``); ``lead`` goes before the line (``"\\n"`` after a table)."""
+    if out is None:
+        print(f"{lead}not written (--quick writes its JSON only to --out)")
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{lead}wrote {out}")
 
 
 def arch_params(arch: Any) -> str:

@@ -138,6 +138,7 @@ def check_scale(report: Report, out: Path) -> None:
 QUICK: dict[str, Callable[[Report, Path], None]] = {
     "distill": check_distill,
     "overhead": check_overhead,
+    "scale": check_scale,  # two whole `mopflow run`s, of 1,000 and 2,000 rows
     "search": check_search,
     "shard": check_shard,
     "volatile": check_volatile,
@@ -145,9 +146,6 @@ QUICK: dict[str, Callable[[Report, Path], None]] = {
 # The quick runs of the two demo benchmarks are the pipeline runs of tests/dags/test_end_to_end*.py
 # (checked there with check_mnist1d_accuracy and check_images).
 IN_END_TO_END = {"images", "mnist1d_accuracy"}
-# scale's quick run is two whole `mopflow run`s (about three minutes): run with
-# MOPFLOW_BENCH_PIPELINES=1, outside the suite's time budget.
-PIPELINE_QUICK: dict[str, Callable[[Report, Path], None]] = {"scale": check_scale}
 
 
 def _recorded() -> dict[str, int]:
@@ -158,15 +156,6 @@ def _recorded() -> dict[str, int]:
 @pytest.mark.parametrize("name", sorted(QUICK))
 def test_the_quick_run_writes_its_figures_to_out(name: str, tmp_path: Path) -> None:
     _quick_run(name, tmp_path, QUICK[name])
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("MOPFLOW_BENCH_PIPELINES") != "1", reason="MOPFLOW_BENCH_PIPELINES=1 runs it"
-)
-@pytest.mark.parametrize("name", sorted(PIPELINE_QUICK))
-def test_the_quick_pipeline_run_writes_its_figures_to_out(name: str, tmp_path: Path) -> None:
-    _quick_run(name, tmp_path, PIPELINE_QUICK[name])
 
 
 def _quick_run(name: str, tmp_path: Path, check: Callable[[Report, Path], None]) -> None:
@@ -189,7 +178,7 @@ def _quick_run(name: str, tmp_path: Path, check: Callable[[Report, Path], None])
 
 
 def test_the_quick_runs_are_of_benchmarks_that_exist() -> None:
-    assert set(QUICK) | set(PIPELINE_QUICK) | IN_END_TO_END <= {p.stem for p in BENCHMARKS_DIR.glob("*.py")}
+    assert set(QUICK) | IN_END_TO_END <= {p.stem for p in BENCHMARKS_DIR.glob("*.py")}
 
 
 @pytest.mark.parametrize(
