@@ -586,6 +586,8 @@ def launch(name: str, job_path: Path, work: Path, timeout_s: float) -> dict[str,
         return {"strategy": name, "error": f"exit code {rc}", "log_tail": tail}
     result: dict[str, Any] = json.loads(result_path.read_text())
     result["subprocess_s"] = elapsed
+    if result.get("interruptions"):  # what the coordinator logged about them (warnings)
+        result["log_tail"] = tail
     return result
 
 
