@@ -135,8 +135,18 @@ def check_scale(report: Report, out: Path) -> None:
     assert set(report["ratios"]) == set(report["verdict"]) == {"task_memory", "worker_memory", "wall"}
 
 
+def check_mop_schedule(report: Report, out: Path) -> None:
+    (mix,) = report["summary"]
+    fixed = report["summary"][mix]["fixed"]
+    assert fixed["reproduced"] is True and fixed["follows_plan"] is True  # the plan, on every repeat
+    assert report["summary"][mix]["fixed_over_greedy"] > 0 and 0 <= fixed["idle"] < 1
+    assert {r["schedule"] for r in report["runs"][mix]} == {"fixed", "greedy"}
+    assert report["verdict"].startswith("fixed/greedy throughput")
+
+
 QUICK: dict[str, Callable[[Report, Path], None]] = {
     "distill": check_distill,
+    "mop_schedule": check_mop_schedule,
     "overhead": check_overhead,
     "scale": check_scale,  # two whole `mopflow run`s, of 1,000 and 2,000 rows
     "search": check_search,
