@@ -80,7 +80,7 @@ def dask_client(
             yield client
         return
     plan = gpu_worker_plan(local_gpus(accelerator, gpus), trials_per_gpu)
-    key = (n_workers, tuple(plan))
+    key = _shape(n_workers, plan)
     if _SHARED is not None and key in _SHARED:
         local = _SHARED.pop(key)
         log.info("using the running Dask LocalCluster (%d worker processes)", local.size)
@@ -93,6 +93,14 @@ def dask_client(
             _SHARED[key] = local
         else:
             local.close()
+
+
+def _shape(n_workers: int, plan: Sequence[WorkerSpec]) -> tuple[Any, ...]:
+    """What a kept cluster must match to serve a use: its CPU workers, or each GPU worker's name,
+    environment and resources (a WorkerSpec holds dicts: not hashable as it is)."""
+    if not plan:
+        return (n_workers,)
+    return tuple((w.name, tuple(sorted(w.env.items())), tuple(sorted(w.resources.items()))) for w in plan)
 
 
 def _start(n_workers: int, plan: Sequence[WorkerSpec], trials_per_gpu: int) -> _Local:

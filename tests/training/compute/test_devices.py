@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from mopflow.infra.base.settings import Settings, SettingsError
-from mopflow.training.compute.cluster import dask_client, local_gpus
+from mopflow.training.compute.cluster import dask_client, local_gpus, shared_local_clusters
 from mopflow.training.compute.devices import (
     CPU,
     DeviceError,
@@ -72,18 +72,28 @@ def test_a_cpu_only_torch_sees_no_gpu_whatever_cuda_visible_devices_says() -> No
 
 def test_a_local_cluster_for_gpus_starts_a_worker_per_gpu_slot_that_sees_only_its_gpu() -> None:
     # The mechanism on any machine: two "GPUs" by id, two workers each (nothing here touches CUDA).
-    with dask_client("", 2, accelerator="auto", trials_per_gpu=2, gpus=["0", "1"]) as client:
-        workers = client.scheduler_info()["workers"].values()
-        assert sorted(w["name"] for w in workers) == ["gpu0-0", "gpu0-1", "gpu1-0", "gpu1-1"]
-        assert all(w["resources"] == {"GPU": 1} for w in workers)
-        seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
-        assert sorted(seen.values()) == ["0", "0", "1", "1"]
-        assert gpu_workers(client) == 4
-        assert device_for_cluster(client, "auto", "32").accelerator == "gpu"
-        assert device_for_cluster(client, "cpu", "32") == CPU
-        # A unit that needs the GPU resource runs only on such a worker.
-        future = client.submit(os.getpid, resources={"GPU": 1}, pure=False)
-        assert future.result(timeout=60) in client.run(os.getpid).values()
+    # Under mopflow run (shared_local_clusters) the next stage asking for them gets the same ones.
+    with shared_local_clusters():
+        with dask_client("", 2, accelerator="auto", trials_per_gpu=2, gpus=["0", "1"]) as client:
+            first = client.scheduler.address
+        with dask_client("", 2, accelerator="auto", trials_per_gpu=2, gpus=["0", "1"]) as client:
+            assert client.scheduler.address == first
+            _check_gpu_workers(client)
+
+
+def _check_gpu_workers(client: Any) -> None:
+    """Four workers, one per GPU slot, each seeing only its GPU and declaring GPU=1."""
+    workers = client.scheduler_info()["workers"].values()
+    assert sorted(w["name"] for w in workers) == ["gpu0-0", "gpu0-1", "gpu1-0", "gpu1-1"]
+    assert all(w["resources"] == {"GPU": 1} for w in workers)
+    seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
+    assert sorted(seen.values()) == ["0", "0", "1", "1"]
+    assert gpu_workers(client) == 4
+    assert device_for_cluster(client, "auto", "32").accelerator == "gpu"
+    assert device_for_cluster(client, "cpu", "32") == CPU
+    # A unit that needs the GPU resource runs only on such a worker.
+    future = client.submit(os.getpid, resources={"GPU": 1}, pure=False)
+    assert future.result(timeout=60) in client.run(os.getpid).values()
 
 
 def test_a_cpu_cluster_has_no_gpu_workers(dask_client: Any) -> None:
