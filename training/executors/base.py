@@ -170,7 +170,8 @@ class Executor(ABC):
         return [EpochReport(**row) for row in rows if int(row["epoch"]) <= through_epoch]
 
     def load_checkpoint(self, model_id: str) -> tuple[bytes, dict[str, Any]] | None:
-        """The latest state of a model and its metadata (epoch, visited partitions), if any."""
+        """The latest state of a model and its metadata (epoch, visited partitions), if it has
+        trained (every trained state records its epoch)."""
         if not self.checkpoint_root:
             return None
         uri = self.checkpoint_uri(model_id)
@@ -179,7 +180,10 @@ class Executor(ABC):
         data = storage.read_bytes(uri, self.data.storage_options)
         from mopflow.training.trainable.state import read_meta
 
-        return data, read_meta(data)
+        meta = read_meta(data)
+        if int(meta.get("epoch", -1)) < 0:  # an initial state a stop handed back untrained: start afresh
+            return None
+        return data, meta
 
     def note_resumed(self, model_id: str, epoch: int, state: bytes) -> None:
         """Record that ``model_id`` goes on from its checkpoint after ``epoch`` (a retried or

@@ -293,3 +293,22 @@ def test_a_worker_away_still_counts_toward_the_partitions() -> None:
         assert cluster_size(client, left) == 2
         with Client(cluster.scheduler_address) as by_address:  # no cluster object
             assert cluster_size(by_address, left) == 1
+
+
+def test_an_untrained_state_handed_back_by_a_stop_is_not_resumed_from(
+    small_manifest: str, dask_client: object, tmp_path: Path
+) -> None:
+    """A stop as a fresh model's first unit began hands its initial state back untouched and MOP
+    checkpoints it; that checkpoint holds no epoch, so a resumed run starts the model afresh (it
+    once resumed it at epoch -1, and the search's report of that epoch failed the stage)."""
+    from mopflow.training.executors.units import init_state
+
+    data, shards = DataRef.open(small_manifest), _shards(small_manifest)
+    spec = ModelSpec("m", CNN, seed=0)
+    fresh = MopExecutor(dask_client, data, shards, str(tmp_path / "fresh"), seed=0).run([spec], epochs=1)
+    stopped = MopExecutor(dask_client, data, shards, str(tmp_path / "stopped"), seed=0)
+    stopped.save_checkpoint("m", init_state(spec, data))
+    assert stopped.load_checkpoint("m") is None  # nothing trained: nothing to resume
+    outcome = stopped.run([spec], epochs=1)["m"]
+    assert [r.epoch for r in outcome.history] == [0] and "m" not in stopped.resumed
+    assert outcome.history == fresh["m"].history
