@@ -34,21 +34,23 @@ def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bo
     """
     from mopflow.infra.base import stopping
     from mopflow.infra.base.settings import Settings
-    from mopflow.training.compute.cluster import shared_local_clusters
+    from mopflow.training.compute.cluster import shared_local_clusters, start_local_cluster_early
 
     settings = Settings.from_env()
     record, run_conf = _run_conf(settings.home, conf, resume)
     timeout_s = local_runs.stop_timeout_s()
     dags = checked_dags_folder(os.environ)  # before Airflow starts: a bad folder is one line
-    _prepare_airflow(settings.airflow_home)
-    dag = _load_dag(dags)
-    record = _open_record(settings.home, record, run_conf)
-    stopping.reset()
-    tracking = (settings.tracking_uri, settings.experiment_name)
-    handlers = local_runs.stopping_handlers(record, settings.home, tracking, timeout_s, fail_dag_run)
-    started = time.monotonic()
-    log_file = local_runs.log_file_of(settings.home, record.run_key)
     with shared_local_clusters():  # the stages run here in turn: one LocalCluster serves them all
+        if not settings.dask_address:  # its workers start and import while Airflow gets ready
+            start_local_cluster_early(settings.dask_workers)
+        _prepare_airflow(settings.airflow_home)
+        dag = _load_dag(dags)
+        record = _open_record(settings.home, record, run_conf)
+        stopping.reset()
+        tracking = (settings.tracking_uri, settings.experiment_name)
+        handlers = local_runs.stopping_handlers(record, settings.home, tracking, timeout_s, fail_dag_run)
+        started = time.monotonic()
+        log_file = local_runs.log_file_of(settings.home, record.run_key)
         dag_run = _run_dag(dag, run_conf, record, log_file, verbose, handlers)
     wall = time.monotonic() - started
     if stopping.stop_requested():
@@ -75,14 +77,14 @@ def _run_conf(
 
 def _prepare_airflow(airflow_home: str) -> dict[str, str]:
     """Point this process's embedded Airflow at ``airflow_home`` and migrate its metadata DB
-    (idempotent) so that ``dag.test()`` has one; returns Airflow's settings."""
-    from mopflow.infra.base.airflow_home import migrate_airflow_db
+    (idempotent) so that ``dag.test()`` has one; returns Airflow's settings. Airflow is first
+    imported here, after its settings are in the environment."""
+    from mopflow.infra.base.airflow_home import migrate_airflow_db_here
     from mopflow.infra.stack.environment import airflow_env
 
-    bin_dir = str(Path(sys.executable).parent)
-    env = airflow_env(airflow_home, os.environ, bin_dir)
+    env = airflow_env(airflow_home, os.environ, str(Path(sys.executable).parent))
     os.environ.update(env)
-    migrate_airflow_db(env, bin_dir)
+    migrate_airflow_db_here(airflow_home)
     return env
 
 

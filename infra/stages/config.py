@@ -295,9 +295,11 @@ def _flat_error(exc: ValidationError) -> str:
 def conf_json_schema() -> dict[str, dict[str, Any]]:
     """Per flat key: a JSON schema (with default and description) for Airflow ``Param``s."""
     out: dict[str, dict[str, Any]] = {}
+    # one schema per stage model (each model_json_schema() call builds the whole model's again)
+    properties = {stage: model.model_json_schema()["properties"] for stage, model in STAGE_MODELS.items()}
     for key, (stage, field) in CONF_FIELDS.items():
         model = STAGE_MODELS[stage]
-        schema = dict(model.model_json_schema()["properties"][field])
+        schema = dict(properties[stage][field])
         schema.pop("title", None)
         info = model.model_fields[field]
         default = info.default

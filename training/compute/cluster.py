@@ -2,14 +2,18 @@
 
 One process that runs several stages in turn (``mopflow run``) can keep its LocalCluster between
 them (:func:`shared_local_clusters`): the workers start once and have their imports done when the
-next stage needs them.
+next stage needs them. It can also start that cluster early (:func:`start_local_cluster_early`),
+its workers importing the training stack while the process does other work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,8 +39,13 @@ def local_gpus(accelerator: str, gpus: Sequence[str] | None = None) -> list[str]
     return found
 
 
-# Within shared_local_clusters(): the LocalClusters kept between uses, by the shape asked for.
-_SHARED: dict[tuple[Any, ...], _Local] | None = None
+# What a trial imports on its worker: pytorch_lightning alone takes 2-4 s of CPU (it pulls in
+# torchmetrics, scipy.signal, matplotlib and torch._dynamo).
+TRAINING_IMPORTS = ("pytorch_lightning", "mopflow.training.executors.units")
+
+# Within shared_local_clusters(): the LocalClusters kept between uses, by the shape asked for (a
+# Future while one started early is still starting).
+_SHARED: dict[tuple[Any, ...], _Local | Future[_Local]] | None = None
 
 
 @contextmanager
@@ -55,8 +64,45 @@ def shared_local_clusters() -> Iterator[None]:
         yield
     finally:
         kept, _SHARED = _SHARED, None
-        for local in kept.values():
-            local.close()
+        for entry in kept.values():
+            local = _ready(entry)
+            if local is not None:
+                local.close()
+
+
+def start_local_cluster_early(n_workers: int, warm_imports: Sequence[str] = TRAINING_IMPORTS) -> None:
+    """Within :func:`shared_local_clusters`: start the CPU LocalCluster that a later
+    ``dask_client("", n_workers)`` will ask for now, in a background thread, each worker then
+    importing ``warm_imports``; the caller goes on meanwhile (``mopflow run`` migrates Airflow's
+    DB and builds its DAG run while the workers start). The use that asks for it waits until it
+    has started; one that failed to start is started again there. Outside the block: nothing."""
+    key = _shape(n_workers, ())
+    if _SHARED is None or key in _SHARED:
+        return
+    starting: Future[_Local] = Future()
+
+    def start() -> None:
+        try:
+            local = _start(n_workers, (), 1)
+        except BaseException as exc:  # handed to the use that waits for it
+            starting.set_exception(exc)
+            return
+        local.warm(warm_imports)
+        starting.set_result(local)
+
+    _SHARED[key] = starting
+    threading.Thread(target=start, name="mopflow-local-cluster-start", daemon=True).start()
+
+
+def _ready(entry: _Local | Future[_Local]) -> _Local | None:
+    """A kept cluster, waiting for one still starting; None if it failed to start (logged)."""
+    if isinstance(entry, _Local):
+        return entry
+    try:
+        return entry.result()
+    except Exception as exc:
+        log.warning("the Dask LocalCluster started early failed: %s: %s", type(exc).__name__, exc)
+        return None
 
 
 @contextmanager
@@ -81,8 +127,9 @@ def dask_client(
         return
     plan = gpu_worker_plan(local_gpus(accelerator, gpus), trials_per_gpu)
     key = _shape(n_workers, plan)
-    if _SHARED is not None and key in _SHARED:
-        local = _SHARED.pop(key)
+    kept = _ready(_SHARED.pop(key)) if _SHARED is not None and key in _SHARED else None
+    if kept is not None:
+        local = kept
         log.info("using the running Dask LocalCluster (%d worker processes)", local.size)
     else:
         local = _start(n_workers, plan, trials_per_gpu)
@@ -161,6 +208,25 @@ class _Local:
 
     def __init__(self, cluster: LocalCluster, client: Client, size: int, undo: contextlib.ExitStack) -> None:
         self.cluster, self.client, self.size, self._undo = cluster, client, size, undo
+        self.warming: list[Any] = []  # the warm-up imports' futures, held until they are done
+
+    def warm(self, modules: Sequence[str]) -> None:
+        """Have every worker import ``modules`` as its first task, without waiting for it (a
+        failed import is logged; the task that needs the module fails on its own)."""
+        if not modules:
+            return
+        for address in self.client.scheduler_info()["workers"]:
+            future = self.client.submit(
+                import_modules, tuple(modules), workers=[address], allow_other_workers=False, pure=False
+            )
+            future.add_done_callback(self._warmed)
+            self.warming.append(future)
+
+    def _warmed(self, future: Any) -> None:
+        if future.status == "error":
+            log.warning("a Dask worker's warm-up imports failed: %s", future.exception())
+        with contextlib.suppress(ValueError):
+            self.warming.remove(future)
 
     def unchanged(self) -> bool:
         """Whether it still has the workers it was started with, all connected."""
@@ -187,3 +253,9 @@ def _add_workers(cluster: LocalCluster, client: Client, plan: Sequence[WorkerSpe
         cluster.worker_spec[worker.name] = spec
     cluster.sync(cluster._correct_state)
     client.wait_for_workers(len(plan), timeout=120)
+
+
+def import_modules(modules: Sequence[str]) -> None:
+    """Import ``modules`` (in a worker: its first task, so that a trial's imports are done)."""
+    for name in modules:
+        importlib.import_module(name)

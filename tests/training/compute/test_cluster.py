@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mopflow.training.compute.cluster import dask_client, shared_local_clusters
+from mopflow.training.compute.cluster import dask_client, shared_local_clusters, start_local_cluster_early
 
 
 def _worker_settings(dask_worker: Any) -> dict[str, Any]:
@@ -60,3 +60,42 @@ def test_stages_in_one_process_share_a_local_cluster_until_the_block_ends() -> N
             workers = first | set(other.run(_pid).values())
     assert len(workers) == 3
     assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def _imported(name: str) -> bool:
+    import sys
+
+    return name in sys.modules
+
+
+def test_a_cluster_started_early_serves_the_next_use_with_its_imports_done() -> None:
+    """``start_local_cluster_early`` starts the cluster in the background; the next use of that
+    shape gets it, and its worker imported the warm-up modules before running anything else."""
+    with shared_local_clusters():
+        start_local_cluster_early(1, ("wave",))
+        with dask_client("", 1) as client:
+            assert client.submit(_imported, "wave", pure=False).result() is True
+            assert client.submit(_imported, "colorsys", pure=False).result() is False
+            address = client.scheduler.address
+        with dask_client("", 1) as client:
+            assert client.scheduler.address == address
+
+
+def test_a_cluster_that_failed_to_start_early_is_started_by_its_use(monkeypatch: Any) -> None:
+    from mopflow.training.compute import cluster
+
+    start = cluster._start
+    calls: list[int] = []
+
+    def fail_first(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("no free port")
+        return start(*args)
+
+    monkeypatch.setattr(cluster, "_start", fail_first)
+    with shared_local_clusters():
+        start_local_cluster_early(1, ())
+        with dask_client("", 1) as client:
+            assert client.submit(_pid, pure=False).result() != os.getpid()
+    assert len(calls) == 2
