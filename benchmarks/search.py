@@ -26,20 +26,32 @@ Every arm runs under each strategy of ``--strategies`` (``task``: a trial per wo
 model hopper parallelism, the search learning from each epoch as the sweep goes on) for each of
 ``--seeds`` seeds (seed ``s`` seeds the sampler and the training).
 
-The primary figure is **epochs to target**: the number of training epochs the search had
-finished, counted in the order the coordinator received their reports, when the first report of
-validation accuracy >= ``--target`` arrived. Epochs are the compute of a search whatever the
-machine's speed or load, so the figure survives a rerun on another machine. Wall time to target is
-reported beside it. Each search stops starting trials once one reaches the target (the search's
-``goal_val_acc``); the trials running then finish. A search that never reaches the target is counted at all the epochs it
-trained and flagged; in the ratios it is charged the whole budget (``--budget-epochs``), so that a
-pruned search that fails never looks cheaper than one that succeeds.
+The plain loop's arms (``plain-random``, ``plain-tpe``, ``plain-tpe+sh``;
+:mod:`studies.plain_optuna`) are what a user would write instead of mopflow: plain Optuna and a plain
+PyTorch loop in 2 worker processes sharing one Optuna journal, on the same shards, space, budget and
+target. They run once per seed (strategy ``plain``).
 
-The verdict: per strategy, the ratio of the baseline's median epochs to the arm's median, with a
-bootstrap 95% interval over seeds (seeds resampled with replacement, paired across arms; 2,000
-resamples). Goal: TPE+ASHA needs >= 2x fewer epochs than ``random`` (median ratio >= 2) and
-the interval's lower end is above 1.5, under both ``task`` and ``mop``; the verdict is printed for
-``tpe+asha`` (cold) and ``tpe+asha+warm``.
+The primary figure is **seconds to target**: wall-clock seconds from the search's start to the
+first epoch report of validation accuracy >= ``--target``. Each search stops starting trials once
+one reaches the target (the search's ``goal_val_acc``); the trials running then finish. **Epochs to
+target**, the epochs finished by then in the order the coordinator received their reports, is the
+second figure. A search that never reaches the target is flagged and charged all the seconds it
+ran and the whole epoch budget (``--budget-epochs``), so that a pruned search that fails never
+looks cheaper than one that succeeds.
+
+**Measured clean.** Each search records the machine's load before (1 s) and during it: the CPU
+time of processes outside the benchmark's process tree (:mod:`studies.machine_load`). A search
+during which they used more than 10% of the machine is marked (``load.clean`` false) and left out
+of the ratios and the verdict; rerun it. Each row also holds the workers' **utilisation**: seconds
+inside training and validation passes (the batch loops) over workers x wall seconds.
+
+The verdict (:mod:`studies.search_summary`): per strategy, the ratio of the baseline's median
+seconds to the arm's, with a bootstrap 95% interval over the seeds both measured clean (resampled
+in pairs; 2,000 resamples), and the same for epochs. Targets: TPE+ASHA reaches the target >= 2x
+sooner than ``random`` (median ratio >= 2, the interval's lower end > 1.5) under ``task`` and
+``mop``, for ``tpe+asha`` (cold) and ``tpe+asha+warm``; utilisation >= 0.85 for every arm;
+mopflow's random search within 1.2x the plain loop's seconds; mopflow's fastest arm faster than
+the plain loop's fastest.
 
 Why not the packaged space: its residual CNNs reach 0.99 validation accuracy with almost any
 learning rate in it (random search, seed 0, passed 0.995 at its 43rd epoch), so no target on it
@@ -56,9 +68,9 @@ there). ``--jobs J`` runs J searches at once, each in its own process with its o
 
 Run it from the repository root::
 
-    .venv/bin/python benchmarks/search.py                      # 20 seeds x 10 arms x task, mop
+    .venv/bin/python benchmarks/search.py                      # 20 seeds x 10 arms x task, mop; plain arms
     .venv/bin/python benchmarks/search.py --arms random,tpe+asha --strategies task --seeds 5
-    .venv/bin/python benchmarks/search.py --quick --out /tmp/bench  # smoke test: 2 seeds, 2 arms, task, 2,000 rows
+    .venv/bin/python benchmarks/search.py --quick --out /tmp/bench  # smoke test: 2 seeds, 3 arms, 2,000 rows
     .venv/bin/python benchmarks/search.py --arms tpe+asha+warm --add-to benchmarks/results/search.json
                                    # runs one more arm with the file's settings, merged into it
     .venv/bin/python benchmarks/search.py --arms gp+asha --other-seeds 20 --from-seed 8 \
@@ -73,9 +85,7 @@ import logging
 import multiprocessing
 import os
 import platform
-import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -86,6 +96,18 @@ from pathlib import Path
 from typing import Any
 
 from studies import output  # noqa: E402
+from studies.machine_load import LoadWatch  # noqa: E402
+from studies.plain_optuna import PLAIN_ARMS, run_plain_search  # noqa: E402
+from studies.search_summary import (  # noqa: E402
+    BASELINE,
+    GOAL_ARMS,
+    GOALS,
+    PLAIN_STRATEGY,
+    epochs_to_target,
+    summarize,
+    table_lines,
+    verdicts,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importable
@@ -93,7 +115,6 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importa
 
 os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # the table, not the cluster's chatter
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "search.json"
-BASELINE = "random"
 ARMS: dict[str, tuple[str, str]] = {
     "random": ("random", "none"),
     "tpe+asha": ("tpe", "asha"),
@@ -109,10 +130,9 @@ ARMS: dict[str, tuple[str, str]] = {
     # learns from an earlier study of the same data (warm_start_studies=1)
     "tpe+asha+warm": ("tpe", "asha"),
 }
+ARMS |= PLAIN_ARMS  # plain Optuna + a plain PyTorch loop: no mopflow (studies/plain_optuna.py)
 WARM_ARMS = ("tpe+asha+warm",)
 PRIOR_ARM, PRIOR_SEED = "tpe+asha", 1000  # the earlier studies the warm arms learn from
-GOAL_ARMS = ("tpe+asha", "tpe+asha+warm")
-GOAL_RATIO, GOAL_LOWER = 2.0, 1.5
 # Wide on purpose: a search has to find the good region (lr too low or too high, tiny models).
 SPACE: dict[str, Any] = {
     "families": {
@@ -131,38 +151,6 @@ SPACE: dict[str, Any] = {
         "batch_size": {"type": "categorical", "choices": [64, 128]},
     },
 }
-RESAMPLES = 2000
-
-
-def epochs_to_target(
-    reports: Sequence[tuple[float, float]], target: float
-) -> tuple[int | None, float | None]:
-    """Epochs finished and seconds elapsed when the first report of ``val_acc >= target`` arrived
-    (None, None if none did). ``reports`` holds (seconds since the search started, val_acc) per
-    epoch report, in the order the coordinator received them."""
-    for count, (elapsed, val_acc) in enumerate(reports, start=1):
-        if val_acc >= target:
-            return count, elapsed
-    return None, None
-
-
-def bootstrap_ratio(
-    baseline: Sequence[float], arm: Sequence[float], resamples: int = RESAMPLES, seed: int = 0
-) -> tuple[float, float, float]:
-    """median(baseline) / median(arm) and its percentile 95% interval, seeds resampled in pairs."""
-    if len(baseline) != len(arm) or not arm:
-        raise ValueError(f"paired samples expected, got {len(baseline)} and {len(arm)}")
-    rng = random.Random(seed)
-    n = len(arm)
-    ratios = []
-    for _ in range(resamples):
-        picks = [rng.randrange(n) for _ in range(n)]
-        ratios.append(
-            statistics.median(baseline[i] for i in picks) / statistics.median(arm[i] for i in picks)
-        )
-    ratios.sort()
-    low, high = ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
-    return statistics.median(baseline) / statistics.median(arm), low, high
 
 
 _CLIENT: list[Any] = []  # one LocalCluster per benchmark process, reused by its searches
@@ -178,6 +166,10 @@ def _client(workers: int) -> Any:
             n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None
         )
         _CLIENT.append(Client(cluster))
+        from mopflow.training.compute.cluster import TRAINING_IMPORTS, import_modules
+
+        # the workers' imports done before the first search's clock starts, as for every later one
+        _CLIENT[0].run(import_modules, TRAINING_IMPORTS)
         # Closed as the pool's process exits, before multiprocessing terminates its children
         # (the workers' nannies), which would otherwise restart the workers into a closing process.
         Finalize(None, _close_client, exitpriority=10)
@@ -193,7 +185,16 @@ def _close_client() -> None:
 
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
-    """One search of one arm under one strategy and seed; every epoch report is recorded."""
+    """One search, with the machine's load before and during it (``load``: CPU time of the
+    processes outside this benchmark's process tree, :mod:`studies.machine_load`)."""
+    search = run_plain_search if job["arm"] in PLAIN_ARMS else run_mopflow_search
+    with LoadWatch(root_pid=os.getppid(), before_s=1.0) as watch:  # the tree: the benchmark's process
+        row = search(job)
+    return row | {"load": watch.record()}
+
+
+def run_mopflow_search(job: dict[str, Any]) -> dict[str, Any]:
+    """One mopflow search of one arm under one strategy and seed; every epoch report is recorded."""
     from mopflow.infra.base import progress
     from mopflow.training.search.config import SearchConfig
     from mopflow.training.search.sweep import run_strategy_search
@@ -222,6 +223,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         journal.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(job["prior"]["journal"], journal)
     reports: list[tuple[float, float]] = []
+    client = _client(job["workers"])  # started (once per process) before the clock
     started = time.monotonic()
 
     def on_event(event: dict[str, Any]) -> None:
@@ -236,11 +238,12 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             study,
             str(journal),
             str(work / "artifacts" / study),
-            _client(job["workers"]),
+            client,
             min_complete=0,  # no extra trials for an ensemble: the benchmark stops at the target
         )
     finally:
         unsubscribe()
+    total = time.monotonic() - started
     epochs, seconds = epochs_to_target(reports, job["target"])
     results = outcome.results
     return {
@@ -249,76 +252,19 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "seed": job["seed"],
         "reached": epochs is not None,
         "epochs_to_target": epochs if epochs is not None else len(reports),
-        "seconds_to_target": round(seconds if seconds is not None else time.monotonic() - started, 2),
+        "seconds_to_target": round(seconds if seconds is not None else total, 2),
         "epochs_trained": len(reports),
-        "total_s": round(time.monotonic() - started, 2),
+        "total_s": round(total, 2),
         "best_val_acc": round(max((acc for _, acc in reports), default=0.0), 4),
         "trials": {s: sum(r.state == s for r in results) for s in ("COMPLETE", "PRUNED", "FAIL")},
+        "busy_s": round(outcome.busy_s, 2),  # the workers inside training and validation passes
+        "utilisation": round(outcome.busy_s / (job["workers"] * total), 3) if total > 0 else None,
     } | ({"prior_seed": job["prior"]["seed"]} if job.get("prior") else {})
 
 
 def study_name(strategy: str, arm: str, seed: int) -> str:
     """The study (and journal file) of one search."""
     return f"bench-{strategy}-{arm.replace('+', '-')}-{seed}"
-
-
-def charged_epochs(row: dict[str, Any], budget_epochs: int) -> int:
-    """The epochs a run is charged: to the target, or the whole epoch budget when it
-    never got there (a pruned search that fails is not cheaper than one that succeeds)."""
-    return int(row["epochs_to_target"]) if row["reached"] else budget_epochs
-
-
-def summarize(
-    rows: list[dict[str, Any]], strategies: Sequence[str], arms: Sequence[str], budget_epochs: int
-) -> list[dict[str, Any]]:
-    """Per strategy and arm: median epochs charged and seconds to target, runs reaching it, and the
-    baseline-to-arm ratio of median epochs with its bootstrap 95% interval (seeds both ran)."""
-    table = []
-    for strategy in strategies:
-        by_arm = {
-            arm: {r["seed"]: r for r in rows if r["strategy"] == strategy and r["arm"] == arm} for arm in arms
-        }
-        base = by_arm.get(BASELINE, {})
-        for arm, runs in by_arm.items():
-            if not runs:
-                continue
-            entry: dict[str, Any] = {
-                "strategy": strategy,
-                "arm": arm,
-                "runs": len(runs),
-                "reached": sum(r["reached"] for r in runs.values()),
-                "median_epochs": statistics.median(charged_epochs(r, budget_epochs) for r in runs.values()),
-                "median_s": round(statistics.median(r["seconds_to_target"] for r in runs.values()), 1),
-            }
-            seeds = sorted(set(runs) & set(base))
-            if arm != BASELINE and seeds:
-                ratio, low, high = bootstrap_ratio(
-                    [charged_epochs(base[s], budget_epochs) for s in seeds],
-                    [charged_epochs(runs[s], budget_epochs) for s in seeds],
-                )
-                entry |= {
-                    "ratio": round(ratio, 2),
-                    "ci95": [round(low, 2), round(high, 2)],
-                    "paired_seeds": len(seeds),
-                }
-            table.append(entry)
-    return table
-
-
-def verdicts(table: list[dict[str, Any]], strategies: Sequence[str]) -> dict[str, dict[str, str]]:
-    """Per strategy and goal arm (:data:`GOAL_ARMS`): PASS where the arm's ratio is >= 2 and its
-    interval's lower end > 1.5."""
-    out: dict[str, dict[str, str]] = {}
-    for strategy in strategies:
-        out[strategy] = {}
-        for arm in GOAL_ARMS:
-            entry = next((e for e in table if e["strategy"] == strategy and e["arm"] == arm), None)
-            if entry is None or "ratio" not in entry:
-                out[strategy][arm] = "NOT MEASURED"
-            else:
-                ok = entry["ratio"] >= GOAL_RATIO and entry["ci95"][0] > GOAL_LOWER
-                out[strategy][arm] = "PASS" if ok else "FAIL"
-    return out
 
 
 def prior_summary(priors: list[dict[str, Any]], strategies: Sequence[str]) -> dict[str, Any]:
@@ -347,7 +293,7 @@ def write_results(
         "settings": {
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in INTERNAL_ARGS
         },
-        "goal": f"median ratio of epochs to target >= {GOAL_RATIO}x random, 95% CI lower end > {GOAL_LOWER}",
+        "goal": GOALS,
         "summary": table,
         "verdict": verdicts(table, args.strategies),
         "rows": sorted(rows, key=lambda r: (r["strategy"], r["arm"], r["seed"])),
@@ -365,35 +311,33 @@ def results_file(out: Path | None, quick: bool) -> Path | None:
 
 
 def print_table(result: dict[str, Any], target: float) -> None:
-    print(f"\n{'strategy':8} {'arm':16} {'reached':>8} {'med epochs':>10} {'med s':>7} {'ratio':>6}  95% CI")
-    for e in result["summary"]:
-        ci = f"[{e['ci95'][0]:.2f}, {e['ci95'][1]:.2f}]" if "ci95" in e else "(baseline)"
-        ratio = f"{e['ratio']:6.2f}" if "ratio" in e else f"{'':6}"
-        print(
-            f"{e['strategy']:8} {e['arm']:16} {e['reached']:>3}/{e['runs']:<4} "
-            f"{e['median_epochs']:10.1f} {e['median_s']:7.1f} {ratio}  {ci}"
-        )
+    print()
+    print("\n".join(table_lines(result, target)))
     strategies = list(result["verdict"])
     for strategy, prior in prior_summary(result.get("prior_rows", []), strategies).items():
         print(
             f"{strategy}: the warm arm learned from {PRIOR_ARM} studies of seeds {prior['seeds']}, which trained "
             f"{prior['epochs_trained']} epochs (not charged)"
         )
-    for strategy, by_arm in result["verdict"].items():
-        for arm, verdict in by_arm.items():
-            print(f"{strategy}: {arm} vs random, epochs to val_acc >= {target}: {verdict} ({result['goal']})")
 
 
 PRIMARY = (BASELINE, *GOAL_ARMS)  # the goal's comparisons: run first, on every seed
 
 
 def run_order(args: argparse.Namespace) -> list[tuple[int, str, str]]:
-    """(seed, strategy, arm) of every search: the goal's arms on all seeds first, then the other
-    arms on the first ``--other-seeds`` seeds (a benchmark stopped early has the goal's runs);
-    seeds below ``--from-seed`` are left out (they are recorded already)."""
-    primary = [a for a in args.arms if a in PRIMARY]
-    others = [a for a in args.arms if a not in PRIMARY]
-    first = [(s, st, a) for s in range(args.from_seed, args.seeds) for st in args.strategies for a in primary]
+    """(seed, strategy, arm) of every search: the goal's arms and the plain loop's on all seeds
+    first, then the other arms on the first ``--other-seeds`` seeds (a benchmark stopped early has
+    the goal's runs); seeds below ``--from-seed`` are left out (they are recorded already). A
+    plain-loop arm runs once per seed, under the strategy ``plain``."""
+    primary = [a for a in args.arms if a in PRIMARY and a not in PLAIN_ARMS]
+    plain = [a for a in args.arms if a in PLAIN_ARMS]
+    others = [a for a in args.arms if a not in PRIMARY and a not in PLAIN_ARMS]
+    first = [
+        run
+        for s in range(args.from_seed, args.seeds)
+        for run in [(s, st, a) for st in args.strategies for a in primary]
+        + [(s, PLAIN_STRATEGY, a) for a in plain]
+    ]
     later = [
         (s, st, a) for s in range(args.from_seed, args.other_seeds) for st in args.strategies for a in others
     ]
@@ -430,7 +374,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke test: 2 seeds, random and tpe+asha, task, 2,000 rows, 12 epochs, target 0.25",
+        help="smoke test: 2 seeds, random and tpe+asha under task and plain-random, 2,000 rows, 12 epochs, target 0.25",
     )
     parser.add_argument(
         "--from-seed", type=int, default=0, help="first seed to run (with --add-to: the rest are recorded)"
@@ -465,7 +409,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.seeds, args.trials, args.epochs, args.min_resource, args.budget_epochs = 2, 4, 3, 1, 12
-        args.arms, args.strategies, args.samples, args.target = "random,tpe+asha", "task", 2_000, 0.25
+        args.arms, args.strategies = "random,tpe+asha,plain-random", "task"
+        args.samples, args.target = 2_000, 0.25
     args.other_seeds = args.seeds if args.other_seeds is None else min(args.other_seeds, args.seeds)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]

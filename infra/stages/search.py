@@ -106,6 +106,8 @@ def search_stage(
         if not best:
             raise RuntimeError(f"study {study} finished with no COMPLETE trial ({counts})")
         st.tracker.log_metrics(st.run_id, {"best_val_acc": best[0].value or 0.0})
+        if outcome.utilisation is not None:  # the rest of the workers' time went to fixed costs
+            st.tracker.log_metrics(st.run_id, {"worker_utilisation": round(outcome.utilisation, 3)})
     log.info(
         "search: study %s done: %s; best trial %d val_acc=%.4f", study, counts, best[0].number, best[0].value
     )

@@ -90,17 +90,23 @@ def check_shard(report: Report, out: Path) -> None:
 
 def check_search(report: Report, out: Path) -> None:
     assert not report["partial"]
-    assert sorted((r["arm"], r["seed"]) for r in report["rows"]) == [
-        ("random", 0),
-        ("random", 1),
-        ("tpe+asha", 0),
-        ("tpe+asha", 1),
+    assert sorted((r["strategy"], r["arm"], r["seed"]) for r in report["rows"]) == [
+        ("plain", "plain-random", 0),
+        ("plain", "plain-random", 1),
+        ("task", "random", 0),
+        ("task", "random", 1),
+        ("task", "tpe+asha", 0),
+        ("task", "tpe+asha", 1),
     ]
     for row in report["rows"]:
-        assert row["strategy"] == "task" and 0 < row["epochs_to_target"] <= row["epochs_trained"]
-        assert sum(row["trials"].values()) >= 1
-    assert [(e["arm"], e["runs"]) for e in report["summary"]] == [("random", 2), ("tpe+asha", 2)]
-    assert "ci95" in report["summary"][1] and set(report["verdict"]["task"]) == {"tpe+asha", "tpe+asha+warm"}
+        assert 0 < row["epochs_to_target"] <= row["epochs_trained"] and sum(row["trials"].values()) >= 1
+        assert 0 < row["utilisation"] <= 1  # inside training and validation passes
+        assert {"outside_share", "before", "clean"} <= set(row["load"])  # what else the machine ran
+    found = [(e["strategy"], e["arm"], e["runs"]) for e in report["summary"]]
+    assert found == [("task", "random", 2), ("task", "tpe+asha", 2), ("plain", "plain-random", 2)]
+    assert {"tpe+asha", "utilisation", "random_vs_plain_random", "best_vs_plain_best"} <= set(
+        report["verdict"]["task"]
+    )
 
 
 def check_mnist1d_accuracy(report: Report, out: Path) -> None:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from studies import search_summary as summary
 
 from tests.benchmarks.loader import load_benchmark
 
@@ -14,14 +15,14 @@ bench = load_benchmark("search")
 
 def test_epochs_to_target_counts_reports_in_arrival_order() -> None:
     reports = [(1.0, 0.5), (2.0, 0.95), (2.5, 0.97), (3.0, 0.99)]
-    assert bench.epochs_to_target(reports, 0.96) == (3, 2.5)
-    assert bench.epochs_to_target(reports, 0.999) == (None, None)
+    assert summary.epochs_to_target(reports, 0.96) == (3, 2.5)
+    assert summary.epochs_to_target(reports, 0.999) == (None, None)
 
 
 def test_the_bootstrap_interval_brackets_the_ratio_of_medians() -> None:
     baseline = [300, 280, 350, 310, 290, 400, 260, 330]
     arm = [100, 120, 90, 150, 110, 95, 130, 105]
-    ratio, low, high = bench.bootstrap_ratio(baseline, arm)
+    ratio, low, high = summary.bootstrap_ratio(baseline, arm)
     assert ratio == pytest.approx(305 / 107.5)
     assert low <= ratio <= high
     assert low > 2.0  # the arm is clearly better on every seed
@@ -29,26 +30,74 @@ def test_the_bootstrap_interval_brackets_the_ratio_of_medians() -> None:
 
 def test_identical_arms_give_an_interval_around_one() -> None:
     same = [120, 80, 200, 150, 90, 170]
-    ratio, low, high = bench.bootstrap_ratio(same, same)
+    ratio, low, high = summary.bootstrap_ratio(same, same)
     assert ratio == low == high == 1.0
 
 
 def test_unpaired_samples_are_refused() -> None:
     with pytest.raises(ValueError, match="paired samples expected, got 3 and 2"):
-        bench.bootstrap_ratio([1, 2, 3], [1, 2])
+        summary.bootstrap_ratio([1, 2, 3], [1, 2])
 
 
 def test_the_verdict_needs_both_the_ratio_and_the_interval() -> None:
     table = [
-        {"strategy": "task", "arm": "tpe+asha", "ratio": 2.4, "ci95": [1.7, 3.1]},
-        {"strategy": "mop", "arm": "tpe+asha", "ratio": 2.2, "ci95": [1.2, 3.5]},
-        {"strategy": "mop", "arm": "tpe+asha+warm", "ratio": 1.9, "ci95": [1.6, 3.5]},
+        {"strategy": "task", "arm": "tpe+asha", "ratio": 2.4, "ci95": [1.7, 3.1], "clean_runs": 5},
+        {"strategy": "mop", "arm": "tpe+asha", "ratio": 2.2, "ci95": [1.2, 3.5], "clean_runs": 5},
+        {"strategy": "mop", "arm": "tpe+asha+warm", "ratio": 1.9, "ci95": [1.6, 3.5], "clean_runs": 5},
     ]
-    assert bench.verdicts(table, ["task", "mop", "ddp"]) == {
+    found = summary.verdicts(table, ["task", "mop", "ddp"])
+    assert {s: {a: found[s][a] for a in summary.GOAL_ARMS} for s in found} == {
         "task": {"tpe+asha": "PASS", "tpe+asha+warm": "NOT MEASURED"},
         "mop": {"tpe+asha": "FAIL", "tpe+asha+warm": "FAIL"},
         "ddp": {"tpe+asha": "NOT MEASURED", "tpe+asha+warm": "NOT MEASURED"},
     }
+
+
+def _row(strategy: str, arm: str, seed: int, seconds: float, clean: bool = True, **more: object) -> dict:
+    return {
+        "strategy": strategy, "arm": arm, "seed": seed, "reached": True, "epochs_to_target": 10 * seconds,
+        "seconds_to_target": seconds, "total_s": seconds + 1, "load": {"clean": clean}, **more,
+    }  # fmt: skip
+
+
+def test_seconds_are_compared_over_the_seeds_both_arms_measured_clean() -> None:
+    rows = [_row("task", "random", s, 30.0 + s) for s in range(4)]
+    rows += [_row("task", "tpe+asha", s, 10.0, utilisation=0.9) for s in range(3)]
+    rows += [_row("task", "tpe+asha", 3, 1.0, clean=False)]  # beside another load: left out
+    table = summary.summarize(rows, ["task"], ["random", "tpe+asha"], budget_epochs=720)
+    arm = next(e for e in table if e["arm"] == "tpe+asha")
+    assert (arm["runs"], arm["clean_runs"], arm["paired_seeds"]) == (4, 3, 3)
+    assert arm["median_s"] == 10.0 and arm["ratio"] == 3.1  # seconds: 31 / 10 over seeds 0-2
+    assert arm["epochs_ratio"] == 3.1 and arm["utilisation"] == 0.9
+    unclean = [_row("task", a, 0, 5.0, clean=False) for a in ("random", "tpe+asha")]
+    table = summary.summarize(unclean, ["task"], ["random", "tpe+asha"], budget_epochs=720)
+    assert "ratio" not in table[1]
+    assert summary.verdicts(table, ["task"])["task"]["tpe+asha"] == "NOT MEASURED"
+
+
+def test_a_search_that_never_reaches_the_target_is_charged_all_its_seconds() -> None:
+    assert summary.charged_seconds({"reached": True, "seconds_to_target": 12.0, "total_s": 40.0}) == 12.0
+    assert summary.charged_seconds({"reached": False, "seconds_to_target": 40.0, "total_s": 41.5}) == 41.5
+
+
+def test_the_plain_loop_is_the_yardstick_for_random_search_and_for_the_best_arm() -> None:
+    rows = [_row("task", "random", s, 36.0, utilisation=0.5) for s in range(3)]
+    rows += [_row("task", "tpe+asha", s, 14.0, utilisation=0.9) for s in range(3)]
+    rows += [_row("plain", "plain-random", s, 30.0, utilisation=0.95) for s in range(3)]
+    rows += [_row("plain", "plain-tpe+sh", s, 12.0, utilisation=0.95) for s in range(3)]
+    arms = ["random", "tpe+asha", "plain-random", "plain-tpe+sh"]
+    table = summary.summarize(rows, ["task"], arms, budget_epochs=720)
+    plain = next(e for e in table if e["arm"] == "plain-tpe+sh")
+    assert plain["strategy"] == "plain" and plain["ratio"] == 2.5  # against the plain loop's random
+    found = summary.verdicts(table, ["task"])
+    assert found["task"]["random_vs_plain_random"] == "PASS"  # 36 <= 1.2 x 30
+    assert found["task"]["best_vs_plain_best"] == "FAIL"  # 14 s against 12 s
+    assert found["task"]["utilisation"] == {"random": "FAIL", "tpe+asha": "PASS"}
+    assert found["plain"]["utilisation"] == {"plain-random": "PASS", "plain-tpe+sh": "PASS"}
+    assert any(
+        "best vs plain best: FAIL" in line
+        for line in summary.table_lines({"summary": table, "verdict": found}, 0.96)
+    )
 
 
 def test_the_baseline_must_be_among_the_arms() -> None:
@@ -72,8 +121,8 @@ def test_the_goal_arms_run_on_every_seed_before_the_others() -> None:
 def test_a_search_that_never_reaches_the_target_is_charged_the_whole_budget() -> None:
     reached = {"reached": True, "epochs_to_target": 300}
     failed = {"reached": False, "epochs_to_target": 90}  # pruned hard and gave up early
-    assert bench.charged_epochs(reached, 720) == 300
-    assert bench.charged_epochs(failed, 720) == 720
+    assert summary.charged_epochs(reached, 720) == 300
+    assert summary.charged_epochs(failed, 720) == 720
 
 
 def test_added_arms_take_the_recorded_settings_and_replace_only_their_own_runs(tmp_path: Path) -> None:
@@ -96,6 +145,15 @@ def test_added_arms_take_the_recorded_settings_and_replace_only_their_own_runs(t
     written = bench.write_results(args, merged, partial=False, priors=[])
     assert "recorded" not in written["settings"] and written["settings"]["arms"] == args.arms
     assert json.loads(results.read_text())["rows"] == written["rows"]
+
+
+def test_a_plain_loop_arm_runs_once_per_seed_beside_the_goal_arms() -> None:
+    args = bench.parse_args(["--seeds", "2", "--arms", "random,plain-random,gp+asha", "--other-seeds", "1"])
+    assert bench.run_order(args) == [
+        (0, "task", "random"), (0, "mop", "random"), (0, "plain", "plain-random"),
+        (1, "task", "random"), (1, "mop", "random"), (1, "plain", "plain-random"),
+        (0, "task", "gp+asha"), (0, "mop", "gp+asha"),
+    ]  # fmt: skip
 
 
 def test_the_warm_arm_runs_with_the_goal_arms_and_needs_an_earlier_study() -> None:

@@ -59,6 +59,15 @@ class SearchOutcome:
         RoundScale, ...
     ] = ()  # worker_schedule: n_j per round (training/volatile/scaling.py)
     spot: SpotReport | None = None  # spot_trace: the replay's record and cost account
+    busy_s: float = 0.0  # worker seconds inside training and validation passes (the batch loops)
+    wall_s: float = 0.0  # the executor's run, start to end
+    workers: int = 0  # Dask workers when it started
+
+    @property
+    def utilisation(self) -> float | None:
+        """Share of the workers' time spent inside training and validation passes: the rest went
+        to fixed costs (task round trips, Trainer set-up, state packing, loading, waits)."""
+        return self.busy_s / (self.workers * self.wall_s) if self.workers and self.wall_s > 0 else None
 
     @property
     def redone_unit_seconds(self) -> float:

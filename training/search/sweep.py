@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack, get_args
 
@@ -113,13 +113,20 @@ def _search(
     executor = strategy_executor(ExecutorSetting(cfg, client, data, shards, checkpoint_root, scaling))
     _forward_worker_logs(client)
     sweep = _Sweep(cfg, study, space, executor, artifact_root, study_name, opts, results)
+    workers = len(client.scheduler_info()["workers"])
     started = time.monotonic()
     sweep.run(budget, opts["min_complete"])
+    wall = time.monotonic() - started
+    busy = pass_seconds(executor.records)
     log.info(
-        "search: %s executor finished %d trials in %.0fs",
+        "search: %s executor finished %d trials in %.0fs%s",
         cfg.strategy,
         len(sweep.told),
-        time.monotonic() - started,
+        wall,
+        f"; its {workers} workers spent {100 * busy / (workers * wall):.0f}% of it inside training and "
+        "validation passes"
+        if busy is not None and workers and wall > 0
+        else "",
     )
     return SearchOutcome(
         study_name,
@@ -127,7 +134,19 @@ def _search(
         sorted(results, key=lambda r: r.number),
         dict(getattr(executor, "epoch_records", {})),
         worker_rounds=tuple(scaling.history),
+        busy_s=busy or 0.0,
+        wall_s=wall,
+        workers=workers,
     )
+
+
+def pass_seconds(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """Seconds the pass records spent inside their batch loops: training (``loop_s``) and the
+    validation that followed (``val_s``); None when no record times its loop (DDP gangs)."""
+    timed = [r for r in records if "loop_s" in r]
+    if not timed:
+        return None
+    return float(sum(float(r["loop_s"]) + float(r.get("val_s", 0.0)) for r in timed))
 
 
 def run_strategy_search(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class PassRecord:
     train_loss: float
     lr_end: float
     resumed_at_batch: int
+    loop_s: float = 0.0  # inside the batch loop: what Trainer set-up and state packing are not
 
 
 class PassInterrupted(Exception):  # noqa: N818 - a stop asked for, not an error
@@ -190,6 +192,7 @@ class TrainableUnit:
             train_loss=float(module.last_train_loss),
             lr_end=float(holder["optimizer"].param_groups[0]["lr"]),
             resumed_at_batch=plan.skip,
+            loop_s=float(holder.get("loop_s", 0.0)),
         )
 
     def _start_pass(self, epoch: int, pass_index: int, part: str, n_rows: int, batch_size: int) -> _PassPlan:
@@ -235,6 +238,10 @@ class TrainableUnit:
             def on_train_epoch_start(self) -> None:
                 # a resumed pass's mean loss covers the batches done before the stop too
                 self._epoch_loss = [float(loss_so_far[0]), int(loss_so_far[1])] if loss_so_far else [0.0, 0]
+                holder["loop_started"] = time.perf_counter()
+
+            def on_train_epoch_end(self) -> None:
+                holder["loop_s"] = time.perf_counter() - holder["loop_started"]
 
         module = UnitModule(
             self.model,

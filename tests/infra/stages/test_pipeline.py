@@ -120,6 +120,7 @@ def test_mop_strategy_runs_the_search_and_logs_gantt_charts(tmp_path: Path) -> N
     names = [f.path for f in client.list_artifacts(run.info.run_id, "mop")]
     assert "mop/gantt-epoch-001.png" in names and "mop/units-epoch-002.json" in names
     assert client.get_metric_history(run.info.run_id, "mop_idle_fraction")
+    assert 0 < run.data.metrics["worker_utilisation"] < 1  # inside training and validation passes
     trials = client.search_runs([experiment.experiment_id], "tags.`mopflow.stage` = 'trial'")
     assert len(trials) == 3
 

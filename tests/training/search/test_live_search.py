@@ -94,6 +94,20 @@ def test_a_mop_sweep_tells_optuna_each_trial_when_it_finishes(
     assert sorted(logged)[:2] == [(0, 2), (1, 2)] and len(logged) == 4
     for result in outcome.results:  # each bundle was written when its trial was told
         assert result.bundle_uri and Path(result.bundle_uri).exists()
+    # the workers' seconds inside the batch loops, apart from what each unit costs around them
+    units = [r for records in outcome.epoch_records.values() for r in records]
+    assert all(0 < r["loop_s"] < r["end"] - r["start"] for r in units)
+    assert sum("val_s" in r for r in units) == 4 * 2  # each model's epoch ends with its validation
+    assert outcome.busy_s == pytest.approx(sum(r["loop_s"] + r.get("val_s", 0.0) for r in units))
+    assert outcome.workers == 2 and 0 < outcome.utilisation < 1  # type: ignore[operator]
+
+
+def test_pass_seconds_add_the_training_loops_and_the_validations_of_timed_records() -> None:
+    from mopflow.training.search.sweep import pass_seconds
+
+    records = [{"loop_s": 1.5, "val_s": 0.25}, {"loop_s": 2.0}, {"worker": "a DDP gang, untimed"}]
+    assert pass_seconds(records) == 3.75
+    assert pass_seconds([{"worker": "untimed"}]) is None
 
 
 def _enqueue(storage: str, cfg: SearchConfig, lrs: list[float]) -> None:

@@ -1,0 +1,214 @@
+"""The search benchmark's statistics: time and epochs to target, paired bootstrap ratios against
+random search, worker utilisation, and the verdict on its targets.
+
+Seconds are the primary figure: wall-clock seconds to the target, compared only between searches
+measured clean (``row["load"]["clean"]``: other processes used at most 10% of the machine, see
+:mod:`studies.machine_load`). Epochs to target are the second figure. A search that never reaches
+the target is charged the whole epoch budget and the seconds it ran (it trained the whole budget),
+so that a pruned search that fails never looks cheaper than one that succeeds.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+BASELINE = "random"
+PLAIN_STRATEGY, PLAIN_BASELINE = "plain", "plain-random"  # plain Optuna + a plain PyTorch loop
+GOAL_ARMS = ("tpe+asha", "tpe+asha+warm")
+GOAL_RATIO, GOAL_LOWER = 2.0, 1.5  # median ratio to random, and the 95% interval's lower end
+GOAL_UTILISATION = 0.85  # seconds inside training and validation passes / (workers x wall)
+GOAL_VS_PLAIN = 1.2  # mopflow's random search: at most this times the plain loop's wall time
+RESAMPLES = 2000
+GOALS = (
+    f"seconds (primary) and epochs to target: {', '.join(GOAL_ARMS)} median ratio to random >= "
+    f"{GOAL_RATIO}x with the 95% CI's lower end > {GOAL_LOWER}, under task and mop; utilisation >= "
+    f"{GOAL_UTILISATION} for every arm; mopflow's random search <= {GOAL_VS_PLAIN}x the plain Optuna "
+    "loop's seconds to target; mopflow's best arm faster to target than the plain loop's best arm; "
+    "only searches measured clean count"
+)
+
+
+def epochs_to_target(
+    reports: Sequence[tuple[float, float]], target: float
+) -> tuple[int | None, float | None]:
+    """Epochs finished and seconds elapsed when the first report of ``val_acc >= target`` arrived
+    (None, None if none did). ``reports`` holds (seconds since the search started, val_acc) per
+    epoch report, in the order the coordinator received them."""
+    for count, (elapsed, val_acc) in enumerate(reports, start=1):
+        if val_acc >= target:
+            return count, elapsed
+    return None, None
+
+
+def bootstrap_ratio(
+    baseline: Sequence[float], arm: Sequence[float], resamples: int = RESAMPLES, seed: int = 0
+) -> tuple[float, float, float]:
+    """median(baseline) / median(arm) and its percentile 95% interval, seeds resampled in pairs."""
+    if len(baseline) != len(arm) or not arm:
+        raise ValueError(f"paired samples expected, got {len(baseline)} and {len(arm)}")
+    rng = random.Random(seed)
+    n = len(arm)
+    ratios = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        ratios.append(
+            statistics.median(baseline[i] for i in picks) / statistics.median(arm[i] for i in picks)
+        )
+    ratios.sort()
+    low, high = ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+    return statistics.median(baseline) / statistics.median(arm), low, high
+
+
+def charged_epochs(row: Mapping[str, Any], budget_epochs: int) -> int:
+    """The epochs a run is charged: to the target, or the whole epoch budget when it never got
+    there (a pruned search that fails is not cheaper than one that succeeds)."""
+    return int(row["epochs_to_target"]) if row["reached"] else budget_epochs
+
+
+def charged_seconds(row: Mapping[str, Any]) -> float:
+    """The seconds a run is charged: to the target, or all it ran when it never got there."""
+    return (
+        float(row["seconds_to_target"])
+        if row["reached"]
+        else float(row.get("total_s", row["seconds_to_target"]))
+    )
+
+
+def is_clean(row: Mapping[str, Any]) -> bool:
+    """Whether the run was measured with at most 10% of the machine used by other processes (a
+    run recorded without a load record was not)."""
+    return bool(row.get("load", {}).get("clean"))
+
+
+def _paired(
+    base: Mapping[int, Mapping[str, Any]],
+    runs: Mapping[int, Mapping[str, Any]],
+    figure: Callable[[Any], float],
+) -> dict[str, Any]:
+    """The ratio of base's median to the arm's over the seeds both ran clean, with its interval."""
+    seeds = sorted(s for s in set(base) & set(runs) if is_clean(base[s]) and is_clean(runs[s]))
+    if not seeds:
+        return {}
+    ratio, low, high = bootstrap_ratio([figure(base[s]) for s in seeds], [figure(runs[s]) for s in seeds])
+    return {"ratio": round(ratio, 2), "ci95": [round(low, 2), round(high, 2)], "paired_seeds": len(seeds)}
+
+
+def summarize(
+    rows: list[dict[str, Any]], strategies: Sequence[str], arms: Sequence[str], budget_epochs: int
+) -> list[dict[str, Any]]:
+    """Per strategy and arm: runs (clean ones), runs reaching the target, median seconds and
+    epochs charged, median utilisation, and the baseline-to-arm ratios of median seconds
+    (``ratio``, the primary figure) and of median epochs (``epochs_ratio``), each with its
+    bootstrap 95% interval over the seeds both measured clean. Plain-loop arms are compared with
+    the plain loop's random search."""
+    table = []
+    for strategy in [*strategies, PLAIN_STRATEGY]:
+        by_arm = {
+            arm: {r["seed"]: r for r in rows if r["strategy"] == strategy and r["arm"] == arm} for arm in arms
+        }
+        base = by_arm.get(PLAIN_BASELINE if strategy == PLAIN_STRATEGY else BASELINE, {})
+        for arm, runs in by_arm.items():
+            if not runs:
+                continue
+            clean = [r for r in runs.values() if is_clean(r)]
+            used = clean or list(runs.values())  # medians of clean runs when there are any
+            entry: dict[str, Any] = {
+                "strategy": strategy,
+                "arm": arm,
+                "runs": len(runs),
+                "clean_runs": len(clean),
+                "reached": sum(r["reached"] for r in runs.values()),
+                "median_s": round(statistics.median(charged_seconds(r) for r in used), 1),
+                "median_epochs": statistics.median(charged_epochs(r, budget_epochs) for r in used),
+            }
+            utilisation = [r["utilisation"] for r in used if r.get("utilisation") is not None]
+            if utilisation:
+                entry["utilisation"] = round(statistics.median(utilisation), 3)
+            if runs is not base:
+                entry |= _paired(base, runs, charged_seconds)
+                by_epochs = _paired(base, runs, lambda r: charged_epochs(r, budget_epochs))
+                entry |= {f"epochs_{k}": v for k, v in by_epochs.items() if k != "paired_seeds"}
+            table.append(entry)
+    return table
+
+
+def verdicts(table: list[dict[str, Any]], strategies: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per strategy: each goal arm's ratio of seconds to random (PASS where >= 2 with the
+    interval's lower end > 1.5), every arm's utilisation (>= 0.85), mopflow's random search
+    against the plain loop's (its median seconds <= 1.2x), and mopflow's fastest arm against the
+    plain loop's fastest. NOT MEASURED where the clean runs to judge are missing."""
+    plain = [e for e in table if e["strategy"] == PLAIN_STRATEGY and e["clean_runs"]]
+    out: dict[str, dict[str, Any]] = {}
+    for strategy in [*strategies, *([PLAIN_STRATEGY] if plain else [])]:
+        entries = [e for e in table if e["strategy"] == strategy]
+        found: dict[str, Any] = {}
+        if strategy != PLAIN_STRATEGY:
+            for arm in GOAL_ARMS:
+                entry = next((e for e in entries if e["arm"] == arm), None)
+                if entry is None or "ratio" not in entry:
+                    found[arm] = "NOT MEASURED"
+                else:
+                    found[arm] = _pass(entry["ratio"] >= GOAL_RATIO and entry["ci95"][0] > GOAL_LOWER)
+        found["utilisation"] = {
+            e["arm"]: _pass(e["utilisation"] >= GOAL_UTILISATION)
+            if "utilisation" in e and e["clean_runs"]
+            else "NOT MEASURED"
+            for e in entries
+        }
+        if strategy != PLAIN_STRATEGY:
+            found |= _against_plain([e for e in entries if e["clean_runs"]], plain)
+        out[strategy] = found
+    return out
+
+
+def _against_plain(ours: list[dict[str, Any]], plain: list[dict[str, Any]]) -> dict[str, str]:
+    """mopflow's random search against the plain loop's, and the fastest arms of each."""
+    mine = next((e for e in ours if e["arm"] == BASELINE), None)
+    theirs = next((e for e in plain if e["arm"] == PLAIN_BASELINE), None)
+    random_vs = (
+        _pass(mine["median_s"] <= GOAL_VS_PLAIN * theirs["median_s"]) if mine and theirs else "NOT MEASURED"
+    )
+    best = (
+        _pass(min(e["median_s"] for e in ours) < min(e["median_s"] for e in plain))
+        if ours and plain
+        else "NOT MEASURED"
+    )
+    return {"random_vs_plain_random": random_vs, "best_vs_plain_best": best}
+
+
+def _pass(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
+    """The summary as a text table, then one line per verdict."""
+    lines = [
+        f"{'strategy':8} {'arm':16} {'clean/runs':>10} {'reached':>7} {'med s':>7} {'ratio s':>7} {'95% CI':>14} "
+        f"{'med ep':>7} {'ratio ep':>8} {'95% CI':>14} {'util':>6}"
+    ]
+    for e in result["summary"]:
+        ci = f"[{e['ci95'][0]:.2f}, {e['ci95'][1]:.2f}]" if "ci95" in e else "(baseline)"
+        ep_ci = f"[{e['epochs_ci95'][0]:.2f}, {e['epochs_ci95'][1]:.2f}]" if "epochs_ci95" in e else ""
+        ratio = f"{e['ratio']:7.2f}" if "ratio" in e else f"{'':7}"
+        ep_ratio = f"{e['epochs_ratio']:8.2f}" if "epochs_ratio" in e else f"{'':8}"
+        util = f"{e['utilisation']:6.3f}" if "utilisation" in e else f"{'':6}"
+        lines.append(
+            f"{e['strategy']:8} {e['arm']:16} {e.get('clean_runs', 0):>4}/{e['runs']:<5} {e['reached']:>7} "
+            f"{e['median_s']:7.1f} {ratio} {ci:>14} {e['median_epochs']:7.1f} {ep_ratio} {ep_ci:>14} {util}"
+        )
+    for strategy, found in result["verdict"].items():
+        for name, verdict in found.items():
+            if isinstance(verdict, dict):
+                shown = ", ".join(f"{arm} {v}" for arm, v in verdict.items()) or "NOT MEASURED"
+                lines.append(f"{strategy}: utilisation >= {GOAL_UTILISATION}: {shown}")
+            elif name in GOAL_ARMS:
+                lines.append(
+                    f"{strategy}: {name} vs random, seconds to val_acc >= {target}: {verdict} "
+                    f"(median ratio >= {GOAL_RATIO}, CI lower end > {GOAL_LOWER})"
+                )
+            else:
+                lines.append(f"{strategy}: {name.replace('_', ' ')}: {verdict}")
+    return lines
