@@ -205,7 +205,7 @@ def run_mopflow_search(job: dict[str, Any]) -> dict[str, Any]:
         n_trials=job["trials"],
         epoch_budget=job["budget_epochs"],  # equal compute: what pruning saves buys more trials
         epochs=job["epochs"],
-        parallel_trials=job["workers"],
+        parallel_trials=job["parallel_trials"],
         model_slots=job["model_slots"],
         seed=job["seed"],
         sampler=sampler,  # type: ignore[arg-type]
@@ -359,6 +359,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--min-resource", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2, help="Dask workers per search")
+    parser.add_argument(
+        "--parallel-trials",
+        type=int,
+        default=None,
+        help="trials in flight under task (default: mopflow's, parallel_trials)",
+    )
     parser.add_argument("--model-slots", type=int, default=4, help="models training at once under mop")
     parser.add_argument("--target", type=float, default=0.96)
     parser.add_argument("--samples", type=int, default=10_000, help="MNIST-1D rows generated")
@@ -411,6 +417,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.seeds, args.trials, args.epochs, args.min_resource, args.budget_epochs = 2, 4, 3, 1, 12
         args.arms, args.strategies = "random,tpe+asha,plain-random", "task"
         args.samples, args.target = 2_000, 0.25
+    if args.parallel_trials is None:
+        from mopflow.training.search.config import SearchConfig
+
+        args.parallel_trials = SearchConfig().parallel_trials
     args.other_seeds = args.seeds if args.other_seeds is None else min(args.other_seeds, args.seeds)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -436,7 +446,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 INTERNAL_ARGS = {"recorded", "to_run"}  # what parse_args adds: the file's runs, the run order
 RECORDED_SETTINGS = (
     "trials", "budget_epochs", "epochs", "min_resource", "workers", "model_slots", "target", "samples",
-    "val_fraction", "space",
+    "val_fraction", "space", "parallel_trials",
 )  # fmt: skip
 
 
@@ -530,7 +540,16 @@ def main(argv: list[str] | None = None) -> int:
             ).manifest_uri
         base = {
             k: getattr(args, k)
-            for k in ("trials", "budget_epochs", "epochs", "min_resource", "workers", "model_slots", "target")
+            for k in (
+                "trials",
+                "budget_epochs",
+                "epochs",
+                "min_resource",
+                "workers",
+                "model_slots",
+                "target",
+                "parallel_trials",
+            )  # fmt: skip
         } | {"space": space, "manifest": manifest, "work": tmp}
         warm = sorted({st for _, st, arm in order if arm in WARM_ARMS})
         priors = run_jobs(  # the earlier studies first: the warm searches copy their journals

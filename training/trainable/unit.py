@@ -20,7 +20,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mopflow.training.compute.devices import CPU, DeviceSpec
@@ -57,7 +57,8 @@ class PassRecord:
     train_loss: float
     lr_end: float
     resumed_at_batch: int
-    loop_s: float = 0.0  # inside the batch loop: what Trainer set-up and state packing are not
+    # inside the batch loop (not Trainer set-up or state packing); a timing, not what the pass did
+    loop_s: float = field(default=0.0, compare=False)
 
 
 class PassInterrupted(Exception):  # noqa: N818 - a stop asked for, not an error
@@ -242,6 +243,7 @@ class TrainableUnit:
 
             def on_train_epoch_end(self) -> None:
                 holder["loop_s"] = time.perf_counter() - holder["loop_started"]
+                super().on_train_epoch_end()  # the epoch's mean loss
 
         module = UnitModule(
             self.model,
