@@ -190,7 +190,14 @@ def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
         f"{'med ep':>7} {'ratio ep':>8} {'95% CI':>14} {'util':>6}"
     ]
     for e in result["summary"]:
-        ci = f"[{e['ci95'][0]:.2f}, {e['ci95'][1]:.2f}]" if "ci95" in e else "(baseline)"
+        baseline = e["arm"] in (BASELINE, PLAIN_BASELINE)
+        ci = (
+            f"[{e['ci95'][0]:.2f}, {e['ci95'][1]:.2f}]"
+            if "ci95" in e
+            else "(baseline)"
+            if baseline
+            else "(no clean pair)"
+        )
         ep_ci = f"[{e['epochs_ci95'][0]:.2f}, {e['epochs_ci95'][1]:.2f}]" if "epochs_ci95" in e else ""
         ratio = f"{e['ratio']:7.2f}" if "ratio" in e else f"{'':7}"
         ep_ratio = f"{e['epochs_ratio']:8.2f}" if "epochs_ratio" in e else f"{'':8}"
@@ -202,8 +209,8 @@ def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
     for strategy, found in result["verdict"].items():
         for name, verdict in found.items():
             if isinstance(verdict, dict):
-                shown = ", ".join(f"{arm} {v}" for arm, v in verdict.items()) or "NOT MEASURED"
-                lines.append(f"{strategy}: utilisation >= {GOAL_UTILISATION}: {shown}")
+                shown = ", ".join(f"{arm} {v}" for arm, v in verdict.items() if v != "NOT MEASURED")
+                lines.append(f"{strategy}: utilisation >= {GOAL_UTILISATION}: {shown or 'NOT MEASURED'}")
             elif name in GOAL_ARMS:
                 lines.append(
                     f"{strategy}: {name} vs random, seconds to val_acc >= {target}: {verdict} "

@@ -36,11 +36,11 @@ class SearchConfig(StageConfig):
     n_trials: int = Field(20, ge=1, le=1000, description="Number of trials to finish")
     epochs: int = Field(80, ge=1, le=1000, description="Training epochs per trial")
     parallel_trials: int = Field(
-        4,
+        2,
         ge=1,
         le=256,
         description="Trials trained at once under task, on the Dask workers (MOPFLOW_DASK_WORKERS); more "
-        "than the workers keeps each busy while the coordinator decides on another trial's epoch",
+        "than the workers keeps them busier, but the sampler and the pruner then learn later",
     )
     trial_batches: bool = Field(
         False,

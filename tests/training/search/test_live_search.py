@@ -256,3 +256,32 @@ def test_rung_pruners_prune_live_and_nothing_trains_past_a_decision(
         promoted = by_number[number]
         assert promoted.resumed_from_epoch == judged_at, (promoted, study.trials[earlier])
         assert [h["epoch"] for h in promoted.history] == list(range(len(promoted.history)))
+
+
+def test_a_task_asha_sweep_never_leaves_a_worker_without_an_epoch_while_trials_remain(
+    small_manifest: str, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Li et al.'s rule under ``task``: when a slot frees, a model waiting at a rung is promoted if
+    it may be, otherwise a new trial starts. Every time the executor has admitted what it could, an
+    epoch per worker is in flight for as long as new trials remain to be started (after the last
+    one, the sweep's tail: only models that finish or wait for a promotion)."""
+    from mopflow.training.executors import task
+
+    admits: list[tuple[int, bool]] = []  # after each admit: epochs in flight, new trials remain
+    admit = task._TaskRun.admit
+
+    def admitting(run: Any) -> None:
+        admit(run)
+        admits.append((len(run.in_flight), run.controller.started < run.controller.budget))
+
+    monkeypatch.setattr(task._TaskRun, "admit", admitting)
+    cfg = SearchConfig(
+        n_trials=8, epochs=4, strategy="task", space=SPACE, sampler="random", pruner="asha", min_resource=1
+    )
+    lrs = [GOOD_LR, BAD_LR, BAD_LR, GOOD_LR, BAD_LR, BAD_LR, GOOD_LR, BAD_LR]
+    _enqueue(str(tmp_path / "journal.log"), cfg, lrs)
+    outcome = _sweep(cfg, small_manifest, tmp_path, dask_client)
+    assert {r.state for r in outcome.results} >= {"COMPLETE", "PRUNED"}  # models stopped at rungs
+    workers = len(dask_client.scheduler_info()["workers"])  # type: ignore[attr-defined]
+    assert admits[0] == (workers, True) and admits[-1][1] is False
+    assert not [(n, remain) for n, remain in admits if n < workers and remain], admits
