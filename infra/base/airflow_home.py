@@ -59,20 +59,3 @@ def migrate_airflow_db(env: Mapping[str, str], bin_dir: str, inherit: bool = Tru
     )
     if proc.returncode != 0:
         raise AirflowSetupError(f"`airflow db migrate` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-
-
-def migrate_airflow_db_here(airflow_home: str) -> None:
-    """What ``airflow db migrate`` does, in this process, for the Airflow it runs itself (its
-    settings already in this process's environment; ``airflow_home`` names it in messages):
-    the tables created or upgraded without a second interpreter importing Airflow again."""
-    from airflow.utils import db
-    from airflow.utils.providers_configuration_loader import providers_configuration_loaded
-
-    Path(airflow_home).mkdir(parents=True, exist_ok=True)
-    log.info("airflow: migrating metadata DB in %s", airflow_home)
-    try:
-        providers_configuration_loaded(db.upgradedb)()
-    except Exception as exc:
-        raise AirflowSetupError(
-            f"migrating Airflow's metadata DB in {airflow_home} failed: {type(exc).__name__}: {exc}"
-        ) from exc

@@ -79,13 +79,32 @@ def _prepare_airflow(airflow_home: str) -> dict[str, str]:
     """Point this process's embedded Airflow at ``airflow_home`` and migrate its metadata DB
     (idempotent) so that ``dag.test()`` has one; returns Airflow's settings. Airflow is first
     imported here, after its settings are in the environment."""
-    from mopflow.infra.base.airflow_home import migrate_airflow_db_here
     from mopflow.infra.stack.environment import airflow_env
 
     env = airflow_env(airflow_home, os.environ, str(Path(sys.executable).parent))
     os.environ.update(env)
-    migrate_airflow_db_here(airflow_home)
+    _migrate_airflow_db(airflow_home)
     return env
+
+
+def _migrate_airflow_db(airflow_home: str) -> None:
+    """What ``airflow db migrate`` does, in this process (its Airflow settings already in the
+    environment): the tables created or upgraded without a second interpreter importing Airflow
+    again (2.8 s, of which the migration is 1 s). ``mopflow up`` keeps the command: it passes a
+    whole environment of its own."""
+    from airflow.utils import db
+    from airflow.utils.providers_configuration_loader import providers_configuration_loaded
+
+    from mopflow.infra.base.airflow_home import AirflowSetupError
+
+    Path(airflow_home).mkdir(parents=True, exist_ok=True)
+    log.info("airflow: migrating metadata DB in %s", airflow_home)
+    try:
+        providers_configuration_loaded(db.upgradedb)()
+    except Exception as exc:
+        raise AirflowSetupError(
+            f"migrating Airflow's metadata DB in {airflow_home} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _load_dag(dags_folder: Path) -> Any:

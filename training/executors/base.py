@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -216,3 +216,12 @@ class OneModelAtATime(Executor):
     @abstractmethod
     def _train_one(self, spec: ModelSpec, epochs: int, controller: Controller) -> ModelOutcome:
         """Train one model for up to ``epochs`` epochs."""
+
+
+def pass_seconds(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """Seconds the pass records spent inside their batch loops: training (``loop_s``) and the
+    validation that followed (``val_s``); None when no record times its loop (DDP gangs)."""
+    timed = [r for r in records if "loop_s" in r]
+    if not timed:
+        return None
+    return float(sum(float(r["loop_s"]) + float(r.get("val_s", 0.0)) for r in timed))

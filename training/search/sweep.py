@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack, get_args
 
@@ -18,7 +18,7 @@ import optuna
 from mopflow.infra.base import progress, storage
 from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.data.ref import DataRef
-from mopflow.training.executors.base import Executor, ModelOutcome
+from mopflow.training.executors.base import Executor, ModelOutcome, pass_seconds
 from mopflow.training.search.algorithms import StrategyName
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.controller import SearchController
@@ -118,17 +118,7 @@ def _search(
     sweep.run(budget, opts["min_complete"])
     wall = time.monotonic() - started
     busy = pass_seconds(executor.records)
-    log.info(
-        "search: %s executor finished %d trials in %.0fs%s",
-        cfg.strategy,
-        len(sweep.told),
-        wall,
-        f"; its {workers} workers spent {100 * busy / (workers * wall):.0f}% of it inside training and "
-        "validation passes"
-        if busy is not None and workers and wall > 0
-        else "",
-    )
-    return SearchOutcome(
+    outcome = SearchOutcome(
         study_name,
         storage_url,
         sorted(results, key=lambda r: r.number),
@@ -136,17 +126,17 @@ def _search(
         worker_rounds=tuple(scaling.history),
         busy_s=busy or 0.0,
         wall_s=wall,
-        workers=workers,
+        workers=workers if busy is not None else 0,  # untimed passes: no utilisation
     )
-
-
-def pass_seconds(records: Sequence[Mapping[str, Any]]) -> float | None:
-    """Seconds the pass records spent inside their batch loops: training (``loop_s``) and the
-    validation that followed (``val_s``); None when no record times its loop (DDP gangs)."""
-    timed = [r for r in records if "loop_s" in r]
-    if not timed:
-        return None
-    return float(sum(float(r["loop_s"]) + float(r.get("val_s", 0.0)) for r in timed))
+    busy_share = outcome.utilisation
+    log.info(
+        "search: %s executor finished %d trials in %.0fs%s",
+        cfg.strategy,
+        len(sweep.told),
+        wall,
+        f"; its workers were {busy_share:.0%} of it in training and validation passes" if busy_share else "",
+    )
+    return outcome
 
 
 def run_strategy_search(

@@ -312,3 +312,11 @@ def test_an_untrained_state_handed_back_by_a_stop_is_not_resumed_from(
     outcome = stopped.run([spec], epochs=1)["m"]
     assert [r.epoch for r in outcome.history] == [0] and "m" not in stopped.resumed
     assert outcome.history == fresh["m"].history
+
+
+def test_pass_seconds_add_the_training_loops_and_the_validations_of_timed_records() -> None:
+    from mopflow.training.executors.base import pass_seconds
+
+    records = [{"loop_s": 1.5, "val_s": 0.25}, {"loop_s": 2.0}, {"worker": "a DDP gang, untimed"}]
+    assert pass_seconds(records) == 3.75
+    assert pass_seconds([{"worker": "untimed"}]) is None

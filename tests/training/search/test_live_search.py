@@ -102,14 +102,6 @@ def test_a_mop_sweep_tells_optuna_each_trial_when_it_finishes(
     assert outcome.workers == 2 and 0 < outcome.utilisation < 1  # type: ignore[operator]
 
 
-def test_pass_seconds_add_the_training_loops_and_the_validations_of_timed_records() -> None:
-    from mopflow.training.search.sweep import pass_seconds
-
-    records = [{"loop_s": 1.5, "val_s": 0.25}, {"loop_s": 2.0}, {"worker": "a DDP gang, untimed"}]
-    assert pass_seconds(records) == 3.75
-    assert pass_seconds([{"worker": "untimed"}]) is None
-
-
 def _enqueue(storage: str, cfg: SearchConfig, lrs: list[float]) -> None:
     from mopflow.training.search.study import make_storage
 
