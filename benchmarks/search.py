@@ -103,7 +103,7 @@ from studies.search_summary import (  # noqa: E402
     GOAL_ARMS,
     GOALS,
     PLAIN_STRATEGY,
-    epochs_to_target,
+    search_row,
     summarize,
     table_lines,
     verdicts,
@@ -244,22 +244,9 @@ def run_mopflow_search(job: dict[str, Any]) -> dict[str, Any]:
     finally:
         unsubscribe()
     total = time.monotonic() - started
-    epochs, seconds = epochs_to_target(reports, job["target"])
-    results = outcome.results
-    return {
-        "strategy": job["strategy"],
-        "arm": job["arm"],
-        "seed": job["seed"],
-        "reached": epochs is not None,
-        "epochs_to_target": epochs if epochs is not None else len(reports),
-        "seconds_to_target": round(seconds if seconds is not None else total, 2),
-        "epochs_trained": len(reports),
-        "total_s": round(total, 2),
-        "best_val_acc": round(max((acc for _, acc in reports), default=0.0), 4),
-        "trials": {s: sum(r.state == s for r in results) for s in ("COMPLETE", "PRUNED", "FAIL")},
-        "busy_s": round(outcome.busy_s, 2),  # the workers inside training and validation passes
-        "utilisation": round(outcome.busy_s / (job["workers"] * total), 3) if total > 0 else None,
-    } | ({"prior_seed": job["prior"]["seed"]} if job.get("prior") else {})
+    states = [r.state for r in outcome.results]
+    row = search_row(job, job["strategy"], reports, total, outcome.busy_s, states)
+    return row | ({"prior_seed": job["prior"]["seed"]} if job.get("prior") else {})
 
 
 def study_name(strategy: str, arm: str, seed: int) -> str:

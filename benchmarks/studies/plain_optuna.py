@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from studies.search_summary import search_row
+
 PLAIN_ARMS: dict[str, tuple[str, str]] = {
     "plain-random": ("random", "none"),
     "plain-tpe": ("tpe", "none"),
@@ -45,18 +47,6 @@ PLAIN_ARMS: dict[str, tuple[str, str]] = {
 }
 DEFAULT_COMMON: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.0, "batch_size": 128}  # mopflow's
 EVAL_BATCH = 4096
-
-
-def epochs_to_target(
-    reports: Sequence[tuple[float, float]], target: float
-) -> tuple[int | None, float | None]:
-    """Epochs finished and seconds elapsed at the first report of ``val_acc >= target`` (None,
-    None if none): ``reports`` holds (seconds since the start, val_acc) in time order (a copy of
-    ``benchmarks/search.py``'s rule)."""
-    for count, (elapsed, val_acc) in enumerate(reports, start=1):
-        if val_acc >= target:
-            return count, elapsed
-    return None, None
 
 
 def process_seed(seed: int, index: int) -> int:
@@ -310,7 +300,8 @@ def run_plain_search(job: dict[str, Any]) -> dict[str, Any]:
     results = [json.loads(out.read_text()) for out in outs]
     reports = sorted((t - started, acc) for r in results for t, acc in r["reports"])
     trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
-    row = summary_row(job, reports, total, sum(r["busy_s"] for r in results), [t.state.name for t in trials])
+    busy = sum(r["busy_s"] for r in results)
+    row = search_row(job, "plain", reports, total, busy, [t.state.name for t in trials])
     return row | {"start_s": round(started - spawned, 2)}
 
 
@@ -322,24 +313,3 @@ def _wait_ready(shared: Shared, procs: Sequence[Any]) -> None:
             if dead:
                 shared.go.set()
                 raise RuntimeError(f"a plain search worker process failed while starting (exit {dead})")
-
-
-def summary_row(
-    job: dict[str, Any], reports: list[tuple[float, float]], total_s: float, busy_s: float, states: list[str]
-) -> dict[str, Any]:
-    """``run_one``'s row from the time-ordered reports (seconds since the start, val_acc)."""
-    epochs, seconds = epochs_to_target(reports, job["target"])
-    return {
-        "strategy": "plain",
-        "arm": job["arm"],
-        "seed": job["seed"],
-        "reached": epochs is not None,
-        "epochs_to_target": epochs if epochs is not None else len(reports),
-        "seconds_to_target": round(seconds if seconds is not None else total_s, 2),
-        "epochs_trained": len(reports),
-        "total_s": round(total_s, 2),
-        "best_val_acc": round(max((acc for _, acc in reports), default=0.0), 4),
-        "trials": {s: states.count(s) for s in ("COMPLETE", "PRUNED", "FAIL")},
-        "busy_s": round(busy_s, 2),
-        "utilisation": round(busy_s / (job["workers"] * total_s), 3) if total_s > 0 else 0.0,
-    }

@@ -43,6 +43,34 @@ def epochs_to_target(
     return None, None
 
 
+def search_row(
+    job: Mapping[str, Any],
+    strategy: str,
+    reports: Sequence[tuple[float, float]],
+    total_s: float,
+    busy_s: float,
+    states: Sequence[str],
+) -> dict[str, Any]:
+    """One search's row: from its epoch reports ((seconds since the start, val_acc), in the order
+    they arrived), its wall seconds, the workers' seconds inside training and validation passes
+    and its trials' final states."""
+    epochs, seconds = epochs_to_target(reports, job["target"])
+    return {
+        "strategy": strategy,
+        "arm": job["arm"],
+        "seed": job["seed"],
+        "reached": epochs is not None,
+        "epochs_to_target": epochs if epochs is not None else len(reports),
+        "seconds_to_target": round(seconds if seconds is not None else total_s, 2),
+        "epochs_trained": len(reports),
+        "total_s": round(total_s, 2),
+        "best_val_acc": round(max((acc for _, acc in reports), default=0.0), 4),
+        "trials": {s: list(states).count(s) for s in ("COMPLETE", "PRUNED", "FAIL")},
+        "busy_s": round(busy_s, 2),
+        "utilisation": round(busy_s / (job["workers"] * total_s), 3) if total_s > 0 else None,
+    }
+
+
 def bootstrap_ratio(
     baseline: Sequence[float], arm: Sequence[float], resamples: int = RESAMPLES, seed: int = 0
 ) -> tuple[float, float, float]:

@@ -44,12 +44,6 @@ def _job(manifest: str, work: Path, **changes: Any) -> dict[str, Any]:
     return base | changes
 
 
-def test_epochs_to_target_counts_reports_in_time_order() -> None:
-    reports = [(1.0, 0.5), (2.0, 0.95), (2.5, 0.97), (3.0, 0.99)]
-    assert plain.epochs_to_target(reports, 0.96) == (3, 2.5)
-    assert plain.epochs_to_target(reports, 0.999) == (None, None)
-
-
 def test_seeds_keep_process_zero_on_the_search_seed_and_follow_mopflow_per_trial() -> None:
     assert plain.process_seed(5, 0) == 5
     assert len({plain.process_seed(s, i) for s in range(20) for i in range(4)}) == 80
