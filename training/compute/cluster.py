@@ -87,8 +87,11 @@ def start_local_cluster_early(n_workers: int, warm_imports: Sequence[str] = TRAI
         except BaseException as exc:  # handed to the use that waits for it
             starting.set_exception(exc)
             return
-        local.warm(warm_imports)
-        starting.set_result(local)
+        try:  # a warm-up that cannot be submitted only costs the first trial its imports
+            local.warm(warm_imports)
+        except Exception as exc:
+            log.warning("the Dask workers' warm-up imports were not started: %s: %s", type(exc).__name__, exc)
+        starting.set_result(local)  # always: the use that waits for it must not wait forever
 
     _SHARED[key] = starting
     threading.Thread(target=start, name="mopflow-local-cluster-start", daemon=True).start()
