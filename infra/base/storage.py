@@ -75,6 +75,23 @@ def read_bytes(url: str, storage_options: Mapping[str, Any] | None = None) -> by
     return data
 
 
+def move(src: str, dst: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Move ``src`` over ``dst`` on one filesystem: a rename locally (readers of ``dst`` see the
+    old file or the whole new one); a server-side copy, then a delete, on object stores."""
+    fs, src_path = filesystem(src, storage_options)
+    _, dst_path = filesystem(dst, storage_options)
+    fs.mv(src_path, dst_path)
+
+
+def remove_matching(pattern: str, storage_options: Mapping[str, Any] | None = None) -> int:
+    """Delete the files a glob ``pattern`` matches; how many there were."""
+    fs, path = filesystem(pattern, storage_options)
+    found = fs.glob(path)
+    if found:
+        fs.rm(found)
+    return len(found)
+
+
 def exists(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     """Whether ``url`` exists."""
     fs, path = filesystem(url, storage_options)

@@ -11,7 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from mopflow.infra.base import stopping, storage
 from mopflow.training.data.ref import DataRef
@@ -20,6 +20,8 @@ from mopflow.training.trainable.unit import ModelSpec
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "last.safetensors"  # a model's latest state (training/trainable/unit.py's export)
+# a state a worker wrote inside a chain of epochs (``task``), the checkpoint once its epoch is told
+STAGED_FILE = "staged-e{epoch:04d}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,29 @@ class Controller(Protocol):
         ...
 
 
+@runtime_checkable
+class DecisionPoints(Protocol):
+    """A controller that says in advance after which epochs it may stop a model: between two
+    such points ``task`` trains a model's epochs in one task on one worker, reporting each as it
+    ends, with no round trip to the coordinator between them. A controller without it may stop a
+    model after any epoch (one epoch per task)."""
+
+    def next_decision(self, epochs_done: int) -> int | None:
+        """The smallest epoch count above ``epochs_done`` after which a model may be stopped
+        (None: none is, it trains to the end)."""
+        ...
+
+
+def epochs_before_decision(controller: Controller, epochs_done: int, epochs: int) -> int:
+    """Epochs a model that has trained ``epochs_done`` of ``epochs`` may train before the
+    controller next may stop it (at least one)."""
+    if not isinstance(controller, DecisionPoints):
+        return 1
+    point = controller.next_decision(epochs_done)
+    until = epochs if point is None else min(point, epochs)
+    return max(1, until - epochs_done)
+
+
 class TrainAll:
     """Default controller: every model trains for all epochs; nothing is added."""
 
@@ -77,6 +102,14 @@ class TrainAll:
 
     def new_models(self, free_slots: int) -> list[ModelSpec]:
         return []
+
+
+class _NoController(TrainAll):
+    """What :meth:`Executor.run` uses without a controller: nothing ever stops a model, so it
+    says so in advance (a subclass of :class:`TrainAll` may stop one after any epoch)."""
+
+    def next_decision(self, epochs_done: int) -> int | None:
+        return None
 
 
 class Executor(ABC):
@@ -103,9 +136,9 @@ class Executor(ABC):
 
         Without a ``controller`` every model trains all its epochs and none is added."""
         if not self.stops_on_its_own:
-            return self._train(models, epochs, controller or TrainAll())
+            return self._train(models, epochs, controller or _NoController())
         with stopping.stops_cooperatively():
-            return self._train(models, epochs, controller or TrainAll())
+            return self._train(models, epochs, controller or _NoController())
 
     @abstractmethod
     def _train(
@@ -151,6 +184,27 @@ class Executor(ABC):
         uri = self.checkpoint_uri(model_id)
         storage.write_bytes_atomic(uri, state, self.data.storage_options)
         return uri
+
+    def staged_folder(self, model_id: str) -> str:
+        """Where a worker stages a model's states inside a chain of epochs ("": no checkpoints)."""
+        return storage.join(self.checkpoint_root, model_id) if self.checkpoint_root else ""
+
+    def promote_staged(self, model_id: str, epoch: int) -> None:
+        """The state a worker staged after ``epoch`` becomes the model's checkpoint (moved, once
+        the coordinator takes that epoch in: the checkpoint never runs ahead of the history)."""
+        if not self.checkpoint_root:
+            return
+        staged = storage.join(self.staged_folder(model_id), STAGED_FILE.format(epoch=epoch))
+        try:
+            storage.move(staged, self.checkpoint_uri(model_id), self.data.storage_options)
+        except FileNotFoundError:
+            log.warning("%s: no staged state for epoch %d; its checkpoint stays older", model_id, epoch)
+
+    def drop_staged(self, model_id: str) -> None:
+        """Remove the states left staged (a chain run again after its worker died wrote some twice)."""
+        if self.checkpoint_root:
+            pattern = storage.join(self.staged_folder(model_id), STAGED_FILE.replace("{epoch:04d}", "*"))
+            storage.remove_matching(pattern, self.data.storage_options)
 
     def save_history(self, model_id: str, history: list[EpochReport]) -> None:
         """The model's epoch reports so far, beside its checkpoint: a restarted coordinator

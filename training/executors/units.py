@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mopflow.training.data.ref import DataRef
@@ -20,7 +20,15 @@ from mopflow.training.trainable.unit import ModelSpec, PassInterrupted, Trainabl
 from mopflow.training.volatile import preempt
 from mopflow.training.volatile.preempt import UnitPreempted, notice_received
 
-__all__ = ["DataRef", "ModelSpec", "train_pass", "train_pass_and_validate", "init_state", "evaluate_state"]
+__all__ = [
+    "DataRef",
+    "ModelSpec",
+    "train_pass",
+    "train_pass_and_validate",
+    "train_epochs_and_validate",
+    "init_state",
+    "evaluate_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -159,24 +167,103 @@ def train_pass(
     boundary (:class:`UnitPreempted` carries the state there). Returns the new state and the
     pass's record (worker, timings, rows, loss, global step and learning rate at its end).
     """
+    started = time.time()
+    _refuse_on_notice(spec, state, started)
+    rows, loaded = _rows_here(spec, data, shard_names)
+    unit = _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, epoch_steps))
+    unit.meta |= {"epoch": epoch, **dict(meta or {})}
+    record = _run_pass(unit, rows, shard_names, epoch, pass_index, started, loaded)
+    new_state = unit.export_state()
+    return new_state, {**record, "state_bytes": len(new_state)}
+
+
+def train_epochs_and_validate(
+    spec: ModelSpec,
+    state: bytes | None,
+    data: DataRef,
+    shard_names: Sequence[str],
+    first_epoch: int,
+    epochs: int,
+    total_epochs: int,
+    on_epoch: Callable[[dict[str, Any], Callable[..., bytes]], None] | None = None,
+) -> tuple[bytes, list[dict[str, Any]]]:
+    """Epochs ``first_epoch .. first_epoch + epochs - 1`` of ``spec`` over every shard, each
+    validated, on one worker with the model kept in memory between them: one task, one state
+    unpacked and packed, however many epochs (``task``'s epochs between two decisions of the
+    pruner).
+
+    The state after the chain is the state the same epochs one per task would give (each pass is
+    seeded by its epoch; the moments and global step carry over as an export would carry them).
+    Each epoch's record (with ``val_acc`` and ``val_s``) but the last's goes to ``on_epoch`` as
+    it ends, with a function that packs the state there (``export_state``, to stage it as a
+    checkpoint), so the coordinator hears of it before the chain is done. A spot notice or a stop ends the chain at
+    the next batch: :class:`UnitPreempted` carries the state there and, in its record's
+    ``epochs``, the records of the epochs finished before it.
+    """
+    started = time.time()
+    _refuse_on_notice(spec, state, started)
+    rows, loaded = _rows_here(spec, data, shard_names)
+    unit = _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, None))
+    unit.meta = {k: v for k, v in unit.meta.items() if k != "staged_record"}  # a staged epoch's, not ours
+    x_val, y_val = load_eval_split(data, "validation")
+    done: list[dict[str, Any]] = []
+    for epoch in range(first_epoch, first_epoch + epochs):
+        unit.meta["epoch"] = epoch
+        try:
+            record = _run_pass(unit, rows, shard_names, epoch, 0, started, loaded)
+        except UnitPreempted as stopped:
+            stopped.record["epochs"] = done
+            raise
+        validated = time.perf_counter()
+        val_acc = unit.evaluate(x_val, y_val)
+        record |= {"val_acc": val_acc, "val_s": time.perf_counter() - validated, "end": time.time()}
+        done.append(record)
+        if on_epoch is not None and epoch + 1 < first_epoch + epochs:  # the last comes with the result
+            on_epoch(record, unit.export_state)
+        started = loaded = time.time()  # the next epoch's span starts here (its data is loaded)
+    new_state = unit.export_state()
+    done[-1]["state_bytes"] = len(new_state)
+    return new_state, done
+
+
+def _refuse_on_notice(spec: ModelSpec, state: bytes | None, started: float) -> None:
+    """A worker going away (a spot notice) hands the unit back untouched."""
+    if notice_received():
+        here = {"start": started, "saved_at": started, "end": started, "worker": _dask_address()}
+        raise UnitPreempted(spec.model_id, state, here)
+
+
+def _rows_here(spec: ModelSpec, data: DataRef, shard_names: Sequence[str]) -> tuple[Any, float]:
+    """The training rows on this worker (loaded once per worker), and when they were ready."""
     import torch
 
     from mopflow.training.search.trial import quiet_lightning
 
-    started = time.time()
-    if notice_received():  # this worker is going away: hand the unit back untouched
-        here = {"start": started, "saved_at": started, "end": started, "worker": _dask_address()}
-        raise UnitPreempted(spec.model_id, state, here)
     torch.set_num_threads(1)
     quiet_lightning()
-    rows = training_rows(data, shard_names, str(spec.device.torch_device()))
-    loaded = time.time()
+    return training_rows(data, shard_names, str(spec.device.torch_device())), time.time()
+
+
+def _epoch_steps(spec: ModelSpec, rows: Any, epoch_steps: int | None) -> int:
+    """Optimizer steps in a whole epoch: ``epoch_steps`` when given, else one pass over ``rows``."""
+    if epoch_steps is not None:
+        return epoch_steps
     n_rows = len(rows[0]) if isinstance(rows, tuple) else len(rows)
-    steps = (
-        epoch_steps if epoch_steps is not None else steps_per_epoch([n_rows], int(spec.params["batch_size"]))
-    )
-    unit = _unit(spec, data, state, total_epochs * steps)
-    unit.meta |= {"epoch": epoch, **dict(meta or {})}
+    return steps_per_epoch([n_rows], int(spec.params["batch_size"]))
+
+
+def _run_pass(
+    unit: TrainableUnit,
+    rows: Any,
+    shard_names: Sequence[str],
+    epoch: int,
+    pass_index: int,
+    started: float,
+    loaded: float,
+) -> dict[str, Any]:
+    """One pass of ``unit`` over ``rows``, stopped by a spot notice at its next batch
+    (:class:`UnitPreempted`); the pass's record."""
+    spec = unit.spec
     part = ",".join(sorted(shard_names))
     try:
         record = unit.train_pass(rows, epoch, pass_index, part, stop=lambda: preempt.NOTICE.is_set())
@@ -201,8 +288,7 @@ def train_pass(
             pass_index,
             record.resumed_at_batch,
         )
-    new_state = unit.export_state()
-    return new_state, {
+    return {
         "model": spec.model_id,
         "partition": ",".join(shard_names),
         "worker": f"{os.uname().nodename}:{os.getpid()}",
@@ -213,7 +299,6 @@ def train_pass(
         "rows": record.rows,
         "resumed_at_batch": record.resumed_at_batch,
         "train_loss": record.train_loss,
-        "state_bytes": len(new_state),
         "global_step_end": unit.global_step,
         "lr_end": record.lr_end,
         "loop_s": record.loop_s,

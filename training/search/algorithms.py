@@ -82,6 +82,8 @@ class PrunerKind:
 
     build: Callable[[int, int | None], Any]
     waiting_rungs: bool = False
+    # the epoch counts after which it may stop a trial, from (min resource, epochs); None: after any
+    decides_after: Callable[[int, int], list[int] | None] = lambda min_resource, epochs: None
 
 
 SAMPLERS: dict[str, SamplerKind] = {
@@ -127,14 +129,35 @@ def _median(min_resource: int, max_resource: int | None) -> optuna.pruners.BaseP
     return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=max(min_resource - 1, 0))
 
 
+def _rung_epochs(min_resource: int, epochs: int) -> list[int]:
+    """The rungs' epoch counts: ``min_resource * REDUCTION_FACTOR**k`` below ``epochs`` (the
+    controller's own rungs under asha, ``training/search/rungs.py``)."""
+    rungs, at = [], max(min_resource, 1)
+    while at < epochs:
+        rungs.append(at)
+        at *= REDUCTION_FACTOR
+    return rungs
+
+
+def _optuna_rung_epochs(min_resource: int, epochs: int) -> list[int]:
+    """Where Optuna's successive halving (and each Hyperband bracket, a successive halving from a
+    higher rung) decides: at the step ``min_resource * REDUCTION_FACTOR**k``, steps counted from 0,
+    so after one epoch more than the rung."""
+    return [rung + 1 for rung in _rung_epochs(min_resource, epochs) if rung + 1 < epochs]
+
+
+def _never(min_resource: int, epochs: int) -> list[int]:
+    return []
+
+
 PRUNERS: dict[str, PrunerKind] = {
     # asha: the study carries Optuna's successive halving, and the controller keeps the rungs
     # (training/search/rungs.py)
-    "asha": PrunerKind(_successive_halving, waiting_rungs=True),
-    "successive_halving": PrunerKind(_successive_halving),
-    "hyperband": PrunerKind(_hyperband),
-    "median": PrunerKind(_median),
-    "none": PrunerKind(_none),
+    "asha": PrunerKind(_successive_halving, waiting_rungs=True, decides_after=_rung_epochs),
+    "successive_halving": PrunerKind(_successive_halving, decides_after=_optuna_rung_epochs),
+    "hyperband": PrunerKind(_hyperband, decides_after=_optuna_rung_epochs),
+    "median": PrunerKind(_median),  # after any epoch past its warm-up
+    "none": PrunerKind(_none, decides_after=_never),
 }
 
 # the config's choices are exactly the registries' names (checked once, here)
@@ -172,3 +195,9 @@ def enqueues_grid(sampler: str) -> bool:
 def keeps_waiting_rungs(pruner: str) -> bool:
     """Whether under the pruner ``pruner`` names the controller keeps the rungs itself."""
     return PRUNERS[pruner].waiting_rungs
+
+
+def decision_epochs(pruner: str, min_resource: int, epochs: int) -> list[int] | None:
+    """The epoch counts after which the pruner ``pruner`` names may stop a trial of ``epochs``
+    epochs (None: after any epoch)."""
+    return PRUNERS[pruner].decides_after(min_resource, epochs)

@@ -17,7 +17,7 @@ import optuna
 
 from mopflow.infra.base import progress
 from mopflow.training.compute.devices import CPU, DeviceSpec
-from mopflow.training.search.algorithms import REDUCTION_FACTOR, keeps_waiting_rungs
+from mopflow.training.search.algorithms import REDUCTION_FACTOR, decision_epochs, keeps_waiting_rungs
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.rungs import PROMOTED_ATTR, WAITS_ATTR, Rungs, current
 from mopflow.training.search.space import params_from_optuna, sample_params
@@ -172,6 +172,15 @@ class SearchController:
                 self.trained[model_id] = set(range(done))  # handed over again when promoted: not trained
         if self.waiting:
             log.info("search: %d model(s) of earlier attempts wait at a rung", len(self.waiting))
+
+    def next_decision(self, epochs_done: int) -> int | None:
+        """The next epoch count after which the pruner may stop a model that has trained
+        ``epochs_done`` epochs (its rungs; every epoch for a pruner without fixed points; None
+        without pruning): ``task`` trains the epochs up to it in one task."""
+        points = decision_epochs(self.cfg.pruner, self.cfg.first_rung, self.cfg.epochs) if self.prune else []
+        if points is None:
+            return epochs_done + 1
+        return next((point for point in points if point > epochs_done), None)
 
     def on_epoch_end(self, report: EpochReport) -> bool:
         """Report the epoch to its trial (once per epoch); False when the pruner stops it. An

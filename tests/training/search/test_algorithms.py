@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,9 @@ import optuna
 import pytest
 
 from mopflow.infra.base.optuna_storage import make_storage
-from mopflow.training.search.algorithms import make_pruner
+from mopflow.training.search.algorithms import REDUCTION_FACTOR, decision_epochs, make_pruner
 from mopflow.training.search.config import SearchConfig
+from mopflow.training.search.rungs import Rungs
 from mopflow.training.search.space import (
     SpaceError,
     default_space,
@@ -143,6 +145,36 @@ def test_pruners_stop_a_clearly_worse_trial_only_after_min_resource(name: str) -
     pruned = _pruned_at(make_pruner(name, min_resource, 9), good=4, curve=[0.1] * 9)
     assert pruned is not None and min_resource - 1 <= pruned < 8
     assert _pruned_at(make_pruner(name, min_resource, 9), good=4, curve=[0.95] * 9) is None
+
+
+@pytest.mark.parametrize("name", ["successive_halving", "hyperband"])
+def test_optunas_rung_pruners_stop_trials_only_at_their_declared_decision_epochs(name: str) -> None:
+    """``task`` trains the epochs between two decision points in one task, so a pruner must never
+    stop a trial elsewhere: 40 trials of random curves, each asking after every epoch."""
+    min_resource, epochs = 2, 20
+    points = decision_epochs(name, min_resource, epochs)
+    assert points == [3, 7, 19]  # steps 2, 6 and 18 (counted from 0) decide
+    study = optuna.create_study(
+        study_name="decision-points", direction="maximize", pruner=make_pruner(name, min_resource, epochs)
+    )
+    rng, stopped_after = random.Random(0), set()
+    for _ in range(40):
+        trial = study.ask()
+        for step in range(epochs):
+            trial.report(rng.random(), step)
+            if trial.should_prune():
+                stopped_after.add(step + 1)
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                break
+        else:
+            study.tell(trial, 0.5)
+    assert stopped_after and stopped_after <= set(points), stopped_after
+
+
+def test_asha_decides_at_the_controllers_rungs_median_after_any_epoch_none_never() -> None:
+    assert decision_epochs("asha", 3, 30) == Rungs(3, REDUCTION_FACTOR, 30).epochs() == [3, 9, 27]
+    assert decision_epochs("median", 3, 30) is None
+    assert decision_epochs("none", 3, 30) == []
 
 
 def test_no_pruner_never_prunes() -> None:

@@ -257,16 +257,16 @@ def test_a_task_asha_sweep_never_leaves_a_worker_without_an_epoch_while_trials_r
     it may be, otherwise a new trial starts. Every time the executor has admitted what it could, an
     epoch per worker is in flight for as long as new trials remain to be started (after the last
     one, the sweep's tail: only models that finish or wait for a promotion)."""
-    from mopflow.training.executors import task
+    from mopflow.training.executors import task_run
 
     admits: list[tuple[int, bool]] = []  # after each admit: epochs in flight, new trials remain
-    admit = task._TaskRun.admit
+    admit = task_run.TaskRun.admit
 
     def admitting(run: Any) -> None:
         admit(run)
         admits.append((len(run.in_flight), run.controller.started < run.controller.budget))
 
-    monkeypatch.setattr(task._TaskRun, "admit", admitting)
+    monkeypatch.setattr(task_run.TaskRun, "admit", admitting)
     cfg = SearchConfig(
         n_trials=8, epochs=4, strategy="task", space=SPACE, sampler="random", pruner="asha", min_resource=1
     )

@@ -1,0 +1,359 @@
+"""The bookkeeping of one ``task`` run (``training/executors/task.py``): active models, their
+states, and their epochs in flight as *chains*.
+
+A chain is a model's epochs up to the controller's next decision point (ASHA's next rung; the
+end of training without a pruner; one epoch under a pruner that may decide after any), trained
+in one Dask task on one worker with the model kept in memory. Each epoch of a chain but the last
+reaches the coordinator as it ends, as an event on the run's topic (``Worker.log_event``); the
+last comes with the task's result, which carries every epoch's record too. An epoch is handed to
+the controller once, whichever way it came first: a chain run again after its worker died, or a
+late event, changes nothing.
+
+Checkpoints stay per epoch: the worker stages its state after each epoch but the last beside the
+model's checkpoint (``STAGED_FILE``), and the coordinator moves it into place when it takes that
+epoch in, before the controller hears of it. The checkpoint so never runs ahead of the history a
+restarted coordinator replays, even while a chain goes on after its coordinator died. A chain
+whose worker died is run again by Dask; it goes on from the newest state staged or checkpointed
+within it (``training/executors/chains.py``), so the work lost is at most an epoch, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import TYPE_CHECKING, Any
+
+from mopflow.infra.base import stopping
+from mopflow.training.executors.base import (
+    Controller,
+    EpochReport,
+    ModelOutcome,
+    epochs_before_decision,
+)
+from mopflow.training.executors.chains import train_chain
+from mopflow.training.executors.units import init_state
+from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta
+from mopflow.training.trainable.unit import ModelSpec
+from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
+
+if TYPE_CHECKING:
+    from mopflow.training.executors.task import TaskExecutor
+
+# How long an epoch handed back by a spot notice waits for its worker to leave before it is
+# submitted anyway (the worker leaves within its grace period, MOPFLOW_PREEMPT_GRACE_S).
+LEAVE_WAIT_S = 60.0
+
+log = logging.getLogger(__name__)
+
+
+class TaskRun:
+    """The bookkeeping of one :meth:`TaskExecutor.run`: active models, their states and chains."""
+
+    def __init__(
+        self,
+        executor: TaskExecutor,
+        epochs: int,
+        controller: Controller,
+        waiting: list[ModelSpec],
+        topic: str = "",
+    ) -> None:
+        self.x, self.epochs, self.controller = executor, epochs, controller
+        self.topic = topic  # where the chains' epochs are heard as they end ("": at the chain's end)
+        self.waiting = waiting  # models to start, before the controller's new ones
+        self.outcomes: dict[str, ModelOutcome] = {}
+        self.specs: dict[str, ModelSpec] = {}
+        self.states: dict[str, bytes] = {}
+        self.next_epoch: dict[str, int] = {}  # the first epoch of the model's chain in flight, or next
+        self.told: dict[str, int] = {}  # the last epoch each model handed to the controller
+        self.stop_after: dict[str, int] = {}  # model -> the epoch after which the controller stopped it
+        self.active: set[str] = set()
+        self.in_flight: dict[Any, str] = {}
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()  # finished chains and heard epochs
+        self.leaving: set[str] = set()  # workers that said they are being preempted
+        self.deferred: dict[str, float] = {}  # model -> deadline: waiting for a leaving worker to go
+        self.held: dict[str, dict[str, Any]] = {}  # in batches: epochs waiting for their batch
+        self.started: dict[str, int] = {}  # model -> when it (last) started, counted in models
+
+    # -- what comes in: finished chains and the epochs heard before them ---------------------
+
+    def hear(self, event: tuple[float, dict[str, Any]]) -> None:
+        """The topic's handler (on the client's thread): an epoch a chain reported as it ended."""
+        self.inbox.put(("epoch", event[1]["record"]))
+
+    def next_done(self, timeout: float) -> list[Any]:
+        """Hand the controller every epoch heard so far; the chains that finished (waits up to
+        ``timeout`` seconds for the first of either)."""
+        items = []
+        try:
+            items.append(self.inbox.get(timeout=timeout))
+            while True:
+                items.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        done = []
+        for kind, item in items:
+            if kind == "epoch":
+                self.take_epoch(str(item["model"]), item)
+            elif item in self.in_flight:
+                done.append(item)
+        return done
+
+    def take_epoch(self, mid: str, record: dict[str, Any], staged: bool = True) -> None:
+        """Hand one trained epoch to the controller, once (an epoch already told is passed over),
+        its staged state made the checkpoint first (``staged``: the state is not in hand)."""
+        epoch = int(record["epoch"])
+        if mid not in self.active or epoch <= self.told.get(mid, -1):
+            return
+        self.told[mid] = epoch
+        if staged:
+            self.x.promote_staged(mid, epoch)
+        self.x.records.append(record)
+        report = EpochReport(
+            mid, epoch, float(record["val_acc"]), float(record["train_loss"]), float(record["lr_end"])
+        )
+        if epoch == 0 or (epoch + 1) % 10 == 0 or epoch + 1 == self.epochs:
+            log.info(
+                "task: %s epoch %d/%d val_acc=%.4f on %s",
+                mid,
+                epoch + 1,
+                self.epochs,
+                report.val_acc,
+                record["worker"],
+            )
+        if not self.x.report_epoch(self.outcomes[mid], report, self.controller):
+            self.stop_after[mid] = epoch
+
+    # -- models in ----------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Start models while there are slots (or the admission says so): the waiting ones first,
+        then the controller's; in batches, only once the previous batch is done."""
+        if self.x.batches and self.active:
+            return
+        while True:
+            if not self.waiting and not self.active:
+                # ask before admitting: with nothing active, admission may open a new round
+                # of workers, which only a model to start should do
+                self.waiting.extend(self.controller.new_models(1))
+                if not self.waiting:
+                    return
+            if not self.x.may_start(len(self.active)):
+                return
+            spec = self.waiting.pop(0) if self.waiting else next(iter(self.controller.new_models(1)), None)
+            if spec is None:
+                return
+            if self.x.admission is not None:
+                self.x.admission.started()
+            self.start(spec)
+
+    def start(self, spec: ModelSpec) -> None:
+        """Take a model in: from its checkpoint when it has one (a restarted coordinator's retried
+        trial, its finished epochs handed to the controller again), then its next chain."""
+        mid = spec.model_id
+        self.specs[mid], self.outcomes[mid] = spec, ModelOutcome(spec)
+        self.x.started_at[mid] = time.time()
+        self.started[mid] = max(self.started.values(), default=-1) + 1
+        self.told[mid], keep = -1, True
+        self.stop_after.pop(mid, None)
+        try:
+            found = self.x.load_checkpoint(mid)
+        except StateFormatError as exc:  # a damaged or tampered checkpoint: never loaded
+            self.fail(mid, f"{type(exc).__name__}: {exc}")
+            return
+        if found is not None:
+            state, meta = found
+            stopped_mid_epoch = partial_meta(state) is not None
+            epoch = int(meta.get("epoch", -1)) + (0 if stopped_mid_epoch else 1)
+            self.states[mid], self.next_epoch[mid], self.told[mid] = state, epoch, epoch - 1
+            self.x.resumed[mid] = {"epoch": epoch - 1, "step": global_step(state)}
+            log.info(
+                "task: %s resumes at epoch %d (step %d) from its checkpoint",
+                mid,
+                epoch + 1,
+                global_step(state),
+            )
+            keep = self.x.replay_history(self.outcomes[mid], epoch - 1, self.controller)
+        self.active.add(mid)
+        if keep and self.next_epoch.get(mid, 0) < self.epochs:
+            self.submit(mid)
+        else:
+            self.finish(mid, stopped_early=not keep)
+
+    def submit(self, mid: str) -> None:
+        """Submit the model's next chain; while a worker given a spot notice is still connected,
+        it waits (:meth:`submit_deferred`) so that it does not land on that worker. (Restricting
+        it to the other workers instead can strand it: when those die too, Dask keeps a task
+        restricted to workers that are gone unrunnable, even with loose restrictions.)"""
+        if self._leaving_still_here():
+            self.deferred.setdefault(mid, time.monotonic() + LEAVE_WAIT_S)
+            return
+        self._submit_now(mid)
+
+    def _leaving_still_here(self) -> bool:
+        if not self.leaving:
+            return False
+        self.leaving &= set(self.x.client.scheduler_info()["workers"])  # the gone ones are forgotten
+        return bool(self.leaving)
+
+    def submit_deferred(self) -> None:
+        """Submit the deferred chains once the leaving workers are gone (or waited long enough)."""
+        if not self.deferred:
+            return
+        gone = not self._leaving_still_here()
+        for mid, deadline in list(self.deferred.items()):
+            if gone or time.monotonic() > deadline:
+                del self.deferred[mid]
+                self._submit_now(mid)
+
+    def _submit_now(self, mid: str) -> None:
+        spec = self.specs[mid]
+        epoch = self.next_epoch.get(mid, 0)
+        # in batches every epoch waits for its batch before the controller hears it: one per task
+        count = 1 if self.x.batches else epochs_before_decision(self.controller, epoch, self.epochs)
+        state = self.states.get(mid) or init_state(spec, self.x.data)
+        future = self.x.client.submit(
+            train_chain,
+            spec,
+            state,
+            self.x.data,
+            self.x.shards,
+            epoch,
+            count,
+            self.epochs,
+            self.topic,
+            self.x.staged_folder(mid),
+            pure=False,
+            key=f"task-{mid}-e{epoch}-{count}-{time.monotonic_ns()}",
+            resources=spec.device.resources() or None,
+        )
+        self.in_flight[future] = mid
+        future.add_done_callback(lambda done: self.inbox.put(("done", done)))
+
+    # -- chains back ----------------------------------------------------------------------------
+
+    def collect(self, future: Any) -> None:
+        """Take in one finished chain: its epochs to the controller, then the model's next chain
+        or its end."""
+        mid = self.in_flight.pop(future)
+        epoch = self.next_epoch.get(mid, 0)
+        try:
+            state, records = future.result()
+        except UnitPreempted as exc:  # a spot notice: the epoch goes on from its batch elsewhere
+            # an attempt on a worker killed before this one is work redone too
+            self._account_killed(mid, epoch, future)
+            self._preempted(mid, epoch, exc)
+            return
+        except Exception as exc:
+            log.warning("task: %s failed at epoch %d: %s", mid, self.told.get(mid, -1) + 2, exc)
+            self.fail(mid, f"{type(exc).__name__}: {exc}")
+            return
+        finally:  # the result is here now: the worker need not keep it (nor hand it off)
+            future.release()
+        if self._account_killed(mid, epoch, future):  # Dask ran the chain again, from its newest state
+            where = records[-1].get("resumed_from") or {
+                "epoch": epoch - 1,
+                "step": global_step(self.states.get(mid)),
+            }
+            self.x.resumed[mid] = dict(where)
+        *inside, last = records
+        for record in inside:  # those not heard yet, each with its staged state
+            self.take_epoch(mid, record)
+        self.states[mid] = state
+        self.x.save_checkpoint(mid, state)
+        self.next_epoch[mid] = int(last["epoch"]) + 1
+        if self.x.batches:
+            self.held[mid] = last  # handed over with the rest of its batch (:meth:`release`)
+        else:
+            self.advance(mid, last)
+
+    def advance(self, mid: str, last: dict[str, Any]) -> None:
+        """Hand a chain's last epoch to the controller (its state is the checkpoint already),
+        then submit the model's next chain or end it."""
+        self.take_epoch(mid, last, staged=False)
+        keep = mid not in self.stop_after
+        if self.stop_after.get(mid, self.told[mid]) < self.told[mid]:  # the controller broke its word
+            log.warning(
+                "task: %s was stopped after epoch %d, inside a chain that trained on to epoch %d",
+                mid,
+                self.stop_after[mid] + 1,
+                self.told[mid] + 1,
+            )
+        if keep and self.next_epoch[mid] < self.epochs:
+            if stopping.stop_requested():  # the run stops: the next chain starts on resume
+                return
+            self.submit(mid)
+        else:
+            self.finish(mid, stopped_early=not keep)
+
+    def release(self) -> None:
+        """In batches: the held epochs, in the order their models started, once every active model
+        has one (a failed model has left the batch), or once nothing else can come (the run stops)."""
+        if not self.held:
+            return
+        if not self.active <= set(self.held) and (self.in_flight or self.deferred):
+            return
+        held, self.held = self.held, {}
+        for mid in sorted(held, key=self.started.__getitem__):
+            self.advance(mid, held[mid])
+
+    def _account_killed(self, mid: str, epoch: int, future: Any) -> bool:
+        """Record the work of attempts of this chain lost with a killed worker (from the
+        scheduler's story of its task); whether there were any."""
+        lost = redone_seconds(lost_spans(task_story(self.x.client, str(future.key))))
+        if lost > 0:
+            self.x.account(mid, epoch, "", "killed", lost)
+        return lost > 0
+
+    def _preempted(self, mid: str, first_epoch: int, exc: UnitPreempted) -> None:
+        """A chain stopped by a spot notice: the epochs it finished go to the controller, the state
+        at its batch is checkpointed, and it goes on from that batch on another worker (or waits
+        in its checkpoint when the run stops)."""
+        finished = list(exc.record.get("epochs", []))
+        epoch = first_epoch + len(finished)
+        for record in finished:  # each with its staged state, before the state at the batch
+            self.take_epoch(mid, record)
+        if exc.state is not None:
+            self.states[mid] = exc.state
+            self.x.save_checkpoint(mid, exc.state)
+            self.next_epoch[mid] = epoch
+            self.x.resumed[mid] = {
+                "epoch": epoch - 1,
+                "step": global_step(exc.state),
+                "after_notice": True,
+            }
+        if stopping.stop_requested():  # the run stops: the model waits in its checkpoint
+            log.info(
+                "task: %s saved at batch %d of epoch %d",
+                mid,
+                int(exc.record.get("batches", 0)),
+                epoch + 1,
+            )
+            return
+        if mid in self.stop_after:
+            self.finish(mid, stopped_early=True)
+            return
+        worker = str(exc.record.get("worker", ""))
+        self.leaving.add(worker)  # forgotten once it has left (a restarted one has a new address)
+        self.x.account(
+            mid,
+            epoch,
+            worker,
+            "notice",
+            max(0.0, float(exc.record["end"]) - float(exc.record["saved_at"])),
+        )
+        self.submit(mid)
+
+    def fail(self, mid: str, error: str) -> None:
+        self.outcomes[mid].error = error
+        self.finish(mid, stopped_early=False)
+
+    def finish(self, mid: str, stopped_early: bool) -> None:
+        """The model is done: its outcome to the controller (which may add a model in its slot)."""
+        self.active.discard(mid)
+        self.x.drop_staged(mid)
+        outcome = self.outcomes[mid]
+        outcome.stopped_early = stopped_early
+        outcome.state = self.states.get(mid)
+        outcome.checkpoint_uri = self.x.kept_checkpoint(mid)
+        self.controller.on_model_done(outcome)
