@@ -2,7 +2,7 @@
 between two decisions of the controller, trained in one Dask task.
 
 Each epoch but the chain's last is staged beside the model's checkpoint, with its record in the
-state's metadata, before the coordinator is told of it (a Dask event on the run's topic). When
+state's metadata, before the coordinator is told of it (a Dask event, :data:`EPOCH_TOPIC`). When
 Dask runs a chain again because its worker died, the chain goes on from the newest state within
 it, staged or already made the checkpoint, and hands back the staged epochs' records too (the
 coordinator takes each epoch once, so those it heard before change nothing).
@@ -11,6 +11,7 @@ coordinator takes each epoch once, so those it heard before change nothing).
 from __future__ import annotations
 
 import logging
+import posixpath
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +21,12 @@ from mopflow.training.executors.base import CHECKPOINT_FILE, STAGED_FILE
 from mopflow.training.executors.units import train_epochs_and_validate
 from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta, read_meta
 from mopflow.training.trainable.unit import ModelSpec
+from mopflow.training.volatile.preempt import UnitPreempted
 
 STAGED_RECORD = "staged_record"  # the state's metadata key of a staged epoch's record
+# One topic for every run: the scheduler keeps each topic's recent events (a bounded log), so a
+# topic per run would leave a log per run behind on a long-lived scheduler.
+EPOCH_TOPIC = "mopflow-task-epochs"
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +39,12 @@ def train_chain(
     first_epoch: int,
     epochs: int,
     total_epochs: int,
-    topic: str,
+    run_id: str,
     staged_folder: str,
 ) -> tuple[bytes, list[dict[str, Any]]]:
     """The Dask task of a chain: ``epochs`` epochs from ``first_epoch``, each validated; each but
-    the last staged in ``staged_folder`` (when given) and told on ``topic`` as it ends. Returns
+    the last staged in ``staged_folder`` (when given) and told as it ends on :data:`EPOCH_TOPIC`
+    for the run ``run_id`` ("": not told). Returns
     the state after the chain and every epoch's record; the last record says where the chain
     went on from (``resumed_from``) when an earlier attempt of it left a newer state."""
     from distributed import get_worker
@@ -60,11 +66,15 @@ def train_chain(
         if staged_folder:  # before the coordinator can hear of the epoch
             uri = storage.join(staged_folder, STAGED_FILE.format(epoch=int(record["epoch"])))
             storage.write_bytes_atomic(uri, pack({STAGED_RECORD: record}), options)
-        worker.log_event(topic, {"record": record})  # wrapped: the scheduler sets its own "worker"
+        worker.log_event(EPOCH_TOPIC, {"run": run_id, "record": record})  # the scheduler adds "worker"
 
-    new_state, records = train_epochs_and_validate(
-        spec, state, data, shards, first_epoch, epochs, total_epochs, tell if topic else None
-    )
+    try:
+        new_state, records = train_epochs_and_validate(
+            spec, state, data, shards, first_epoch, epochs, total_epochs, tell if run_id else None
+        )
+    except UnitPreempted as stopped:  # the epochs recovered are finished epochs too
+        stopped.record["epochs"] = recovered + list(stopped.record.get("epochs", []))
+        raise
     records = recovered + records
     if resumed_from is not None:
         records[-1]["resumed_from"] = resumed_from
@@ -76,30 +86,49 @@ def newest_state_within(
 ) -> tuple[bytes, int, list[dict[str, Any]]] | None:
     """The newest whole-epoch state of epochs ``first_epoch`` to ``last_epoch - 1`` found in a
     model's folder (staged, or the checkpoint it became), the epoch it ends, and the records of
-    the staged epochs up to it; None when there is none (the chain starts from its start)."""
+    the staged epochs up to it; None when there is none (the chain starts from its start).
+
+    One listing of the folder and one header read of the checkpoint when nothing is there (a
+    chain's first attempt): a whole state is read only when it is used."""
+    fs, path = storage.filesystem(
+        storage.join(folder, STAGED_FILE.replace("{epoch:04d}", "*")), storage_options
+    )
+    listed = {posixpath.basename(name) for name in fs.glob(path)}
     best: tuple[bytes, int] | None = None
     staged: list[dict[str, Any]] = []
     for epoch in range(first_epoch, last_epoch):
-        uri = storage.join(folder, STAGED_FILE.format(epoch=epoch))
-        meta = _whole_epoch_meta(uri, storage_options)
-        if meta is not None and STAGED_RECORD in meta[1]:
-            best = (meta[0], epoch)
-            staged.append({**meta[1][STAGED_RECORD], "recovered": True})
-    checkpoint = _whole_epoch_meta(storage.join(folder, CHECKPOINT_FILE), storage_options)
-    if checkpoint is not None:
-        epoch = int(checkpoint[1].get("epoch", -1))
-        if first_epoch <= epoch < last_epoch and (best is None or epoch > best[1]):
-            best = (checkpoint[0], epoch)
+        if STAGED_FILE.format(epoch=epoch) not in listed:
+            continue
+        found = _whole_epoch_state(storage.join(folder, STAGED_FILE.format(epoch=epoch)), storage_options)
+        if found is not None and STAGED_RECORD in found[1]:
+            best = (found[0], epoch)
+            staged.append({**found[1][STAGED_RECORD], "recovered": True})
+    checkpoint = storage.join(folder, CHECKPOINT_FILE)
+    reached = _epoch_in_header(checkpoint, storage_options)
+    if reached is not None and first_epoch <= reached < last_epoch and (best is None or reached > best[1]):
+        found = _whole_epoch_state(checkpoint, storage_options)
+        if found is not None and int(found[1].get("epoch", -1)) == reached:
+            best = (found[0], reached)
     if best is None:
         return None
     return best[0], best[1], [r for r in staged if int(r["epoch"]) <= best[1]]
 
 
-def _whole_epoch_meta(uri: str, storage_options: dict[str, Any]) -> tuple[bytes, dict[str, Any]] | None:
+def _epoch_in_header(uri: str, storage_options: dict[str, Any]) -> int | None:
+    """The epoch a packed state ends, from its safetensors header alone (None: no such file)."""
+    fs, path = storage.filesystem(uri, storage_options)
+    try:
+        with fs.open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            head = size.to_bytes(8, "little") + handle.read(size)
+        return int(read_meta(head).get("epoch", -1))
+    except (FileNotFoundError, StateFormatError, ValueError):  # absent, moved away meanwhile or damaged
+        return None
+
+
+def _whole_epoch_state(uri: str, storage_options: dict[str, Any]) -> tuple[bytes, dict[str, Any]] | None:
     """A state at ``uri`` that ends a whole epoch, with its metadata (None: none, or unreadable)."""
     try:
-        if not storage.exists(uri, storage_options):
-            return None
         data = storage.read_bytes(uri, storage_options)
         meta = read_meta(data)
     except (FileNotFoundError, StateFormatError):  # moved away meanwhile, or damaged: not used

@@ -28,7 +28,7 @@ from mopflow.infra.base import stopping
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome, OneModelAtATime
 from mopflow.training.executors.stop_notice import StopNotice
-from mopflow.training.executors.task_run import TaskRun
+from mopflow.training.executors.task_run import TaskRun, listen, stop_listening
 from mopflow.training.executors.units import evaluate_state, init_state, train_pass
 from mopflow.training.trainable.unit import ModelSpec
 
@@ -85,11 +85,10 @@ class TaskExecutor(Executor):
     def _train(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller
     ) -> dict[str, ModelOutcome]:
-        topic = f"mopflow-task-{uuid.uuid4().hex}"  # this run's epochs, heard as they end
-        run = TaskRun(self, epochs, controller, waiting=list(models), topic=topic)
-        self.client.subscribe_topic(topic, run.hear)
+        run = TaskRun(self, epochs, controller, waiting=list(models), run_id=uuid.uuid4().hex)
         notice = StopNotice(self.client, "task", "epoch")  # asked to stop: epochs in flight checkpoint
         try:
+            listen(self.client, run)  # its epochs, heard as they end
             run.admit()
             while run.in_flight or run.deferred:
                 done = run.next_done(timeout=0.5)
@@ -104,8 +103,7 @@ class TaskExecutor(Executor):
                     run.submit_deferred()
                     run.admit()
         finally:
-            if self.client.status == "running":  # a closed client has left every topic
-                self.client.unsubscribe_topic(topic)
+            stop_listening(run)
         notice.withdraw()
         stopping.raise_if_stopped()
         for mid, outcome in run.outcomes.items():

@@ -4,7 +4,7 @@ states, and their epochs in flight as *chains*.
 A chain is a model's epochs up to the controller's next decision point (ASHA's next rung; the
 end of training without a pruner; one epoch under a pruner that may decide after any), trained
 in one Dask task on one worker with the model kept in memory. Each epoch of a chain but the last
-reaches the coordinator as it ends, as an event on the run's topic (``Worker.log_event``); the
+reaches the coordinator as it ends, as a Dask event (``Worker.log_event``, one topic for all runs); the
 last comes with the task's result, which carries every epoch's record too. An epoch is handed to
 the controller once, whichever way it came first: a chain run again after its worker died, or a
 late event, changes nothing.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ from mopflow.training.executors.base import (
     ModelOutcome,
     epochs_before_decision,
 )
-from mopflow.training.executors.chains import train_chain
+from mopflow.training.executors.chains import EPOCH_TOPIC, train_chain
 from mopflow.training.executors.units import init_state
 from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta
 from mopflow.training.trainable.unit import ModelSpec
@@ -56,16 +57,17 @@ class TaskRun:
         epochs: int,
         controller: Controller,
         waiting: list[ModelSpec],
-        topic: str = "",
+        run_id: str = "",
     ) -> None:
         self.x, self.epochs, self.controller = executor, epochs, controller
-        self.topic = topic  # where the chains' epochs are heard as they end ("": at the chain's end)
+        self.run_id = run_id  # whose chains' epochs are heard as they end ("": at the chain's end)
         self.waiting = waiting  # models to start, before the controller's new ones
         self.outcomes: dict[str, ModelOutcome] = {}
         self.specs: dict[str, ModelSpec] = {}
         self.states: dict[str, bytes] = {}
         self.next_epoch: dict[str, int] = {}  # the first epoch of the model's chain in flight, or next
         self.told: dict[str, int] = {}  # the last epoch each model handed to the controller
+        self.early: dict[str, dict[int, tuple[dict[str, Any], bool]]] = {}  # heard before an earlier epoch
         self.stop_after: dict[str, int] = {}  # model -> the epoch after which the controller stopped it
         self.active: set[str] = set()
         self.in_flight: dict[Any, str] = {}
@@ -76,10 +78,6 @@ class TaskRun:
         self.started: dict[str, int] = {}  # model -> when it (last) started, counted in models
 
     # -- what comes in: finished chains and the epochs heard before them ---------------------
-
-    def hear(self, event: tuple[float, dict[str, Any]]) -> None:
-        """The topic's handler (on the client's thread): an epoch a chain reported as it ended."""
-        self.inbox.put(("epoch", event[1]["record"]))
 
     def next_done(self, timeout: float) -> list[Any]:
         """Hand the controller every epoch heard so far; the chains that finished (waits up to
@@ -100,11 +98,23 @@ class TaskRun:
         return done
 
     def take_epoch(self, mid: str, record: dict[str, Any], staged: bool = True) -> None:
-        """Hand one trained epoch to the controller, once (an epoch already told is passed over),
-        its staged state made the checkpoint first (``staged``: the state is not in hand)."""
+        """Hand one trained epoch to the controller, once and in order (an epoch already told is
+        passed over; one heard before an earlier epoch waits for it), its staged state made the
+        checkpoint first (``staged``: the state is not in hand). A chain run again from states an
+        earlier attempt staged tells their epochs only with its result, after the epochs it trains."""
         epoch = int(record["epoch"])
         if mid not in self.active or epoch <= self.told.get(mid, -1):
             return
+        if epoch > self.told.get(mid, -1) + 1:
+            self.early.setdefault(mid, {})[epoch] = (record, staged)
+            return
+        self._tell(mid, record, staged)
+        waiting = self.early.get(mid, {})
+        while self.told[mid] + 1 in waiting:
+            self._tell(mid, *waiting.pop(self.told[mid] + 1))
+
+    def _tell(self, mid: str, record: dict[str, Any], staged: bool) -> None:
+        epoch = int(record["epoch"])
         self.told[mid] = epoch
         if staged:
             self.x.promote_staged(mid, epoch)
@@ -155,6 +165,7 @@ class TaskRun:
         self.x.started_at[mid] = time.time()
         self.started[mid] = max(self.started.values(), default=-1) + 1
         self.told[mid], keep = -1, True
+        self.early.pop(mid, None)
         self.stop_after.pop(mid, None)
         try:
             found = self.x.load_checkpoint(mid)
@@ -221,7 +232,7 @@ class TaskRun:
             epoch,
             count,
             self.epochs,
-            self.topic,
+            self.run_id,
             self.x.staged_folder(mid),
             pure=False,
             key=f"task-{mid}-e{epoch}-{count}-{time.monotonic_ns()}",
@@ -310,7 +321,7 @@ class TaskRun:
         at its batch is checkpointed, and it goes on from that batch on another worker (or waits
         in its checkpoint when the run stops)."""
         finished = list(exc.record.get("epochs", []))
-        epoch = first_epoch + len(finished)
+        epoch = int(finished[-1]["epoch"]) + 1 if finished else first_epoch  # the one it stopped in
         for record in finished:  # each with its staged state, before the state at the batch
             self.take_epoch(mid, record)
         if exc.state is not None:
@@ -357,3 +368,30 @@ class TaskRun:
         outcome.state = self.states.get(mid)
         outcome.checkpoint_uri = self.x.kept_checkpoint(mid)
         self.controller.on_model_done(outcome)
+
+
+_LISTENING: dict[str, TaskRun] = {}  # run id -> the run in this process that hears its chains
+_LISTENING_LOCK = threading.Lock()
+
+
+def listen(client: Any, run: TaskRun) -> None:
+    """Hear ``run``'s chains' epochs as they end (events on :data:`EPOCH_TOPIC`, one handler per
+    client for every run in this process)."""
+    with _LISTENING_LOCK:
+        _LISTENING[run.run_id] = run
+    client.subscribe_topic(EPOCH_TOPIC, _hear)
+
+
+def stop_listening(run: TaskRun) -> None:
+    """``run`` is over: its late events are dropped."""
+    with _LISTENING_LOCK:
+        _LISTENING.pop(run.run_id, None)
+
+
+def _hear(event: tuple[float, dict[str, Any]]) -> None:
+    """The topic's handler (on the client's thread): an epoch a chain told as it ended, to its run."""
+    message = event[1]
+    with _LISTENING_LOCK:
+        run = _LISTENING.get(str(message.get("run", "")))
+    if run is not None:
+        run.inbox.put(("epoch", message["record"]))

@@ -1,0 +1,98 @@
+"""Where a chain run again after its worker died goes on from (no training: packed states made here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+
+from mopflow.training.executors.base import CHECKPOINT_FILE, STAGED_FILE
+from mopflow.training.executors.chains import STAGED_RECORD, newest_state_within
+from mopflow.training.trainable.state import read_meta
+
+
+def _state(epoch: int, **meta: Any) -> bytes:
+    return bytes(
+        save(
+            {"model.w": torch.full((2,), float(epoch))},
+            metadata={"meta": json.dumps({"epoch": epoch, **meta})},
+        )
+    )
+
+
+def _stage(folder: Path, epoch: int) -> None:
+    record = {"epoch": epoch, "val_acc": 0.5 + epoch / 100}
+    (folder / STAGED_FILE.format(epoch=epoch)).write_bytes(_state(epoch, **{STAGED_RECORD: record}))
+
+
+def test_a_chain_goes_on_from_the_newest_whole_epoch_staged_or_checkpointed_within_it(tmp_path: Path) -> None:
+    """Expected: nothing within the chain (a first attempt, or only the checkpoint it started
+    from): None. States staged by an earlier attempt: the newest, with the staged epochs' records
+    (the coordinator may not have heard them). Staged states already made the checkpoint (moved):
+    the checkpoint. A checkpoint stopped mid-epoch, or past the chain, is not a place to go on from."""
+    folder = tmp_path / "trial-0000"
+    folder.mkdir()
+    assert newest_state_within(str(folder), 3, 8, {}) is None
+    (folder / CHECKPOINT_FILE).write_bytes(_state(2))  # the state the chain started from
+    assert newest_state_within(str(folder), 3, 8, {}) is None
+
+    _stage(folder, 3)
+    _stage(folder, 4)
+    state, epoch, records = newest_state_within(str(folder), 3, 8, {}) or (b"", -1, [])
+    assert epoch == 4 and read_meta(state)["epoch"] == 4
+    assert [(r["epoch"], r["recovered"]) for r in records] == [(3, True), (4, True)]
+
+    (folder / STAGED_FILE.format(epoch=3)).replace(folder / CHECKPOINT_FILE)  # the coordinator took 3
+    (folder / STAGED_FILE.format(epoch=4)).replace(folder / CHECKPOINT_FILE)  # and 4
+    state, epoch, records = newest_state_within(str(folder), 3, 8, {}) or (b"", -1, [])
+    assert (epoch, records) == (4, []) and read_meta(state)["epoch"] == 4
+
+    (folder / CHECKPOINT_FILE).write_bytes(_state(5, partial={"epoch": 5, "batches": 3}))
+    assert newest_state_within(str(folder), 3, 8, {}) is None
+    (folder / CHECKPOINT_FILE).write_bytes(_state(8))  # the chain's last epoch (3 to 8): no record of it
+    assert newest_state_within(str(folder), 3, 8, {}) is None
+
+
+class _Executor:
+    """What a run's bookkeeping asks of its executor when an epoch comes in."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.promoted: list[int] = []
+
+    def promote_staged(self, model_id: str, epoch: int) -> None:
+        self.promoted.append(epoch)
+
+    def report_epoch(self, outcome: Any, report: Any, controller: Any) -> bool:
+        outcome.history.append(report)
+        return True
+
+
+def test_epochs_reach_the_controller_once_and_in_order_however_they_arrive() -> None:
+    """A chain run again from states an earlier attempt staged tells their epochs only with its
+    result, after the events of the epochs it trains: an epoch heard early waits for the ones
+    before it, and one heard twice is told once; each staged state becomes the checkpoint in
+    order (the checkpoint never runs ahead of the history)."""
+    from mopflow.training.executors.base import ModelOutcome
+    from mopflow.training.executors.task_run import TaskRun
+    from mopflow.training.trainable.unit import ModelSpec
+
+    executor = _Executor()
+    run = TaskRun(executor, epochs=6, controller=None, waiting=[])  # type: ignore[arg-type]
+    spec = ModelSpec("m", {})
+    run.outcomes["m"], run.told["m"] = ModelOutcome(spec), 2
+    run.active.add("m")
+
+    def record(epoch: int) -> dict[str, Any]:
+        return {"epoch": epoch, "val_acc": 0.5, "train_loss": 1.0, "lr_end": 0.1, "worker": "w"}
+
+    run.take_epoch("m", record(4))  # heard first: waits for epoch 3
+    assert run.outcomes["m"].history == [] and executor.promoted == []
+    for epoch in (3, 4):  # the result: the recovered epoch 3, then 4 again
+        run.take_epoch("m", record(epoch))
+    run.take_epoch("m", record(5), staged=False)  # the chain's last: its state is in hand
+    assert [r.epoch for r in run.outcomes["m"].history] == [3, 4, 5]
+    assert executor.promoted == [3, 4] and run.told["m"] == 5
