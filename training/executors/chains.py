@@ -18,12 +18,11 @@ from typing import Any
 from mopflow.infra.base import storage
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import CHECKPOINT_FILE, STAGED_FILE
-from mopflow.training.executors.units import train_epochs_and_validate
+from mopflow.training.executors.units import STAGED_RECORD, train_epochs_and_validate
 from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta, read_meta
 from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import UnitPreempted
 
-STAGED_RECORD = "staged_record"  # the state's metadata key of a staged epoch's record
 # One topic for every run: the scheduler keeps each topic's recent events (a bounded log), so a
 # topic per run would leave a log per run behind on a long-lived scheduler.
 EPOCH_TOPIC = "mopflow-task-epochs"

@@ -32,6 +32,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+STAGED_RECORD = "staged_record"  # the metadata key of a staged epoch's record (executors/chains.py)
+
 # Worker-process cache of loaded partitions, on the device they train on: each worker loads its
 # shards once and keeps them there across units.
 _PARTITIONS: dict[tuple[str, tuple[str, ...], str], tuple[Any, Any]] = {}
@@ -196,15 +198,15 @@ def train_epochs_and_validate(
     seeded by its epoch; the moments and global step carry over as an export would carry them).
     Each epoch's record (with ``val_acc`` and ``val_s``) but the last's goes to ``on_epoch`` as
     it ends, with a function that packs the state there (``export_state``, to stage it as a
-    checkpoint), so the coordinator hears of it before the chain is done. A spot notice or a stop ends the chain at
-    the next batch: :class:`UnitPreempted` carries the state there and, in its record's
-    ``epochs``, the records of the epochs finished before it.
+    checkpoint), so the coordinator hears of it before the chain is done. A spot notice or a
+    stop ends the chain at the next batch: :class:`UnitPreempted` carries the state there and, in
+    its record's ``epochs``, the records of the epochs finished before it.
     """
     started = time.time()
     _refuse_on_notice(spec, state, started)
     rows, loaded = _rows_here(spec, data, shard_names)
     unit = _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, None))
-    unit.meta = {k: v for k, v in unit.meta.items() if k != "staged_record"}  # a staged epoch's, not ours
+    unit.meta.pop(STAGED_RECORD, None)  # carried by a staged state it goes on from: not this chain's
     x_val, y_val = load_eval_split(data, "validation")
     done: list[dict[str, Any]] = []
     for epoch in range(first_epoch, first_epoch + epochs):
