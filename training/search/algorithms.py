@@ -129,13 +129,13 @@ def _median(min_resource: int, max_resource: int | None) -> optuna.pruners.BaseP
     return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=max(min_resource - 1, 0))
 
 
-def _rung_epochs(min_resource: int, epochs: int) -> list[int]:
-    """The rungs' epoch counts: ``min_resource * REDUCTION_FACTOR**k`` below ``epochs`` (the
+def rung_epochs(min_resource: int, epochs: int, reduction_factor: int = REDUCTION_FACTOR) -> list[int]:
+    """The rungs' epoch counts: ``min_resource * reduction_factor**k`` below ``epochs`` (the
     controller's own rungs under asha, ``training/search/rungs.py``)."""
     rungs, at = [], max(min_resource, 1)
     while at < epochs:
         rungs.append(at)
-        at *= REDUCTION_FACTOR
+        at *= reduction_factor
     return rungs
 
 
@@ -143,7 +143,7 @@ def _optuna_rung_epochs(min_resource: int, epochs: int) -> list[int]:
     """Where Optuna's successive halving (and each Hyperband bracket, a successive halving from a
     higher rung) decides: at the step ``min_resource * REDUCTION_FACTOR**k``, steps counted from 0,
     so after one epoch more than the rung."""
-    return [rung + 1 for rung in _rung_epochs(min_resource, epochs) if rung + 1 < epochs]
+    return [rung + 1 for rung in rung_epochs(min_resource, epochs) if rung + 1 < epochs]
 
 
 def _never(min_resource: int, epochs: int) -> list[int]:
@@ -153,7 +153,7 @@ def _never(min_resource: int, epochs: int) -> list[int]:
 PRUNERS: dict[str, PrunerKind] = {
     # asha: the study carries Optuna's successive halving, and the controller keeps the rungs
     # (training/search/rungs.py)
-    "asha": PrunerKind(_successive_halving, waiting_rungs=True, decides_after=_rung_epochs),
+    "asha": PrunerKind(_successive_halving, waiting_rungs=True, decides_after=rung_epochs),
     "successive_halving": PrunerKind(_successive_halving, decides_after=_optuna_rung_epochs),
     "hyperband": PrunerKind(_hyperband, decides_after=_optuna_rung_epochs),
     "median": PrunerKind(_median),  # after any epoch past its warm-up

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mopflow.training.search.algorithms import rung_epochs
+
 if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
@@ -37,11 +39,7 @@ class Rungs:
 
     def epochs(self) -> list[int]:
         """The epoch count of each rung, first to last (all below ``max_epochs``)."""
-        epochs, rungs = self.min_resource, []
-        while epochs < self.max_epochs:
-            rungs.append(epochs)
-            epochs *= self.reduction_factor
-        return rungs
+        return rung_epochs(self.min_resource, self.max_epochs, self.reduction_factor)
 
     def rung_at(self, epochs_done: int) -> int | None:
         """The rung a model reaches after ``epochs_done`` epochs (None between rungs, and at or
