@@ -1,7 +1,13 @@
 """Model Hopper Parallelism on Dask: partitions stay on their workers, model states hop.
 
 The driver: rounds of MOP epochs, each a queue of (model, partition) units
-(``training/executors/scheduler.py``) given to idle workers and collected as they finish. The
+(``training/executors/scheduler.py``) given to idle workers and collected as they finish. A round
+holds the epochs up to the controller's next possible decision on any of its models (one epoch
+under a pruner that may stop a model after any epoch): within it a model goes on to its next
+epoch as soon as its own is done, and that epoch is reported then; the round's last epochs are
+reported at its end, in model order, where the controller may stop models and fill their slots.
+Each busy worker also holds a unit queued behind its running one, so it never waits for the
+coordinator between two units. The
 models' bookkeeping is ``training/executors/mop_models.py``; following the workers of a volatile
 cluster, ``training/executors/mop_workers.py``.
 
@@ -66,13 +72,15 @@ def partition_rows(manifest: Mapping[str, Any], partitions: Mapping[str, Sequenc
 class _Round:
     """One round of MOP epochs in progress: its units in flight and what the finished ones did."""
 
-    index: int  # from 0, over every run of the executor
+    index: int  # its first epoch's, from 0, over every run of the executor
     total_units: int
+    epochs: int = 1  # epochs in the round: up to the controller's next decision on any model
     started: float = field(default_factory=time.monotonic)
     in_flight: dict[Any, tuple[str, Unit]] = field(default_factory=dict)  # future -> (worker, unit)
     submitted: dict[Any, float] = field(default_factory=dict)  # future -> when (wall clock)
     records: list[dict[str, Any]] = field(default_factory=list)  # one per finished unit
     val_accs: dict[str, float] = field(default_factory=dict)  # measured by a model's epoch's last unit
+    ended: set[str] = field(default_factory=set)  # models whose epoch ended before the round's last
 
 
 class MopExecutor(Executor):
@@ -134,24 +142,36 @@ class MopExecutor(Executor):
             current = self._start_round(round_index, run)
             self._run_round(run, current)
             self.records += current.records
-            self.epoch_records[round_index] = current.records
-            log.info("mop: round %d done in %.1fs", round_index + 1, time.monotonic() - current.started)
+            for record in current.records:  # per epoch of the round (MOP's invariants hold per epoch)
+                self.epoch_records.setdefault(int(record["round"]), []).append(record)
+            log.info(
+                "mop: round %d (%d epoch(s)) done in %.1fs",
+                round_index + 1,
+                current.epochs,
+                time.monotonic() - current.started,
+            )
             run.end_round(current.records, current.val_accs)
-            round_index += 1
+            round_index += current.epochs
         return run.final_outcomes()
 
     def _start_round(self, index: int, run: MopModels) -> _Round:
-        """Queue the round's units: every active model on every partition it has not visited."""
-        if self.before_round is not None:  # the cluster may change size between rounds
+        """Queue the round's units: every active model on every partition it has not visited, for
+        each epoch up to the controller's next possible decision on any of them (no model waits
+        for the others between two epochs that no decision separates)."""
+        epochs = run.epochs_before_decision()
+        if self.before_round is not None:  # the cluster may change size between rounds (of one epoch)
+            epochs = 1
             self.before_round(index)
             self.scheduler.placement = round_robin(self.partitions, self.workers.alive())
-        self.scheduler.start_epoch(list(run.active), epoch=index)
+        self.scheduler.start_epoch(list(run.active), epoch=index, epochs=epochs)
         for mid in run.active:  # resume mid-epoch: partitions already visited are skipped
             done = set(run.visited.get(mid, []))
             self.scheduler.queue = [
-                u for u in self.scheduler.queue if not (u.model == mid and u.partition in done)
+                u
+                for u in self.scheduler.queue
+                if not (u.model == mid and u.epoch == 0 and u.partition in done)
             ]
-        return _Round(index, total_units=len(self.scheduler.queue))
+        return _Round(index, total_units=len(self.scheduler.queue), epochs=epochs)
 
     def _run_round(self, run: MopModels, current: _Round) -> None:
         """Give idle workers units and collect the finished ones until the round's queue is done,
@@ -176,15 +196,26 @@ class MopExecutor(Executor):
             self.workers.reap_dead(current.in_flight, current.submitted, connected)
             collected = [self._collect(run, current, future) for future in done]
             finished = [mid for mid in collected if mid is not None]  # their pass completed
+            ended = [mid for mid in finished if mid in current.ended]
+            for mid in ended:  # checkpointed before it is reported: a report never runs ahead of it
+                self.save_checkpoint(mid, run.states[mid])
+                run.end_epoch(mid, current.val_accs.pop(mid, None), current.records)
+                if mid not in run.active:  # stopped all the same (e.g. the search's goal)
+                    self.scheduler.drop_model(mid)
+            current.ended.clear()
             if finished and not stopping.stop_requested():  # the freed workers get their next units first
                 self._submit_ready(run, current, self.workers.alive())
             for mid in finished:
-                self.save_checkpoint(mid, run.states[mid])
+                if mid not in ended:
+                    self.save_checkpoint(mid, run.states[mid])
 
     def _submit_ready(self, run: MopModels, current: _Round, alive: list[str]) -> None:
-        """Give every idle worker a unit (the randomized rule) and submit it."""
+        """Give every idle worker a unit (the randomized rule), and every busy one a unit ahead,
+        and submit them."""
         idle = [w for w in alive if w not in self.scheduler.running]
-        for worker, unit in self.scheduler.assign(idle):
+        # then one unit queued behind each running one: the worker goes on without a round trip
+        given = self.scheduler.assign(idle) + self.scheduler.assign_ahead(alive)
+        for worker, unit in given:
             future = self._submit_unit(run, worker, unit)
             current.in_flight[future] = (worker, unit)
             current.submitted[future] = time.time()
@@ -224,15 +255,17 @@ class MopExecutor(Executor):
 
     def _collect(self, run: MopModels, current: _Round, future: Any) -> str | None:
         """Take in one finished unit; returns its model when the unit's pass completed."""
+        if future not in current.in_flight:  # cancelled: its worker was lost, its unit requeued
+            return None
         worker, unit = current.in_flight.pop(future)
         started_at = current.submitted.pop(future, time.time())
         try:
             state, record, val_acc = fetch_unit_result(self.client, future, worker)
         except UnitPreempted as exc:  # a spot notice: continue from its batch elsewhere
-            self._preempted(run, unit, worker, exc)
+            self._preempted(run, current, unit, worker, exc)
             return None
         except FloatingPointError as exc:  # NonFiniteLossError: the model fails, the sweep goes on
-            self.scheduler.complete(worker)
+            self.scheduler.complete(worker, unit)
             self.scheduler.drop_model(unit.model)
             log.warning("mop: %s failed on %s: %s", unit.model, unit.partition, exc)
             run.fail(unit.model, f"{type(exc).__name__}: {exc}")
@@ -240,16 +273,18 @@ class MopExecutor(Executor):
         except Exception as exc:
             log.warning("mop: unit %s on %s was lost (%s); it goes back to the queue", unit, worker, exc)
             self._account(unit, worker, "lost", self.workers.lost_seconds(future, started_at))
-            self.workers.lose(worker, saved=False)
+            self.workers.lose(worker, current.in_flight, unit=unit)
             return None
         finally:  # the result is here now: the worker need not keep it (nor hand it off)
             future.release()
-        self.scheduler.complete(worker)
+        self.scheduler.complete(worker, unit)
         run.unit_done(unit.model, state)
         if val_acc is not None:
             current.val_accs[unit.model] = val_acc
-        record |= {"worker": worker, "partition": unit.partition, "round": current.index}
+        record |= {"worker": worker, "partition": unit.partition, "round": current.index + unit.epoch}
         current.records.append(record)
+        if unit.epoch < current.epochs - 1 and run.epoch_complete(unit.model):
+            current.ended.add(unit.model)  # reported now, not at the round's end
         seconds = float(record["end"]) - float(record["start"])
         self.scheduler.record_cost(unit.model, seconds)
         log.info(
@@ -264,9 +299,15 @@ class MopExecutor(Executor):
         )
         return unit.model
 
-    def _preempted(self, run: MopModels, unit: Unit, worker: str, exc: UnitPreempted) -> None:
+    def _preempted(
+        self, run: MopModels, current: _Round, unit: Unit, worker: str, exc: UnitPreempted
+    ) -> None:
         """A unit stopped by a spot notice: its state is checkpointed, and the unit goes on from
-        that batch on another worker (or waits in its checkpoint when the run stops)."""
+        that batch on another worker (or waits in its checkpoint when the run stops). A unit ahead
+        handed back untouched goes back to the queue; its worker's running unit tells the rest."""
+        if self.scheduler.ahead.get(worker) == unit:
+            self.scheduler.requeue(worker, unit=unit)
+            return
         if exc.state is not None:
             run.states[unit.model] = exc.state
             self.save_checkpoint(unit.model, exc.state)
@@ -275,7 +316,7 @@ class MopExecutor(Executor):
         redone = max(0.0, float(exc.record["end"]) - float(exc.record["saved_at"]))
         self._account(unit, worker, "notice", redone, batches=exc.record.get("batches", 0))
         self.workers.leaving.add(worker)
-        self.workers.lose(worker, saved=partial_meta(exc.state) is not None)
+        self.workers.lose(worker, current.in_flight, saved=partial_meta(exc.state) is not None)
 
     def _stop_units(self, in_flight: dict[Any, tuple[str, Unit]]) -> None:
         """Asked to stop: give the workers the notice once (their units save their state at the

@@ -2,8 +2,9 @@
 
 A model joins from its checkpoint when it has one (a restarted coordinator's retried trial,
 even mid-epoch: the partitions it visited are skipped), carries its latest state from unit to
-unit, and at the end of every round in which it visited every partition reports its epoch to
-the controller, which may stop it or fill the slots freed with new models.
+unit, and reports each epoch to the controller: at once when the round goes on past it (the
+controller cannot stop it there), else at the end of the round, where the controller may stop it
+or fill the slots freed with new models.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome
+from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome, epochs_before_decision
 from mopflow.training.executors.units import evaluate_state
 from mopflow.training.trainable.state import partial_meta, read_meta
 from mopflow.training.trainable.unit import ModelSpec
@@ -78,6 +79,24 @@ class MopModels:
         self.states[model_id] = state
         self.visited[model_id] = list(read_meta(state).get("visited", []))
 
+    def epochs_before_decision(self) -> int:
+        """Epochs every active model trains before the controller may next stop any of them."""
+        return min(
+            epochs_before_decision(self.controller, self.next_epoch.get(mid, 0), self.epochs)
+            for mid in self.active
+        )
+
+    def epoch_complete(self, model_id: str) -> bool:
+        """Whether the model has visited every partition in its current epoch."""
+        return len(self.visited.get(model_id, [])) >= len(self.x.partitions)
+
+    def end_epoch(self, model_id: str, val_acc: float | None, records: list[dict[str, Any]]) -> None:
+        """Report a model's epoch that ended before its round's last: the controller cannot stop
+        a model there, so the order of these reports decides nothing."""
+        if val_acc is None:  # its last unit did not validate (see _validate)
+            val_acc = float(self._validate([model_id])[model_id].result())
+        self._end_epoch(model_id, val_acc, records)
+
     def fail(self, model_id: str, error: str) -> None:
         """The model failed (e.g. a non-finite loss): it leaves the run; the sweep goes on."""
         self.outcomes[model_id].error = error
@@ -89,15 +108,11 @@ class MopModels:
         """Report every model that finished an epoch, in model order (the pruner's decisions
         depend on the order it hears them, never on which unit finished first); the controller
         may stop or add models."""
-        finished = [
-            mid
-            for mid in sorted(self.active)
-            if mid in self.states and len(self.visited.get(mid, [])) >= len(self.x.partitions)
-        ]
+        finished = [mid for mid in sorted(self.active) if mid in self.states and self.epoch_complete(mid)]
         missing = self._validate(mid for mid in finished if mid not in val_accs)
         for mid in finished:
             val_acc = val_accs[mid] if mid in val_accs else float(missing[mid].result())
-            self._end_epoch(mid, val_acc, [r for r in records if r["model"] == mid])
+            self._end_epoch(mid, val_acc, records)
         for spec in self.controller.new_models(max(0, self.x.slots - len(self.active))):
             if self.admit(spec):
                 log.info("mop: %s joins at the next round", spec.model_id)
@@ -118,8 +133,10 @@ class MopModels:
         }
 
     def _end_epoch(self, mid: str, val_acc: float, records: list[dict[str, Any]]) -> None:
-        """Report the model's finished epoch; it is done when stopped or out of epochs."""
+        """Report the model's finished epoch (``records``: the round's units, of every model);
+        it is done when stopped or out of epochs."""
         epoch = self.next_epoch.get(mid, 0)
+        records = [r for r in records if r["model"] == mid and int(r["epoch"]) == epoch]
         report = EpochReport(
             mid,
             epoch,

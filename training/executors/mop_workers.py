@@ -86,6 +86,8 @@ class WorkerWatch:
         for worker in {w for w, _ in in_flight.values()} - connected:
             self._missing_since.setdefault(worker, now)
         for future, (worker, unit) in list(in_flight.items()):
+            if future not in in_flight:  # the unit ahead of a worker lost just now: requeued with it
+                continue
             missing = self._missing_since.get(worker)
             if worker in connected or missing is None or now - missing < REAP_GRACE_S:
                 continue
@@ -96,7 +98,7 @@ class WorkerWatch:
             del in_flight[future]
             log.warning("mop: worker %s died running %s (no notice); the unit is redone", worker, unit)
             self.account(unit, worker, "killed", lost)
-            self.lose(worker, saved=False)
+            self.lose(worker, in_flight)
         self._missing_since = {w: t for w, t in self._missing_since.items() if w not in connected}
 
     def lost_seconds(self, future: Any, submitted_at: float) -> float:
@@ -115,10 +117,18 @@ class WorkerWatch:
         if now - self._no_worker_since > WORKER_WAIT_S:
             raise RuntimeError(f"no Dask worker left to run MOP units (waited {WORKER_WAIT_S:.0f}s)")
 
-    def lose(self, worker: str, saved: bool) -> None:
-        """Requeue ``worker``'s unit and move its partitions, waiting for a replacement if none is left."""
+    def lose(
+        self,
+        worker: str,
+        in_flight: dict[Any, tuple[str, Unit]],
+        saved: bool = False,
+        unit: Unit | None = None,
+    ) -> None:
+        """Requeue ``worker``'s units and move its partitions, waiting for a replacement if none is
+        left; its units still in ``in_flight`` (one queued ahead) are cancelled. A ``unit`` that
+        failed on a worker still there is requeued alone."""
         if worker in self.alive():  # the unit failed but its worker is fine: requeue it in place
-            self.scheduler.requeue(worker, saved)
+            self.scheduler.requeue(worker, saved, unit)
             return
         deadline = time.monotonic() + WORKER_WAIT_S
         survivors = [w for w in self.alive() if w != worker]
@@ -128,3 +138,7 @@ class WorkerWatch:
             time.sleep(0.2)
             survivors = [w for w in self.alive() if w != worker]
         self.scheduler.lose_worker(worker, survivors, saved=saved)
+        for future, (holder, _) in list(in_flight.items()):
+            if holder == worker:
+                future.cancel()
+                del in_flight[future]

@@ -19,6 +19,9 @@ whose model is idle and whose partition it holds. Which one is the schedule's ch
   frees first, so two runs can train a model over its partitions in different orders.
 
 Under both, a model never runs on two workers at once and a worker runs one unit at a time. A
+worker may hold one more unit *ahead*, queued behind the one it runs (:meth:`MopScheduler.assign_ahead`):
+it starts that unit as soon as the running one ends, without a round trip to the coordinator. A
+unit ahead is chosen by the same rule and counts as its model's unit in flight. A
 unit lost with its worker goes back to the queue (its partition moves to a surviving worker); one
 that stopped mid-pass with a checkpoint (a spot notice) is its model's next unit, so the pass is
 finished before the model moves on. A new (restarted) worker takes partitions from the busiest.
@@ -39,10 +42,12 @@ MopScheduleName = Literal["fixed", "greedy"]
 
 @dataclass(frozen=True, order=True)
 class Unit:
-    """One sub-epoch: ``model`` trains one pass over ``partition``."""
+    """One sub-epoch: ``model`` trains one pass over ``partition``, in the ``epoch``-th epoch of
+    its round (a round may hold several epochs, :meth:`MopScheduler.start_epoch`)."""
 
     model: str
     partition: str
+    epoch: int = 0
 
 
 def fixed_plan(seed: int, epoch: int, models: Iterable[str], partitions: Iterable[str]) -> list[list[Unit]]:
@@ -67,8 +72,10 @@ def fixed_plan(seed: int, epoch: int, models: Iterable[str], partitions: Iterabl
 class UnitChoice(Protocol):
     """A schedule: which unit an idle worker takes (None: it waits)."""
 
-    def start_epoch(self, epoch: int, models: Sequence[str], partitions: Sequence[str]) -> None:
-        """A new epoch of these models over these partitions begins."""
+    def start_epoch(
+        self, epoch: int, models: Sequence[str], partitions: Sequence[str], epochs: int = 1
+    ) -> None:
+        """A new round of ``epochs`` epochs (from ``epoch``) of these models over these partitions begins."""
         ...
 
     def pick(self, scheduler: MopScheduler, worker: str) -> Unit | None:
@@ -84,9 +91,16 @@ class FixedPlan:
         self.seed = seed
         self.position: dict[Unit, tuple[int, int]] = {}  # unit -> (sub-epoch, place in it)
 
-    def start_epoch(self, epoch: int, models: Sequence[str], partitions: Sequence[str]) -> None:
-        plan = fixed_plan(self.seed, epoch, models, partitions)
-        self.position = {unit: (k, i) for k, units in enumerate(plan) for i, unit in enumerate(units)}
+    def start_epoch(
+        self, epoch: int, models: Sequence[str], partitions: Sequence[str], epochs: int = 1
+    ) -> None:
+        self.position = {
+            Unit(unit.model, unit.partition, e): (e * len(plan) + k, i)
+            for e in range(epochs)
+            for plan in [fixed_plan(self.seed, epoch + e, models, partitions)]
+            for k, units in enumerate(plan)
+            for i, unit in enumerate(units)
+        }
 
     def pick(self, scheduler: MopScheduler, worker: str) -> Unit | None:
         following: dict[str, Unit] = {}  # model -> its next unit in the plan
@@ -106,7 +120,9 @@ class GreedyQueue:
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(seed)
 
-    def start_epoch(self, epoch: int, models: Sequence[str], partitions: Sequence[str]) -> None:
+    def start_epoch(
+        self, epoch: int, models: Sequence[str], partitions: Sequence[str], epochs: int = 1
+    ) -> None:
         return None
 
     def pick(self, scheduler: MopScheduler, worker: str) -> Unit | None:
@@ -141,6 +157,7 @@ class MopScheduler:
     schedule: str = "fixed"  # a name in SCHEDULES
     queue: list[Unit] = field(default_factory=list)
     running: dict[str, Unit] = field(default_factory=dict)  # worker -> unit
+    ahead: dict[str, Unit] = field(default_factory=dict)  # worker -> unit queued behind its running one
     done: list[Unit] = field(default_factory=list)
     resume: dict[str, str] = field(default_factory=dict)  # model -> partition it stopped mid-pass on
     cost: dict[str, float] = field(default_factory=dict)  # model -> seconds per unit, as measured
@@ -150,22 +167,33 @@ class MopScheduler:
             raise ValueError(f"unknown MOP schedule {self.schedule!r}; expected one of {sorted(SCHEDULES)}")
         self.choice = SCHEDULES[self.schedule](self.seed)
 
-    def start_epoch(self, models: Iterable[str], epoch: int = 0) -> None:
-        """Queue every (model, partition) unit of a new epoch (``epoch``: which, for the plan)."""
-        if self.queue or self.running:
+    def start_epoch(self, models: Iterable[str], epoch: int = 0, epochs: int = 1) -> None:
+        """Queue every (model, partition) unit of a new round of ``epochs`` epochs (``epoch``: the
+        first, for the plan). A model's units of one epoch all come before its next epoch's: the
+        epochs of a round follow each other per model, without waiting for the other models."""
+        if self.queue or self.running or self.ahead:
             raise RuntimeError("the previous epoch has not finished")
         self.done = []
         names, partitions = sorted(models), sorted(self.placement)
-        self.queue = [Unit(m, p) for m in names for p in partitions]
-        self.choice.start_epoch(epoch, names, partitions)
+        self.queue = [Unit(m, p, e) for e in range(epochs) for m in names for p in partitions]
+        self.choice.start_epoch(epoch, names, partitions, epochs)
 
     @property
     def busy_models(self) -> set[str]:
-        return {u.model for u in self.running.values()}
+        """Models with a unit on a worker (running or ahead)."""
+        return {u.model for u in (*self.running.values(), *self.ahead.values())}
 
     def open_units(self) -> list[Unit]:
-        """Queued units a model may run next: a model that stopped mid-pass finishes that pass first."""
-        return [u for u in self.queue if self.resume.get(u.model, u.partition) == u.partition]
+        """Queued units a model may run next: those of its current epoch, and a model that stopped
+        mid-pass finishes that pass first."""
+        current: dict[str, int] = {}
+        for u in (*self.queue, *self.running.values(), *self.ahead.values()):
+            current[u.model] = min(current.get(u.model, u.epoch), u.epoch)
+        return [
+            u
+            for u in self.queue
+            if u.epoch == current[u.model] and self.resume.get(u.model, u.partition) == u.partition
+        ]
 
     def runnable(self, worker: str, units: Iterable[Unit]) -> list[Unit]:
         """Those of ``units`` that ``worker`` can run now: it holds the partition and the model is idle."""
@@ -186,6 +214,25 @@ class MopScheduler:
             assignments.append((worker, unit))
         return assignments
 
+    def assign_ahead(self, busy_workers: Iterable[str]) -> list[tuple[str, Unit]]:
+        """A unit to queue behind the running one of each of ``busy_workers`` that has none yet,
+        as the schedule chooses: the worker starts it without waiting for the coordinator."""
+        assignments: list[tuple[str, Unit]] = []
+        for worker in sorted(busy_workers):
+            if worker not in self.running or worker in self.ahead:
+                continue
+            unit = self.choice.pick(self, worker)
+            if unit is None:
+                continue
+            self.queue.remove(unit)
+            self.ahead[worker] = unit
+            assignments.append((worker, unit))
+        return assignments
+
+    def units_on(self, worker: str) -> list[Unit]:
+        """The units given to ``worker``: the running one, then the one ahead."""
+        return [u for u in (self.running.get(worker), self.ahead.get(worker)) if u is not None]
+
     def record_cost(self, model: str, seconds: float) -> None:
         """A unit of ``model`` took ``seconds`` (kept as a running estimate of its unit time)."""
         if seconds <= 0:
@@ -193,9 +240,11 @@ class MopScheduler:
         previous = self.cost.get(model)
         self.cost[model] = seconds if previous is None else 0.5 * (previous + seconds)
 
-    def complete(self, worker: str) -> Unit:
-        """The unit on ``worker`` finished."""
-        unit = self.running.pop(worker)
+    def complete(self, worker: str, unit: Unit | None = None) -> Unit:
+        """``unit`` (default: the running one) on ``worker`` finished; the one ahead runs now."""
+        unit = self._take(worker, unit)
+        if unit is None:
+            raise KeyError(f"no unit on worker {worker!r}")
         self.done.append(unit)
         if self.resume.get(unit.model) == unit.partition:
             del self.resume[unit.model]
@@ -216,14 +265,37 @@ class MopScheduler:
                 self.placement[partition] = min(alive, key=lambda w: (load[w], w))
         return unit
 
-    def requeue(self, worker: str, saved: bool = False) -> Unit | None:
-        """Put the unit running on ``worker`` back in the queue (``saved``: it is its model's next)."""
-        unit = self.running.pop(worker, None)
+    def requeue(self, worker: str, saved: bool = False, unit: Unit | None = None) -> Unit | None:
+        """Put ``unit`` (default: every unit on ``worker``) back in the queue; ``saved``: the running
+        one stopped mid-pass with a checkpoint and is its model's next. Returns the running unit."""
         if unit is not None:
-            self.queue.append(unit)
-            if saved:
-                self.resume[unit.model] = unit.partition
-        return unit
+            was_running = self.running.get(worker) == unit
+            taken = self._take(worker, unit)
+            if taken is not None:
+                self._back(taken, saved and was_running)
+            return taken
+        running, ahead = self.running.pop(worker, None), self.ahead.pop(worker, None)
+        if running is not None:
+            self._back(running, saved)
+        if ahead is not None:
+            self._back(ahead, False)
+        return running
+
+    def _back(self, unit: Unit, saved: bool) -> None:
+        self.queue.append(unit)
+        if saved:
+            self.resume[unit.model] = unit.partition
+
+    def _take(self, worker: str, unit: Unit | None) -> Unit | None:
+        """Remove ``unit`` (default: the running one) from ``worker``; the one ahead moves up."""
+        if unit is not None and self.ahead.get(worker) == unit and self.running.get(worker) != unit:
+            return self.ahead.pop(worker)
+        if unit is not None and self.running.get(worker) != unit:
+            return None
+        taken = self.running.pop(worker, None)
+        if worker in self.ahead:
+            self.running[worker] = self.ahead.pop(worker)
+        return taken
 
     def add_worker(self, worker: str) -> list[str]:
         """A worker that holds no partition (a restarted one) takes partitions from the busiest
@@ -238,7 +310,7 @@ class MopScheduler:
             busiest = max(sorted(load), key=lambda w: load[w])
             if load[busiest] - 1 < len(moved) + 1:
                 return moved
-            running = {u.partition for u in self.running.values()}
+            running = {u.partition for u in (*self.running.values(), *self.ahead.values())}
             mine = sorted(p for p, h in self.placement.items() if h == busiest)
             partition = min(mine, key=lambda p: (p in running, p))
             self.placement[partition] = worker
@@ -251,7 +323,7 @@ class MopScheduler:
 
     @property
     def epoch_finished(self) -> bool:
-        return not self.queue and not self.running
+        return not self.queue and not self.running and not self.ahead
 
 
 def round_robin(partitions: Iterable[str], workers: Iterable[str]) -> dict[str, str]:

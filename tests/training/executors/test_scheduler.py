@@ -186,3 +186,82 @@ def test_the_longest_model_goes_first_among_equals() -> None:
     scheduler.complete("w0")
     # "fast" has two units left, "slow" one: the model with more left goes first
     assert scheduler.assign(["w0"]) == [("w0", Unit("fast", "p0"))]
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_a_unit_ahead_keeps_the_plan_and_never_puts_a_model_in_two_places(schedule: str) -> None:
+    """Each busy worker is given one unit ahead; the ahead unit runs next when its worker frees, a
+    model never has two units on workers, and a fixed schedule still trains each model in its
+    planned order."""
+    models, seconds = ["a", "b", "c", "d"], {"a": 1.0, "b": 2.0, "c": 1.5, "d": 0.5}
+    partitions = ["p0", "p1"]
+    scheduler = MopScheduler(round_robin(partitions, ["w0", "w1"]), seed=3, schedule=schedule)
+    scheduler.start_epoch(models, epoch=2)
+    clock, free_at, records, ahead_seen = 0.0, {"w0": 0.0, "w1": 0.0}, [], 0
+    while not scheduler.epoch_finished:
+        idle = [w for w in ("w0", "w1") if w not in scheduler.running]
+        for worker, unit in scheduler.assign(idle):
+            free_at[worker] = clock + seconds[unit.model]
+        ahead_seen += len(scheduler.assign_ahead(["w0", "w1"]))
+        on_workers = [u.model for w in ("w0", "w1") for u in scheduler.units_on(w)]
+        assert len(on_workers) == len(set(on_workers)), f"a model on two workers: {on_workers}"
+        worker = min(scheduler.running, key=lambda w: free_at[w])
+        clock = free_at[worker]
+        queued = scheduler.ahead.get(worker)
+        unit = scheduler.complete(worker)
+        records.append({"model": unit.model, "partition": unit.partition, "worker": worker, "start": clock})
+        if queued is not None:  # the worker starts its unit ahead at once
+            assert scheduler.running[worker] == queued and worker not in scheduler.ahead
+            free_at[worker] = clock + seconds[queued.model]
+    assert ahead_seen >= 4
+    assert Counter((r["model"], r["partition"]) for r in records) == Counter(
+        (m, p) for m in models for p in partitions
+    )
+    if schedule == "fixed":
+        assert _orders(records) == _planned_orders(fixed_plan(3, 2, models, partitions))
+
+
+def test_a_lost_worker_gives_back_its_running_unit_and_its_unit_ahead() -> None:
+    scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0", "w1"]), seed=0)
+    scheduler.start_epoch(["a", "b", "c", "d"])
+    scheduler.assign(["w0", "w1"])
+    scheduler.assign_ahead(["w0", "w1"])
+    running, ahead = scheduler.running["w1"], scheduler.ahead["w1"]
+    scheduler.lose_worker("w1", ["w0"], saved=True)
+    assert {running, ahead} <= set(scheduler.queue)
+    assert scheduler.resume == {running.model: running.partition}  # only the running one was saved
+    assert scheduler.units_on("w1") == [] and set(scheduler.placement.values()) == {"w0"}
+    # a unit that failed on a worker still there goes back alone; the one ahead moves up
+    first, second = scheduler.running["w0"], scheduler.ahead["w0"]
+    assert scheduler.requeue("w0", unit=first) == first
+    assert scheduler.running["w0"] == second and "w0" not in scheduler.ahead
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_a_round_of_several_epochs_keeps_each_models_epochs_in_order(schedule: str) -> None:
+    """A round of 3 epochs: a model starts its next epoch as soon as its own epoch is done (not
+    when every model's is), each epoch visits every partition once, and a fixed schedule trains
+    each epoch in the order of that epoch's plan."""
+    models, partitions = ["a", "b", "c"], ["p0", "p1", "p2"]
+    scheduler = MopScheduler(round_robin(partitions, ["w0", "w1", "w2"]), seed=5, schedule=schedule)
+    seconds = {"a": 1.0, "b": 3.0, "c": 0.7}
+    scheduler.start_epoch(models, epoch=4, epochs=3)
+    clock, free_at, finished = 0.0, {"w0": 0.0, "w1": 0.0, "w2": 0.0}, []
+    while not scheduler.epoch_finished:
+        for worker, unit in scheduler.assign(w for w in free_at if w not in scheduler.running):
+            free_at[worker] = clock + seconds[unit.model]
+        worker = min(scheduler.running, key=lambda w: free_at[w])
+        clock = free_at[worker]
+        finished.append((clock, scheduler.complete(worker)))
+    for model in models:
+        units = [u for _, u in finished if u.model == model]
+        assert [u.epoch for u in units] == sorted(u.epoch for u in units)  # epoch by epoch
+        for e in range(3):
+            visited = [u.partition for u in units if u.epoch == e]
+            assert sorted(visited) == partitions
+            if schedule == "fixed":
+                assert visited == _planned_orders(fixed_plan(5, 4 + e, models, partitions))[model]
+    # the fast model's second epoch began before the slow one's first was done
+    end_of_first = {m: max(t for t, u in finished if u.model == m and u.epoch == 0) for m in models}
+    first_of_second_c = min(t for t, u in finished if u.model == "c" and u.epoch == 1)
+    assert first_of_second_c < end_of_first["b"]

@@ -198,7 +198,9 @@ def test_a_restarted_mop_coordinator_loses_at_most_the_sub_epochs_in_flight(
     assert [(r.number, r.state) for r in outcome.results] == [(2, "COMPLETE"), (3, "COMPLETE")]
     assert all([h["epoch"] for h in r.history] == [0, 1, 2, 3] for r in outcome.results)
     units = sum(len(records) for records in outcome.epoch_records.values())
-    assert units == 2 * 2 * 2  # 2 models x the 2 epochs left x 2 partitions: nothing done twice
+    # 2 models x the 2 epochs left x 2 partitions at most (fewer when a model had gone on into its
+    # third epoch): nothing checkpointed before the death is trained again
+    assert units <= 2 * 2 * 2
 
 
 @pytest.mark.slow
