@@ -245,7 +245,7 @@ def run_mopflow_search(job: dict[str, Any]) -> dict[str, Any]:
         unsubscribe()
     total = time.monotonic() - started
     states = [r.state for r in outcome.results]
-    row = search_row(job, job["strategy"], reports, total, outcome.busy_s, states)
+    row = search_row(job, job["strategy"], reports, total, outcome.busy_s, states, outcome.task_s)
     return row | ({"prior_seed": job["prior"]["seed"]} if job.get("prior") else {})
 
 

@@ -50,12 +50,15 @@ def search_row(
     total_s: float,
     busy_s: float,
     states: Sequence[str],
+    task_s: float | None = None,
 ) -> dict[str, Any]:
     """One search's row: from its epoch reports ((seconds since the start, val_acc), in the order
-    they arrived), its wall seconds, the workers' seconds inside training and validation passes
-    and its trials' final states."""
+    they arrived), its wall seconds, the workers' seconds inside training and validation passes,
+    its trials' final states and, when known, the workers' seconds inside tasks (for the split of
+    each trained epoch's worker-seconds, :func:`epoch_split`)."""
     epochs, seconds = epochs_to_target(reports, job["target"])
-    return {
+    split = epoch_split(busy_s, task_s, job["workers"] * total_s, len(reports)) if task_s else None
+    return ({"per_epoch_s": split} if split else {}) | {
         "strategy": strategy,
         "arm": job["arm"],
         "seed": job["seed"],
@@ -68,6 +71,20 @@ def search_row(
         "trials": {s: list(states).count(s) for s in ("COMPLETE", "PRUNED", "FAIL")},
         "busy_s": round(busy_s, 2),
         "utilisation": round(busy_s / (job["workers"] * total_s), 3) if total_s > 0 else None,
+    }
+
+
+def epoch_split(busy_s: float, task_s: float, worker_s: float, epochs: int) -> dict[str, float] | None:
+    """Each trained epoch's worker-seconds in three parts: ``pass`` (inside the training and
+    validation loops), ``around`` (inside the tasks, around the loops: the model built, the
+    Trainer set up, the state unpacked, packed and staged) and ``between`` (no task running: a
+    task's dispatch and result, and waits for the coordinator or for a model busy elsewhere)."""
+    if epochs <= 0 or worker_s <= 0:
+        return None
+    return {
+        "pass": round(busy_s / epochs, 4),
+        "around": round(max(0.0, task_s - busy_s) / epochs, 4),
+        "between": round(max(0.0, worker_s - task_s) / epochs, 4),
     }
 
 
@@ -155,6 +172,11 @@ def summarize(
             utilisation = [r["utilisation"] for r in used if r.get("utilisation") is not None]
             if utilisation:
                 entry["utilisation"] = round(statistics.median(utilisation), 3)
+            splits = [r["per_epoch_s"] for r in used if r.get("per_epoch_s")]
+            if splits:
+                entry["per_epoch_s"] = {
+                    k: round(statistics.median(s[k] for s in splits), 4) for k in splits[0]
+                }
             if runs is not base:
                 entry |= _paired(base, runs, charged_seconds)
                 by_epochs = _paired(base, runs, lambda r: charged_epochs(r, budget_epochs))
@@ -234,6 +256,14 @@ def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
             f"{e['strategy']:8} {e['arm']:16} {e.get('clean_runs', 0):>4}/{e['runs']:<5} {e['reached']:>7} "
             f"{e['median_s']:7.1f} {ratio} {ci:>14} {e['median_epochs']:7.1f} {ep_ratio} {ep_ci:>14} {util}"
         )
+    for e in result["summary"]:
+        if "per_epoch_s" in e:
+            part = e["per_epoch_s"]
+            lines.append(
+                f"{e['strategy']} {e['arm']}: worker-seconds per trained epoch (median): "
+                f"{part['pass']:.3f} in passes, {part['around']:.3f} around them in the task, "
+                f"{part['between']:.3f} between tasks"
+            )
     for strategy, found in result["verdict"].items():
         for name, verdict in found.items():
             if isinstance(verdict, dict):

@@ -162,3 +162,14 @@ def test_the_warm_arm_runs_with_the_goal_arms_and_needs_an_earlier_study() -> No
     assert args.prior_studies == 4
     with pytest.raises(SystemExit):
         bench.parse_args(["--prior-studies", "0"])
+
+
+def test_each_trained_epoch_is_split_into_passes_what_surrounds_them_and_idle_time() -> None:
+    job = {"arm": "random", "seed": 0, "target": 0.9, "workers": 2}
+    reports = [(1.0, 0.5), (2.0, 0.95), (3.0, 0.97), (4.0, 0.96)]
+    row = summary.search_row(job, "task", reports, 10.0, busy_s=12.0, states=["COMPLETE"], task_s=16.0)
+    assert row["per_epoch_s"] == {"pass": 3.0, "around": 1.0, "between": 1.0}  # 20 worker-s / 4 epochs
+    assert row["utilisation"] == 0.6
+    assert "per_epoch_s" not in summary.search_row(job, "plain", reports, 10.0, 12.0, ["COMPLETE"])
+    table = summary.summarize([row], ["task"], ["random"], budget_epochs=10)
+    assert table[0]["per_epoch_s"] == row["per_epoch_s"]

@@ -279,3 +279,13 @@ def pass_seconds(records: Sequence[Mapping[str, Any]]) -> float | None:
     if not timed:
         return None
     return float(sum(float(r["loop_s"]) + float(r.get("val_s", 0.0)) for r in timed))
+
+
+def task_seconds(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """Seconds the workers spent inside the records' tasks (from each record's ``start`` to its
+    ``end``): the passes and what surrounds them on the worker (the model built, the state
+    unpacked and packed, a checkpoint staged); None when no record times its loop."""
+    timed = [r for r in records if "loop_s" in r and "start" in r and "end" in r]
+    if not timed:
+        return None
+    return float(sum(max(0.0, float(r["end"]) - float(r["start"])) for r in timed))

@@ -169,14 +169,31 @@ def train_pass(
     boundary (:class:`UnitPreempted` carries the state there). Returns the new state and the
     pass's record (worker, timings, rows, loss, global step and learning rate at its end).
     """
+    unit, record = _pass_in_memory(
+        spec, state, data, shard_names, epoch, total_epochs, pass_index, meta, epoch_steps
+    )
+    new_state = unit.export_state()
+    return new_state, {**record, "state_bytes": len(new_state)}
+
+
+def _pass_in_memory(
+    spec: ModelSpec,
+    state: bytes | None,
+    data: DataRef,
+    shard_names: Sequence[str],
+    epoch: int,
+    total_epochs: int,
+    pass_index: int,
+    meta: Mapping[str, Any] | None,
+    epoch_steps: int | None,
+) -> tuple[TrainableUnit, dict[str, Any]]:
+    """:func:`train_pass` up to its state's packing: the unit after the pass, and its record."""
     started = time.time()
     _refuse_on_notice(spec, state, started)
     rows, loaded = _rows_here(spec, data, shard_names)
     unit = _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, epoch_steps))
     unit.meta |= {"epoch": epoch, **dict(meta or {})}
-    record = _run_pass(unit, rows, shard_names, epoch, pass_index, started, loaded)
-    new_state = unit.export_state()
-    return new_state, {**record, "state_bytes": len(new_state)}
+    return unit, _run_pass(unit, rows, shard_names, epoch, pass_index, started, loaded)
 
 
 def train_epochs_and_validate(
@@ -324,22 +341,11 @@ def init_state(spec: ModelSpec, data: DataRef) -> bytes:
 
 def evaluate_state(spec: ModelSpec, state: bytes, data: DataRef, split: str = "validation") -> float:
     """Accuracy of a packed state on a split."""
-    return evaluate_state_timed(spec, state, data, split)[0]
-
-
-def evaluate_state_timed(
-    spec: ModelSpec, state: bytes, data: DataRef, split: str = "validation"
-) -> tuple[float, float]:
-    """Accuracy of a packed state on a split, and the seconds of the evaluation pass itself
-    (without loading the split and the state)."""
     import torch
 
     torch.set_num_threads(1)
     x, y = load_eval_split(data, split)
-    unit = _unit(spec, data, state, 1)
-    started = time.perf_counter()
-    accuracy = unit.evaluate(x, y)
-    return accuracy, time.perf_counter() - started
+    return _unit(spec, data, state, 1).evaluate(x, y)
 
 
 def train_pass_and_validate(
@@ -357,15 +363,20 @@ def train_pass_and_validate(
     """A pass, then (when it ends the model's epoch) validation on the same worker.
 
     Validating where the state already is saves a task and a round trip per model-epoch, and
-    the wait for a separate validation phase at the end of a MOP round.
+    the wait for a separate validation phase at the end of a MOP round; the model that trained
+    is the one validated (its state is not unpacked again).
     """
-    new_state, record = train_pass(
+    unit, record = _pass_in_memory(
         spec, state, data, shard_names, epoch, total_epochs, pass_index, meta, epoch_steps
     )
+    new_state = unit.export_state()
+    record |= {"state_bytes": len(new_state), "end": time.time()}  # the unit's span ends packed
     if not validate:
         return new_state, record, None
-    val_acc, val_s = evaluate_state_timed(spec, new_state, data)
-    return new_state, {**record, "val_s": val_s}, val_acc
+    x_val, y_val = load_eval_split(data, "validation")
+    validated = time.perf_counter()
+    val_acc = unit.evaluate(x_val, y_val)
+    return new_state, {**record, "val_s": time.perf_counter() - validated, "end": time.time()}, val_acc
 
 
 def state_to_bundle(spec: ModelSpec, state: bytes, data: DataRef, url: str) -> str:

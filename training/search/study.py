@@ -60,6 +60,7 @@ class SearchOutcome:
     ] = ()  # worker_schedule: n_j per round (training/volatile/scaling.py)
     spot: SpotReport | None = None  # spot_trace: the replay's record and cost account
     busy_s: float = 0.0  # worker seconds inside training and validation passes (the batch loops)
+    task_s: float = 0.0  # worker seconds inside tasks: the passes and the set-up and packing around them
     wall_s: float = 0.0  # the executor's run, start to end
     workers: int = 0  # Dask workers when it started
 

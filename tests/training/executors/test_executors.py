@@ -320,3 +320,11 @@ def test_pass_seconds_add_the_training_loops_and_the_validations_of_timed_record
     records = [{"loop_s": 1.5, "val_s": 0.25}, {"loop_s": 2.0}, {"worker": "a DDP gang, untimed"}]
     assert pass_seconds(records) == 3.75
     assert pass_seconds([{"worker": "untimed"}]) is None
+
+
+def test_task_seconds_add_the_spans_of_timed_records() -> None:
+    from mopflow.training.executors.base import task_seconds
+
+    records = [{"loop_s": 1.5, "start": 10.0, "end": 12.0}, {"loop_s": 2.0, "start": 12.5, "end": 15.0}]
+    assert task_seconds(records + [{"start": 0.0, "end": 100.0}]) == 4.5  # an untimed loop: not counted
+    assert task_seconds([{"worker": "untimed"}]) is None
