@@ -224,7 +224,7 @@ def run_mopflow_search(job: dict[str, Any]) -> dict[str, Any]:
         shutil.copyfile(job["prior"]["journal"], journal)
     reports: list[tuple[float, float]] = []
     client = _client(job["workers"])  # started (once per process) before the clock
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
 
     def on_event(event: dict[str, Any]) -> None:
         if event["kind"] == "epoch" and event.get("val_acc") is not None:
@@ -244,8 +244,14 @@ def run_mopflow_search(job: dict[str, Any]) -> dict[str, Any]:
     finally:
         unsubscribe()
     total = time.monotonic() - started
+    coordinator_cpu = (
+        time.process_time() - cpu_started
+    )  # this process: Optuna, the coordinator, Dask's scheduler
     states = [r.state for r in outcome.results]
     row = search_row(job, job["strategy"], reports, total, outcome.busy_s, states, outcome.task_s)
+    row["coordinator_cpu_s"] = round(coordinator_cpu, 2)
+    if "per_epoch_s" in row and reports:
+        row["per_epoch_s"]["coordinator_cpu"] = round(coordinator_cpu / len(reports), 4)
     return row | ({"prior_seed": job["prior"]["seed"]} if job.get("prior") else {})
 
 

@@ -173,10 +173,9 @@ def summarize(
             if utilisation:
                 entry["utilisation"] = round(statistics.median(utilisation), 3)
             splits = [r["per_epoch_s"] for r in used if r.get("per_epoch_s")]
-            if splits:
-                entry["per_epoch_s"] = {
-                    k: round(statistics.median(s[k] for s in splits), 4) for k in splits[0]
-                }
+            if splits:  # the parts every row has (rows recorded before a part was measured lack it)
+                parts = [k for k in splits[0] if all(k in s for s in splits)]
+                entry["per_epoch_s"] = {k: round(statistics.median(s[k] for s in splits), 4) for k in parts}
             if runs is not base:
                 entry |= _paired(base, runs, charged_seconds)
                 by_epochs = _paired(base, runs, lambda r: charged_epochs(r, budget_epochs))
@@ -263,6 +262,11 @@ def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
                 f"{e['strategy']} {e['arm']}: worker-seconds per trained epoch (median): "
                 f"{part['pass']:.3f} in passes, {part['around']:.3f} around them in the task, "
                 f"{part['between']:.3f} between tasks"
+                + (
+                    f"; the coordinator's process used {part['coordinator_cpu']:.3f} CPU-s"
+                    if "coordinator_cpu" in part
+                    else ""
+                )
             )
     for strategy, found in result["verdict"].items():
         for name, verdict in found.items():
