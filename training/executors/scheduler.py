@@ -202,30 +202,24 @@ class MopScheduler:
 
     def assign(self, idle_workers: Iterable[str]) -> list[tuple[str, Unit]]:
         """Units for the idle workers (at most one each), as the schedule chooses."""
-        assignments: list[tuple[str, Unit]] = []
-        for worker in sorted(idle_workers):
-            if worker in self.running:
-                continue
-            unit = self.choice.pick(self, worker)
-            if unit is None:
-                continue
-            self.queue.remove(unit)
-            self.running[worker] = unit
-            assignments.append((worker, unit))
-        return assignments
+        return self._give([w for w in sorted(idle_workers) if w not in self.running], self.running)
 
     def assign_ahead(self, busy_workers: Iterable[str]) -> list[tuple[str, Unit]]:
         """A unit to queue behind the running one of each of ``busy_workers`` that has none yet,
         as the schedule chooses: the worker starts it without waiting for the coordinator."""
+        waiting = [w for w in sorted(busy_workers) if w in self.running and w not in self.ahead]
+        return self._give(waiting, self.ahead)
+
+    def _give(self, workers: list[str], slot: dict[str, Unit]) -> list[tuple[str, Unit]]:
+        """Take the schedule's unit for each of ``workers`` (those it has one for) out of the
+        queue into ``slot`` (running or ahead)."""
         assignments: list[tuple[str, Unit]] = []
-        for worker in sorted(busy_workers):
-            if worker not in self.running or worker in self.ahead:
-                continue
+        for worker in workers:
             unit = self.choice.pick(self, worker)
             if unit is None:
                 continue
             self.queue.remove(unit)
-            self.ahead[worker] = unit
+            slot[worker] = unit
             assignments.append((worker, unit))
         return assignments
 

@@ -169,31 +169,10 @@ def train_pass(
     boundary (:class:`UnitPreempted` carries the state there). Returns the new state and the
     pass's record (worker, timings, rows, loss, global step and learning rate at its end).
     """
-    unit, record = _pass_in_memory(
-        spec, state, data, shard_names, epoch, total_epochs, pass_index, meta, epoch_steps
+    new_state, record, _ = train_pass_and_validate(
+        spec, state, data, shard_names, epoch, total_epochs, pass_index, meta, False, epoch_steps
     )
-    new_state = unit.export_state()
-    return new_state, {**record, "state_bytes": len(new_state)}
-
-
-def _pass_in_memory(
-    spec: ModelSpec,
-    state: bytes | None,
-    data: DataRef,
-    shard_names: Sequence[str],
-    epoch: int,
-    total_epochs: int,
-    pass_index: int,
-    meta: Mapping[str, Any] | None,
-    epoch_steps: int | None,
-) -> tuple[TrainableUnit, dict[str, Any]]:
-    """:func:`train_pass` up to its state's packing: the unit after the pass, and its record."""
-    started = time.time()
-    _refuse_on_notice(spec, state, started)
-    rows, loaded = _rows_here(spec, data, shard_names)
-    unit = _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, epoch_steps))
-    unit.meta |= {"epoch": epoch, **dict(meta or {})}
-    return unit, _run_pass(unit, rows, shard_names, epoch, pass_index, started, loaded)
+    return new_state, record
 
 
 def train_epochs_and_validate(
@@ -360,15 +339,18 @@ def train_pass_and_validate(
     validate: bool = False,
     epoch_steps: int | None = None,
 ) -> tuple[bytes, dict[str, Any], float | None]:
-    """A pass, then (when it ends the model's epoch) validation on the same worker.
+    """:func:`train_pass`, then (when it ends the model's epoch) validation on the same worker.
 
     Validating where the state already is saves a task and a round trip per model-epoch, and
     the wait for a separate validation phase at the end of a MOP round; the model that trained
     is the one validated (its state is not unpacked again).
     """
-    unit, record = _pass_in_memory(
-        spec, state, data, shard_names, epoch, total_epochs, pass_index, meta, epoch_steps
-    )
+    started = time.time()
+    _refuse_on_notice(spec, state, started)
+    rows, loaded = _rows_here(spec, data, shard_names)
+    unit = _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, epoch_steps))
+    unit.meta |= {"epoch": epoch, **dict(meta or {})}
+    record = _run_pass(unit, rows, shard_names, epoch, pass_index, started, loaded)
     new_state = unit.export_state()
     record |= {"state_bytes": len(new_state), "end": time.time()}  # the unit's span ends packed
     if not validate:
