@@ -244,9 +244,8 @@ def run_mopflow_search(job: dict[str, Any]) -> dict[str, Any]:
     finally:
         unsubscribe()
     total = time.monotonic() - started
-    coordinator_cpu = (
-        time.process_time() - cpu_started
-    )  # this process: Optuna, the coordinator, Dask's scheduler
+    # CPU of this process: Optuna, the coordinator and Dask's scheduler (a LocalCluster's runs here)
+    coordinator_cpu = time.process_time() - cpu_started
     states = [r.state for r in outcome.results]
     row = search_row(job, job["strategy"], reports, total, outcome.busy_s, states, outcome.task_s)
     row["coordinator_cpu_s"] = round(coordinator_cpu, 2)
