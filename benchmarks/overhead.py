@@ -13,7 +13,9 @@ same batches of 64 (``mopflow.training.trainable.batches.Batches`` in the unit's
   as every strategy trains (a Lightning ``Trainer`` per pass with the quiet settings, the
   ``Classifier`` module with AdamW and the per-step one-cycle schedule positioned at the unit's
   global step, the optimizer moments carried between passes; manual optimization, which on one
-  CPU device with no backward/step hook in use takes the module's fast path).
+  CPU device with no backward/step hook in use takes the module's fast path; the batches reach
+  Lightning in runs of ``BATCH_RUN``, one optimizer step each, so its per-batch loop runs once
+  a run).
 * ``plain``: the same AdamW and ``OneCycleLR`` (same total steps) in a bare loop over the same
   batches: ``zero_grad(set_to_none=True)``, forward, cross-entropy, backward, ``step``,
   scheduler ``step``.
@@ -24,8 +26,8 @@ same batches of 64 (``mopflow.training.trainable.batches.Batches`` in the unit's
 Each loop is timed end to end (every pass / the whole loop, including each Trainer's set-up,
 excluding the data creation), divided by the number of optimizer steps. The three loops are run
 interleaved ``--repeats`` times (default 3); the figure is the median time per step over the
-repeats. ``ratio`` = lightning / plain; target: <= 1.15x. The median per-iteration time
-(steady state, set-up excluded) is reported too, and, for information on a shared machine, the
+repeats. ``ratio`` = lightning / plain; target: <= 1.15x. The median time per optimizer step
+in the steady state (set-up excluded; a run's interval divided by its batches) is reported too, and, for information on a shared machine, the
 ratio of the best repeats and of this process's CPU time per step (``time.process_time``),
 which time spent waiting for a CPU taken by other processes does not inflate.
 
@@ -69,6 +71,7 @@ from torch import nn  # noqa: E402
 from mopflow.training.models.builtin import ArchSpec, build_model  # noqa: E402
 from mopflow.training.search.trial import quiet_lightning  # noqa: E402
 from mopflow.training.trainable.batches import Batches, pass_order  # noqa: E402
+from mopflow.training.trainable.lit import BatchRun  # noqa: E402
 from mopflow.training.trainable.unit import ModelSpec, TrainableUnit  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "overhead.json"
@@ -136,20 +139,26 @@ def make_model() -> nn.Module:
 
 
 class IterationClock(pl.Callback):
-    """Start time of every training batch (the per-iteration steady-state cost)."""
+    """Start time of every Lightning batch and the optimizer steps it holds (a ``BatchRun``'s
+    batches, else 1): the per-step steady-state cost."""
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
+        self.steps: list[int] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.stamps.append(time.perf_counter())
+        self.steps.append(len(batch.batches) if isinstance(batch, BatchRun) else 1)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self.stamps.append(time.perf_counter())
 
 
-def _median_interval_ms(stamps: Sequence[float]) -> float:
-    diffs = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+def _median_interval_ms(stamps: Sequence[float], steps: Sequence[int] | None = None) -> float:
+    """The median time per optimizer step between consecutive stamps (``steps[i]`` steps
+    between stamp ``i`` and the next; 1 each by default)."""
+    counts = steps or [1] * len(stamps)
+    diffs = [(b - a) / n for a, b, n in zip(stamps, stamps[1:], counts, strict=False)]
     return 1000 * statistics.median(diffs) if diffs else float("nan")
 
 
@@ -171,7 +180,7 @@ def run_lightning(data: Data, epochs: int, repeat: int) -> Timing:
         steps,
         total,
         1000 * total / steps,
-        _median_interval_ms(clock.stamps),
+        _median_interval_ms(clock.stamps, clock.steps),
         float(record.train_loss) if record else float("nan"),
         1000 * cpu / steps,
     )

@@ -148,7 +148,12 @@ class TrainableUnit:
         """
         import pytorch_lightning as pl
 
-        from mopflow.training.trainable.lit import cache_callback_factories, quiet_trainer_kwargs
+        from mopflow.training.trainable.lit import (
+            BATCH_RUN,
+            BatchRuns,
+            cache_callback_factories,
+            quiet_trainer_kwargs,
+        )
 
         cache_callback_factories()
 
@@ -164,11 +169,12 @@ class TrainableUnit:
         plan = self._start_pass(epoch, pass_index, part, n_rows, batch_size)
         holder: dict[str, Any] = {}  # the pass's optimizer, once Lightning made it
         module = self._module(plan, holder)
+        if stop is not None:
+            module.after_batch = self._stop_watch(stop, plan, holder, module)
         trainer = pl.Trainer(
             max_epochs=1,
             limit_val_batches=0,
-            # the watch only when asked: a callback costs every batch a hook call
-            callbacks=[*([self._stop_watch(stop, plan, holder)] if stop is not None else []), *callbacks],
+            callbacks=list(callbacks),
             **{**quiet_trainer_kwargs(self.spec.device), **dict(trainer_kwargs or {})},
         )
         batches: Any
@@ -183,6 +189,8 @@ class TrainableUnit:
             )
         if self.augment:  # on the worker, each batch seeded by its place in the pass
             batches = AugmentedBatches(batches, self.augment, self.spec.seed, epoch, pass_index, plan.skip)
+        if shard[1] == 1 and not trainer_kwargs:  # DDP's reducer expects one backward per forward
+            batches = BatchRuns(batches, BATCH_RUN)
         _fit(trainer, module, batches)
         steps = int(trainer.global_step)
         self.capture(holder["optimizer"], self.global_step + steps)
@@ -237,6 +245,7 @@ class TrainableUnit:
                 unit.restore_moments(optimizer)
 
             def on_train_epoch_start(self) -> None:
+                super().on_train_epoch_start()
                 # a resumed pass's mean loss covers the batches done before the stop too
                 self._epoch_loss = [float(loss_so_far[0]), int(loss_so_far[1])] if loss_so_far else [0.0, 0]
                 holder["loop_started"] = time.perf_counter()
@@ -257,35 +266,33 @@ class TrainableUnit:
         module.epoch_label = plan.epoch
         return module
 
-    def _stop_watch(self, stop: Callable[[], bool], plan: _PassPlan, holder: dict[str, Any]) -> Any:
-        """A Lightning callback asking ``stop`` after every batch; when it says so before the last
-        batch, the unit keeps its position there and raises :class:`PassInterrupted`."""
-        import pytorch_lightning as pl
+    def _stop_watch(
+        self, stop: Callable[[], bool], plan: _PassPlan, holder: dict[str, Any], module: Any
+    ) -> Callable[[int], None]:
+        """What ``module`` calls after every batch: it asks ``stop`` and, when that says so before
+        the last batch, keeps the unit's position there and raises :class:`PassInterrupted`."""
         import torch
 
         unit = self
 
-        class StopWatch(pl.Callback):
-            def on_train_batch_end(
-                self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-            ) -> None:
-                if not stop():
-                    return
-                batches = plan.skip + batch_idx + 1
-                if batches >= plan.n_batches:  # the pass is done anyway
-                    return
-                unit.capture(holder["optimizer"], unit.global_step + trainer.global_step)
-                unit._partial = {
-                    "epoch": plan.epoch,
-                    "pass_index": plan.pass_index,
-                    "part": plan.part,
-                    "batches": batches,
-                    "loss_so_far": list(pl_module._epoch_loss),
-                }
-                unit._rng = torch.get_rng_state()
-                raise PassInterrupted(unit.export_state(), batches, plan.n_batches)
+        def after_batch(done: int) -> None:
+            if not stop():
+                return
+            batches = plan.skip + done
+            if batches >= plan.n_batches:  # the pass is done anyway
+                return
+            unit.capture(holder["optimizer"], unit.global_step + module.trainer.global_step)
+            unit._partial = {
+                "epoch": plan.epoch,
+                "pass_index": plan.pass_index,
+                "part": plan.part,
+                "batches": batches,
+                "loss_so_far": list(module._epoch_loss),
+            }
+            unit._rng = torch.get_rng_state()
+            raise PassInterrupted(unit.export_state(), batches, plan.n_batches)
 
-        return StopWatch()
+        return after_batch
 
     def capture(self, optimizer: Any, global_step: int) -> None:
         """Take the optimizer's moments and the global step reached (what an export saves)."""

@@ -98,3 +98,14 @@ def test_callback_factories_are_looked_up_once_and_called_for_every_trainer(
     assert scans == [lit.CALLBACK_FACTORY_GROUP]
     mine = [[c for c in t.callbacks if isinstance(c, Marker)] for t in (first, second)]
     assert len(mine[0]) == len(mine[1]) == 1 and mine[0][0] is not mine[1][0]
+
+
+def test_batch_runs_group_a_pass_and_keep_its_order() -> None:
+    from mopflow.training.trainable.lit import BatchRun, BatchRuns
+
+    runs = BatchRuns(list(range(10)), 4)
+    assert len(runs) == 3
+    assert list(runs) == [BatchRun((0, 1, 2, 3)), BatchRun((4, 5, 6, 7)), BatchRun((8, 9))]
+    assert len(BatchRuns([], 4)) == 0 and list(BatchRuns([], 4)) == []
+    with pytest.raises(ValueError, match="length=0"):
+        BatchRuns([1], 0)
