@@ -247,7 +247,9 @@ def run_mopflow_search(job: dict[str, Any]) -> dict[str, Any]:
     # CPU of this process: Optuna, the coordinator and Dask's scheduler (a LocalCluster's runs here)
     coordinator_cpu = time.process_time() - cpu_started
     states = [r.state for r in outcome.results]
-    row = search_row(job, job["strategy"], reports, total, outcome.busy_s, states, outcome.task_s)
+    row = search_row(
+        job, job["strategy"], reports, total, outcome.busy_s, states, outcome.task_s, outcome.task_parts
+    )
     row["coordinator_cpu_s"] = round(coordinator_cpu, 2)
     if "per_epoch_s" in row and reports:
         row["per_epoch_s"]["coordinator_cpu"] = round(coordinator_cpu / len(reports), 4)

@@ -51,13 +51,17 @@ def search_row(
     busy_s: float,
     states: Sequence[str],
     task_s: float | None = None,
+    task_parts: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """One search's row: from its epoch reports ((seconds since the start, val_acc), in the order
     they arrived), its wall seconds, the workers' seconds inside training and validation passes,
     its trials' final states and, when known, the workers' seconds inside tasks (for the split of
-    each trained epoch's worker-seconds, :func:`epoch_split`)."""
+    each trained epoch's worker-seconds, :func:`epoch_split`, with the parts of the tasks'
+    seconds around the loops, ``task_parts``)."""
     epochs, seconds = epochs_to_target(reports, job["target"])
-    split = epoch_split(busy_s, task_s, job["workers"] * total_s, len(reports)) if task_s else None
+    split = (
+        epoch_split(busy_s, task_s, job["workers"] * total_s, len(reports), task_parts) if task_s else None
+    )
     return ({"per_epoch_s": split} if split else {}) | {
         "strategy": strategy,
         "arm": job["arm"],
@@ -74,18 +78,26 @@ def search_row(
     }
 
 
-def epoch_split(busy_s: float, task_s: float, worker_s: float, epochs: int) -> dict[str, float] | None:
+def epoch_split(
+    busy_s: float,
+    task_s: float,
+    worker_s: float,
+    epochs: int,
+    parts: Mapping[str, float] | None = None,
+) -> dict[str, float] | None:
     """Each trained epoch's worker-seconds in three parts: ``pass`` (inside the training and
     validation loops), ``around`` (inside the tasks, around the loops: the model built, the
     Trainer set up, the state unpacked, packed and staged) and ``between`` (no task running: a
-    task's dispatch and result, and waits for the coordinator or for a model busy elsewhere)."""
+    task's dispatch and result, and waits for the coordinator or for a model busy elsewhere).
+    ``parts`` (seconds by part of ``around``, ``training.executors.base.task_parts``) adds
+    ``around_<part>`` for each."""
     if epochs <= 0 or worker_s <= 0:
         return None
     return {
         "pass": round(busy_s / epochs, 4),
         "around": round(max(0.0, task_s - busy_s) / epochs, 4),
         "between": round(max(0.0, worker_s - task_s) / epochs, 4),
-    }
+    } | {f"around_{name}": round(seconds / epochs, 4) for name, seconds in (parts or {}).items()}
 
 
 def bootstrap_ratio(
@@ -260,8 +272,15 @@ def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
             part = e["per_epoch_s"]
             lines.append(
                 f"{e['strategy']} {e['arm']}: worker-seconds per trained epoch (median): "
-                f"{part['pass']:.3f} in passes, {part['around']:.3f} around them in the task, "
-                f"{part['between']:.3f} between tasks"
+                f"{part['pass']:.3f} in passes, {part['around']:.3f} around them in the task"
+                + (
+                    f" ({part['around_setup']:.3f} before the pass: rows, model, state; "
+                    f"{part['around_lightning']:.3f} Lightning's set-up and teardown; "
+                    f"{part['around_pack']:.3f} packing the state)"
+                    if all(f"around_{k}" in part for k in ("setup", "lightning", "pack"))
+                    else ""
+                )
+                + f", {part['between']:.3f} between tasks"
                 + (
                     f"; the coordinator's process used {part['coordinator_cpu']:.3f} CPU-s"
                     if "coordinator_cpu" in part

@@ -218,9 +218,11 @@ def train_epochs_and_validate(
         done.append(record)
         if on_epoch is not None and epoch + 1 < first_epoch + epochs:  # the last comes with the result
             on_epoch(record, unit.export_state)
-        started = loaded = time.time()  # the next epoch's span starts here (its data is loaded)
+        # the next epoch's span starts where this one's record ended: staging counts in the task
+        started, loaded = record["end"], time.time()
+    packing = time.time()
     new_state = unit.export_state()
-    done[-1]["state_bytes"] = len(new_state)
+    done[-1] |= {"state_bytes": len(new_state), "pack_s": time.time() - packing, "end": time.time()}
     return new_state, done
 
 
@@ -263,6 +265,7 @@ def _run_pass(
     (:class:`UnitPreempted`); the pass's record."""
     spec = unit.spec
     part = ",".join(sorted(shard_names))
+    fit_started = time.time()
     try:
         record = unit.train_pass(rows, epoch, pass_index, part, stop=lambda: preempt.NOTICE.is_set())
     except PassInterrupted as stopped:
@@ -300,6 +303,9 @@ def _run_pass(
         "global_step_end": unit.global_step,
         "lr_end": record.lr_end,
         "loop_s": record.loop_s,
+        # the task's seconds before the pass (rows, model, state) and in it (Trainer and loop)
+        "setup_s": fit_started - started,
+        "fit_s": time.time() - fit_started,
     }
 
 
@@ -351,8 +357,10 @@ def train_pass_and_validate(
     unit = _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, epoch_steps))
     unit.meta |= {"epoch": epoch, **dict(meta or {})}
     record = _run_pass(unit, rows, shard_names, epoch, pass_index, started, loaded)
+    packing = time.time()
     new_state = unit.export_state()
-    record |= {"state_bytes": len(new_state), "end": time.time()}  # the unit's span ends packed
+    # the unit's span ends packed
+    record |= {"state_bytes": len(new_state), "pack_s": time.time() - packing, "end": time.time()}
     if not validate:
         return new_state, record, None
     x_val, y_val = load_eval_split(data, "validation")

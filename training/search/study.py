@@ -61,6 +61,7 @@ class SearchOutcome:
     spot: SpotReport | None = None  # spot_trace: the replay's record and cost account
     busy_s: float = 0.0  # worker seconds inside training and validation passes (the batch loops)
     task_s: float = 0.0  # worker seconds inside tasks: the passes and the set-up and packing around them
+    task_parts: dict[str, float] = field(default_factory=dict)  # task seconds around the loops, by part
     wall_s: float = 0.0  # the executor's run, start to end
     workers: int = 0  # Dask workers when it started
 

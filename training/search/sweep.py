@@ -18,7 +18,7 @@ import optuna
 from mopflow.infra.base import progress, storage
 from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.data.ref import DataRef
-from mopflow.training.executors.base import Executor, ModelOutcome, pass_seconds, task_seconds
+from mopflow.training.executors.base import Executor, ModelOutcome, pass_seconds, task_parts, task_seconds
 from mopflow.training.search.algorithms import StrategyName
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.controller import SearchController
@@ -126,6 +126,7 @@ def _search(
         worker_rounds=tuple(scaling.history),
         busy_s=busy or 0.0,
         task_s=task_seconds(executor.records) or 0.0,
+        task_parts=task_parts(executor.records),
         wall_s=wall,
         workers=workers if busy is not None else 0,  # untimed passes: no utilisation
     )

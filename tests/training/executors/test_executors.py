@@ -328,3 +328,15 @@ def test_task_seconds_add_the_spans_of_timed_records() -> None:
     records = [{"loop_s": 1.5, "start": 10.0, "end": 12.0}, {"loop_s": 2.0, "start": 12.5, "end": 15.0}]
     assert task_seconds(records + [{"start": 0.0, "end": 100.0}]) == 4.5  # an untimed loop: not counted
     assert task_seconds([{"worker": "untimed"}]) is None
+
+
+def test_task_parts_split_the_seconds_around_the_loops() -> None:
+    from mopflow.training.executors.base import task_parts
+
+    records = [
+        {"loop_s": 1.0, "fit_s": 1.25, "setup_s": 0.5, "pack_s": 0.25},
+        {"loop_s": 2.0, "fit_s": 2.5, "setup_s": 0.0},  # a chain's epoch before its last: not packed
+        {"loop_s": 3.0},  # recorded before the parts were timed: left out
+    ]
+    assert task_parts(records) == {"setup": 0.5, "lightning": 0.75, "pack": 0.25}
+    assert task_parts([{"loop_s": 1.0}]) == {}

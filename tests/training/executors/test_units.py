@@ -35,6 +35,9 @@ def test_a_chain_of_epochs_ends_as_the_same_epochs_one_per_task_even_when_a_noti
             spec, state, data, shards, epoch, epochs, validate=True
         )
         apart.append((val_acc, record["train_loss"], record["lr_end"]))
+        # the task's span holds its parts: before the pass, the fit (its loop inside), the packing
+        assert record["fit_s"] >= record["loop_s"] > 0 and record["setup_s"] >= 0 < record["pack_s"]
+        assert record["setup_s"] + record["fit_s"] + record["pack_s"] <= record["end"] - record["start"]
 
     told: list[tuple[dict[str, Any], bytes]] = []
     chained_state, records = train_epochs_and_validate(
@@ -45,6 +48,9 @@ def test_a_chain_of_epochs_ends_as_the_same_epochs_one_per_task_even_when_a_noti
     assert [read_meta(packed)["epoch"] for _, packed in told] == [0, 1]  # the state there, to stage
     assert _same_weights(chained_state, state) and read_meta(chained_state)["epoch"] == epochs - 1
     assert all(r["loop_s"] > 0 and r["val_s"] > 0 for r in records)
+    # one task: each epoch's span starts where the last ended (staging its state counts inside)
+    assert all(b["start"] == a["end"] for a, b in zip(records, records[1:], strict=False))
+    assert "pack_s" in records[-1] and records[-1]["end"] >= records[-1]["start"] + records[-1]["pack_s"]
 
     steps = -(-sum(e["rows"] for e in load_manifest(small_manifest)["splits"]["train"]) // 32)
     monkeypatch.setattr(preempt, "NOTICE", _NoticeAfter(steps + 5))  # the 5th batch of the 2nd epoch
