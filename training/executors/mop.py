@@ -204,7 +204,10 @@ class MopExecutor(Executor):
                     self.scheduler.drop_model(mid)
             current.ended.clear()
             if finished and not stopping.stop_requested():  # the freed workers get their next units first
-                self._submit_ready(run, current, self.workers.alive())
+                # the membership read at the top of this turn: asking the scheduler again costs
+                # the coordinator a round trip per unit, and a worker lost since then holds no
+                # partition any more (its units and partitions moved as it was seen lost)
+                self._submit_ready(run, current, self.workers.alive(connected))
             for mid in finished:
                 if mid not in ended:
                     self.save_checkpoint(mid, run.states[mid])

@@ -59,9 +59,10 @@ class WorkerWatch:
         """The workers in the cluster now."""
         return set(self.client.scheduler_info()["workers"])
 
-    def alive(self) -> list[str]:
-        """Workers that can take units (connected, not leaving on a notice)."""
-        return sorted(self.connected() - self.leaving)
+    def alive(self, connected: set[str] | None = None) -> list[str]:
+        """Workers that can take units: ``connected`` (default: asked of the scheduler now), less
+        those leaving on a notice."""
+        return sorted((self.connected() if connected is None else connected) - self.leaving)
 
     def reconcile(self, connected: set[str]) -> list[str]:
         """Follow the cluster: partitions of workers gone while idle move to survivors; a new

@@ -75,6 +75,9 @@ class Classifier(pl.LightningModule):
         self._epoch_loss = [0.0, 0]
         self.automatic_optimization = False
         self._fast: _FastStep | None = None  # set at the start of each fit when the fast path applies
+        # Lightning's logging of the epoch's loss (loggers, callbacks that monitor it); a caller
+        # that reads last_train_loss itself turns it off: it costs a fit about a millisecond
+        self.log_train_loss = True
         self.batches_done = 0  # batches trained in the current epoch (a BatchRun counts each of its own)
         # called after each batch's step with batches_done (e.g. to stop a pass at a batch boundary)
         self.after_batch: Callable[[int], None] | None = None
@@ -184,7 +187,8 @@ class Classifier(pl.LightningModule):
         total, count = self._epoch_loss
         if count:
             self.last_train_loss = float(total / count)
-            self.log("train_loss", self.last_train_loss, prog_bar=False, sync_dist=True)
+            if self.log_train_loss:
+                self.log("train_loss", self.last_train_loss, prog_bar=False, sync_dist=True)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch[0], batch[1]

@@ -113,13 +113,12 @@ class TrainableUnit:
         cls, spec: ModelSpec, manifest: Mapping[str, Any], total_steps: int, **loss: float
     ) -> TrainableUnit:
         """A fresh unit: the spec's architecture on the manifest's features, seeded by the spec."""
-        import torch
 
         from mopflow.training.models.builtin import ArchSpec, build_model
 
         arch = ArchSpec.from_params(spec.params, DataSpec.from_manifest(manifest))
         norm = manifest["normalization"]
-        torch.manual_seed(spec.seed)
+        spec.device.seed(spec.seed)
         return cls(spec, build_model(arch, norm["mean"], norm["std"]), total_steps, arch=arch, **loss)
 
     # ------------------------------------------------------------------------------ training
@@ -217,7 +216,7 @@ class TrainableUnit:
             part,
         )
         resumed = partial if same_pass else None
-        torch.manual_seed(self.spec.seed + epoch)
+        self.spec.device.seed(self.spec.seed + epoch)
         if resumed is not None:
             torch.set_rng_state(self._rng)
         return _PassPlan(
@@ -264,6 +263,7 @@ class TrainableUnit:
             start_step=self.global_step,
         )
         module.epoch_label = plan.epoch
+        module.log_train_loss = False  # the pass record carries it (DDP ranks reduce it themselves)
         return module
 
     def _stop_watch(

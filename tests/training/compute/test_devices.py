@@ -234,3 +234,15 @@ def test_gpu_student_trains_on_the_gpu_and_comes_back_on_the_cpu() -> None:
     plan = plan_student(cfg, 100_000, DataSpec(40, 10))
     model, history = train_student(plan, cfg, x, y, x, y, [0.0] * 40, [1.0] * 40, None, 0, device=GPU)
     assert len(history) == 2 and next(model.parameters()).device.type == "cpu"
+
+
+def test_seeding_the_cpu_draws_as_torch_manual_seed_does() -> None:
+    import torch
+
+    from mopflow.training.compute.devices import CPU
+
+    torch.manual_seed(1)  # another state first: the seed must replace it
+    CPU.seed(5)
+    seeded = torch.rand(4)
+    torch.manual_seed(5)
+    assert torch.equal(seeded, torch.rand(4))
