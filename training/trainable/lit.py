@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -353,3 +354,17 @@ def quiet_trainer_kwargs(device: DeviceSpec = CPU) -> dict[str, Any]:
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
     }
+
+
+def fit_quietly(trainer: Any, module: Any, batches: Any) -> None:
+    """``trainer.fit`` over the batches, without the warnings a trainable unit's pass always raises."""
+    with warnings.catch_warnings():  # a pass has no validation loader by design: the unit validates
+        warnings.filterwarnings(
+            "ignore", message=".*defined a `validation_step` but have no `val_dataloader`"
+        )
+        # Lightning 2.6's own use of a torch pytree API that torch 2.13 deprecates, raised at
+        # every fit: nothing a user can act on
+        warnings.filterwarnings(
+            "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
+        )
+        trainer.fit(module, batches)

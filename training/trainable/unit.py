@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +150,7 @@ class TrainableUnit:
             BATCH_RUN,
             BatchRuns,
             cache_callback_factories,
+            fit_quietly,
             quiet_trainer_kwargs,
         )
 
@@ -190,10 +190,10 @@ class TrainableUnit:
             batches = AugmentedBatches(batches, self.augment, self.spec.seed, epoch, pass_index, plan.skip)
         if shard[1] == 1 and not trainer_kwargs:  # DDP's reducer expects one backward per forward
             batches = BatchRuns(batches, BATCH_RUN)
-        _fit(trainer, module, batches)
+        fit_quietly(trainer, module, batches)
         steps = int(trainer.global_step)
         self.capture(holder["optimizer"], self.global_step + steps)
-        self.model.cpu()  # between passes the weights live on the host (packing, evaluation)
+        self._on_host()
         return PassRecord(
             rows=n_rows,
             steps=steps,
@@ -303,6 +303,12 @@ class TrainableUnit:
         """Put the unit's optimizer moments into a new optimizer of its model's parameters."""
         load_moments(optimizer, self._moments)
 
+    def _on_host(self) -> None:
+        """Between passes the weights live on the host (packing, evaluation); a CPU unit's are
+        there already (moving them still walks every module)."""
+        if self.spec.device.is_gpu:
+            self.model.cpu()
+
     def _on_device(self, tensor: Any) -> Any:
         device = self.spec.device.torch_device()
         return tensor if tensor.device == device else tensor.to(device)
@@ -319,13 +325,16 @@ class TrainableUnit:
         from mopflow.training.models.metrics import top1_correct
 
         device = self.spec.device.torch_device()
-        self.model.to(device).eval()
+        if self.spec.device.is_gpu:
+            self.model.to(device)
+        self.model.eval()
         x, correct = torch.as_tensor(x), 0
         with torch.no_grad():
             for start in range(0, len(x), EVAL_BATCH):
                 scores = self.model(x[start : start + EVAL_BATCH].to(device))
                 correct += top1_correct(scores, y[start : start + EVAL_BATCH])
-        self.model.cpu().train()
+        self._on_host()
+        self.model.train()
         return correct
 
     # ------------------------------------------------------------------------ state in and out
@@ -381,17 +390,3 @@ class TrainableUnit:
         meta.pop("model_id", None)
         self.meta = meta
         return {**meta, "global_step": self.global_step, **({"partial": partial} if partial else {})}
-
-
-def _fit(trainer: Any, module: Any, batches: Any) -> None:
-    """``trainer.fit`` over the batches, without warnings a pass always raises."""
-    with warnings.catch_warnings():  # a pass has no validation loader by design: evaluate() validates
-        warnings.filterwarnings(
-            "ignore", message=".*defined a `validation_step` but have no `val_dataloader`"
-        )
-        # Lightning 2.6's own use of a torch pytree API that torch 2.13 deprecates, raised at
-        # every fit: nothing a user can act on
-        warnings.filterwarnings(
-            "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
-        )
-        trainer.fit(module, batches)
