@@ -188,7 +188,9 @@ class TrainableUnit:
             )
         if self.augment:  # on the worker, each batch seeded by its place in the pass
             batches = AugmentedBatches(batches, self.augment, self.spec.seed, epoch, pass_index, plan.skip)
-        if shard[1] == 1 and not trainer_kwargs:  # DDP's reducer expects one backward per forward
+        # Runs on one device, of rows held in memory: DDP's reducer expects one backward per
+        # forward, and a run of streamed batches would hold 8 (and the fetcher 8 more) at once.
+        if streamed is None and shard[1] == 1 and not trainer_kwargs:
             batches = BatchRuns(batches, BATCH_RUN)
         fit_quietly(trainer, module, batches)
         steps = int(trainer.global_step)
