@@ -27,9 +27,10 @@ Each loop is timed end to end (every pass / the whole loop, including each Train
 excluding the data creation), divided by the number of optimizer steps. The three loops are run
 interleaved ``--repeats`` times (default 3); the figure is the median time per step over the
 repeats. ``ratio`` = lightning / plain; target: <= 1.15x. The median time per optimizer step
-in the steady state (set-up excluded; a run's interval divided by its batches) is reported too, and, for information on a shared machine, the
-ratio of the best repeats and of this process's CPU time per step (``time.process_time``),
-which time spent waiting for a CPU taken by other processes does not inflate.
+in the steady state (set-up excluded; a run's interval divided by its batches) is reported too,
+and, for information on a shared machine, the ratio of the best repeats and of this process's
+CPU time per step (``time.process_time``), which time spent waiting for a CPU taken by other
+processes does not inflate.
 
 Output: a plain-text table on stdout, the target line, and every figure in
 ``benchmarks/results/overhead.json`` (with the CPU count, load averages and the date; ``--out``

@@ -112,7 +112,6 @@ class TrainableUnit:
         cls, spec: ModelSpec, manifest: Mapping[str, Any], total_steps: int, **loss: float
     ) -> TrainableUnit:
         """A fresh unit: the spec's architecture on the manifest's features, seeded by the spec."""
-
         from mopflow.training.models.builtin import ArchSpec, build_model
 
         arch = ArchSpec.from_params(spec.params, DataSpec.from_manifest(manifest))

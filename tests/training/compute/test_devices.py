@@ -239,8 +239,6 @@ def test_gpu_student_trains_on_the_gpu_and_comes_back_on_the_cpu() -> None:
 def test_seeding_the_cpu_draws_as_torch_manual_seed_does() -> None:
     import torch
 
-    from mopflow.training.compute.devices import CPU
-
     torch.manual_seed(1)  # another state first: the seed must replace it
     CPU.seed(5)
     seeded = torch.rand(4)
