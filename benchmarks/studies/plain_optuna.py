@@ -12,10 +12,13 @@ mopflow's trainable unit): the model (mopflow's family registry and standardisat
 seeded permutation of ``training/trainable/batches.py``), AdamW, cross-entropy, one-cycle over
 ``epochs x ceil(rows / batch_size)`` steps stepped per batch, eval-mode validation, TPE's settings
 (multivariate, grouped, ``max(2, min(10, trials // 3))`` startup trials), the last accuracy told
-as the value, and a non-finite loss failing the trial. Differs: each process has its own sampler
-(seed ``seed + 1_000_003 * index``; process 0's is mopflow's), so proposals interleave through the
-storage rather than come from one coordinator; ``space=None`` reads mopflow's packaged table
-space; tables only (no image manifests).
+as the value, and a non-finite loss failing the trial. Random search proposes what mopflow's
+random search proposes, trial for trial (:func:`random_proposals`, enqueued in trial order before
+the processes start): the two random arms train the same trials with the same seeds, so their
+seconds compare the machinery, seed by seed, rather than two draws. Differs: the TPE arms' processes
+each have their own sampler (seed ``seed + 1_000_003 * index``; process 0's is mopflow's), so
+proposals interleave through the storage rather than come from one coordinator; ``space=None``
+reads mopflow's packaged table space; tables only (no image manifests).
 
 Budget and stopping, as mopflow's search: a trial starts only while fewer than ``budget_epochs``
 epochs were trained over all trials (a shared counter), fewer than ``trials`` were started and no
@@ -89,6 +92,21 @@ def make_sampler(kind: str, seed: int, n_trials: int) -> Any:
         return optuna.samplers.RandomSampler(seed=seed)
     startup = max(2, min(10, n_trials // 3))  # a third of the trials are random, 2 to 10
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True, group=True)
+
+
+def random_proposals(space: dict[str, Any], seed: int, n_trials: int) -> list[dict[str, Any]]:
+    """The Optuna parameters of the first ``n_trials`` trials a seeded random search proposes, in
+    trial order: one ``RandomSampler(seed)`` asked trial after trial, as mopflow's coordinator asks
+    its sampler (``training/search/algorithms.py``)."""
+    import optuna
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    proposals = []
+    for _ in range(n_trials):
+        trial = study.ask()
+        suggest_params(trial, space)
+        proposals.append(dict(trial.params))
+    return proposals
 
 
 def make_pruner(kind: str, min_resource: int) -> Any:
@@ -270,7 +288,10 @@ def run_plain_search(job: dict[str, Any]) -> dict[str, Any]:
     journal = folder / "journal.log"
     journal.unlink(missing_ok=True)  # a fresh study each run
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
-    optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    if PLAIN_ARMS[job["arm"]][0] == "random":  # trial k: mopflow's trial k (the processes ask in turn)
+        for params in random_proposals(job["space"], job["seed"], job["trials"]):
+            study.enqueue_trial(params, skip_if_exists=False)
     ctx = multiprocessing.get_context("spawn")
     shared = Shared(
         ctx.Lock(),

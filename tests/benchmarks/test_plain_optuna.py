@@ -69,6 +69,23 @@ def test_params_are_named_as_mopflow_names_them() -> None:
     }
 
 
+def test_random_proposals_are_mopflows_random_search_trial_for_trial() -> None:
+    from mopflow.training.search.algorithms import make_sampler
+    from mopflow.training.search.config import SearchConfig
+    from mopflow.training.search.space import SearchSpace, sample_params
+
+    space = SearchSpace.model_validate(SPACE)
+    for seed in (0, 7):
+        study = optuna.create_study(sampler=make_sampler(SearchConfig(sampler="random", seed=seed)))
+        ours = []
+        for _ in range(6):
+            trial = study.ask()
+            sample_params(space, trial)
+            ours.append(trial.params)
+        assert plain.random_proposals(SPACE, seed, 6) == ours
+    assert plain.random_proposals(SPACE, 0, 6) != plain.random_proposals(SPACE, 1, 6)
+
+
 def _draw(seed: int) -> dict[str, Any]:
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
     trial = study.ask()
@@ -141,6 +158,13 @@ def test_a_reachable_target_is_reached_and_stops_new_trials(manifest: str, tmp_p
     assert 0 < row["utilisation"] <= 1
     assert row["busy_s"] <= 2 * row["total_s"]
     assert row["start_s"] > 0  # spawning and importing, before the clock
+    # each trial trained the configuration mopflow's random search gives the trial of that number
+    journal = tmp_path / "plain" / "bench-plain-random-0" / "journal.log"
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    trials = optuna.load_study(study_name="bench-plain-random-0", storage=storage).get_trials()
+    proposals = plain.random_proposals(SPACE, 0, 4)
+    started = [t for t in trials if t.state != optuna.trial.TrialState.WAITING]
+    assert started and all(t.params == proposals[t.number] for t in started)
 
 
 def test_an_unreachable_target_trains_until_the_budget_is_spent(manifest: str, tmp_path: Path) -> None:
