@@ -29,7 +29,9 @@ model hopper parallelism, the search learning from each epoch as the sweep goes 
 The plain loop's arms (``plain-random``, ``plain-tpe``, ``plain-tpe+sh``;
 :mod:`studies.plain_optuna`) are what a user would write instead of mopflow: plain Optuna and a plain
 PyTorch loop in 2 worker processes sharing one Optuna journal, on the same shards, space, budget and
-target. They run once per seed (strategy ``plain``).
+target. They run once per seed (strategy ``plain``). ``plain-random`` trains, trial for trial, the
+configurations mopflow's random search of the same seed proposes (enqueued in trial order), so
+mopflow's random search is held to it seed by seed on the same trials.
 
 The primary figure is **seconds to target**: wall-clock seconds from the search's start to the
 first epoch report of validation accuracy >= ``--target``. Each search stops starting trials once
@@ -50,8 +52,9 @@ seconds to the arm's, with a bootstrap 95% interval over the seeds both measured
 in pairs; 2,000 resamples), and the same for epochs. Targets: TPE+ASHA reaches the target >= 2x
 sooner than ``random`` (median ratio >= 2, the interval's lower end > 1.5) under ``task`` and
 ``mop``, for ``tpe+asha`` (cold) and ``tpe+asha+warm``; utilisation >= 0.85 for every arm;
-mopflow's random search within 1.2x the plain loop's seconds; mopflow's fastest arm faster than
-the plain loop's fastest.
+mopflow's random search within 1.2x the plain loop's seconds (the ratio of their medians over the
+seeds both ran clean, with its interval); mopflow's fastest arm faster than the plain loop's
+fastest.
 
 Why not the packaged space: its residual CNNs reach 0.99 validation accuracy with almost any
 learning rate in it (random search, seed 0, passed 0.995 at its 43rd epoch), so no target on it
