@@ -291,7 +291,7 @@ def run_plain_search(job: dict[str, Any]) -> dict[str, Any]:
     study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
     if PLAIN_ARMS[job["arm"]][0] == "random":  # trial k: mopflow's trial k (the processes ask in turn)
         for params in random_proposals(job["space"], job["seed"], job["trials"]):
-            study.enqueue_trial(params, skip_if_exists=False)
+            study.enqueue_trial(params)
     ctx = multiprocessing.get_context("spawn")
     shared = Shared(
         ctx.Lock(),

@@ -87,10 +87,7 @@ def test_random_proposals_are_mopflows_random_search_trial_for_trial() -> None:
 
 
 def _draw(seed: int) -> dict[str, Any]:
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
-    trial = study.ask()
-    plain.suggest_params(trial, SPACE)
-    return dict(trial.params)
+    return plain.random_proposals(SPACE, seed, 1)[0]
 
 
 def test_no_trial_starts_past_the_budget_the_trial_count_or_the_target() -> None:
