@@ -27,8 +27,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mopflow run --summary-json "$${MOPFLOW_HOME:-$$HOME/.mopflow}/demo-summary.json"
 
+# Two pytest-xdist workers (TEST_WORKERS=0: one process); each takes whole test files, and the
+# files of the local PostgreSQL and Redis servers run on one (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP) chromium
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The browser test drives Debian's chromium through Playwright (never `playwright install`).
 chromium:

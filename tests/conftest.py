@@ -100,8 +100,42 @@ def pg_url() -> Iterator[str]:
         admin_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
+# The test files with tests marked ``services``: under pytest-xdist they run on one worker, one
+# after another, since one of them restarts PostgreSQL mid-sweep (checked at collection).
+SERVICES_FILES = frozenset(
+    {
+        "tests/infra/stages/test_faults.py",
+        "tests/infra/test_airflow_executors.py",
+        "tests/infra/test_scale_out.py",
+        "tests/training/search/test_search_faults.py",
+    }
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`make test`'s workers take whole test files (their module fixtures are set up once), and
+    the files of the local PostgreSQL and Redis servers as one unit."""
+    from tests.workers import FileAndServicesScheduling
+
+    return FileAndServicesScheduling(config, log, SERVICES_FILES)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` run only where torch sees a CUDA device."""
+    """Tests of the local servers live in ``SERVICES_FILES``; tests marked ``gpu`` run only where
+    torch sees a CUDA device."""
+    strays = sorted(
+        {
+            item.nodeid.split("::", 1)[0]
+            for item in items
+            if (item.get_closest_marker("services") or "pg_url" in getattr(item, "fixturenames", ()))
+            and item.nodeid.split("::", 1)[0] not in SERVICES_FILES
+        }
+    )
+    if strays:
+        raise pytest.UsageError(
+            f"tests of the local servers outside SERVICES_FILES (tests/conftest.py): {strays}"
+        )
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch

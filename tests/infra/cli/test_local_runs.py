@@ -122,7 +122,9 @@ def test_sigint_mid_search_stops_cleanly_and_resume_finishes_the_same_study(tmp_
     config = tmp_path / "conf.json"
     config.write_text(json.dumps(CONF))
     proc, log = _start(home, "--config", str(config))
-    _wait_for(log, "search: trial 0 COMPLETE", proc)
+    # the third trial starts as the first ends: past its first epoch, it has three more to go
+    # (the second trial may end before the stop lands on a loaded machine)
+    _wait_for(log, "task: trial-0002 epoch 1/4 val_acc", proc)
     code, took, alive = _stop(proc, signal.SIGINT)
     output = log.read_text()
     assert code == 130, output[-3000:]
@@ -130,7 +132,6 @@ def test_sigint_mid_search_stops_cleanly_and_resume_finishes_the_same_study(tmp_
     assert alive == []
     record = _record(home)
     assert record.state == "stopped" and f"mopflow run --resume {record.run_key}" in output
-    # the epochs in flight checkpointed at their next batch before the workers closed
     # the epochs in flight were told to checkpoint at their next batch (an epoch that reached its
     # end first comes back whole)
     assert re.search(r"task: stopping; [1-9]\d* epoch\(s\) in flight checkpoint at their next batch", output)
