@@ -25,7 +25,7 @@ accuracy. Per mix and schedule the median over the repeats; ``fixed/greedy`` = t
 median throughputs (1.0: no cost). ``reproduced``: whether every repeat of a schedule trained each
 model over the same partitions in the same order and ended with the same accuracies;
 ``follows_plan`` (fixed): whether every model visited the partitions in the order of
-``fixed_plan(seed, round)``.
+``fixed_plan(seed, models, partitions)`` of the round.
 
 ``simulated fixed/greedy`` replays both schedules in the pure scheduler (no Dask, no training) with
 each model's median measured unit seconds, the same number of epochs and workers: the cost of the
@@ -148,14 +148,12 @@ def _planned(executor: Any, models: list[str]) -> dict[str, list[list[str]]]:
     """Each model's partitions in the order the fixed plan of each of the executor's rounds gives."""
     from mopflow.training.executors.scheduler import fixed_plan
 
-    orders: dict[str, list[list[str]]] = {}
-    for index in sorted(executor.epoch_records):
-        plan = fixed_plan(executor.seed, index, models, executor.partitions)
-        for model in models:
-            orders.setdefault(model, []).append(
-                [u.partition for units in plan for u in units if u.model == model]
-            )
-    return orders
+    plan = fixed_plan(executor.seed, models, executor.partitions)  # every round's (the models stay)
+    return {
+        model: [[u.partition for units in plan for u in units if u.model == model]]
+        * len(executor.epoch_records)
+        for model in models
+    }
 
 
 def timed_run(
@@ -357,7 +355,7 @@ def run(s: Settings, out: Path | None) -> int:
                 "simulated_fixed_over_greedy": "the same ratio from the pure scheduler, each unit lasting its model's median measured unit seconds",
                 "idle": "mean over rounds of training.executors.gantt.idle_fraction (median over repeats)",
                 "reproduced": "every repeat of the schedule gave each model the same partition orders and final val_acc",
-                "follows_plan": "fixed: every model visited the partitions in the order of scheduler.fixed_plan(seed, round)",
+                "follows_plan": "fixed: every model visited the partitions in the order of scheduler.fixed_plan(seed, models, partitions)",
             },
             "summary": summary,
             "runs": runs,

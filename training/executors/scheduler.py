@@ -6,12 +6,14 @@ whose model is idle and whose partition it holds. Which one is the schedule's ch
 (:data:`SCHEDULES`):
 
 * ``fixed`` (the default): each epoch has a plan (:func:`fixed_plan`), a function of the seed and
-  the epoch alone (and of which models and partitions there are), after Cerebro's randomized
-  schedule: the models and the partitions are shuffled and model row ``i`` visits partition
-  column ``(i + k) mod n`` at sub-epoch ``k``, ``n`` the number of partitions. A model visits the
-  partitions in its row's order whatever the timings, so a sweep trains the same models the same
-  way on every run; a worker that frees early takes the earliest planned unit that is ready on
-  it (its model idle, and that partition its model's next), or waits.
+  of which models and partitions there are, after Cerebro's randomized schedule: the models and
+  the partitions are shuffled and model row ``i`` visits partition column ``(i + k) mod n`` at
+  sub-epoch ``k``, ``n`` the number of partitions. A model visits the partitions in its row's
+  order whatever the timings, so a sweep trains the same models the same way on every run; a
+  worker that frees early takes the earliest planned unit that is ready on it (its model idle,
+  and that partition its model's next), or waits. The shuffles do not change from one epoch to
+  the next, so a model goes on round its cycle of partitions (with two, it alternates workers)
+  until a model joins or leaves the sweep.
 * ``greedy``: the queue is shuffled and, of the units the worker can take, the one whose model
   has the most units left in the epoch goes first (then the longest, by its measured seconds per
   unit; ties go to the first in the shuffled order). Starting the models with the most left first
@@ -31,6 +33,7 @@ a unit runs, not the order in which a model visits the partitions.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -50,23 +53,32 @@ class Unit:
     epoch: int = 0
 
 
-def fixed_plan(seed: int, epoch: int, models: Iterable[str], partitions: Iterable[str]) -> list[list[Unit]]:
-    """One epoch's sub-epochs after Cerebro's randomized schedule, seeded by ``(seed, epoch)``.
+def fixed_plan(seed: int, models: Iterable[str], partitions: Iterable[str]) -> list[list[Unit]]:
+    """One epoch's sub-epochs after Cerebro's randomized schedule, seeded by ``seed``.
 
-    The models (rows) and the partitions (columns) are shuffled; sub-epoch ``k`` of ``n`` (the
-    number of partitions) trains row ``i`` on column ``(i + k) mod n``. Every (model, partition)
-    comes once and no model twice in a sub-epoch. With fewer models than partitions some partitions
-    rest each sub-epoch (a Latin square's rows); with more, the rows start on every column in turn,
-    so each partition has ``models / n`` models, give or take one, waiting at every sub-epoch and no
-    worker waits for a model that is busy elsewhere (a square of ``max(models, n)`` sub-epochs
-    would start most models on one column). The result depends on its arguments alone.
+    The models (rows, in an order drawn per model from the seed) and the partitions (columns) are
+    shuffled; sub-epoch ``k`` of ``n`` (the number of partitions) trains row ``i`` on column
+    ``(i + k) mod n``. Every (model, partition) comes once and no model twice in a sub-epoch. With
+    fewer models than partitions some partitions rest each sub-epoch (a Latin square's rows); with
+    more, the rows start on every column in turn, so each partition has ``models / n`` models,
+    give or take one, waiting at every sub-epoch (a square of ``max(models, n)`` sub-epochs would
+    start most models on one column). The result depends on its arguments alone, and not on the
+    epoch: while the models stay, each starts an epoch on the column after the one it ended the
+    last on. A plan drawn anew each epoch would start half the models (with two partitions) on the
+    worker they just left, and bunch them: in a 2-worker sweep of 4 models, workers then waited
+    for a model busy on the other one about a tenth of the time.
     """
-    rng = random.Random(f"mop-plan:{seed}:{epoch}")  # a str seed is hashed the same in every process
-    rows, columns = sorted(set(models)), sorted(set(partitions))
-    rng.shuffle(rows)
-    rng.shuffle(columns)
+    columns = sorted(set(partitions))
+    random.Random(f"mop-plan:{seed}").shuffle(columns)  # a str seed is hashed the same in every process
+    rows = sorted(set(models), key=lambda model: (_row_key(seed, model), model))
     n = len(columns)
     return [[Unit(model, columns[(i + k) % n]) for i, model in enumerate(rows)] for k in range(n)]
+
+
+def _row_key(seed: int, model: str) -> str:
+    """A model's place among the rows: drawn from the seed and its name alone, so a model keeps
+    its place relative to the others as models join and leave."""
+    return hashlib.sha256(f"mop-plan:{seed}:{model}".encode()).hexdigest()
 
 
 class UnitChoice(Protocol):
@@ -94,10 +106,10 @@ class FixedPlan:
     def start_epoch(
         self, epoch: int, models: Sequence[str], partitions: Sequence[str], epochs: int = 1
     ) -> None:
+        plan = fixed_plan(self.seed, models, partitions)  # every epoch of the round alike
         self.position = {
             Unit(unit.model, unit.partition, e): (e * len(plan) + k, i)
             for e in range(epochs)
-            for plan in [fixed_plan(self.seed, epoch + e, models, partitions)]
             for k, units in enumerate(plan)
             for i, unit in enumerate(units)
         }

@@ -104,7 +104,7 @@ def test_mop_on_dask_trains_every_model_on_every_partition(
         check_invariants(records, [m.model_id for m in models], executor.partitions)
         assert len({r["worker"] for r in records}) == 2, epoch
         # the fixed schedule (the default): each model hops in its row's order of the round's plan
-        plan = fixed_plan(3, epoch, [m.model_id for m in models], executor.partitions)
+        plan = fixed_plan(3, [m.model_id for m in models], executor.partitions)
         for model in models:
             planned = [u.partition for units in plan for u in units if u.model == model.model_id]
             ran = sorted((r["start"], r["partition"]) for r in records if r["model"] == model.model_id)

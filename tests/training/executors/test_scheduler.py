@@ -4,6 +4,7 @@ units left first)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -74,14 +75,14 @@ def _planned_orders(plan: list[list[Unit]]) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize(("n_models", "n_partitions"), [(4, 4), (7, 3), (2, 5), (1, 1)])
-def test_the_fixed_plan_is_a_function_of_seed_and_epoch_and_visits_every_unit_once(
+def test_the_fixed_plan_is_a_function_of_the_seed_and_visits_every_unit_once(
     n_models: int, n_partitions: int
 ) -> None:
     models = [f"trial-{i:04d}" for i in range(n_models)]
     partitions = [f"p{i}" for i in range(n_partitions)]
-    plan = fixed_plan(11, 3, models, partitions)
-    fixed_plan(12, 0, models, partitions)  # no state is carried from one call to the next
-    assert fixed_plan(11, 3, list(reversed(models)), list(reversed(partitions))) == plan
+    plan = fixed_plan(11, models, partitions)
+    fixed_plan(12, models, partitions)  # no state is carried from one call to the next
+    assert fixed_plan(11, list(reversed(models)), list(reversed(partitions))) == plan
     assert len(plan) == n_partitions
     units = [u for sub_epoch in plan for u in sub_epoch]
     assert sorted(units) == sorted(Unit(m, p) for m in models for p in partitions)  # each once
@@ -93,9 +94,25 @@ def test_the_fixed_plan_is_a_function_of_seed_and_epoch_and_visits_every_unit_on
         else:  # every partition has its share of the models, give or take one
             assert len(load) == n_partitions
             assert max(load.values()) - min(load.values()) <= 1
-    if n_models * n_partitions > 1:  # another epoch or seed, another plan
-        assert any(fixed_plan(11, e, models, partitions) != plan for e in range(4, 8))
-        assert any(fixed_plan(s, 3, models, partitions) != plan for s in range(4))
+    if n_models * n_partitions > 1:  # another seed, another plan
+        assert any(fixed_plan(s, models, partitions) != plan for s in range(4))
+
+
+def test_under_a_fixed_schedule_a_model_goes_round_its_cycle_of_partitions_epoch_after_epoch() -> None:
+    """Four models on two workers over five epochs: every model alternates between the
+    partitions (a pass never follows a pass on the same one, across epochs too), and a model
+    that joins takes a place in the cycle while the others keep theirs."""
+    models, partitions = [f"trial-{i:04d}" for i in range(4)], ["p0", "p1"]
+    scheduler = MopScheduler(round_robin(partitions, ["w0", "w1"]), seed=7, schedule="fixed")
+    seconds = {m: 1.0 + 0.3 * i for i, m in enumerate([*models, "trial-0004"])}
+    epochs = [_orders(_epoch(scheduler, models, seconds, epoch)) for epoch in range(5)]
+    for model in models:
+        order = [partition for orders in epochs for partition in orders[model]]
+        assert all(a != b for a, b in itertools.pairwise(order)), (model, order)
+    before = _planned_orders(fixed_plan(7, models, partitions))
+    after = _planned_orders(fixed_plan(7, [*models[1:], "trial-0004"], partitions))
+    kept = [m for m in models[1:] if after[m] == before[m]]
+    assert len(kept) >= 2, (before, after)
 
 
 @pytest.mark.parametrize(("n_models", "n_partitions"), [(5, 2), (3, 3), (2, 4)])
@@ -105,7 +122,7 @@ def test_a_fixed_schedule_trains_each_model_in_its_planned_order_whatever_the_ti
     models = [f"m{i}" for i in range(n_models)]
     partitions = [f"p{i}" for i in range(n_partitions)]
     workers = [f"w{i}" for i in range(n_partitions)]
-    planned = [_planned_orders(fixed_plan(5, epoch, models, partitions)) for epoch in range(2)]
+    planned = [_planned_orders(fixed_plan(5, models, partitions))] * 2
     for timing in range(12):
         rng = random.Random(timing)
         per_model = {m: rng.uniform(0.2, 4.0) for m in models}
@@ -120,7 +137,7 @@ def test_a_fixed_schedule_keeps_its_plan_through_lost_stopped_and_restarted_work
     """A worker killed (its unit redone), one stopped by a spot notice (its pass finished first)
     and a restarted one: the units run elsewhere or later, each model's order is the plan's."""
     models, partitions = ["a", "b", "c", "d"], ["p0", "p1", "p2"]
-    planned = _planned_orders(fixed_plan(2, 0, models, partitions))
+    planned = _planned_orders(fixed_plan(2, models, partitions))
 
     def faults(scheduler: MopScheduler, started: int) -> None:
         if started == 2:  # w1 dies without notice: its unit goes back to the queue
@@ -218,7 +235,7 @@ def test_a_unit_ahead_keeps_the_plan_and_never_puts_a_model_in_two_places(schedu
         (m, p) for m in models for p in partitions
     )
     if schedule == "fixed":
-        assert _orders(records) == _planned_orders(fixed_plan(3, 2, models, partitions))
+        assert _orders(records) == _planned_orders(fixed_plan(3, models, partitions))
 
 
 def test_a_lost_worker_gives_back_its_running_unit_and_its_unit_ahead() -> None:
@@ -260,7 +277,7 @@ def test_a_round_of_several_epochs_keeps_each_models_epochs_in_order(schedule: s
             visited = [u.partition for u in units if u.epoch == e]
             assert sorted(visited) == partitions
             if schedule == "fixed":
-                assert visited == _planned_orders(fixed_plan(5, 4 + e, models, partitions))[model]
+                assert visited == _planned_orders(fixed_plan(5, models, partitions))[model]
     # the fast model's second epoch began before the slow one's first was done
     end_of_first = {m: max(t for t, u in finished if u.model == m and u.epoch == 0) for m in models}
     first_of_second_c = min(t for t, u in finished if u.model == "c" and u.epoch == 1)
