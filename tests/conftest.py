@@ -124,15 +124,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests of the local servers live in ``SERVICES_FILES``; tests marked ``gpu`` run only where
     torch sees a CUDA device."""
-    strays = sorted(
-        {
-            item.nodeid.split("::", 1)[0]
-            for item in items
-            if (item.get_closest_marker("services") or "pg_url" in getattr(item, "fixturenames", ()))
-            and item.nodeid.split("::", 1)[0] not in SERVICES_FILES
-        }
-    )
-    if strays:
+    files = {
+        item.nodeid.split("::", 1)[0]
+        for item in items
+        if item.get_closest_marker("services") or "pg_url" in getattr(item, "fixturenames", ())
+    }
+    if strays := sorted(files - SERVICES_FILES):
         raise pytest.UsageError(
             f"tests of the local servers outside SERVICES_FILES (tests/conftest.py): {strays}"
         )
