@@ -150,8 +150,20 @@ def check_mop_schedule(report: Report, out: Path) -> None:
     assert report["verdict"].startswith("fixed/greedy throughput")
 
 
+def check_mop_bound(report: Report, out: Path) -> None:
+    cells = [(r["mix"], r["models"], r["round_epochs"]) for r in report["rows"]]
+    assert cells == [
+        (mix, n, e) for mix in ("uniform", "one-slow", "search") for n in (4, 6) for e in (1, 3, 10)
+    ]
+    for row in report["rows"]:
+        assert _fraction(row["fixed"]) and _fraction(row["greedy"])
+        if row["mix"] == "uniform":  # units of one length: every worker busy throughout
+            assert row["fixed"] == row["greedy"] == 1.0
+
+
 QUICK: dict[str, Callable[[Report, Path], None]] = {
     "distill": check_distill,
+    "mop_bound": check_mop_bound,
     "mop_schedule": check_mop_schedule,
     "overhead": check_overhead,
     "scale": check_scale,  # two whole `mopflow run`s, of 1,000 and 2,000 rows
