@@ -41,6 +41,8 @@ _PARTITIONS: dict[tuple[str, tuple[str, ...], str], tuple[Any, Any]] = {}
 _STREAMED: dict[tuple[str, tuple[str, ...]], Any] = {}
 # The same for the evaluation splits (validated after every epoch: read and verified once).
 _EVAL_SPLITS: dict[tuple[str, str], tuple[Any, Any]] = {}
+# The manifests of the data those come from, read and verified once per worker as they are.
+_MANIFESTS: dict[str, dict[str, Any]] = {}
 
 
 def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu") -> Any:
@@ -122,6 +124,7 @@ def clear_partitions() -> None:
     _PARTITIONS.clear()
     _STREAMED.clear()
     _EVAL_SPLITS.clear()
+    _MANIFESTS.clear()
 
 
 def load_eval_split(data: DataRef, split: str) -> tuple[Any, Any]:
@@ -138,11 +141,19 @@ def load_eval_split(data: DataRef, split: str) -> tuple[Any, Any]:
     return _EVAL_SPLITS[key]
 
 
-def _unit(spec: ModelSpec, data: DataRef, state: bytes | None, total_steps: int) -> TrainableUnit:
-    """The unit of ``spec`` on this data, carrying ``state`` (a fresh seeded one without)."""
+def _manifest(data: DataRef) -> dict[str, Any]:
+    """The data's manifest, read and verified once per worker process (as its partitions are
+    loaded once): a unit builds its model from it every pass."""
     from mopflow.training.data import load_manifest
 
-    unit = TrainableUnit.build(spec, load_manifest(data.manifest_uri, data.storage_options), total_steps)
+    if data.manifest_uri not in _MANIFESTS:
+        _MANIFESTS[data.manifest_uri] = load_manifest(data.manifest_uri, data.storage_options)
+    return _MANIFESTS[data.manifest_uri]
+
+
+def _unit(spec: ModelSpec, data: DataRef, state: bytes | None, total_steps: int) -> TrainableUnit:
+    """The unit of ``spec`` on this data, carrying ``state`` (a fresh seeded one without)."""
+    unit = TrainableUnit.build(spec, _manifest(data), total_steps)
     if state is not None:
         unit.import_state(state)
     unit.augment = augmenter(data.augment, data.spec.modality, data.spec.input_shape)

@@ -24,7 +24,9 @@ def shard_cache_dir() -> str:
 def quiet_lightning() -> None:
     """Lightning's INFO chatter (GPU available, tips) does not belong in task logs."""
     for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logger = logging.getLogger(name)
+        if logger.level != logging.WARNING:  # setLevel clears every logger's cache: once, not per pass
+            logger.setLevel(logging.WARNING)
 
 
 @dataclass

@@ -63,3 +63,41 @@ def test_a_chain_of_epochs_ends_as_the_same_epochs_one_per_task_even_when_a_noti
     resumed_state, rest = train_epochs_and_validate(spec, stopped.value.state, data, shards, 1, 2, epochs)
     assert [(r["val_acc"], r["train_loss"], r["lr_end"]) for r in rest] == apart[1:]
     assert _same_weights(resumed_state, state)
+
+
+def test_a_worker_reads_the_manifest_once_not_every_pass(
+    small_manifest: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expected: passes after the first build their model from the manifest the first read; a
+    worker asked to forget its data (``clear_partitions``) reads it again."""
+    from mopflow.training.data import reading
+    from mopflow.training.executors import units
+
+    data = DataRef.open(small_manifest)
+    shards = sorted(e["name"] for e in load_manifest(small_manifest)["splits"]["train"])
+    spec = ModelSpec("trial-0000", CNN_PARAMS, seed=3)
+    units.clear_partitions()
+    state, _, _ = train_pass_and_validate(spec, None, data, shards, 0, 2)
+    reads: list[str] = []
+    monkeypatch.setattr(reading.storage, "read_json", lambda uri, *a: reads.append(uri) or {})
+    train_pass_and_validate(spec, state, data, shards, 1, 2)
+    assert reads == []
+    units.clear_partitions()
+    with pytest.raises(Exception, match="not a mopflow manifest"):
+        train_pass_and_validate(spec, state, data, shards, 1, 2)
+    assert reads == [small_manifest]
+
+
+def test_lightning_is_quieted_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expected: its loggers at WARNING, and a second call sets no level (setting one clears
+    every logger's cache, a cost once per pass on a worker)."""
+    import logging
+
+    from mopflow.training.search.trial import quiet_lightning
+
+    quiet_lightning()
+    assert logging.getLogger("pytorch_lightning").level == logging.WARNING
+    levels_set: list[str] = []
+    monkeypatch.setattr(logging.Logger, "setLevel", lambda self, level: levels_set.append(self.name))
+    quiet_lightning()
+    assert levels_set == []
