@@ -17,8 +17,8 @@ Mixes of unit seconds (one partition per worker, ``--workers`` workers):
 
 * ``uniform``: every model's unit lasts 0.1 s;
 * ``one-slow``: one model at 0.30 s a unit and the others at 0.03-0.04 s (the mix of a measured
-  `mop` TPE+ASHA search of the search benchmark, seed 0, where a large promoted model trained
-  beside three small ones);
+  `mop` TPE+ASHA search of the search benchmark, seed 0, where one large model trained beside
+  three small ones);
 * ``search``: each model's unit seconds drawn from :data:`SEARCH_UNIT_S`, the median unit seconds
   of the 20 models of a measured `mop` random search of the search benchmark (seed 0: MLPs and
   1-D CNNs of its space, 0.036 to 0.188 s a unit), ``--draws`` draws per cell, the mean reported.

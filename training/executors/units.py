@@ -49,7 +49,6 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
     """The training rows of these shards: ``(x, y)`` tensors held on ``device``
     (:func:`load_partition`) when they fit the worker's memory budget (``MOPFLOW_TRAIN_MEMORY_MB``),
     else a :class:`~mopflow.training.data.streaming.StreamedRows` that reads them from the shards each pass."""
-    from mopflow.training.data import load_manifest
     from mopflow.training.data.examples import batch_decoder, decoded_row_bytes, stored_row_bytes
     from mopflow.training.data.streaming import (
         StreamedRows,
@@ -64,7 +63,7 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
     if (data.manifest_uri, names, device) in _PARTITIONS:
         return _PARTITIONS[(data.manifest_uri, names, device)]
     if (data.manifest_uri, names) not in _STREAMED:
-        manifest = load_manifest(data.manifest_uri, data.storage_options)
+        manifest = _manifest(data)
         rows = sum(int(e["rows"]) for e in manifest["splits"]["train"] if e["name"] in names)
         held = rows * decoded_row_bytes(manifest)  # float32 features, int64 label
         budget = train_memory_bytes()

@@ -71,6 +71,7 @@ def test_a_worker_reads_the_manifest_once_not_every_pass(
     """Expected: passes after the first build their model from the manifest the first read; a
     worker asked to forget its data (``clear_partitions``) reads it again."""
     from mopflow.training.data import reading
+    from mopflow.training.data.manifest import ShardIntegrityError
     from mopflow.training.executors import units
 
     data = DataRef.open(small_manifest)
@@ -83,7 +84,7 @@ def test_a_worker_reads_the_manifest_once_not_every_pass(
     train_pass_and_validate(spec, state, data, shards, 1, 2)
     assert reads == []
     units.clear_partitions()
-    with pytest.raises(Exception, match="not a mopflow manifest"):
+    with pytest.raises(ShardIntegrityError, match="not a mopflow manifest"):
         train_pass_and_validate(spec, state, data, shards, 1, 2)
     assert reads == [small_manifest]
 
