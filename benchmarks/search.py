@@ -83,6 +83,7 @@ Run it from the repository root::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -157,20 +158,18 @@ SPACE: dict[str, Any] = {
 
 
 _CLIENT: list[Any] = []  # one LocalCluster per benchmark process, reused by its searches
+_CLUSTER = contextlib.ExitStack()  # closes it
 
 
 def _client(workers: int) -> Any:
+    """The process's Dask client: the LocalCluster mopflow starts for a search (its settings, e.g.
+    no statistical profiler in the workers), started once with the workers' imports done."""
     if not _CLIENT:
         from multiprocessing.util import Finalize
 
-        from dask.distributed import Client, LocalCluster
+        from mopflow.training.compute.cluster import TRAINING_IMPORTS, dask_client, import_modules
 
-        cluster = LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None
-        )
-        _CLIENT.append(Client(cluster))
-        from mopflow.training.compute.cluster import TRAINING_IMPORTS, import_modules
-
+        _CLIENT.append(_CLUSTER.enter_context(dask_client("", workers)))
         # the workers' imports done before the first search's clock starts, as for every later one
         _CLIENT[0].run(import_modules, TRAINING_IMPORTS)
         # Closed as the pool's process exits, before multiprocessing terminates its children
@@ -180,11 +179,8 @@ def _client(workers: int) -> Any:
 
 
 def _close_client() -> None:
-    while _CLIENT:
-        client = _CLIENT.pop()
-        cluster = client.cluster
-        client.close()
-        cluster.close()
+    _CLIENT.clear()
+    _CLUSTER.close()
 
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from mopflow.training.data import load_manifest
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, Executor, ModelOutcome
 from mopflow.training.executors.mop_models import MopModels
-from mopflow.training.executors.mop_workers import WorkerWatch, fetch_unit_result
+from mopflow.training.executors.mop_workers import MEMBERSHIP_S, WorkerWatch, fetch_unit_result
 from mopflow.training.executors.scheduler import MopScheduler, Unit, round_robin
 from mopflow.training.executors.stop_notice import StopNotice
 from mopflow.training.executors.units import init_state, train_pass_and_validate
@@ -181,7 +181,7 @@ class MopExecutor(Executor):
         while not self.scheduler.epoch_finished:
             if stopping.stop_requested():  # the units in flight checkpoint at their next batch
                 self._stop_units(current.in_flight)
-            connected = self.workers.connected()
+            connected = self.workers.connected(max_age_s=MEMBERSHIP_S)
             alive = self.workers.reconcile(connected)
             if not stopping.stop_requested():
                 self._submit_ready(run, current, alive)

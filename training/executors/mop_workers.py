@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 REAP_GRACE_S = 2.0  # a worker missing this long with its unit unanswered died without notice
 WORKER_WAIT_S = 120.0  # how long to wait for a replacement when no worker is left
 FETCH_POLL_S = 5.0  # how often a unit's result being fetched checks that its worker is still there
+# How long the driver's loop goes on the membership it last read: each read is a round trip to
+# the scheduler (about a millisecond of the coordinator's CPU, taken from the workers on a small
+# machine), and the loop turns once or twice per unit; a worker lost or joined is seen at most
+# this much later, well inside REAP_GRACE_S.
+MEMBERSHIP_S = 0.25
 
 # Records a unit's lost work: (unit, worker, kind, seconds to redo).
 Account = Callable[[Unit, str, str, float], None]
@@ -54,10 +59,15 @@ class WorkerWatch:
         self.leaving: set[str] = set()  # workers that said they are being preempted
         self._missing_since: dict[str, float] = {}
         self._no_worker_since: float | None = None
+        self._members: tuple[float, frozenset[str]] | None = None  # (when read, workers)
 
-    def connected(self) -> set[str]:
-        """The workers in the cluster now."""
-        return set(self.client.scheduler_info()["workers"])
+    def connected(self, max_age_s: float = 0.0) -> set[str]:
+        """The workers in the cluster: asked of the scheduler now, or, with ``max_age_s``, as
+        read at most that many seconds ago."""
+        now = time.monotonic()
+        if self._members is None or now - self._members[0] >= max_age_s:
+            self._members = (now, frozenset(self.client.scheduler_info()["workers"]))
+        return set(self._members[1])
 
     def alive(self, connected: set[str] | None = None) -> list[str]:
         """Workers that can take units: ``connected`` (default: asked of the scheduler now), less
