@@ -189,7 +189,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     search = run_plain_search if job["arm"] in PLAIN_ARMS else run_mopflow_search
     with LoadWatch(root_pid=os.getppid(), before_s=1.0) as watch:  # the tree: the benchmark's process
         row = search(job)
-    return row | {"load": watch.record()}
+    return row | {"load": watch.record(), "cpu": output.cpu()}
 
 
 def run_mopflow_search(job: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,23 @@ def arch_params(arch: Any) -> str:
     return " ".join(f"{k} {v}" for k, v in arch.params.items())
 
 
+def cpu() -> dict[str, str]:
+    """The CPU the figures come from: its model, and the instruction set torch's kernels use here
+    (a VM moved to another host may train at another speed, with other rounding: a search's
+    accuracies near its target, and so the trial that reaches it first, can change with it)."""
+    import torch
+
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), model
+            )
+    except OSError:
+        pass
+    return {"model": model, "torch_capability": str(torch.backends.cpu.get_cpu_capability())}
+
+
 def machine(load_before: Sequence[float]) -> dict[str, Any]:
     """The machine a benchmark ran on, with the load average before and after it (other
     processes on a shared machine inflate wall times)."""

@@ -102,6 +102,7 @@ def check_search(report: Report, out: Path) -> None:
         assert 0 < row["epochs_to_target"] <= row["epochs_trained"] and sum(row["trials"].values()) >= 1
         assert 0 < row["utilisation"] <= 1  # inside training and validation passes
         assert {"outside_share", "before", "clean"} <= set(row["load"])  # what else the machine ran
+        assert row["cpu"]["model"] and row["cpu"]["torch_capability"]  # which host's kernels
     found = [(e["strategy"], e["arm"], e["runs"]) for e in report["summary"]]
     assert found == [("task", "random", 2), ("task", "tpe+asha", 2), ("plain", "plain-random", 2)]
     assert {"tpe+asha", "utilisation", "random_vs_plain_random", "best_vs_plain_best"} <= set(
