@@ -4,7 +4,7 @@ What is measured
 ----------------
 Each *arm* is a sampler with a pruner, run as a real mopflow search
 (``mopflow.training.search.sweep.run_strategy_search``: Optuna in this process, trials training with
-Lightning on a Dask LocalCluster of ``--workers`` workers) with the same compute budget
+Lightning on the Dask LocalCluster mopflow starts for a search, ``--workers`` workers) with the same compute budget
 (``--budget-epochs`` epochs over all trials, the search's ``epoch_budget``; default 720, what 24
 trials of ``--epochs`` 30 epochs train without pruning; at most ``--trials`` trials) over a wide search space (:data:`SPACE`: plain CNNs and MLPs,
 learning rates from too low to too high, tiny models; ``--space FILE`` reads another as JSON,
