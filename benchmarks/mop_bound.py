@@ -48,7 +48,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from studies import output  # noqa: E402
+from studies import mop_replay, output  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make ``mopflow`` importable from the checkout
@@ -93,28 +93,9 @@ def replay(
     unit_s: Mapping[str, float], workers: int, round_epochs: int, seed: int = 0, schedule: str = "fixed"
 ) -> float:
     """Utilisation of ``workers`` workers over ``ROUNDS`` rounds of ``round_epochs`` epochs of
-    these models, each unit lasting its model's ``unit_s``, scheduled as the MOP driver does."""
-    from mopflow.training.executors.scheduler import MopScheduler, round_robin
-
-    names = [f"w{i}" for i in range(workers)]
-    scheduler = MopScheduler(round_robin([f"p{i}" for i in range(workers)], names), seed, schedule)
-    clock = busy = 0.0
-    for index in range(ROUNDS):
-        scheduler.start_epoch(unit_s, epoch=index * round_epochs, epochs=round_epochs)
-        ends: dict[str, float] = {}  # worker -> when its running unit ends
-        while not scheduler.epoch_finished:
-            idle = [w for w in names if w not in scheduler.running]
-            for worker, unit in scheduler.assign(idle):
-                ends[worker] = clock + unit_s[unit.model]
-            scheduler.assign_ahead(names)
-            worker = min(scheduler.running, key=lambda w: ends[w])
-            clock = ends[worker]
-            unit = scheduler.complete(worker)
-            busy += unit_s[unit.model]
-            scheduler.record_cost(unit.model, unit_s[unit.model])
-            if worker in scheduler.running:  # its unit ahead starts at once
-                ends[worker] = clock + unit_s[scheduler.running[worker].model]
-    return busy / (clock * workers)
+    these models, each unit lasting its model's ``unit_s``, scheduled as the MOP driver does
+    (:func:`studies.mop_replay.replay`, a unit queued ahead of each running one)."""
+    return mop_replay.replay(unit_s, workers, ROUNDS, round_epochs, seed, schedule).utilisation
 
 
 def cell(mix: str, models: int, round_epochs: int, workers: int, draws: int, schedule: str) -> float:

@@ -61,7 +61,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from studies import output  # noqa: E402
+from studies import mop_replay, output  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make ``mopflow`` importable from the checkout
@@ -191,24 +191,9 @@ def timed_run(
 
 def simulate(schedule: str, unit_s: dict[str, float], workers: int, epochs: int, seed: int) -> float:
     """Seconds the pure scheduler takes for ``epochs`` epochs of these models over one partition
-    per worker, each unit lasting its model's ``unit_s`` (the plan's cost without the noise)."""
-    from mopflow.training.executors.scheduler import MopScheduler, round_robin
-
-    names = [f"w{i}" for i in range(workers)]
-    scheduler = MopScheduler(round_robin([f"p{i}" for i in range(workers)], names), seed, schedule)
-    clock = 0.0
-    for epoch in range(epochs):
-        scheduler.start_epoch(unit_s, epoch=epoch)
-        free_at = dict.fromkeys(names, clock)
-        while not scheduler.epoch_finished:
-            idle = [w for w in names if w not in scheduler.running and free_at[w] <= clock]
-            for worker, unit in scheduler.assign(idle):
-                free_at[worker] = clock + unit_s[unit.model]
-            worker = min(scheduler.running, key=lambda w: free_at[w])
-            clock = free_at[worker]
-            unit = scheduler.complete(worker)
-            scheduler.record_cost(unit.model, unit_s[unit.model])
-    return clock
+    per worker, each unit lasting its model's ``unit_s`` (the plan's cost without the noise): rounds
+    of one epoch, no unit queued ahead (:func:`studies.mop_replay.replay`)."""
+    return mop_replay.replay(unit_s, workers, epochs, 1, seed, schedule, ahead=False).wall_s
 
 
 def summarize(runs: list[dict[str, Any]], s: Settings) -> dict[str, Any]:

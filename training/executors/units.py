@@ -381,10 +381,9 @@ def train_pass_and_validate(
 
 def state_to_bundle(spec: ModelSpec, state: bytes, data: DataRef, url: str) -> str:
     """Write a packed state as a model bundle (the checkpoint format the ensemble stage reads)."""
-    from mopflow.training.data import load_manifest
     from mopflow.training.models.bundle import save_bundle
 
-    manifest = load_manifest(data.manifest_uri, data.storage_options)
+    manifest = _manifest(data)  # read and verified once per process, as the unit's build reads it
     unit = _unit(spec, data, state, 1)
     return save_bundle(
         url,
