@@ -26,7 +26,12 @@ Mixes of unit seconds (one partition per worker, ``--workers`` workers):
 For each mix, number of models (``--models``) and epochs per round (``--round-epochs``: 1 is a
 pruner that may stop a model after any epoch, or ASHA's rungs with models at different epochs; 10
 is a round between rare decisions), the replayed utilisation under the ``fixed`` and ``greedy``
-schedules.
+schedules. Beside them, for each mix and number of models, the utilisation with no rounds
+(:func:`studies.mop_replay.replay_without_rounds`): every model starts its next epoch as soon as
+its last ends, whatever the others do, visiting the partitions in a fixed cycle
+(``no_rounds_cycle``) or in any order within an epoch (``no_rounds_any_order``). MOP's rule that a
+model visits each partition once an epoch, on one worker at a time, holds in both; what they lift
+is the round, which keeps the models in step epoch by epoch.
 
 Output: a table on stdout and every figure in ``benchmarks/results/mop_bound.json`` (or ``--out``;
 a ``--quick`` run writes its JSON only there). No training and no cluster: it takes seconds.
@@ -56,6 +61,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``mopflow`` importab
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "mop_bound.json"
 SCHEDULES = ("fixed", "greedy")
+# no rounds: a model starts its next epoch as soon as its last ends; column -> any order in an epoch
+UNLOCKED = {"no_rounds_cycle": False, "no_rounds_any_order": True}
 ROUNDS = 4  # rounds replayed per draw: enough for the plan's cycle to repeat
 
 
@@ -107,14 +114,36 @@ def cell(mix: str, models: int, round_epochs: int, workers: int, draws: int, sch
     )
 
 
+def unlocked_cell(mix: str, models: int, workers: int, draws: int, any_order: bool) -> float:
+    """The mix's utilisation with no rounds (:func:`studies.mop_replay.replay_without_rounds`), the
+    mean over ``draws`` draws for a drawn mix."""
+    n = draws if mix in DRAWN else 1
+    return statistics.mean(
+        mop_replay.replay_without_rounds(
+            MIXES[mix](models, random.Random(draw)), workers, any_order=any_order
+        ).utilisation
+        for draw in range(n)
+    )
+
+
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every (mix, models, epochs per round) cell under each schedule."""
+    """Every (mix, models, epochs per round) cell under each schedule, and each (mix, models)
+    with no rounds (models in their partitions' cycle, or in any order)."""
+    unlocked = {
+        (mix, models): {
+            name: round(unlocked_cell(mix, models, args.workers, args.draws, any_order), 3)
+            for name, any_order in UNLOCKED.items()
+        }
+        for mix in args.mixes
+        for models in args.models
+    }
     return [
         {"mix": mix, "models": models, "round_epochs": epochs}
         | {
             schedule: round(cell(mix, models, epochs, args.workers, args.draws, schedule), 3)
             for schedule in SCHEDULES
         }
+        | unlocked[(mix, models)]
         for mix in args.mixes
         for models in args.models
         for epochs in args.round_epochs
@@ -122,12 +151,13 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    header = f"{'mix':<10}{'models':>7}{'epochs/round':>14}" + "".join(f"{s:>9}" for s in SCHEDULES)
+    columns = (*SCHEDULES, *UNLOCKED)
+    header = f"{'mix':<10}{'models':>7}{'epochs/round':>14}" + "".join(f"{c:>21}" for c in columns)
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r['mix']:<10}{r['models']:>7}{r['round_epochs']:>14}"
-            + "".join(f"{r[s]:>9.3f}" for s in SCHEDULES)
+            + "".join(f"{r[c]:>21.3f}" for c in columns)
         )
     return lines
 
@@ -170,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"rounds": ROUNDS},
         "definitions": {
             "fixed, greedy": "units' seconds / (workers x wall seconds) of the replayed schedule, no per-unit cost",
+            "no_rounds_cycle, no_rounds_any_order": "the same with no rounds: each model starts its next "
+            "epoch as soon as its last ends, visiting the partitions in a fixed cycle or in any order "
+            "within an epoch (independent of epochs/round)",
         },
         "rows": rows,
         "printed": lines,

@@ -62,3 +62,43 @@ def replay(
             if worker in scheduler.running:  # its unit ahead starts at once
                 ends[worker] = clock + unit_s[scheduler.running[worker].model]
     return Replayed(clock, busy, workers)
+
+
+def replay_without_rounds(
+    unit_s: Mapping[str, float], workers: int, units_each: int = 40, any_order: bool = False
+) -> Replayed:
+    """MOP's partition rule with no rounds: a model visits every partition once an epoch and is on
+    one worker at a time, but starts its next epoch as soon as its last ends, whatever the others
+    do. A free worker takes, of the idle models with its partition still to visit this epoch, the
+    one with the fewest units done. ``any_order``: a model may visit the partitions in any order
+    within an epoch (else in a fixed cycle, as the fixed plan's rows do). Replayed until every model
+    has run ``units_each`` units."""
+    models = list(unit_s)
+    to_visit = {m: set(range(workers)) for m in models}  # partitions left in the model's epoch
+    cycle_next = {m: i % workers for i, m in enumerate(models)}  # the cycle's next partition
+    done = dict.fromkeys(models, 0)
+    running: dict[int, tuple[float, str]] = {}  # worker (= its partition) -> (end, model)
+    clock = busy = 0.0
+    while min(done.values()) < units_each:
+        busy_models = {m for _, m in running.values()}
+        for worker in range(workers):
+            if worker in running:
+                continue
+            ready = [
+                m
+                for m in models
+                if m not in busy_models and (worker in to_visit[m] if any_order else cycle_next[m] == worker)
+            ]
+            if ready:
+                model = min(ready, key=lambda m: (done[m], models.index(m)))
+                running[worker] = (clock + unit_s[model], model)
+                busy_models.add(model)
+        worker = min(running, key=lambda w: running[w][0])
+        clock, model = running.pop(worker)
+        busy += unit_s[model]
+        done[model] += 1
+        cycle_next[model] = (worker + 1) % workers
+        to_visit[model].discard(worker)
+        if not to_visit[model]:
+            to_visit[model] = set(range(workers))
+    return Replayed(clock, busy, workers)

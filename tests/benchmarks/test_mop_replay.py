@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from studies.mop_replay import replay
+from studies.mop_replay import replay, replay_without_rounds
 
 
 @pytest.mark.parametrize("ahead", [False, True])
@@ -22,3 +22,13 @@ def test_every_unit_runs_once_an_epoch_and_a_slow_model_sets_the_pace(round_epoc
     assert replayed.busy_s == pytest.approx(epochs * 2 * sum(unit_s.values()))
     # the slow model's two units of an epoch run one after the other
     assert replayed.wall_s >= epochs * 2 * 0.3 - 1e-9
+
+
+def test_without_rounds_small_models_fill_the_worker_a_slow_one_is_not_on_only_in_any_order() -> None:
+    one_slow = {"slow": 0.3, "a": 0.03, "b": 0.04, "c": 0.035}
+    in_cycle = replay_without_rounds(one_slow, workers=2).utilisation
+    any_order = replay_without_rounds(one_slow, workers=2, any_order=True).utilisation
+    # in its cycle a small model takes the free worker once, then must hop to the slow one's;
+    # in any order it may take the free worker again at its epoch's turn
+    assert in_cycle < 0.7 < 0.8 < any_order < 1.0
+    assert replay_without_rounds({f"m{i}": 0.1 for i in range(4)}, 2).utilisation == pytest.approx(1.0)
