@@ -105,24 +105,30 @@ def replay(
     return mop_replay.replay(unit_s, workers, ROUNDS, round_epochs, seed, schedule).utilisation
 
 
+def _over_draws(
+    mix: str, models: int, draws: int, utilisation: Callable[[dict[str, float], int], float]
+) -> float:
+    """``utilisation`` of the mix's unit seconds (and the draw), the mean over ``draws`` draws for a
+    drawn mix."""
+    n = draws if mix in DRAWN else 1
+    return statistics.mean(utilisation(MIXES[mix](models, random.Random(draw)), draw) for draw in range(n))
+
+
 def cell(mix: str, models: int, round_epochs: int, workers: int, draws: int, schedule: str) -> float:
     """The mix's replayed utilisation, the mean over ``draws`` draws for a drawn mix."""
-    n = draws if mix in DRAWN else 1
-    return statistics.mean(
-        replay(MIXES[mix](models, random.Random(draw)), workers, round_epochs, draw, schedule)
-        for draw in range(n)
+    return _over_draws(
+        mix, models, draws, lambda unit_s, draw: replay(unit_s, workers, round_epochs, draw, schedule)
     )
 
 
 def unlocked_cell(mix: str, models: int, workers: int, draws: int, any_order: bool) -> float:
     """The mix's utilisation with no rounds (:func:`studies.mop_replay.replay_without_rounds`), the
     mean over ``draws`` draws for a drawn mix."""
-    n = draws if mix in DRAWN else 1
-    return statistics.mean(
-        mop_replay.replay_without_rounds(
-            MIXES[mix](models, random.Random(draw)), workers, any_order=any_order
-        ).utilisation
-        for draw in range(n)
+    return _over_draws(
+        mix,
+        models,
+        draws,
+        lambda unit_s, _: mop_replay.replay_without_rounds(unit_s, workers, any_order=any_order).utilisation,
     )
 
 
