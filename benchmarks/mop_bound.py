@@ -31,10 +31,7 @@ schedules. Beside them, for each mix and number of models, the utilisation with 
 its last ends, whatever the others do, visiting the partitions in a fixed cycle
 (``no_rounds_cycle``) or in any order within an epoch (``no_rounds_any_order``). MOP's rule that a
 model visits each partition once an epoch, on one worker at a time, holds in both; what they lift
-is the round, which keeps the models in step epoch by epoch. ``rolling`` replays mopflow's
-``mop_schedule=rolling`` itself (the scheduler's rule: no rounds, any order within an epoch, the
-model that waited longest first, a unit queued ahead of each running one) over
-:data:`ROLLING_EPOCHS` epochs.
+is the round, which keeps the models in step epoch by epoch.
 
 Output: a table on stdout and every figure in ``benchmarks/results/mop_bound.json`` (or ``--out``;
 a ``--quick`` run writes its JSON only there). No training and no cluster: it takes seconds.
@@ -67,7 +64,6 @@ SCHEDULES = ("fixed", "greedy")
 # no rounds: a model starts its next epoch as soon as its last ends; column -> any order in an epoch
 UNLOCKED = {"no_rounds_cycle": False, "no_rounds_any_order": True}
 ROUNDS = 4  # rounds replayed per draw: enough for the plan's cycle to repeat
-ROLLING_EPOCHS = 20  # epochs per model replayed under mop_schedule=rolling (as many units as UNLOCKED's)
 
 
 def _uniform(models: int, rng: random.Random) -> dict[str, float]:
@@ -136,28 +132,14 @@ def unlocked_cell(mix: str, models: int, workers: int, draws: int, any_order: bo
     )
 
 
-def rolling_cell(mix: str, models: int, workers: int, draws: int) -> float:
-    """The mix's utilisation under ``mop_schedule=rolling`` (no rounds), the mean over ``draws``
-    draws for a drawn mix."""
-    return _over_draws(
-        mix,
-        models,
-        draws,
-        lambda unit_s, draw: (
-            mop_replay.replay(unit_s, workers, 1, ROLLING_EPOCHS, draw, "rolling").utilisation
-        ),
-    )
-
-
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (mix, models, epochs per round) cell under each schedule, and each (mix, models)
-    with no rounds (models in their partitions' cycle, or in any order; mopflow's rolling)."""
+    with no rounds (models in their partitions' cycle, or in any order)."""
     unlocked = {
         (mix, models): {
             name: round(unlocked_cell(mix, models, args.workers, args.draws, any_order), 3)
             for name, any_order in UNLOCKED.items()
         }
-        | {"rolling": round(rolling_cell(mix, models, args.workers, args.draws), 3)}
         for mix in args.mixes
         for models in args.models
     }
@@ -175,7 +157,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    columns = (*SCHEDULES, *UNLOCKED, "rolling")
+    columns = (*SCHEDULES, *UNLOCKED)
     header = f"{'mix':<10}{'models':>7}{'epochs/round':>14}" + "".join(f"{c:>21}" for c in columns)
     lines = [header, "-" * len(header)]
     for r in rows:

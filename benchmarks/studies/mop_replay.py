@@ -39,24 +39,15 @@ def replay(
 ) -> Replayed:
     """``rounds`` rounds of ``round_epochs`` epochs of these models over one partition per worker
     (``workers`` of them), each unit lasting its model's ``unit_s``, scheduled as the MOP driver
-    does (``ahead``: with a unit queued behind each running one). A schedule without rounds
-    (``rolling``) runs as many epochs in one go, each model's next epoch queued as soon as its last
-    ends, as the driver does once the controller keeps the model, until every model has trained
-    them: a model done before then goes on, as the search's next model of its size would take its
-    slot (rounds hold the others back until the round ends)."""
+    does (``ahead``: with a unit queued behind each running one)."""
     from mopflow.training.executors.scheduler import MopScheduler, round_robin
 
     names = [f"w{i}" for i in range(workers)]
     scheduler = MopScheduler(round_robin([f"p{i}" for i in range(workers)], names), seed, schedule)
-    if not scheduler.rounds:
-        rounds, round_epochs = 1, rounds * round_epochs
     clock = busy = 0.0
     for index in range(rounds):
-        scheduler.start_epoch(
-            unit_s, epoch=index * round_epochs, epochs=round_epochs if scheduler.rounds else 1
-        )
+        scheduler.start_epoch(unit_s, epoch=index * round_epochs, epochs=round_epochs)
         ends: dict[str, float] = {}  # worker -> when its running unit ends
-        units_done = dict.fromkeys(unit_s, 0)  # in the round, per model
         while not scheduler.epoch_finished:
             idle = [w for w in names if w not in scheduler.running]
             for worker, unit in scheduler.assign(idle):
@@ -68,10 +59,6 @@ def replay(
             unit = scheduler.complete(worker)
             busy += unit_s[unit.model]
             scheduler.record_cost(unit.model, unit_s[unit.model])
-            units_done[unit.model] += 1
-            epochs_done, rest = divmod(units_done[unit.model], workers)
-            if not scheduler.rounds and rest == 0 and min(units_done.values()) < round_epochs * workers:
-                scheduler.queue_epochs(unit.model, epochs_done)
             if worker in scheduler.running:  # its unit ahead starts at once
                 ends[worker] = clock + unit_s[scheduler.running[worker].model]
     return Replayed(clock, busy, workers)

@@ -257,7 +257,7 @@ def _pass(ok: bool) -> str:
 def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
     """The summary as a text table, then one line per verdict."""
     lines = [
-        f"{'strategy':11} {'arm':16} {'clean/runs':>10} {'reached':>7} {'med s':>7} {'ratio s':>7} {'95% CI':>14} "
+        f"{'strategy':8} {'arm':16} {'clean/runs':>10} {'reached':>7} {'med s':>7} {'ratio s':>7} {'95% CI':>14} "
         f"{'med ep':>7} {'ratio ep':>8} {'95% CI':>14} {'util':>6}"
     ]
     for e in result["summary"]:
@@ -274,7 +274,7 @@ def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
         ep_ratio = f"{e['epochs_ratio']:8.2f}" if "epochs_ratio" in e else f"{'':8}"
         util = f"{e['utilisation']:6.3f}" if "utilisation" in e else f"{'':6}"
         lines.append(
-            f"{e['strategy']:11} {e['arm']:16} {e.get('clean_runs', 0):>4}/{e['runs']:<5} {e['reached']:>7} "
+            f"{e['strategy']:8} {e['arm']:16} {e.get('clean_runs', 0):>4}/{e['runs']:<5} {e['reached']:>7} "
             f"{e['median_s']:7.1f} {ratio} {ci:>14} {e['median_epochs']:7.1f} {ep_ratio} {ep_ci:>14} {util}"
         )
     for e in result["summary"]:

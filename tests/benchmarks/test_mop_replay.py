@@ -32,16 +32,3 @@ def test_without_rounds_small_models_fill_the_worker_a_slow_one_is_not_on_only_i
     # in any order it may take the free worker again at its epoch's turn
     assert in_cycle < 0.7 < 0.8 < any_order < 1.0
     assert replay_without_rounds({f"m{i}": 0.1 for i in range(4)}, 2).utilisation == pytest.approx(1.0)
-
-
-def test_rolling_replays_the_products_schedule_and_lets_small_models_fill_the_free_worker() -> None:
-    one_slow = {"slow": 0.3, "a": 0.03, "b": 0.04, "c": 0.035}
-    in_rounds = replay(one_slow, workers=2, rounds=20)
-    rolling = replay(one_slow, workers=2, rounds=20, schedule="rolling")
-    # the slow model's 40 units bound both; rolling's small models train on meanwhile
-    assert rolling.wall_s == pytest.approx(in_rounds.wall_s, rel=0.1)
-    assert rolling.busy_s > in_rounds.busy_s
-    assert in_rounds.utilisation < 0.7 < 0.75 < rolling.utilisation <= 1.0
-    assert replay({f"m{i}": 0.1 for i in range(4)}, 2, 3, schedule="rolling").utilisation == pytest.approx(
-        1.0
-    )

@@ -157,7 +157,7 @@ def check_mop_bound(report: Report, out: Path) -> None:
         (mix, n, e) for mix in ("uniform", "one-slow", "search") for n in (4, 6) for e in (1, 3, 10)
     ]
     for row in report["rows"]:
-        columns = ("fixed", "greedy", "no_rounds_cycle", "no_rounds_any_order", "rolling")
+        columns = ("fixed", "greedy", "no_rounds_cycle", "no_rounds_any_order")
         assert all(_fraction(row[c]) for c in columns)
         if row["mix"] == "uniform":  # units of one length: every worker busy throughout
             assert {row[c] for c in columns} == {1.0}

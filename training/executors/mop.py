@@ -6,9 +6,6 @@ holds the epochs up to the controller's next possible decision on any of its mod
 under a pruner that may stop a model after any epoch): within it a model goes on to its next
 epoch as soon as its own is done, and that epoch is reported then; the round's last epochs are
 reported at its end, in model order, where the controller may stop models and fill their slots.
-Under the ``rolling`` schedule there are no rounds: each model trains up to the controller's next
-possible decision on it, its epochs reported as they end, and goes on (or its slot takes the
-controller's next model) at once.
 Each busy worker also holds a unit queued behind its running one, so it never waits for the
 coordinator between two units. The
 models' bookkeeping is ``training/executors/mop_models.py``; following the workers of a volatile
@@ -84,7 +81,6 @@ class _Round:
     records: list[dict[str, Any]] = field(default_factory=list)  # one per finished unit
     val_accs: dict[str, float] = field(default_factory=dict)  # measured by a model's epoch's last unit
     ended: set[str] = field(default_factory=set)  # models whose epoch ended before the round's last
-    model_epochs: dict[str, int] = field(default_factory=dict)  # rolling: a model's epoch in the round
 
 
 class MopExecutor(Executor):
@@ -125,11 +121,6 @@ class MopExecutor(Executor):
         )
         # "fixed": each round's plan is a function of the seed and the round (scheduler.py)
         self.scheduler = MopScheduler(round_robin(self.partitions, workers), seed=seed, schedule=schedule)
-        if before_round is not None and not self.scheduler.rounds:
-            raise ValueError(
-                f"mop_schedule={schedule!r} has no rounds, so the cluster cannot change size between "
-                "them; use mop_schedule='fixed' or 'greedy' with a worker schedule or a spot trace"
-            )
         # Model slots: models training at once (at least one per partition keeps every worker busy).
         self.slots = slots or len(self.partitions)
         self.epoch_records: dict[int, list[dict[str, Any]]] = {}
@@ -180,12 +171,7 @@ class MopExecutor(Executor):
                 for u in self.scheduler.queue
                 if not (u.model == mid and u.epoch == 0 and u.partition in done)
             ]
-        return _Round(
-            index,
-            total_units=len(self.scheduler.queue),
-            epochs=epochs,
-            model_epochs=dict.fromkeys(run.active, epochs - 1),
-        )
+        return _Round(index, total_units=len(self.scheduler.queue), epochs=epochs)
 
     def _run_round(self, run: MopModels, current: _Round) -> None:
         """Give idle workers units and collect the finished ones until the round's queue is done,
@@ -217,8 +203,6 @@ class MopExecutor(Executor):
                 if mid not in run.active:  # stopped all the same (e.g. the search's goal)
                     self.scheduler.drop_model(mid)
             current.ended.clear()
-            if ended and not self.scheduler.rounds and not stopping.stop_requested():
-                self._roll_on(run, current, ended)
             if finished and not stopping.stop_requested():  # the freed workers get their next units first
                 # the membership read at the top of this turn: asking the scheduler again costs
                 # the coordinator a round trip per unit, and a worker lost since then holds no
@@ -227,33 +211,6 @@ class MopExecutor(Executor):
             for mid in finished:
                 if mid not in ended:
                     self.save_checkpoint(mid, run.states[mid])
-
-    def _roll_on(self, run: MopModels, current: _Round, ended: Sequence[str]) -> None:
-        """Without rounds, once epochs were reported: a model the controller kept at its decision
-        goes on to its epochs up to its next one, and the slots free (a model stopped, done or
-        failed) take the controller's next models, at once (a report may also have let a waiting
-        model be promoted)."""
-        for mid in ended:
-            if mid in run.active and not self.scheduler.has_units(mid):
-                self._queue_epochs(run, current, mid)
-        free = self.slots - len(run.active)
-        if free <= 0:
-            return
-        for spec in run.controller.new_models(free):
-            if run.admit(spec):
-                self._queue_epochs(run, current, spec.model_id)
-                log.info("mop: %s joins", spec.model_id)
-
-    def _queue_epochs(self, run: MopModels, current: _Round, model_id: str) -> None:
-        """Queue the model's epochs up to the controller's next possible decision on it (a model
-        resumed mid-epoch skips the partitions it visited)."""
-        first = current.model_epochs.get(model_id, -1) + 1
-        count = run.epochs_to_decision(model_id)
-        current.model_epochs[model_id] = first + count - 1
-        current.epochs = max(current.epochs, first + count)
-        visited = set(run.visited.get(model_id, []))
-        self.scheduler.queue_epochs(model_id, first, count, skip=visited)
-        current.total_units += count * len(self.partitions) - len(visited)
 
     def _submit_ready(self, run: MopModels, current: _Round, alive: list[str]) -> None:
         """Give every idle worker a unit (the randomized rule), and every busy one a unit ahead,
@@ -329,7 +286,7 @@ class MopExecutor(Executor):
             current.val_accs[unit.model] = val_acc
         record |= {"worker": worker, "partition": unit.partition, "round": current.index + unit.epoch}
         current.records.append(record)
-        if (not self.scheduler.rounds or unit.epoch < current.epochs - 1) and run.epoch_complete(unit.model):
+        if unit.epoch < current.epochs - 1 and run.epoch_complete(unit.model):
             current.ended.add(unit.model)  # reported now, not at the round's end
         seconds = float(record["end"]) - float(record["start"])
         self.scheduler.record_cost(unit.model, seconds)

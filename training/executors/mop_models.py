@@ -4,7 +4,7 @@ A model joins from its checkpoint when it has one (a restarted coordinator's ret
 even mid-epoch: the partitions it visited are skipped), carries its latest state from unit to
 unit, and reports each epoch to the controller: at once when the round goes on past it (the
 controller cannot stop it there), else at the end of the round, where the controller may stop it
-or fill the slots freed with new models (with no rounds, as each epoch ends).
+or fill the slots freed with new models.
 """
 
 from __future__ import annotations
@@ -81,20 +81,18 @@ class MopModels:
 
     def epochs_before_decision(self) -> int:
         """Epochs every active model trains before the controller may next stop any of them."""
-        return min(self.epochs_to_decision(mid) for mid in self.active)
-
-    def epochs_to_decision(self, model_id: str) -> int:
-        """Epochs the model trains before the controller may next stop it."""
-        return epochs_before_decision(self.controller, self.next_epoch.get(model_id, 0), self.epochs)
+        return min(
+            epochs_before_decision(self.controller, self.next_epoch.get(mid, 0), self.epochs)
+            for mid in self.active
+        )
 
     def epoch_complete(self, model_id: str) -> bool:
         """Whether the model has visited every partition in its current epoch."""
         return len(self.visited.get(model_id, [])) >= len(self.x.partitions)
 
     def end_epoch(self, model_id: str, val_acc: float | None, records: list[dict[str, Any]]) -> None:
-        """Report a model's epoch as it ends: one that ended before its round's last (the
-        controller cannot stop a model there, so the order of these reports decides nothing), or,
-        with no rounds (the ``rolling`` schedule), any epoch, in the order the epochs end."""
+        """Report a model's epoch that ended before its round's last: the controller cannot stop
+        a model there, so the order of these reports decides nothing."""
         if val_acc is None:  # its last unit did not validate (see _validate)
             val_acc = float(self._validate([model_id])[model_id].result())
         self._end_epoch(model_id, val_acc, records)

@@ -3,48 +3,161 @@
 Per epoch every active model must visit every partition exactly once. A queue holds the
 (model, partition) units still to run; whenever a worker is idle it is given one of the units
 whose model is idle and whose partition it holds. Which one is the schedule's choice
-(``fixed``, ``greedy`` or ``rolling``: ``training/executors/schedules.py``).
+(:data:`SCHEDULES`):
 
-Under each, a model never runs on two workers at once and a worker runs one unit at a time. A
+* ``fixed`` (the default): each epoch has a plan (:func:`fixed_plan`), a function of the seed and
+  of which models and partitions there are, after Cerebro's randomized schedule: the models and
+  the partitions are shuffled and model row ``i`` visits partition column ``(i + k) mod n`` at
+  sub-epoch ``k``, ``n`` the number of partitions. A model visits the partitions in its row's
+  order whatever the timings, so a sweep trains the same models the same way on every run; a
+  worker that frees early takes the earliest planned unit that is ready on it (its model idle,
+  and that partition its model's next), or waits. The shuffles do not change from one epoch to
+  the next, so a model goes on round its cycle of partitions (with two, it alternates workers)
+  until a model joins or leaves the sweep.
+* ``greedy``: the queue is shuffled and, of the units the worker can take, the one whose model
+  has the most units left in the epoch goes first (then the longest, by its measured seconds per
+  unit; ties go to the first in the shuffled order). Starting the models with the most left first
+  keeps the epoch's last units short and spread over the workers. The order follows which worker
+  frees first, so two runs can train a model over its partitions in different orders.
+
+Under both, a model never runs on two workers at once and a worker runs one unit at a time. A
 worker may hold one more unit *ahead*, queued behind the one it runs (:meth:`MopScheduler.assign_ahead`):
 it starts that unit as soon as the running one ends, without a round trip to the coordinator. A
 unit ahead is chosen by the same rule and counts as its model's unit in flight. A
 unit lost with its worker goes back to the queue (its partition moves to a surviving worker); one
 that stopped mid-pass with a checkpoint (a spot notice) is its model's next unit, so the pass is
 finished before the model moves on. A new (restarted) worker takes partitions from the busiest.
-The fixed plan names partitions, never workers: lost, restarted or added workers change where and
-when a unit runs, not the order in which a model visits the partitions.
+The plan names partitions, never workers: lost, restarted or added workers change where and when
+a unit runs, not the order in which a model visits the partitions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import hashlib
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, Protocol, get_args
 
-from mopflow.training.executors.schedules import (
-    SCHEDULES,
-    FixedPlan,
-    GreedyQueue,
-    MopScheduleName,
-    Rolling,
-    Unit,
-    UnitChoice,
-    fixed_plan,
-)
+MopScheduleName = Literal["fixed", "greedy"]
 
-__all__ = [
-    "SCHEDULES",
-    "FixedPlan",
-    "GreedyQueue",
-    "MopScheduleName",
-    "MopScheduler",
-    "Rolling",
-    "Unit",
-    "UnitChoice",
-    "check_invariants",
-    "fixed_plan",
-    "round_robin",
-]
+
+@dataclass(frozen=True, order=True)
+class Unit:
+    """One sub-epoch: ``model`` trains one pass over ``partition``, in the ``epoch``-th epoch of
+    its round (a round may hold several epochs, :meth:`MopScheduler.start_epoch`)."""
+
+    model: str
+    partition: str
+    epoch: int = 0
+
+
+def fixed_plan(seed: int, models: Iterable[str], partitions: Iterable[str]) -> list[list[Unit]]:
+    """One epoch's sub-epochs after Cerebro's randomized schedule, seeded by ``seed``.
+
+    The models (rows, in an order drawn per model from the seed) and the partitions (columns) are
+    shuffled; sub-epoch ``k`` of ``n`` (the number of partitions) trains row ``i`` on column
+    ``(i + k) mod n``. Every (model, partition) comes once and no model twice in a sub-epoch. With
+    fewer models than partitions some partitions rest each sub-epoch (a Latin square's rows); with
+    more, the rows start on every column in turn, so each partition has ``models / n`` models,
+    give or take one, waiting at every sub-epoch (a square of ``max(models, n)`` sub-epochs would
+    start most models on one column). The result depends on its arguments alone, and not on the
+    epoch: while the models stay, each starts an epoch on the column after the one it ended the
+    last on. A plan drawn anew each epoch would start half the models (with two partitions) on the
+    worker they just left, and bunch them: in a 2-worker sweep of 4 models, workers then waited
+    for a model busy on the other one about a tenth of the time.
+    """
+    columns = sorted(set(partitions))
+    random.Random(f"mop-plan:{seed}").shuffle(columns)  # a str seed is hashed the same in every process
+    rows = sorted(set(models), key=lambda model: (_row_key(seed, model), model))
+    n = len(columns)
+    return [[Unit(model, columns[(i + k) % n]) for i, model in enumerate(rows)] for k in range(n)]
+
+
+def _row_key(seed: int, model: str) -> str:
+    """A model's place among the rows: drawn from the seed and its name alone, so a model keeps
+    its place relative to the others as models join and leave."""
+    return hashlib.sha256(f"mop-plan:{seed}:{model}".encode()).hexdigest()
+
+
+class UnitChoice(Protocol):
+    """A schedule: which unit an idle worker takes (None: it waits)."""
+
+    def start_epoch(
+        self, epoch: int, models: Sequence[str], partitions: Sequence[str], epochs: int = 1
+    ) -> None:
+        """A new round of ``epochs`` epochs (from ``epoch``) of these models over these partitions begins."""
+        ...
+
+    def pick(self, scheduler: MopScheduler, worker: str) -> Unit | None:
+        """The unit for the idle ``worker``, among ``scheduler.runnable(worker, ...)``."""
+        ...
+
+
+class FixedPlan:
+    """Each model visits the partitions in its row's order of the epoch's :func:`fixed_plan`; an
+    idle worker takes the earliest planned unit that is ready on it."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.position: dict[Unit, tuple[int, int]] = {}  # unit -> (sub-epoch, place in it)
+
+    def start_epoch(
+        self, epoch: int, models: Sequence[str], partitions: Sequence[str], epochs: int = 1
+    ) -> None:
+        plan = fixed_plan(self.seed, models, partitions)  # every epoch of the round alike
+        self.position = {
+            Unit(unit.model, unit.partition, e): (e * len(plan) + k, i)
+            for e in range(epochs)
+            for k, units in enumerate(plan)
+            for i, unit in enumerate(units)
+        }
+
+    def pick(self, scheduler: MopScheduler, worker: str) -> Unit | None:
+        following: dict[str, Unit] = {}  # model -> its next unit in the plan
+        for unit in sorted(scheduler.open_units(), key=self._planned):
+            following.setdefault(unit.model, unit)
+        return min(scheduler.runnable(worker, following.values()), key=self._planned, default=None)
+
+    def _planned(self, unit: Unit) -> tuple[int, int, Unit]:
+        """Where ``unit`` comes in the plan (a unit the plan does not name, after every planned one)."""
+        k, i = self.position.get(unit, (len(self.position), 0))
+        return k, i, unit
+
+
+class GreedyQueue:
+    """The shuffled queue: the unit whose model has the most work left this epoch goes first."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def start_epoch(
+        self, epoch: int, models: Sequence[str], partitions: Sequence[str], epochs: int = 1
+    ) -> None:
+        return None
+
+    def pick(self, scheduler: MopScheduler, worker: str) -> Unit | None:
+        self._rng.shuffle(scheduler.queue)
+        candidates = scheduler.runnable(worker, scheduler.open_units())
+        if not candidates:
+            return None
+        return max(candidates, key=_work_left(scheduler))  # max keeps the first of equals
+
+
+def _work_left(scheduler: MopScheduler) -> Callable[[Unit], tuple[int, float]]:
+    """The work each model still has this epoch: its units left (they run one after another),
+    then its seconds per unit (longest first, so the epoch ends on short units)."""
+    left = Counter(u.model for u in scheduler.queue)
+    known = [c for c in scheduler.cost.values() if c > 0]
+    default = sum(known) / len(known) if known else 1.0
+    return lambda unit: (left[unit.model], scheduler.cost.get(unit.model, default))
+
+
+# schedule name -> its choice of units, made from the seed
+SCHEDULES: dict[str, Callable[[int], UnitChoice]] = {"fixed": FixedPlan, "greedy": GreedyQueue}
+if set(SCHEDULES) != set(get_args(MopScheduleName)):
+    raise ImportError("mopflow.training.executors.scheduler: SCHEDULES and MopScheduleName disagree")
 
 
 @dataclass
@@ -60,8 +173,6 @@ class MopScheduler:
     done: list[Unit] = field(default_factory=list)
     resume: dict[str, str] = field(default_factory=dict)  # model -> partition it stopped mid-pass on
     cost: dict[str, float] = field(default_factory=dict)  # model -> seconds per unit, as measured
-    waiting_since: dict[str, int] = field(default_factory=dict)  # model -> the tick it last went idle
-    tick: int = 0  # counts the units completed and the epochs queued
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -78,30 +189,6 @@ class MopScheduler:
         names, partitions = sorted(models), sorted(self.placement)
         self.queue = [Unit(m, p, e) for e in range(epochs) for m in names for p in partitions]
         self.choice.start_epoch(epoch, names, partitions, epochs)
-
-    @property
-    def rounds(self) -> bool:
-        """Whether the models train in rounds (see :data:`SCHEDULES`)."""
-        return self.choice.rounds
-
-    def queue_epochs(self, model: str, epoch: int, epochs: int = 1, skip: Iterable[str] = ()) -> None:
-        """Queue ``model``'s units of ``epochs`` more epochs (``epoch``: the first's number in the
-        round) while the others train; the partitions in ``skip`` were visited already in the
-        first (a model resumed mid-epoch)."""
-        if self.has_units(model):
-            raise RuntimeError(f"model {model!r} still has units of an earlier epoch")
-        visited, partitions = set(skip), sorted(self.placement)
-        self.queue += [Unit(model, p, epoch) for p in partitions if p not in visited]
-        self.queue += [Unit(model, p, e) for e in range(epoch + 1, epoch + epochs) for p in partitions]
-        self.waiting_since.setdefault(model, self._next_tick())
-
-    def has_units(self, model: str) -> bool:
-        """Whether ``model`` has units queued, running or ahead."""
-        return any(u.model == model for u in (*self.queue, *self.running.values(), *self.ahead.values()))
-
-    def _next_tick(self) -> int:
-        self.tick += 1
-        return self.tick
 
     @property
     def busy_models(self) -> set[str]:
@@ -165,7 +252,6 @@ class MopScheduler:
         if unit is None:
             raise KeyError(f"no unit on worker {worker!r}")
         self.done.append(unit)
-        self.waiting_since[unit.model] = self._next_tick()
         if self.resume.get(unit.model) == unit.partition:
             del self.resume[unit.model]
         return unit
@@ -240,7 +326,6 @@ class MopScheduler:
         """Stop a model between units: its remaining units of this epoch are dropped."""
         self.queue = [u for u in self.queue if u.model != model]
         self.resume.pop(model, None)
-        self.waiting_since.pop(model, None)
 
     @property
     def epoch_finished(self) -> bool:

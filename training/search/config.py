@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mopflow.training.config import StageConfig
-from mopflow.training.executors.schedules import SCHEDULES, MopScheduleName
+from mopflow.training.executors.scheduler import MopScheduleName
 from mopflow.training.search.algorithms import PrunerName, SamplerName, StrategyName
 from mopflow.training.search.space import SearchSpace, default_space, parse_space
 from mopflow.training.trainable.augment import parse_spec
@@ -102,9 +102,8 @@ class SearchConfig(StageConfig):
     mop_schedule: MopScheduleName = Field(
         "fixed",
         description="strategy=mop: fixed (each epoch's hops are a seeded plan: runs with the same seed train "
-        "the same models), greedy (whichever worker frees first takes a unit: faster when models differ "
-        "in size, but runs differ) or rolling (no rounds: each model is reported as its epoch ends and a "
-        "freed slot takes the next trial at once; no worker waits for a slow model, but runs differ)",
+        "the same models) or greedy (whichever worker frees first takes a unit: faster when models differ "
+        "in size, but runs differ)",
     )
     warm_start: bool = Field(
         False, description="Enqueue the current champion's trial parameters as the first trial"
@@ -192,12 +191,6 @@ class SearchConfig(StageConfig):
     @model_validator(mode="after")
     def _volatile(self) -> SearchConfig:
         schedule = self.worker_schedule
-        scaled = schedule is not None or self.spot_trace
-        if scaled and self.strategy == "mop" and not SCHEDULES[self.mop_schedule](self.seed).rounds:
-            raise ValueError(
-                f"mop_schedule={self.mop_schedule!r} has no rounds for the cluster to change size between; "
-                "give mop_schedule='fixed' or 'greedy' with worker_schedule or spot_trace"
-            )
         if schedule is not None:
             if self.strategy not in ("task", "mop"):
                 raise ValueError(

@@ -43,10 +43,6 @@ from mopflow.training.models.families import MODULES_ENV, reload_families
         ({"worker_schedule": "step:1:x:4"}, ["worker_schedule", "increment='x'"]),
         ({"worker_schedule": "step:6:1:4"}, ["worker_schedule", "n_start=6 exceeds n_max=4"]),
         ({"worker_schedule": "static:2", "strategy": "ddp"}, ["worker_schedule", "'ddp'"]),
-        (
-            {"worker_schedule": "static:2", "strategy": "mop", "mop_schedule": "rolling"},
-            ["mop_schedule='rolling' has no rounds", "'fixed' or 'greedy'"],
-        ),
         ({"scale_timeout_s": 0}, ["scale_timeout_s", "0"]),
         ({"spot_speed": -1}, ["spot_speed", "-1"]),
         ({"spot_trace": "prices.txt", "spot_bids": [1.0]}, ["spot_trace", "prices.txt", ".csv"]),

@@ -181,32 +181,6 @@ def test_caller_can_stop_and_add_models_between_epochs(
     assert events.index(("added", "late")) > first_done
 
 
-def test_rolling_mop_reports_an_epoch_as_it_ends_and_fills_a_freed_slot_at_once(
-    small_manifest: str, dask_client: object, tmp_path: Path
-) -> None:
-    """No rounds: the small model's stop frees its slot while the large one still trains its first
-    epoch, and the next model starts then; with rounds it would wait for the large one's report."""
-    data, shards = DataRef.open(small_manifest), _shards(small_manifest)
-    small = ModelSpec("m0", CNN | {"width": 4, "depth": 1}, 0)
-    large = ModelSpec("m1", CNN | {"width": 64, "depth": 4}, 1)
-    executor = MopExecutor(dask_client, data, shards, str(tmp_path), schedule="rolling")
-    controller = StopAndAdd()
-    outcomes = executor.run([small, large], epochs=2, controller=controller)
-    events = controller.events
-    assert events.index(("added", "late")) < events.index(("epoch", "m1")), events
-    assert outcomes["m0"].stopped_early and outcomes["m0"].epochs_done == 1
-    assert outcomes["m1"].epochs_done == 2 and outcomes["late"].epochs_done == 2
-    units = [r for records in executor.epoch_records.values() for r in records]
-    for model in ("m1", "late"):  # every partition once per epoch, never two units at once
-        for epoch in (0, 1):
-            mine = [r for r in units if r["model"] == model and int(r["epoch"]) == epoch]
-            check_invariants(mine, [model], executor.partitions)
-    check_invariants(
-        [r for r in units if r["model"] != "m0" and int(r["epoch"]) == 0], ["m1", "late"], executor.partitions
-    )
-    assert Path(str(outcomes["late"].checkpoint_uri)).exists()
-
-
 def test_mop_resumes_from_its_sub_epoch_checkpoints(
     small_manifest: str, dask_client: object, tmp_path: Path
 ) -> None:

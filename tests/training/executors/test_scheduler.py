@@ -1,6 +1,6 @@
 """The MOP scheduler's choice among the units an idle worker can take: the fixed plan (each
-model's order of partitions a function of the seed and the epoch), the greedy queue (most
-units left first) and rolling (no rounds: the model that waited longest first)."""
+model's order of partitions a function of the seed and the epoch) and the greedy queue (most
+units left first)."""
 
 from __future__ import annotations
 
@@ -170,18 +170,13 @@ def test_a_greedy_schedule_follows_the_timings() -> None:
 
 
 def test_the_schedules_are_a_registry() -> None:
-    assert set(SCHEDULES) == {"fixed", "greedy", "rolling"}
-    assert {name: MopScheduler({"p0": "w0"}, schedule=name).rounds for name in SCHEDULES} == {
-        "fixed": True,
-        "greedy": True,
-        "rolling": False,
-    }
+    assert set(SCHEDULES) == {"fixed", "greedy"}
     assert MopScheduler({"p0": "w0"}).schedule == "fixed"  # the default
     with pytest.raises(ValueError, match="unknown MOP schedule 'fifo'"):
         MopScheduler({"p0": "w0"}, schedule="fifo")
 
 
-@pytest.mark.parametrize("schedule", ["greedy", "fixed", "rolling"])
+@pytest.mark.parametrize("schedule", ["greedy", "fixed"])
 def test_no_worker_waits_behind_a_model_running_elsewhere(schedule: str) -> None:
     """Two partitions, eight models whose unit times differ up to 6x: no worker is ever idle.
     Greedy starts the models with both units left first (the plain first-in-the-shuffled-queue
@@ -287,67 +282,3 @@ def test_a_round_of_several_epochs_keeps_each_models_epochs_in_order(schedule: s
     end_of_first = {m: max(t for t, u in finished if u.model == m and u.epoch == 0) for m in models}
     first_of_second_c = min(t for t, u in finished if u.model == "c" and u.epoch == 1)
     assert first_of_second_c < end_of_first["b"]
-
-
-def _rolling(
-    scheduler: MopScheduler, models: list[str], seconds: dict[str, float], epochs: int
-) -> list[dict]:
-    """Drive a run without rounds: a model's next epoch is queued as soon as its last ends (as the
-    executor does once the controller keeps it); returns every unit record, with its epoch."""
-    scheduler.start_epoch(models)
-    partitions = len(scheduler.placement)
-    clock, started, records = 0.0, {}, []
-    free_at = dict.fromkeys(set(scheduler.placement.values()), 0.0)
-    epoch_of, visited = dict.fromkeys(models, 0), dict.fromkeys(models, 0)
-    while not scheduler.epoch_finished:
-        for worker, unit in scheduler.assign(w for w in free_at if w not in scheduler.running):
-            started[worker], free_at[worker] = clock, clock + seconds[unit.model]
-        worker = min(scheduler.running, key=lambda w: free_at[w])
-        clock = free_at[worker]
-        unit = scheduler.complete(worker)
-        records.append(
-            {"model": unit.model, "partition": unit.partition, "worker": worker, "start": started[worker]}
-            | {"end": clock, "epoch": epoch_of[unit.model]}
-        )
-        visited[unit.model] += 1
-        if visited[unit.model] == partitions and epoch_of[unit.model] + 1 < epochs:
-            epoch_of[unit.model], visited[unit.model] = epoch_of[unit.model] + 1, 0
-            scheduler.queue_epochs(unit.model, epoch_of[unit.model])
-    return records
-
-
-def test_without_rounds_a_model_goes_on_while_a_slow_one_still_trains() -> None:
-    """Three fast models and one 5x slower on two workers, three epochs each: with rounds every
-    epoch waits for the slow model; rolling lets the fast ones finish their epochs meanwhile, in
-    less time, each still visiting every partition once per epoch, and runs the same way twice."""
-    models, partitions = ["a", "b", "c", "slow"], ["p0", "p1"]
-    seconds = {"a": 1.0, "b": 1.0, "c": 1.0, "slow": 5.0}
-    rolling = _rolling(
-        MopScheduler(round_robin(partitions, ["w0", "w1"]), schedule="rolling"), models, seconds, 3
-    )
-    for epoch in range(3):
-        check_invariants([r for r in rolling if r["epoch"] == epoch], models, partitions)
-    slow_first_epoch_end = max(r["end"] for r in rolling if r["model"] == "slow" and r["epoch"] == 0)
-    assert any(r["epoch"] == 1 and r["start"] < slow_first_epoch_end for r in rolling if r["model"] != "slow")
-    fixed = MopScheduler(round_robin(partitions, ["w0", "w1"]), schedule="fixed")
-    in_rounds = 0.0
-    for epoch in range(3):
-        in_rounds += max(r["end"] for r in _epoch(fixed, models, seconds, epoch=epoch))
-    assert max(r["end"] for r in rolling) < in_rounds
-    again = _rolling(
-        MopScheduler(round_robin(partitions, ["w0", "w1"]), schedule="rolling"), models, seconds, 3
-    )
-    assert again == rolling
-
-
-def test_a_model_queues_its_next_epoch_only_once_the_last_is_done() -> None:
-    scheduler = MopScheduler(round_robin(["p0", "p1"], ["w0", "w1"]), schedule="rolling")
-    scheduler.start_epoch(["a"])
-    with pytest.raises(RuntimeError, match="'a' still has units"):
-        scheduler.queue_epochs("a", 1)
-    scheduler.queue_epochs("b", 0, epochs=2, skip=["p1"])  # joins mid-epoch: p1 was visited before
-    assert [u for u in scheduler.queue if u.model == "b"] == [
-        Unit("b", "p0", 0),
-        Unit("b", "p0", 1),
-        Unit("b", "p1", 1),
-    ]

@@ -3,7 +3,6 @@ finishes, so the sampler learns from it and the pruner compares with it while th
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
@@ -205,13 +204,8 @@ def test_a_restarted_mop_coordinator_loses_at_most_the_sub_epochs_in_flight(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("strategy", "pruner"),
-    [
-        *itertools.product(["mop", "ddp"], ["asha", "successive_halving", "hyperband"]),
-        ("mop-rolling", "asha"),  # no rounds: each report and promotion as the epoch ends
-    ],
-)
+@pytest.mark.parametrize("strategy", ["mop", "ddp"])
+@pytest.mark.parametrize("pruner", ["asha", "successive_halving", "hyperband"])
 def test_rung_pruners_prune_live_and_nothing_trains_past_a_decision(
     pruner: str, strategy: str, small_manifest: str, dask_client: Any, tmp_path: Path
 ) -> None:
@@ -225,8 +219,7 @@ def test_rung_pruners_prune_live_and_nothing_trains_past_a_decision(
     cfg = SearchConfig(
         n_trials=5,
         epochs=3,
-        strategy="mop" if strategy == "mop-rolling" else strategy,
-        mop_schedule="rolling" if strategy == "mop-rolling" else "fixed",
+        strategy=strategy,
         model_slots=2,
         ddp_world_size=2,
         space=SPACE,
