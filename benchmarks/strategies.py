@@ -136,6 +136,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importa
 
 from studies import ddp_gangs  # noqa: E402
 
+from mopflow.training.compute.workers import cluster_workers  # noqa: E402
+
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 STRATEGY_ORDER = ("sequential", "task", "mop", "ddp", "averaging", *ddp_gangs.ROWS)
 N_WORKERS = 2
@@ -309,7 +311,6 @@ def _cluster(job: dict[str, Any], shared: Any, n_workers: int = N_WORKERS) -> It
                     trials_per_gpu=int(job.get("trials_per_gpu", 1)),
                 )
             )
-            client.wait_for_workers(len(client.scheduler_info()["workers"]), timeout=120)
             client.run(_warm_imports)
         client.run(clear_partitions)
         yield client, time.perf_counter() - started
@@ -364,7 +365,7 @@ def _run_on_workers(name: str, job: dict[str, Any], specs: list[Any], data: Any,
     from mopflow.training.executors.units import cached_bytes
 
     with _cluster(job, shared) as (client, start_s):
-        workers = len(client.scheduler_info()["workers"])
+        workers = len(cluster_workers(client))
         executor = _executor_on_workers(name, client, data, job["shards"])
         outcomes, result = _timed_run(executor, specs, int(job["epochs"]))
         per_worker = client.run(cached_bytes)
@@ -422,7 +423,7 @@ def _run_ddp(name: str, job: dict[str, Any], specs: list[Any], data: Any, shared
             epoch_timeout_s=float(job["ddp_epoch_timeout_s"]),
             max_trials=ddp_gangs.ROWS.get(name),
         )
-        workers = list(client.scheduler_info()["workers"])
+        workers = list(cluster_workers(client))
         sweep_start = time.time()
         outcomes, result = _timed_run(executor, specs, int(job["epochs"]))
         result |= ddp_gangs.idle_figures(executor.records, workers, sweep_start, time.time())

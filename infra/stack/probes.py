@@ -9,15 +9,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from mopflow.infra.base import ports
 from mopflow.infra.stack.config import HOST
 from mopflow.infra.stack.services import HealthCheck
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, outside the range the kernel gives to port-0 binds
+    (``mopflow.infra.base.ports``): no other process takes it before the service binds it."""
+    return ports.free_port(HOST)
 
 
 def port_answers(port: int, host: str = HOST, timeout: float = 1.0) -> bool:
@@ -49,7 +49,8 @@ def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
 
 
 def probe(check: HealthCheck, timeout: float = 3.0) -> tuple[bool, str]:
-    """Run one health check: (healthy, what was seen)."""
+    """Run one health check: (healthy, what was seen). Any error on the way (a refused
+    connection, a broken HTTP answer, a body that is not the service's) is "not healthy"."""
     try:
         if check.kind == "tcp":
             host, _, port = check.url.removeprefix("tcp://").rpartition(":")
@@ -58,24 +59,28 @@ def probe(check: HealthCheck, timeout: float = 3.0) -> tuple[bool, str]:
         status, body = _http_get(check.url, timeout)
         if status != 200:
             return False, f"{check.url} answered HTTP {status}"
+        if check.expect and check.expect not in body.decode(errors="replace"):
+            return False, f"{check.url} answered, but not as the service: no {check.expect!r} in its body"
         if check.kind == "airflow":
             info = json.loads(body)
             parts = {k: (info.get(k) or {}).get("status") for k in ("metadatabase", "scheduler")}
             bad = {k: v for k, v in parts.items() if v != "healthy"}
             return not bad, ", ".join(f"{k} {v}" for k, v in bad.items())
         if check.kind == "dask_workers":
-            workers = int(json.loads(body).get("workers", 0))
+            workers = int(json.loads(body)["workers"])  # a body without it is not Dask's
             ok = workers >= check.min_workers
             return ok, "" if ok else f"{workers}/{check.min_workers} workers connected"
         if check.kind == "serve":
             info = json.loads(body)
+            if "model" not in info:
+                return False, f"{check.url} answered, but not as mopflow serve"
             version = info.get("version")
             return (
                 True,
                 f"{info.get('model')} v{version}" if version else f"no {info.get('model')}@champion yet",
             )
         return True, ""
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # a protocol error is as much "not up" as a refused connection
         return False, f"{check.url}: {type(exc).__name__}: {exc}"
 
 

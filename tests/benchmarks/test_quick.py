@@ -163,11 +163,23 @@ def check_mop_bound(report: Report, out: Path) -> None:
             assert {row[c] for c in columns} == {1.0}
 
 
+def check_roundtrip(report: Report, out: Path) -> None:
+    cells = [(r["state_bytes"], r["mode"]) for r in report["rows"]]
+    assert cells == [(1, "by_value"), (1, "dependency"), (65536, "by_value"), (65536, "dependency")]
+    for row in report["rows"]:
+        assert row["units"] == 20 and row["wall_ms"] > 0 and row["workers_cpu_ms"] > 0
+        # the main thread is one of the process's threads: its CPU is part of the process's
+        assert 0 < row["coordinator_main_thread_cpu_ms"] <= row["coordinator_cpu_ms"]
+    floor = report["rows"][0]  # the ratios' baseline: the smallest state passed by value
+    assert floor["wall_ratio"] == floor["coordinator_cpu_ratio"] == 1.0
+
+
 QUICK: dict[str, Callable[[Report, Path], None]] = {
     "distill": check_distill,
     "mop_bound": check_mop_bound,
     "mop_schedule": check_mop_schedule,
     "overhead": check_overhead,
+    "roundtrip": check_roundtrip,
     "scale": check_scale,  # two whole `mopflow run`s, of 1,000 and 2,000 rows
     "search": check_search,
     "shard": check_shard,

@@ -21,6 +21,7 @@ import dask
 from distributed import Client, LocalCluster
 
 from mopflow.training.compute.devices import DeviceError, WorkerSpec, gpu_worker_plan, visible_gpus
+from mopflow.training.compute.workers import cluster_workers
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class _Local:
         failed import is logged; the task that needs the module fails on its own)."""
         if not modules:
             return
-        for address in self.client.scheduler_info()["workers"]:
+        for address in cluster_workers(self.client):
             future = self.client.submit(
                 import_modules, tuple(modules), workers=[address], allow_other_workers=False, pure=False
             )
@@ -237,7 +238,7 @@ class _Local:
             return (
                 self.client.status == "running"
                 and len(self.cluster.worker_spec) == self.size
-                and len(self.client.scheduler_info()["workers"]) == self.size
+                and len(cluster_workers(self.client)) == self.size
             )
         except Exception:  # a cluster that cannot answer is not kept
             return False

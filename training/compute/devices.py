@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mopflow.infra.base.settings import Accelerator, Precision
+from mopflow.training.compute.workers import cluster_workers
 
 GPU_RESOURCE = "GPU"  # the Dask worker resource a GPU worker declares (dask worker --resources GPU=1)
 
@@ -138,7 +139,7 @@ def gpu_worker_plan(gpus: Sequence[str], trials_per_gpu: int) -> list[WorkerSpec
 
 def gpu_workers(client: Any) -> int:
     """How many workers of a running cluster declare the GPU resource."""
-    workers = client.scheduler_info().get("workers", {})
+    workers = cluster_workers(client)
     return sum(1 for w in workers.values() if float((w.get("resources") or {}).get(GPU_RESOURCE, 0)) > 0)
 
 

@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mopflow.training.compute.workers import joined_worker_addresses
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome, OneModelAtATime
 from mopflow.training.executors.units import evaluate_state, init_state, train_pass
@@ -95,10 +96,7 @@ class ModelAveragingExecutor(OneModelAtATime):
 
         super().__init__(data)
         self.client = client
-        workers = sorted(client.scheduler_info()["workers"])
-        if not workers:  # a cluster still starting
-            client.wait_for_workers(1, timeout=120)
-            workers = sorted(client.scheduler_info()["workers"])
+        workers = joined_worker_addresses(client)
         self.partitions = partition_shards(shard_names, partitions or cluster_size(client, workers))
         self.placement = round_robin(self.partitions, workers)  # partition -> the worker holding it
         manifest = load_manifest(data.manifest_uri, data.storage_options)

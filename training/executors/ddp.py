@@ -25,6 +25,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from mopflow.infra.base import stopping
+from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome
 from mopflow.training.executors.ddp_job import DDPJob, JobPreempted, RankLost
@@ -209,8 +210,10 @@ class DDPExecutor(Executor):
         """The gang's workers that got a spot notice (they leave once their ranks returned)."""
         from mopflow.training.volatile.preempt import notice_received
 
+        present = cluster_workers(self.client)
+        asked = [w for w in gang if w in present]  # one gone already would take a connect timeout
         try:
-            told = self.client.run(notice_received, workers=list(gang), on_error="ignore")
-        except Exception:  # a worker already gone
+            told = self.client.run(notice_received, workers=asked, on_error="ignore") if asked else {}
+        except Exception:  # a worker gone meanwhile
             return list(gang)
         return [w for w in gang if told.get(w, True) is not False]

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome
 from mopflow.training.executors.ddp_rank import GO, STOP, free_port, run_rank
 from mopflow.training.trainable.unit import ModelSpec
@@ -224,7 +225,7 @@ class DDPJob:
     def _check_ranks(self, futures: dict[Any, tuple[int, str]], done: set[Any]) -> None:
         """Raise RankLost when a rank's worker left the cluster or a peer went away mid-collective,
         or a failed rank's own error (e.g. a non-finite loss: the trial fails, not started again)."""
-        alive = set(self.client.scheduler_info()["workers"])
+        alive = set(cluster_workers(self.client))
         for future, (rank, worker) in futures.items():
             if worker not in alive:
                 raise RankLost(f"rank {rank}'s worker {worker} left the cluster")
@@ -239,7 +240,7 @@ class DDPJob:
         next collective): only then are their workers free for the next attempt."""
         from distributed import wait
 
-        alive = set(self.client.scheduler_info()["workers"])
+        alive = set(cluster_workers(self.client))
         waiting = []
         for future, (_, worker) in futures.items():
             if worker in alive:

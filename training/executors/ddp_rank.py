@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import socket
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -83,10 +82,10 @@ def free_port() -> tuple[str, int]:
     """A free TCP port on this worker's host, and the host's address as the cluster knows it."""
     from distributed import get_worker
 
+    from mopflow.infra.base import ports
+
     host = get_worker().address.split("://")[-1].rsplit(":", 1)[0]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return host, int(sock.getsockname()[1])
+    return host, ports.free_port(host)
 
 
 def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[str, Any]:

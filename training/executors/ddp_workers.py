@@ -19,6 +19,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mopflow.training.compute.workers import cluster_workers
+
 WAIT_POLL_S = 0.2
 
 
@@ -86,7 +88,7 @@ class WorkerGangs:
 
     def devices(self) -> dict[str, str]:
         """Address -> device of the live workers that hold the resources a rank needs."""
-        info = self.client.scheduler_info()["workers"]
+        info = cluster_workers(self.client)
         fit = [
             address
             for address, worker in info.items()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mopflow.infra.base import stopping
+from mopflow.training.compute.workers import joined_worker_addresses
 from mopflow.training.data import load_manifest
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, Executor, ModelOutcome
@@ -109,10 +110,7 @@ class MopExecutor(Executor):
         super().__init__(data, checkpoint_root)
         self.client = client
         self.seed = seed
-        workers = sorted(client.scheduler_info()["workers"])
-        if not workers:  # a cluster still starting (or a worker restarting under load)
-            client.wait_for_workers(1, timeout=120)
-            workers = sorted(client.scheduler_info()["workers"])
+        workers = joined_worker_addresses(client)
         self.partitions = partition_shards(shard_names, partitions or cluster_size(client, workers))
         manifest = load_manifest(data.manifest_uri, data.storage_options)
         self.partition_rows = partition_rows(manifest, self.partitions)

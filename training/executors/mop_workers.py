@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.executors.scheduler import MopScheduler, Unit
 from mopflow.training.volatile.preempt import lost_spans, redone_seconds, task_story
 
@@ -47,7 +48,7 @@ def fetch_unit_result(client: Any, future: Any, worker: str, poll_s: float = FET
         try:
             return future.result(timeout=poll_s)
         except TimeoutError:
-            if worker not in client.scheduler_info()["workers"]:
+            if worker not in cluster_workers(client):
                 raise UnitResultLost(f"worker {worker} left before its unit's result was fetched") from None
 
 
@@ -66,7 +67,7 @@ class WorkerWatch:
         read at most that many seconds ago."""
         now = time.monotonic()
         if self._members is None or now - self._members[0] >= max_age_s:
-            self._members = (now, frozenset(self.client.scheduler_info()["workers"]))
+            self._members = (now, frozenset(cluster_workers(self.client)))
         return set(self._members[1])
 
     def alive(self, connected: set[str] | None = None) -> list[str]:

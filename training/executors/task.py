@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from mopflow.infra.base import stopping
+from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome, OneModelAtATime
 from mopflow.training.executors.stop_notice import StopNotice
@@ -71,7 +72,7 @@ class TaskExecutor(Executor):
         super().__init__(data, checkpoint_root)
         self.client = client
         self.shards = sorted(shard_names)
-        self.slots = slots or len(client.scheduler_info()["workers"]) or 1
+        self.slots = slots or len(cluster_workers(client)) or 1
         self.admission = admission
         self.batches = batches
         self.started_at: dict[str, float] = {}

@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from mopflow.infra.base import stopping
+from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.executors.base import (
     Controller,
     EpochReport,
@@ -204,7 +205,7 @@ class TaskRun:
     def _leaving_still_here(self) -> bool:
         if not self.leaving:
             return False
-        self.leaving &= set(self.x.client.scheduler_info()["workers"])  # the gone ones are forgotten
+        self.leaving &= set(cluster_workers(self.x.client))  # the gone ones are forgotten
         return bool(self.leaving)
 
     def submit_deferred(self) -> None:

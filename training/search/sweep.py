@@ -17,6 +17,7 @@ import optuna
 
 from mopflow.infra.base import progress, storage
 from mopflow.training.compute.devices import CPU, DeviceSpec
+from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Executor, ModelOutcome, pass_seconds, task_parts, task_seconds
 from mopflow.training.search.algorithms import StrategyName
@@ -113,7 +114,7 @@ def _search(
     executor = strategy_executor(ExecutorSetting(cfg, client, data, shards, checkpoint_root, scaling))
     _forward_worker_logs(client)
     sweep = _Sweep(cfg, study, space, executor, artifact_root, study_name, opts, results)
-    workers = len(client.scheduler_info()["workers"])
+    workers = len(cluster_workers(client))
     started = time.monotonic()
     sweep.run(budget, opts["min_complete"])
     wall = time.monotonic() - started

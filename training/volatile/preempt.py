@@ -100,6 +100,7 @@ class PreemptionPlugin(WorkerPlugin):
         signal.signal(signal.SIGTERM, on_sigterm)
 
     async def _leave(self, worker: Any) -> None:
+        _keep_the_nanny(worker)
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline and worker.state.executing_count > 0:
             await asyncio.sleep(0.1)
@@ -131,6 +132,19 @@ class PreemptionPlugin(WorkerPlugin):
         if getattr(worker, "nanny", None):
             logging.shutdown()
             os._exit(0)
+
+
+def _keep_the_nanny(worker: Any) -> None:
+    """Make every close of the leaving worker leave its nanny running, which then starts the
+    fresh worker. Once the scheduler has removed the worker (the graceful close retires it
+    first), a heartbeat already due is answered "missing" and Dask's worker closes itself *and
+    its nanny*: no worker would take this one's place."""
+    close = worker.close
+
+    async def close_keeping_the_nanny(*args: Any, **kwargs: Any) -> Any:
+        return await close(*args, **(kwargs | {"nanny": False}))
+
+    worker.close = close_keeping_the_nanny
 
 
 FINISHED_STATES = ("memory", "erred", "forgotten")

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mopflow.training.compute.workers import worker_addresses
 from mopflow.training.volatile.preempt import register_preemption
 from mopflow.training.volatile.workers import WorkerSchedule, workers_at
 
@@ -49,11 +50,6 @@ class ClusterScaler(Protocol):
     """Brings the cluster to ``n`` workers; returns how many are present afterwards."""
 
     def scale(self, n: int) -> int: ...
-
-
-def worker_addresses(client: Any) -> list[str]:
-    """Addresses of the workers the scheduler knows now, sorted."""
-    return sorted(client.scheduler_info()["workers"])
 
 
 def wait_for_workers(

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.volatile.cost import account_intervals, bill_interval
 from mopflow.training.volatile.price_trace import PriceTrace, price_at, repeat_trace
 from mopflow.training.volatile.prices import SECONDS_PER_HOUR, PriceError
@@ -154,7 +155,7 @@ class SpotReplay:
         nanny = self._nanny(w)
         if nanny is None or nanny.status.name != "running" or not nanny.worker_address:
             return False
-        if nanny.worker_address not in self.client.scheduler_info()["workers"]:
+        if nanny.worker_address not in cluster_workers(self.client):
             return False
         w.address, w.pid = str(nanny.worker_address), nanny.pid
         return True

@@ -22,6 +22,7 @@ from mopflow.training.compute.devices import (
     resolve_device,
     visible_gpus,
 )
+from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.executors import DataRef, ModelSpec
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
@@ -83,7 +84,7 @@ def test_a_local_cluster_for_gpus_starts_a_worker_per_gpu_slot_that_sees_only_it
 
 def _check_gpu_workers(client: Any) -> None:
     """Four workers, one per GPU slot, each seeing only its GPU and declaring GPU=1."""
-    workers = client.scheduler_info()["workers"].values()
+    workers = cluster_workers(client).values()
     assert sorted(w["name"] for w in workers) == ["gpu0-0", "gpu0-1", "gpu1-0", "gpu1-1"]
     assert all(w["resources"] == {"GPU": 1} for w in workers)
     seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -10,12 +10,17 @@ from mopflow.training.executors.scheduler import MopScheduler
 
 
 class _Scheduler:
-    """A client's ``scheduler_info`` over a set of workers the test changes, counting the reads."""
+    """A client whose scheduler's identity lists a set of workers the test changes, counting the
+    reads."""
 
     def __init__(self, workers: set[str]) -> None:
         self.workers, self.reads = workers, 0
+        self.scheduler = self
 
-    def scheduler_info(self) -> dict[str, Any]:
+    def sync(self, call: Any, **kwargs: Any) -> Any:
+        return call(**kwargs)
+
+    def identity(self, n_workers: int = 0) -> dict[str, Any]:
         self.reads += 1
         return {"workers": {w: {} for w in self.workers}}
 

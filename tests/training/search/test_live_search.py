@@ -9,6 +9,7 @@ from typing import Any
 import optuna
 import pytest
 
+from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.space import optuna_params_for
 from mopflow.training.search.sweep import run_search_with_executor
@@ -276,6 +277,6 @@ def test_a_task_asha_sweep_never_leaves_a_worker_without_an_epoch_while_trials_r
     _enqueue(str(tmp_path / "journal.log"), cfg, lrs)
     outcome = _sweep(cfg, small_manifest, tmp_path, dask_client)
     assert {r.state for r in outcome.results} >= {"COMPLETE", "PRUNED"}  # models stopped at rungs
-    workers = len(dask_client.scheduler_info()["workers"])  # type: ignore[attr-defined]
+    workers = len(cluster_workers(dask_client))  # type: ignore[attr-defined]
     assert admits[0] == (workers, True) and admits[-1][1] is False
     assert not [(n, remain) for n, remain in admits if n < workers and remain], admits

@@ -11,6 +11,7 @@ import pytest
 
 from mopflow.infra.base.optuna_storage import make_storage
 from mopflow.infra.stages.config import ConfigError, PipelineConfig
+from mopflow.training.compute.workers import worker_addresses
 from mopflow.training.data import load_manifest
 from mopflow.training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
 from mopflow.training.executors.task import TaskExecutor
@@ -60,7 +61,7 @@ def test_a_task_sweep_in_batches_run_twice_gives_the_same_trials(
     )  # fmt: skip
     first = _sweep("first", cfg, small_manifest, tmp_path, dask_client)
     # the second run's timings differ: one of the two workers is busy for its first second
-    worker = sorted(dask_client.scheduler_info()["workers"])[0]
+    worker = worker_addresses(dask_client)[0]
     busy = dask_client.submit(time.sleep, 1.0, workers=[worker], pure=False)
     second = _sweep("second", cfg, small_manifest, tmp_path, dask_client)
     busy.result()

@@ -265,3 +265,29 @@ def test_unit_stopped_by_a_notice_is_its_models_next_unit() -> None:
         (m, p) for m in "ab" for p in ("p0", "p1")
     )
     assert scheduler.resume == {}
+
+
+async def _heartbeat_missing_while_leaving(dask_worker: Any) -> str:
+    """What a leaving worker does (the plugin's guard), then what Dask's worker does when the
+    scheduler answers its heartbeat "missing" after having removed it."""
+    from mopflow.training.volatile.preempt import _keep_the_nanny
+
+    _keep_the_nanny(dask_worker)
+    dask_worker.loop.add_callback(dask_worker.close, reason="worker-heartbeat-missing")
+    return str(dask_worker.address)
+
+
+def test_a_leaving_worker_closed_on_a_missed_heartbeat_is_restarted_by_its_nanny() -> None:
+    """Fault: the scheduler has removed a preempted worker (its graceful close retired it) when
+    one of its heartbeats arrives; Dask's worker closes itself, nanny included. Expected: the
+    nanny stays and a fresh worker process joins in the leaving one's place."""
+    from mopflow.training.compute.cluster import dask_client
+    from mopflow.training.compute.workers import cluster_workers
+
+    with dask_client("", 1) as client:
+        (left,) = client.run(_heartbeat_missing_while_leaving).values()
+        deadline = time.monotonic() + 60
+        while set(cluster_workers(client)) in (set(), {left}):
+            assert time.monotonic() < deadline, "no worker came back"
+            time.sleep(0.2)
+        assert left not in cluster_workers(client)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.volatile.cost import bill_interval
 from mopflow.training.volatile.price_trace import PriceTrace
@@ -83,7 +84,7 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
         outcome = run_strategy_search(
             cfg, small_manifest, "spot", str(tmp_path / "j.log"), str(tmp_path / "art"), client
         )
-        after = len(client.scheduler_info()["workers"])
+        after = len(cluster_workers(client))
     assert after == 2, "the replay leaves every worker running"
     assert [r.state for r in outcome.results] == ["COMPLETE"] * 3
     assert all(len(r.history) == 10 for r in outcome.results)
@@ -171,7 +172,7 @@ def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
             client,
             checkpoint_root=str(tmp_path / "ckpt"),
         )
-        after = len(client.scheduler_info()["workers"])
+        after = len(cluster_workers(client))
     assert after == 2, "the replay leaves every worker running"
     assert [r.state for r in outcome.results] == ["COMPLETE"] * 2, [r.error for r in outcome.results]
     assert all([h["epoch"] for h in r.history] == list(range(EPOCHS_MOP)) for r in outcome.results)

@@ -6,6 +6,7 @@ MOP: undisturbed training in the same hopping order, which follows which worker 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from mopflow.training.compute.workers import worker_addresses
 from mopflow.training.executors.base import CHECKPOINT_FILE
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.study import SearchOutcome, checkpoint_folder
@@ -48,49 +50,58 @@ def volatile_client() -> Iterator[Any]:
         yield client
 
 
-Pick = Callable[[dict[str, list[str]]], tuple[str, str] | None]
+Ready = Callable[[str], bool]  # whether the task a worker runs (by its key) is one to disturb
 
 
-def _executing(dask_worker: Any) -> list[str]:
-    """The keys a worker is running now: the scheduler's ``processing`` also lists tasks still
-    waiting for their inputs, and a notice that lands then stops the unit before its first batch."""
-    return [str(ts.key) for ts in dask_worker.state.executing]
-
-
-def _disturb(client: Any, pick: Pick, running: Callable[[], bool], settle_s: float) -> list[str]:
-    """Once ``pick`` chooses two busy workers from what each is running, wait ``settle_s`` (a few
-    batches into their units), then SIGTERM the first (a spot notice) and SIGKILL the second; the
-    nanny restarts both."""
-    deadline = time.monotonic() + 120
-    while running() and time.monotonic() < deadline:
-        try:
-            executing = client.run(_executing)
-        except OSError:  # a worker restarting after an earlier sweep
-            executing = {}
-        chosen = pick({str(w): keys for w, keys in executing.items() if keys})
-        if chosen is not None:
-            pids = client.run(os.getpid, workers=list(chosen))
-            time.sleep(settle_s)
-            # still running the same units: on a fast machine a unit can end within the sleep,
-            # and a notice between units stops the next one before its first batch
-            still = client.run(_executing, workers=list(chosen))
-            if all(set(still.get(w, ())) & set(executing[w]) for w in chosen):
-                os.kill(pids[chosen[0]], signal.SIGTERM)
-                os.kill(pids[chosen[1]], signal.SIGKILL)
-                return [f"SIGTERM {chosen[0]}", f"SIGKILL {chosen[1]}"]
-        time.sleep(0.02)
-    return []
+async def _signal_when_ready(
+    signum: int, ready: Ready, settle_s: float, flags: str, dask_worker: Any
+) -> None:
+    """Run on a worker (``Client.run``): once a task it runs has been ``ready`` for ``settle_s``
+    (a few batches into its pass), note the signal in the folder ``flags`` and send it to this
+    worker's process; give up once ``flags/over`` exists. Watching from inside the worker, with
+    no round trip between the look and the signal, the signal lands mid-pass however short the
+    passes are and however loaded the machine is (a watcher in the test process, asking both
+    workers over the network, missed passes of 0.1 s on a busy CI machine)."""
+    folder = Path(flags)
+    seen: dict[str, float] = {}  # ready keys, since when
+    while not (folder / "over").exists():
+        now = time.monotonic()
+        keys = [str(ts.key) for ts in dask_worker.state.executing]
+        seen = {key: seen.get(key, now) for key in keys if ready(key)}
+        if any(now - since >= settle_s for since in seen.values()):
+            (folder / signal.Signals(signum).name).write_text(dask_worker.address)
+            os.kill(os.getpid(), signum)
+            return
+        await asyncio.sleep(0.005)
 
 
 def _sweep(
-    run: Callable[[], SearchOutcome], client: Any, pick: Pick | None = None, settle_s: float = 0.15
+    run: Callable[[], SearchOutcome],
+    client: Any,
+    flags: Path | None = None,
+    ready: Ready = bool,
+    settle_s: float = 0.15,
 ) -> tuple[SearchOutcome, list[str]]:
+    """Run one sweep; with ``flags`` (a new folder), disturb it: the first worker gets SIGTERM (a
+    spot notice) once it has run a task ``ready`` accepts for ``settle_s``, the second SIGKILL
+    likewise; the nanny restarts both. The signals sent, SIGTERM first."""
+    if flags is not None:
+        flags.mkdir(parents=True)
+        client.wait_for_workers(2, timeout=60)
+        for worker, signum in zip(worker_addresses(client), (signal.SIGTERM, signal.SIGKILL), strict=True):
+            client.run(
+                _signal_when_ready, int(signum), ready, settle_s, str(flags), workers=[worker], wait=False
+            )
     outcome: dict[str, SearchOutcome] = {}
     runner = threading.Thread(target=lambda: outcome.update(result=run()))
     runner.start()
-    events = _disturb(client, pick, runner.is_alive, settle_s) if pick is not None else []
     runner.join(timeout=240)
     assert not runner.is_alive(), "the sweep should finish"
+    events: list[str] = []
+    if flags is not None:
+        (flags / "over").touch()  # a watcher whose moment never came stops
+        sent = sorted((p for p in flags.iterdir() if p.name != "over"), key=lambda p: p.name == "SIGKILL")
+        events = [f"{p.name} {p.read_text()}" for p in sent]
     client.wait_for_workers(2, timeout=60)
     return outcome["result"], events
 
@@ -182,21 +193,23 @@ def test_mop_sweep_survives_preempted_and_killed_workers(
 
     calm, _ = _sweep(run("calm"), volatile_client)
 
-    def second_epoch(busy: dict[str, list[str]]) -> tuple[str, str] | None:
-        """Both workers training units of the second epoch (warm, past their first batches)."""
-        if len(busy) == 2 and all("-e1-" in k for keys in busy.values() for k in keys):
-            first, second = sorted(busy)
-            return first, second
-        return None
+    def warm_unit(key: str) -> bool:
+        """A unit of the second epoch or later (a warm worker, past its first batches)."""
+        return key.startswith("mop-") and "-e0-" not in key
 
     # a third of the calm run's median unit: a few batches in, far from its end (on a fast
     # machine units took 60 ms, and a fixed 0.15 s wait let them end before the signals)
     units = sorted(r["end"] - r["start"] for recs in calm.epoch_records.values() for r in recs)
     for attempt in range(3):
+        name = f"rough{attempt}"
         rough, events = _sweep(
-            run(f"rough{attempt}"), volatile_client, second_epoch, units[len(units) // 2] / 3
+            run(name),
+            volatile_client,
+            tmp_path / f"{name}-signals",
+            warm_unit,
+            units[len(units) // 2] / 3,
         )
-        if not events:  # both workers were never caught mid-unit of the second epoch: again
+        if len(events) < 2:  # a worker was never caught mid-unit: again
             continue
         _compare(calm, rough, events)
         records = [r for recs in rough.epoch_records.values() for r in recs]
@@ -239,28 +252,24 @@ def test_task_sweep_survives_preempted_and_killed_workers(
 
     calm, _ = _sweep(run("calm"), volatile_client)
 
-    def training(name: str) -> Pick:
-        def pick(busy: dict[str, list[str]]) -> tuple[str, str] | None:
-            """Both workers running trials, the first one's past its first epoch (so it is
-            training when the notice comes, and checkpoints on it)."""
-            if len(busy) != 2:
-                return None
-            for worker, keys in sorted(busy.items()):
-                model_id = keys[0][len("task-") :].split("-e")[0]  # task-<model id>-e<epoch>-<ns>
-                number = int(model_id.rsplit("-", 1)[1])  # trial-<number>
-                folder = Path(checkpoint_folder(str(tmp_path / name), name, number))
-                if (folder / CHECKPOINT_FILE).exists():
-                    return worker, next(w for w in busy if w != worker)
-            return None
+    def training(name: str) -> Ready:
+        def past_first_epoch(key: str) -> bool:
+            """A trial's epoch after its first (so it is training when the notice comes, and
+            checkpoints on it)."""
+            if not key.startswith("task-"):
+                return False
+            model_id = key[len("task-") :].split("-e")[0]  # task-<model id>-e<epoch>-<ns>
+            number = int(model_id.rsplit("-", 1)[1])  # trial-<number>
+            return (Path(checkpoint_folder(str(tmp_path / name), name, number)) / CHECKPOINT_FILE).exists()
 
-        return pick
+        return past_first_epoch
 
-    # a sweep may end before both workers are busy past a checkpoint at once (the scheduler's
-    # placement and the machine's speed decide): then it is run again, as a new study
+    # a sweep may end before a worker was caught past a checkpoint (the scheduler's placement and
+    # the machine's speed decide): then it is run again, as a new study
     for attempt in range(3):
         name = f"rough{attempt}"
-        rough, events = _sweep(run(name), volatile_client, training(name), settle_s=0.1)
-        if events:
+        rough, events = _sweep(run(name), volatile_client, tmp_path / f"{name}-signals", training(name), 0.1)
+        if len(events) == 2:
             break
     _compare(calm, rough, events)
     # An epoch stopped by the notice goes on from its batch, one lost with SIGKILL again from its
@@ -287,7 +296,7 @@ def test_a_unit_result_lost_with_its_killed_worker_is_reported_not_awaited(volat
 
     client = volatile_client
     client.wait_for_workers(2, timeout=60)
-    worker = sorted(client.scheduler_info()["workers"])[0]
+    worker = worker_addresses(client)[0]
     pid = client.run(os.getpid, workers=[worker])[worker]
     future = client.submit(_add, 1, 2, workers=[worker], allow_other_workers=False, pure=False)
     wait([future], timeout=60)
