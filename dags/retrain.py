@@ -15,6 +15,7 @@ the promotion gate (challenger, and champion when it passes).
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag
@@ -30,11 +31,18 @@ from mopflow.dags._mopflow_common import (
 SCHEDULE_ENV = os.environ.get("MOPFLOW_RETRAIN_SCHEDULE", "@weekly").strip()
 
 
+# Unpausing never starts a retrain at once: the first timed run is the next cron time. Airflow's
+# default (run_immediately=False) still runs the latest cron time when it lies within a tenth of
+# the period (16.8 h for @weekly), so a DAG unpaused on a Sunday would retrain at once.
+RUN_IMMEDIATELY = timedelta(0)
+
+
 def _schedule(cron: str) -> Any:
     """Cron (or preset) OR a new sharded dataset; only the Asset when the cron is ``none``/empty."""
     if cron.lower() in {"", "none"}:
         return SHARDED_DATASET
-    return AssetOrTimeSchedule(timetable=CronTriggerTimetable(cron, timezone="UTC"), assets=SHARDED_DATASET)
+    timetable = CronTriggerTimetable(cron, timezone="UTC", run_immediately=RUN_IMMEDIATELY)
+    return AssetOrTimeSchedule(timetable=timetable, assets=SHARDED_DATASET)
 
 
 @dag(

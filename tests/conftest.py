@@ -13,6 +13,26 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Each pytest-xdist worker (and every process it starts) draws the ports of its servers from its
+# own range, below the kernel's ephemeral range: two workers never draw the same port, and no
+# port-0 bind of a Dask process can take one between its choice and the server's bind
+# (mopflow.infra.base.ports).
+PORT_RANGE_LOW, PORT_RANGE_HIGH = 12000, 32000
+
+
+def worker_port_range(worker: str, workers: int) -> str:
+    """The ``MOPFLOW_PORT_RANGE`` of xdist worker ``worker`` (``gw0``, ``gw1``, ...; ``master``
+    without xdist) among ``workers``."""
+    index = int(worker.removeprefix("gw")) if worker.startswith("gw") else 0
+    span = (PORT_RANGE_HIGH - PORT_RANGE_LOW) // max(workers, 1)
+    low = PORT_RANGE_LOW + index * span
+    return f"{low}-{low + span - 1}"
+
+
+os.environ["MOPFLOW_PORT_RANGE"] = worker_port_range(
+    os.environ.get("PYTEST_XDIST_WORKER", "master"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+)
+
 
 def service_available(host: str, port: int, timeout: float = 1.0) -> bool:
     """Whether something accepts TCP connections at host:port."""
@@ -48,6 +68,30 @@ def pg_admin_sql(sql: str) -> None:
         conn.cursor().execute(sql)
     finally:
         conn.close()
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state() -> Iterator[None]:
+    """Nothing a test sets in the process outlives it: ``os.environ``, MLflow's tracking and
+    registry URIs and its active runs are as before (test files share an xdist worker)."""
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    environ = dict(os.environ)
+    tracking, registry = tracking_utils._tracking_uri, registry_utils._registry_uri
+    yield
+    while mlflow.active_run() is not None:
+        try:
+            mlflow.end_run()
+        except Exception:  # its store may be gone with the test's folder: forget the run
+            mlflow.tracking.fluent._active_run_stack.set([])
+    if tracking_utils._tracking_uri != tracking:
+        mlflow.set_tracking_uri(tracking)  # type: ignore[arg-type]  # None: back to the default
+    registry_utils._registry_uri = registry
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 @pytest.fixture()

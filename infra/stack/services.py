@@ -14,7 +14,8 @@ CELERY_SERVICES = ("airflow-scheduler", "airflow-dag-processor", "airflow-trigge
 
 
 class HealthCheck(BaseModel):
-    """One probe: an HTTP GET answering 200 (``http``), a TCP connect (``tcp``), Airflow's
+    """One probe: an HTTP GET answering 200 (``http``; with ``expect``, a body holding that text,
+    so that another program's server on the port is not taken for ours), a TCP connect (``tcp``), Airflow's
     health JSON with a healthy metadata DB and scheduler (``airflow``), a Dask scheduler
     with at least ``min_workers`` workers (``dask_workers``), or ``mopflow serve``'s health JSON
     (``serve``: up, with or without a champion yet; the detail says which version it serves)."""
@@ -24,6 +25,7 @@ class HealthCheck(BaseModel):
     kind: Literal["http", "tcp", "airflow", "dask_workers", "serve"]
     url: str
     min_workers: int = 0
+    expect: str = ""
 
 
 class ServiceSpec(BaseModel):

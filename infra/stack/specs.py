@@ -161,7 +161,7 @@ def _mlflow_spec(
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"),
         },
         url=url,
-        checks=(HealthCheck(kind="http", url=f"{url}/health"),),
+        checks=(HealthCheck(kind="http", url=f"{url}/health", expect="OK"),),
         ports=(p.mlflow,),
     )
 
@@ -189,7 +189,7 @@ def _dask_specs(bin_dir: str, config: StackConfig, folder: Path, common: dict[st
             url=scheduler,
             checks=(
                 HealthCheck(kind="tcp", url=scheduler),
-                HealthCheck(kind="http", url=f"{dask_http}/health"),
+                HealthCheck(kind="http", url=f"{dask_http}/health", expect="ok"),
             ),
             ports=(p.dask_scheduler, p.dask_dashboard),
         ),
@@ -232,7 +232,7 @@ def _optuna_spec(bin_dir: str, p: StackPorts, storage: str, common: dict[str, st
         argv=(_exe(bin_dir, "optuna-dashboard"), *args, "--host", HOST, "--port", str(p.optuna)),
         env=common,
         url=url,
-        checks=(HealthCheck(kind="http", url=f"{url}/"),),
+        checks=(HealthCheck(kind="http", url=f"{url}/", expect="Optuna Dashboard"),),
         ports=(p.optuna,),
     )
 

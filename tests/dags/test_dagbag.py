@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,23 @@ def test_training_tasks_use_the_pool_and_nothing_else_does(dagbag: Any, dag_id: 
     assert "mopflow_training" not in pools.values()
 
 
+def _first_timed_run(dag: Any, now: datetime) -> datetime | None:
+    """When the scheduler would start ``dag``'s first timed run, with the wall clock at ``now``
+    (the DAG round-tripped through serialization, as the scheduler sees it)."""
+    from airflow.serialization.serialized_objects import DagSerialization
+    from airflow.timetables import trigger
+    from airflow.timetables.base import TimeRestriction
+
+    timetable = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag)).timetable
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trigger, "utcnow", lambda: now)
+        first = timetable.next_dagrun_info(
+            last_automated_data_interval=None,
+            restriction=TimeRestriction(earliest=dag.start_date, latest=None, catchup=dag.catchup),
+        )
+    return None if first is None else first.run_after
+
+
 def test_retrain_runs_on_its_timetable_or_new_sharded_data(dagbag: Any) -> None:
     from airflow.sdk import Asset, AssetOrTimeSchedule
 
@@ -78,20 +96,32 @@ def test_retrain_runs_on_its_timetable_or_new_sharded_data(dagbag: Any) -> None:
         pytest.skip("schedule disabled by MOPFLOW_RETRAIN_SCHEDULE")
     assert isinstance(dag.timetable, AssetOrTimeSchedule)
     assert dag.timetable.asset_condition == Asset("mopflow_sharded_dataset")
-    # Unpausing does not start a retrain at once: the first timed run is the next cron time.
-    from airflow.serialization.serialized_objects import DagSerialization
-    from airflow.timetables.base import TimeRestriction
-    from airflow.utils import timezone
-
-    timetable = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag)).timetable
-    first = timetable.next_dagrun_info(
-        last_automated_data_interval=None,
-        restriction=TimeRestriction(earliest=dag.start_date, latest=None, catchup=dag.catchup),
-    )
-    assert first is not None and first.run_after > timezone.utcnow()
     # No loop: retrain publishes nothing; only a sweep's shard task does (through the alias).
     assert all(not t.outlets for t in dag.tasks)
     assert [o.name for o in dagbag.dags["mopflow_sweep"].get_task("shard").outlets] == ["mopflow_new_shards"]
+
+
+# (the wall clock when the DAG is unpaused, the first timed run of @weekly: Sunday 00:00 UTC)
+UNPAUSED_AT = [
+    ("2026-11-29T00:00:00", "2026-11-29T00:00:00"),  # on the cron time itself: that run is due
+    ("2026-11-29T00:18:51", "2026-12-06T00:00:00"),  # minutes after it (Airflow's default ran it)
+    ("2026-11-29T16:00:00", "2026-12-06T00:00:00"),  # within a tenth of the week after it
+    ("2026-12-01T09:30:00", "2026-12-06T00:00:00"),  # a Tuesday
+    ("2026-12-05T23:59:59", "2026-12-06T00:00:00"),  # a second before the next
+    ("2026-12-31T23:00:00", "2027-01-03T00:00:00"),  # across a year's end
+]
+
+
+@pytest.mark.parametrize(("now", "expected"), UNPAUSED_AT)
+def test_unpausing_the_retrain_waits_for_the_next_cron_time(dagbag: Any, now: str, expected: str) -> None:
+    """The promise: unpausing ``mopflow_retrain`` never starts a retrain at once; its first timed
+    run is the next cron time (a run due at that very second is the next one)."""
+    if os.environ.get("MOPFLOW_RETRAIN_SCHEDULE", "@weekly").lower() != "@weekly":
+        pytest.skip("the cases are those of the default @weekly schedule")
+    clock = datetime.fromisoformat(now).replace(tzinfo=UTC)
+    first = _first_timed_run(dagbag.dags["mopflow_retrain"], clock)
+    assert first is not None and first >= clock
+    assert first == datetime.fromisoformat(expected).replace(tzinfo=UTC)
 
 
 def test_retrain_warm_starts_and_sweep_does_not_by_default(dagbag: Any) -> None:
