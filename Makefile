@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mopflow-installed
 
-.PHONY: demo test chromium lint venv lock clean
+.PHONY: demo test test-fast chromium lint venv lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "mopflow needs $(PYTHON) on PATH" >&2; exit 1; }
@@ -32,6 +32,11 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP) chromium
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The fast tier, the loop between commits: every test that starts no stack, no server and no whole
+# pipeline (those are marked slow; docs/development.md says which and why). No chromium needed.
+test-fast: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 # The browser test drives Debian's chromium through Playwright (never `playwright install`).
 chromium:

@@ -144,39 +144,21 @@ def pg_url() -> Iterator[str]:
         admin_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-# The test files with tests marked ``services``: under pytest-xdist they run on one worker, one
-# after another, since one of them restarts PostgreSQL mid-sweep (checked at collection).
-SERVICES_FILES = frozenset(
-    {
-        "tests/infra/stages/test_faults.py",
-        "tests/infra/test_airflow_executors.py",
-        "tests/infra/test_scale_out.py",
-        "tests/training/search/test_search_faults.py",
-    }
-)
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """`make test`'s workers take whole test files (their module fixtures are set up once), and
-    the files of the local PostgreSQL and Redis servers as one unit."""
-    from tests.workers import FileAndServicesScheduling
+    """`make test`'s workers take whole test files (their module fixtures are set up once), the
+    heaviest first (tests/workers.py)."""
+    from tests.workers import HeaviestFileFirstScheduling
 
-    return FileAndServicesScheduling(config, log, SERVICES_FILES)
+    return HeaviestFileFirstScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests of the local servers live in ``SERVICES_FILES``; tests marked ``gpu`` run only where
-    torch sees a CUDA device."""
-    files = {
-        item.nodeid.split("::", 1)[0]
-        for item in items
-        if item.get_closest_marker("services") or "pg_url" in getattr(item, "fixturenames", ())
-    }
-    if strays := sorted(files - SERVICES_FILES):
-        raise pytest.UsageError(
-            f"tests of the local servers outside SERVICES_FILES (tests/conftest.py): {strays}"
-        )
+    """Tests of the local servers (marked ``services``, or using ``pg_url``) are never in the fast
+    tier; tests marked ``gpu`` run only where torch sees a CUDA device."""
+    for item in items:
+        if item.get_closest_marker("services") or "pg_url" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-from tests.conftest import SERVICES_FILES
-from tests.workers import SERVICES_UNIT, work_unit
+from tests.workers import FILE_SECONDS, file_of, heaviest_first
 
 
-def test_a_file_is_one_unit_and_the_files_of_the_local_servers_are_one_together() -> None:
-    units = {
-        work_unit(nodeid, SERVICES_FILES)
-        for nodeid in (
-            "tests/infra/test_airflow_executors.py::test_celery_executor_runs_a_sweep_through_a_redis_worker",
-            "tests/infra/stages/test_faults.py::test_postgresql_restart_mid_sweep_loses_and_duplicates_no_trial",
-            "tests/infra/stages/test_faults.py::test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete",
-        )
-    }
-    assert units == {SERVICES_UNIT}
-    assert work_unit("tests/test_docs.py::test_x[a::b]", SERVICES_FILES) == "tests/test_docs.py"
+def test_a_file_is_one_unit() -> None:
+    assert file_of("tests/test_docs.py::test_x[a::b]") == "tests/test_docs.py"
+    assert file_of("tests/infra/stages/test_faults.py::Test::test_y") == "tests/infra/stages/test_faults.py"
+
+
+def test_the_heaviest_files_go_first_and_the_rest_keep_their_order() -> None:
+    files = ["tests/a.py", "tests/infra/test_stack.py", "tests/b.py", "tests/infra/test_airflow_executors.py"]
+    assert heaviest_first(files) == [
+        "tests/infra/test_airflow_executors.py",
+        "tests/infra/test_stack.py",
+        "tests/a.py",
+        "tests/b.py",
+    ]
+
+
+def test_every_weighed_file_exists() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    assert [f for f in FILE_SECONDS if not (root / f).is_file()] == []

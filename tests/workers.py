@@ -1,30 +1,61 @@
-"""How `make test` shares the suite between its pytest-xdist workers."""
+"""How `make test` shares the suite between its pytest-xdist workers: whole files, the heaviest
+first, so that no long file starts last and leaves one worker running alone at the end."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 from xdist.scheduler import LoadFileScheduling
 
-SERVICES_UNIT = "local services"
+# Seconds a file took on one worker of a 2-CPU machine (`--durations`, 2026-11-29), for the files
+# over about a minute; any other file weighs less than each of them. Only their order matters: a
+# stale figure costs balance, never a test.
+FILE_SECONDS: Mapping[str, float] = {
+    "tests/infra/test_airflow_executors.py": 560,
+    "tests/infra/cli/test_local_runs.py": 420,
+    "tests/benchmarks/test_quick.py": 400,
+    "tests/infra/test_stack.py": 330,
+    "tests/infra/stages/test_faults.py": 200,
+    "tests/infra/test_scale_out.py": 150,
+    "tests/dags/test_end_to_end_images.py": 110,
+    "tests/dags/test_end_to_end.py": 110,
+    "tests/examples/test_custom_family.py": 80,
+    "tests/infra/stages/test_pipeline.py": 80,
+    "tests/training/volatile/test_volatile_sweeps.py": 70,
+    "tests/training/volatile/test_spot_replay.py": 70,
+    "tests/training/volatile/test_scaling.py": 60,
+    "tests/test_packaging.py": 60,
+    "tests/benchmarks/test_strategies.py": 60,
+}
 
 
-def work_unit(nodeid: str, services_files: Collection[str]) -> str:
-    """The unit of work a test belongs to: its file, or ``SERVICES_UNIT`` for the tests of the
-    local servers (one worker runs them one after another)."""
-    path = nodeid.split("::", 1)[0]
-    return SERVICES_UNIT if path in services_files else path
+def file_of(nodeid: str) -> str:
+    """The test file a test id belongs to (its unit of work)."""
+    return nodeid.split("::", 1)[0]
 
 
-class FileAndServicesScheduling(LoadFileScheduling):
-    """Whole test files go to the next free worker, as with ``--dist loadfile``, and the files in
-    ``services_files`` form one unit."""
+def heaviest_first(files: list[str], seconds: Mapping[str, float] = FILE_SECONDS) -> list[str]:
+    """``files`` in the order they are handed out: the known heavy ones by their seconds, then
+    the rest as collected."""
+    return sorted(files, key=lambda f: -seconds.get(f, 0.0))
 
-    def __init__(self, config: pytest.Config, log: Any, services_files: Collection[str]) -> None:
+
+class HeaviestFileFirstScheduling(LoadFileScheduling):
+    """Whole test files go to the next free worker, as with ``--dist loadfile``, the heaviest
+    (:data:`FILE_SECONDS`) first."""
+
+    def __init__(self, config: pytest.Config, log: Any) -> None:
         super().__init__(config, log)
-        self.services_files = frozenset(services_files)
+        self._ordered = False
 
     def _split_scope(self, nodeid: str) -> str:
-        return work_unit(nodeid, self.services_files)
+        return file_of(nodeid)
+
+    def _assign_work_unit(self, node: Any) -> None:
+        if not self._ordered:  # once, at the first hand-out, when the queue holds every file
+            order = heaviest_first(list(self.workqueue))
+            self.workqueue = type(self.workqueue)((f, self.workqueue[f]) for f in order)
+            self._ordered = True
+        super()._assign_work_unit(node)

@@ -107,6 +107,7 @@ LOCAL_ENV: frozenset[str] = frozenset(
         "MOPFLOW_PROFILE",  # infra/stack/profile.py fills the environment before anything else runs
         "MOPFLOW_MLFLOW_BACKEND_STORE",  # the backend store `mopflow up` gives its MLflow server
         "MOPFLOW_MLFLOW_ARTIFACTS_DESTINATION",  # and its artifact destination
+        "MOPFLOW_PORT_RANGE",  # where free ports are drawn on one host (infra/base/ports.py; the test suite's workers)
     }
 )
 

@@ -37,12 +37,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         settings = Settings.from_env()
         requested = {name: getattr(args, f"{name}_port") for name in stack.PORT_ENV}
         workers = args.dask_workers or settings.dask_workers
-        config = stack.config_from_env(
-            os.environ, requested, args.free_ports, workers, stack.free_port, mlflow_auth=args.auth
-        )
-        if args.timeout is not None:
-            config = config.model_copy(update={"timeout_s": args.timeout})
-        return stack.up(settings, config, os.environ)
+
+        def choose_config() -> Any:
+            config = stack.config_from_env(
+                os.environ, requested, args.free_ports, workers, stack.free_port, mlflow_auth=args.auth
+            )
+            if args.timeout is not None:
+                config = config.model_copy(update={"timeout_s": args.timeout})
+            return config
+
+        return stack.up_choosing_ports(settings, choose_config, os.environ)
 
     from mopflow.infra.cli.airflow_integration import check_plugin_loads, checked_dags_folder
 

@@ -42,7 +42,7 @@ from mopflow.infra.stack.config import (
     StackPorts,
     config_from_env,
 )
-from mopflow.infra.stack.lifecycle import down, status, up
+from mopflow.infra.stack.lifecycle import down, status, up, up_choosing_ports
 from mopflow.infra.stack.probes import free_port, port_answers
 from mopflow.infra.stack.services import (
     CELERY_SERVICES,
@@ -75,4 +75,5 @@ __all__ = [
     "state_path",
     "status",
     "up",
+    "up_choosing_ports",
 ]

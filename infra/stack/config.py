@@ -88,6 +88,7 @@ class StackConfig(BaseModel):
     timeout_s: float = Field(300.0, gt=0, le=3600)
     grace_s: float = Field(20.0, ge=0, le=600)
     mlflow_auth: bool = False
+    free_ports: bool = False  # the ports were chosen free (--free-ports), not given by the user
     serve_model: str = Field("mopflow-student", min_length=1, max_length=256, pattern=r"^[\w.-]+$")
 
 
@@ -166,6 +167,7 @@ def config_from_env(
             timeout_s=_env_number(environ, "MOPFLOW_STACK_TIMEOUT_S", float, 300.0),
             grace_s=_env_number(environ, "MOPFLOW_STACK_GRACE_S", float, 20.0),
             mlflow_auth=auth,
+            free_ports=free,
             serve_model=environ.get("MOPFLOW_SERVE_MODEL", "").strip() or "mopflow-student",
         )
     except ValidationError as exc:

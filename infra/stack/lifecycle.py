@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from mopflow.infra.base.airflow_home import migrate_airflow_db
 from mopflow.infra.base.optuna_storage import journal_path, storage_kind
@@ -97,6 +98,41 @@ def up(
         state = _start(specs, state, path, config, bin_dir, say)
         say(format_up_summary(state))
         return state
+
+
+ADDRESS_IN_USE = ("address already in use", "errno 98", "connection in use")
+PORT_ATTEMPTS = 3
+
+
+def port_was_taken(error: BaseException) -> bool:
+    """Whether a failed start-up failed because a service found its port taken (its log says so)."""
+    text = str(error).lower()
+    return any(needle in text for needle in ADDRESS_IN_USE)
+
+
+def up_choosing_ports(
+    settings: Settings,
+    choose_config: Callable[[], StackConfig],
+    environ: Mapping[str, str],
+    say: Callable[[str], None] = print,
+    attempts: int = PORT_ATTEMPTS,
+    **up_options: Any,
+) -> StackState:
+    """:func:`up` with the config ``choose_config`` gives. When it chose the ports free
+    (``free_ports``), a start-up that fails because a port was taken meanwhile (bound by another
+    process between the choice and the service's bind) chooses the ports again and starts again,
+    ``attempts`` times in all; fixed ports are the user's, and a taken one is an error at once."""
+    for attempt in range(1, attempts + 1):
+        config = choose_config()
+        try:
+            return up(settings, config, environ, say, **up_options)
+        except StackError as exc:
+            if not (config.free_ports and attempt < attempts and port_was_taken(exc)):
+                raise
+            say(
+                f"a port was taken before its service bound it: choosing new ports ({attempt + 1}/{attempts})"
+            )
+    raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
 def _already_running(path: Path, say: Callable[[str], None]) -> StackState | None:

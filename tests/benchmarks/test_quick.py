@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.benchmarks.loader import BENCHMARKS_DIR, load_benchmark
+from tests.benchmarks.loader import BENCHMARKS_DIR, assert_not_written_over, load_benchmark, recorded_results
 
 RESULTS_DIR = BENCHMARKS_DIR / "results"
 STAGES = ["shard", "search", "ensemble", "distill", "register"]
@@ -190,10 +190,6 @@ QUICK: dict[str, Callable[[Report, Path], None]] = {
 IN_END_TO_END = {"images", "mnist1d_accuracy"}
 
 
-def _recorded() -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in RESULTS_DIR.iterdir()}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(QUICK))
 def test_the_quick_run_writes_its_figures_to_out(name: str, tmp_path: Path) -> None:
@@ -201,7 +197,7 @@ def test_the_quick_run_writes_its_figures_to_out(name: str, tmp_path: Path) -> N
 
 
 def _quick_run(name: str, tmp_path: Path, check: Callable[[Report, Path], None]) -> None:
-    recorded = _recorded()
+    recorded = recorded_results()
     # nothing of this process's settings (MLflow exports its URIs when used in-process) leaks in
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
     proc = subprocess.run(
@@ -216,7 +212,7 @@ def _quick_run(name: str, tmp_path: Path, check: Callable[[Report, Path], None])
     report = json.loads((tmp_path / f"{name}.json").read_text())
     assert report["benchmark"] == name
     check(report, tmp_path)
-    assert _recorded() == recorded  # nothing written over the recorded results
+    assert_not_written_over(recorded, tmp_path)
 
 
 def test_the_quick_runs_are_of_benchmarks_that_exist() -> None:

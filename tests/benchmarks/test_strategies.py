@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from studies import ddp_gangs
 
-from tests.benchmarks.loader import BENCHMARKS_DIR, load_benchmark
+from tests.benchmarks.loader import BENCHMARKS_DIR, assert_not_written_over, load_benchmark, recorded_results
 
 bench = load_benchmark("strategies")
 
@@ -113,7 +113,7 @@ def test_a_quick_run_never_writes_over_the_committed_results(tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_the_quick_run_writes_curves_and_gaps_for_every_strategy(tmp_path: Path) -> None:
-    recorded = {p.name: p.stat().st_mtime_ns for p in bench.RESULTS_DIR.iterdir()}
+    recorded = recorded_results(bench.RESULTS_DIR)
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS_DIR / "strategies.py"), "--quick", "--out", str(tmp_path)],
         cwd=BENCHMARKS_DIR.parent,
@@ -151,4 +151,4 @@ def test_the_quick_run_writes_curves_and_gaps_for_every_strategy(tmp_path: Path)
     assert targets["MOP accuracy gap to sequential (last epoch)"]["status"] in ("PASS", "FAIL")
     assert targets["Model averaging gap to sequential (last epoch)"]["status"] == "MEASURED"
     assert (tmp_path / report["curves_png"]).stat().st_size > 10_000
-    assert {p.name: p.stat().st_mtime_ns for p in bench.RESULTS_DIR.iterdir()} == recorded
+    assert_not_written_over(recorded, tmp_path, bench.RESULTS_DIR)

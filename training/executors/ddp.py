@@ -28,7 +28,7 @@ from mopflow.infra.base import stopping
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome
-from mopflow.training.executors.ddp_job import DDPJob, JobPreempted, RankLost
+from mopflow.training.executors.ddp_job import DDPJob, JobPreempted, MasterPortTaken, RankLost
 from mopflow.training.executors.ddp_workers import PlacementError, WorkerGangs
 from mopflow.training.executors.stop_notice import StopNotice
 from mopflow.training.trainable.unit import ModelSpec
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 WORKER_WAIT_S = 120.0  # how long a job waits for a gang of workers (a killed one being restarted)
 MAX_NOTICES = 20  # spot notices one trial may take before it is failed (the cluster keeps leaving)
+MAX_PORT_CHOICES = 3  # rendezvous ports found taken before the trial fails (each costs no training)
 
 __all__ = ["DDPExecutor", "PlacementError", "RankLost"]
 
@@ -157,7 +158,7 @@ class DDPExecutor(Executor):
         the run is asked to stop (it then waits in its checkpoint for the resume)."""
         outcome = ModelOutcome(spec)
         started = time.time()
-        lost = notices = 0
+        lost = notices = taken_ports = 0
         leaving: list[str] = []  # workers of a preempted attempt: they are about to go
         while True:
             gangs = self.gangs(spec)
@@ -180,6 +181,12 @@ class DDPExecutor(Executor):
                     outcome.error = f"JobPreempted: {notices} spot notices"
                     break
                 log.warning("ddp: %s: %s; going on from that batch", spec.model_id, exc)
+            except MasterPortTaken as exc:  # not an interruption: the same gang, another port
+                taken_ports += 1
+                if taken_ports > MAX_PORT_CHOICES:
+                    outcome.error = f"MasterPortTaken: {exc}"
+                    break
+                log.info("ddp: %s: %s; choosing another port", spec.model_id, exc)
             except RankLost as exc:
                 lost += 1
                 self.record_interruption(time.time() - attempt_started, model=spec.model_id, kind="rank lost")

@@ -36,6 +36,11 @@ class RankLost(RuntimeError):
     """A rank's worker left the cluster or its task failed: the job cannot go on."""
 
 
+class MasterPortTaken(RuntimeError):
+    """Rank 0 could not listen on the rendezvous port chosen for it: another process bound it
+    between the choice and the bind. Nothing was lost; the attempt starts again on another port."""
+
+
 class JobPreempted(RuntimeError):  # noqa: N818 - a notice, not an error
     """Every rank stopped at the same batch on a spot notice; the checkpoint continues there."""
 
@@ -231,6 +236,8 @@ class DDPJob:
                 raise RankLost(f"rank {rank}'s worker {worker} left the cluster")
             if future in done and future.status == "error":
                 error = future.exception()
+                if rank == 0 and port_was_taken(error):
+                    raise MasterPortTaken(f"rank 0 on {worker}: {error}")
                 if _is_communication_error(error):
                     raise RankLost(f"rank {rank} on {worker} lost its peers: {error!r}")
                 raise error
@@ -271,6 +278,13 @@ def _drain(queue: Any) -> list[EpochReport]:
     while queue.qsize():
         reports.append(_report(queue.get(timeout=5)))
     return reports
+
+
+def port_was_taken(error: BaseException | None) -> bool:
+    """Whether a rank failed because the rendezvous port was taken (torch's TCPStore says
+    EADDRINUSE), before any training."""
+    text = str(error).lower()
+    return "eaddrinuse" in text or "address already in use" in text
 
 
 def _is_communication_error(error: BaseException | None) -> bool:

@@ -70,3 +70,56 @@ def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path: Path) -> No
             up(settings_at(home), stack_config(mlflow=port), {}, lambda _: None, bin_dir=BIN)
     assert not state_path(home).exists()
     assert not (stack_dir(home) / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    ("free", "fails", "starts", "succeeds"), [(True, 2, 3, True), (True, 5, 3, False), (False, 1, 1, False)]
+)
+def test_a_port_taken_before_its_service_bound_it_is_chosen_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, free: bool, fails: int, starts: int, succeeds: bool
+) -> None:
+    """Fault: a service of the stack dies at start-up with "Address already in use" (another
+    process bound its chosen port first). Expected: with free ports, new ports and a new start,
+    3 starts at most; with the user's own ports, the error at once."""
+    from mopflow.infra.stack import lifecycle
+
+    configs = [config_from_env({}, {}, free, 2, counter(30000 + 100 * i)) for i in range(5)]
+    chosen: list[object] = []
+    started: list[object] = []
+
+    def choose() -> object:
+        chosen.append(configs[len(chosen)])
+        return chosen[-1]
+
+    def fake_up(settings: object, config: object, environ: object, say: object) -> str:
+        started.append(config)
+        if len(started) <= fails:
+            raise StackError("mlflow exited during start-up; last lines: [Errno 98] Address already in use")
+        return "up"
+
+    monkeypatch.setattr(lifecycle, "up", fake_up)
+    said: list[str] = []
+    run = lambda: lifecycle.up_choosing_ports(settings_at(tmp_path), choose, {}, said.append)  # noqa: E731
+    if succeeds:
+        assert run() == "up"
+    else:
+        with pytest.raises(StackError, match="Address already in use"):
+            run()
+    assert started == chosen[:starts] and len(started) == starts
+    assert len({c.ports.mlflow for c in started}) == starts  # type: ignore[attr-defined]
+    assert len(said) == starts - 1 and all("choosing new ports" in line for line in said)
+
+
+def test_another_start_up_error_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mopflow.infra.stack import lifecycle
+
+    calls: list[int] = []
+
+    def fake_up(*args: object) -> None:
+        calls.append(1)
+        raise StackError("airflow exited during start-up; last lines: no such table")
+
+    monkeypatch.setattr(lifecycle, "up", fake_up)
+    with pytest.raises(StackError, match="no such table"):
+        lifecycle.up_choosing_ports(settings_at(tmp_path), stack_config, {}, lambda _: None)
+    assert calls == [1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from mopflow.training.search.study import STALE_ATTR
 from mopflow.training.search.sweep import run_strategy_search
 from tests.conftest import skip_unless_required
 from tests.infra.stages.confs import SMALL_CONF
+from tests.private_postgres import PrivatePostgres, postgres_bin, private_postgres
 from tests.server_waits import wait_until_answering
 
 CONF = SMALL_CONF | {"model_name": "faults"}
@@ -236,26 +236,28 @@ def test_missing_bucket_fails_clearly_and_leaves_no_manifest(s3_endpoint: dict, 
     assert [r.info.status for r in runs] == ["FAILED"]
 
 
-def _restart_postgresql() -> None:
-    version = sorted(os.listdir("/etc/postgresql"))[-1]
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart"],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.services
 def test_postgresql_restart_mid_sweep_loses_and_duplicates_no_trial(
-    small_manifest: str, tmp_path: Path, dask_client: object, pg_url: str
+    small_manifest: str, tmp_path: Path, dask_client: object
 ) -> None:
     """Fault: PostgreSQL (the Optuna storage) restarts while trials train and report.
     Expected: storage calls are retried across the restart; the sweep completes with exactly
-    n_trials counted trials, each once, none left RUNNING."""
-    if shutil.which("pg_ctlcluster") is None or not os.path.isdir("/etc/postgresql"):
-        skip_unless_required("this machine's PostgreSQL cannot be restarted from here (pg_ctlcluster)")
+    n_trials counted trials, each once, none left RUNNING. The server is the test's own (a
+    throwaway cluster), so the restart disturbs no other test."""
+
+    if postgres_bin() is None:
+        skip_unless_required(
+            "no PostgreSQL server programs (initdb, pg_ctl) to start a server of the test's own"
+        )
+    with private_postgres() as server:
+        _sweep_across_a_restart(small_manifest, tmp_path, dask_client, server)
+
+
+def _sweep_across_a_restart(
+    small_manifest: str, tmp_path: Path, dask_client: object, server: PrivatePostgres
+) -> None:
+    pg_url = server.url
     space = {
         "families": {
             "cnn": {
@@ -272,7 +274,7 @@ def test_postgresql_restart_mid_sweep_loses_and_duplicates_no_trial(
     def restart_when_training() -> None:
         if first_report.wait(timeout=180):
             try:
-                _restart_postgresql()
+                server.restart()
                 restarted.append(True)
             except Exception as exc:  # reported below: the test must not pass without a restart
                 restarted.append(exc)
