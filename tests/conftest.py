@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 # port-0 bind of a Dask process can take one between its choice and the server's bind
 # (mopflow.infra.base.ports).
 PORT_RANGE_LOW, PORT_RANGE_HIGH = 12000, 32000
+PORT_RANGE_ENV = "MOPFLOW_PORT_RANGE"  # kept in a child's environment when the rest of MOPFLOW_* is not
 
 
 def worker_port_range(worker: str, workers: int) -> str:
@@ -29,7 +30,7 @@ def worker_port_range(worker: str, workers: int) -> str:
     return f"{low}-{low + span - 1}"
 
 
-os.environ["MOPFLOW_PORT_RANGE"] = worker_port_range(
+os.environ[PORT_RANGE_ENV] = worker_port_range(
     os.environ.get("PYTEST_XDIST_WORKER", "master"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 )
 

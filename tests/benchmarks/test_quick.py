@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.benchmarks.loader import BENCHMARKS_DIR, assert_not_written_over, load_benchmark, recorded_results
+from tests.conftest import PORT_RANGE_ENV
 
 RESULTS_DIR = BENCHMARKS_DIR / "results"
 STAGES = ["shard", "search", "ensemble", "distill", "register"]
@@ -199,7 +200,11 @@ def test_the_quick_run_writes_its_figures_to_out(name: str, tmp_path: Path) -> N
 def _quick_run(name: str, tmp_path: Path, check: Callable[[Report, Path], None]) -> None:
     recorded = recorded_results()
     # nothing of this process's settings (MLflow exports its URIs when used in-process) leaks in
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
+    }
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS_DIR / f"{name}.py"), "--quick", "--out", str(tmp_path)],
         cwd=BENCHMARKS_DIR.parent,

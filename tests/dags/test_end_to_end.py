@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PORT_RANGE_ENV
 from tests.dags.serving import invoke, served
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +32,11 @@ TINY = {
 
 def _env(home: Path) -> dict[str, str]:
     # MLflow exports its URIs into os.environ when set in-process: never leak them into a child.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
+    }
     env["MOPFLOW_HOME"] = str(home)
     env["MOPFLOW_RETRY_DELAY_S"] = "1"
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")

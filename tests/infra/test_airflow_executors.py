@@ -33,7 +33,7 @@ from mopflow.infra import stack
 from mopflow.infra.base.settings import Settings
 from mopflow.infra.stack import free_port
 from mopflow.infra.stack.profile import apply_profile, read_profile
-from tests.conftest import PG, pg_admin_sql, require_service
+from tests.conftest import PG, PORT_RANGE_ENV, pg_admin_sql, require_service
 from tests.rest import request_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,7 +165,9 @@ class ScaleOutStack:
     def __init__(self, root: Path, overrides: dict[str, str]) -> None:
         self.root, self.home = root, root / "home"
         self.env = {
-            k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
         }
         self.env.update(overrides, PATH=BIN + os.pathsep + self.env.get("PATH", ""))
         self.airflow = self.token = self.airflow_db = ""

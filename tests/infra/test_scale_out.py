@@ -26,7 +26,7 @@ import pytest
 
 from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from mopflow.infra.stack.profile import apply_profile, parse_profile, read_profile
-from tests.conftest import PG, pg_admin_sql, require_service
+from tests.conftest import PG, PORT_RANGE_ENV, pg_admin_sql, require_service
 from tests.dags.test_end_to_end import TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,7 +152,11 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             aws_secret_access_key="testing",
         ).create_bucket(Bucket="mopflow")
 
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
+        }
         base |= creds | {"PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": str(REPO)}
         mlflow_port, sched_port = free_port(), free_port()
         # What differs from the profile's defaults: this test's ports and database names.

@@ -21,7 +21,7 @@ import pytest
 from mopflow.infra import stack
 from mopflow.infra.base.settings import TRAINING_POOL
 from mopflow.infra.stack.processes import is_running
-from tests.conftest import skip_unless_required
+from tests.conftest import PORT_RANGE_ENV, skip_unless_required
 from tests.rest import request_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +53,11 @@ RETRAIN_CONFIG = {
 
 
 def _env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
+    }
     retrain_config = home.parent / "retrain.yaml"
     retrain_config.write_text(json.dumps(RETRAIN_CONFIG))  # JSON is YAML
     env.update(

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PORT_RANGE_ENV
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -26,7 +28,11 @@ def test_run_refuses_a_bad_config_before_anything_runs(
     tmp_path: Path, override: str, needles: list[str]
 ) -> None:
     home = tmp_path / "home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
+    }
     env["MOPFLOW_HOME"] = str(home)
     args = ["--set", override, "--set", "epochs=many"]  # an unknown key's error comes with the others
     if override.startswith("@"):  # too long for one argument: a config file
@@ -49,7 +55,11 @@ def test_run_refuses_a_bad_config_before_anything_runs(
 
 
 def test_promote_says_only_what_it_refused(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
+    }
     env["MOPFLOW_HOME"] = str(tmp_path / "home")  # a fresh MLflow database: MLflow creates its tables
     proc = subprocess.run(
         [sys.executable, "-m", "mopflow.infra.cli", "promote", "nothing", "1"],
