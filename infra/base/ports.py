@@ -69,6 +69,17 @@ def free_port(host: str = "127.0.0.1") -> int:
             return int(sock.getsockname()[1])
 
 
+# What a server's error says when its port was taken: Python's and uvicorn's OSError, gunicorn's
+# "Connection in use", torch's TCPStore (EADDRINUSE).
+ADDRESS_IN_USE = ("address already in use", "eaddrinuse", "errno 98", "connection in use")
+
+
+def port_was_taken(error: BaseException | str | None) -> bool:
+    """Whether ``error`` (an exception, or a log's text) says a server found its port taken."""
+    text = str(error).lower()
+    return any(needle in text for needle in ADDRESS_IN_USE)
+
+
 def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:

@@ -12,6 +12,7 @@ from typing import Any
 
 from mopflow.infra.base.airflow_home import migrate_airflow_db
 from mopflow.infra.base.optuna_storage import journal_path, storage_kind
+from mopflow.infra.base.ports import port_was_taken
 from mopflow.infra.base.settings import TRAINING_POOL, Settings
 from mopflow.infra.stack.airflow_services import set_training_pool
 from mopflow.infra.stack.auth import MlflowAuth, airflow_password_file, owner_only, prepare_mlflow_auth
@@ -100,14 +101,7 @@ def up(
         return state
 
 
-ADDRESS_IN_USE = ("address already in use", "errno 98", "connection in use")
 PORT_ATTEMPTS = 3
-
-
-def port_was_taken(error: BaseException) -> bool:
-    """Whether a failed start-up failed because a service found its port taken (its log says so)."""
-    text = str(error).lower()
-    return any(needle in text for needle in ADDRESS_IN_USE)
 
 
 def up_choosing_ports(

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from mopflow.infra.base.ports import port_was_taken
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome
 from mopflow.training.executors.ddp_rank import GO, STOP, free_port, run_rank
@@ -278,13 +279,6 @@ def _drain(queue: Any) -> list[EpochReport]:
     while queue.qsize():
         reports.append(_report(queue.get(timeout=5)))
     return reports
-
-
-def port_was_taken(error: BaseException | None) -> bool:
-    """Whether a rank failed because the rendezvous port was taken (torch's TCPStore says
-    EADDRINUSE), before any training."""
-    text = str(error).lower()
-    return "eaddrinuse" in text or "address already in use" in text
 
 
 def _is_communication_error(error: BaseException | None) -> bool:

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from mopflow.infra.base.ports import port_was_taken
 from mopflow.training.compute.workers import worker_addresses
-from mopflow.training.executors.ddp_job import DDPJob, MasterPortTaken, RankLost, port_was_taken
+from mopflow.training.executors.ddp_job import DDPJob, MasterPortTaken, RankLost
 
 
 def _listen_on_a_taken_port() -> None:
