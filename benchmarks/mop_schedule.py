@@ -64,8 +64,6 @@ from typing import Any
 from studies import mop_replay, output  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make ``mopflow`` importable from the checkout
-    sys.path.insert(0, str(REPO_ROOT))
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "mop_schedule.json"
 SCHEDULE_ORDER = ("greedy", "fixed")

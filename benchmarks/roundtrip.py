@@ -48,8 +48,6 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make ``mopflow`` importable
-    sys.path.insert(0, str(REPO_ROOT))
 
 from studies import output  # noqa: E402
 

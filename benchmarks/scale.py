@@ -52,8 +52,6 @@ from typing import Any
 from studies import output
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "scale.json"
 MEMORY_GOAL, WALL_GOAL = 1.5, 11.0
@@ -173,7 +171,6 @@ def big_run(rows: int, work: Path) -> dict[str, Any]:
     """Shard ``rows`` rows and train one MOP epoch of one model on them; driver and worker peaks."""
     code = f"""
 import json, resource, sys
-sys.path.insert(0, {str(REPO_ROOT)!r})
 from mopflow.training.compute.cluster import dask_client
 from mopflow.training.data.config import DataConfig
 from mopflow.training.search.config import SearchConfig

@@ -90,7 +90,6 @@ import multiprocessing
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -114,8 +113,6 @@ from studies.search_summary import (  # noqa: E402
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importable
-    sys.path.insert(0, str(REPO_ROOT))
 
 os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # the table, not the cluster's chatter
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "search.json"

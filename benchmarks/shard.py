@@ -78,8 +78,6 @@ from typing import Any
 from studies import output  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importable
-    sys.path.insert(0, str(REPO_ROOT))
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "shard.json"
 PARTITION_ROWS = 50_000

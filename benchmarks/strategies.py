@@ -131,8 +131,6 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` importable
-    sys.path.insert(0, str(REPO_ROOT))
 
 from studies import ddp_gangs  # noqa: E402
 
@@ -559,7 +557,6 @@ def launch(name: str, job_path: Path, work: Path, timeout_s: float) -> dict[str,
     """Run one strategy in a subprocess under a wall-clock limit; return its figures or its failure."""
     result_path = work / f"result-{name}.json"
     log_path = work / f"log-{name}.txt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -572,7 +569,7 @@ def launch(name: str, job_path: Path, work: Path, timeout_s: float) -> dict[str,
     ]
     started = time.perf_counter()
     with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -68,15 +68,12 @@ import os
 import platform
 import re
 import statistics
-import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make ``training`` and ``infra`` importable
-    sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 from studies import output  # noqa: E402

@@ -67,8 +67,31 @@ def test_no_import_cycle_not_even_through_function_local_imports() -> None:
 def test_no_product_module_is_over_400_lines() -> None:
     long = {
         str(path.relative_to(REPO)): n
-        for folder in ("training", "compression", "infra", "dags", "plugins")
-        for path in (REPO / folder).rglob("*.py")
+        for path in (REPO / "mopflow").rglob("*.py")
         if (n := len(path.read_text().splitlines())) > 400
     }
     assert not long, long
+
+
+TOP_LEVEL = ("training", "compression", "infra", "dags", "plugins")
+
+
+def test_the_package_holds_the_files_and_the_top_level_folders_link_into_it() -> None:
+    assert not [str(p) for p in (REPO / "mopflow").rglob("*") if p.is_symlink()]
+    for name in TOP_LEVEL:
+        assert (REPO / name).is_symlink() and (REPO / name).resolve() == REPO / "mopflow" / name
+
+
+def test_a_module_cannot_load_under_a_second_name() -> None:
+    """With the repository root on sys.path (as `python -m pytest` and `python -c` in the checkout
+    put it), importing a part through its top-level link is refused rather than loading a second
+    copy of it, with its own classes and registries, beside ``mopflow.<part>``."""
+    assert not [name for name in sys.modules if name.split(".")[0] in TOP_LEVEL]
+    for name in TOP_LEVEL:
+        code = f"import mopflow.{name}, importlib; importlib.import_module('{name}')"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 1, proc.stderr
+        assert (
+            f"ImportError: import mopflow.{name}, not {name} (the repository root is on sys.path)"
+            in proc.stderr
+        )

@@ -21,16 +21,9 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE_SOURCES = (
-    "pyproject.toml",
-    "README.md",
-    "mopflow",
-    "training",
-    "compression",
-    "infra",
-    "dags",
-    "plugins",
-)
+# What the wheel is built from: the package's real files. The repository's top-level links
+# (training/ -> mopflow/training, ...) stay behind, as on a file system without symbolic links.
+PACKAGE_SOURCES = ("pyproject.toml", "README.md", "mopflow")
 TINY_RUN = {
     "num_samples": 600,
     "n_shards": 2,
@@ -58,6 +51,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             )
         else:
             shutil.copy2(REPO / name, source / name)
+    assert not [p for p in source.rglob("*") if p.is_symlink()], "the package holds a symbolic link"
     dist = root / "dist"
     build = subprocess.run(
         [

@@ -126,12 +126,16 @@ def _time(batches: Any, limit: int) -> dict[str, float]:
 def peak_rss_mb(manifest_uri: str, limit: int) -> float:
     """Peak RSS (MB) of a fresh worker process streaming ``limit`` training images."""
     code = (
-        "import json, resource, sys; sys.path.insert(0, 'benchmarks');"
+        "import json, resource;"
         "from studies.image_io import streamed_images_per_s;"
         f"streamed_images_per_s({manifest_uri!r}, {limit});"
         "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # run in benchmarks/, whose studies package `python -c` finds there
+    benchmarks = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=benchmarks
+    )
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 

@@ -28,7 +28,7 @@ def test_services_are_wired_to_one_another(tmp_path: Path) -> None:
     assert airflow["MOPFLOW_HOME"] == str(home.resolve())
     assert airflow["MOPFLOW_OPTUNA_STORAGE"] == str(home.resolve() / "optuna" / "journal.log")
     assert airflow["AIRFLOW_HOME"] == str(home.resolve() / "airflow")
-    assert airflow["AIRFLOW__CORE__DAGS_FOLDER"] == str(REPO / "dags")  # the package's, through mopflow/dags
+    assert airflow["AIRFLOW__CORE__DAGS_FOLDER"] == str(REPO / "mopflow" / "dags")  # the package's
     # not the package's plugins/: the plugin loads through its entry point, and only once
     assert airflow["AIRFLOW__CORE__PLUGINS_FOLDER"] == str(home.resolve() / "airflow" / "plugins")
     assert airflow["AIRFLOW__CORE__LOAD_EXAMPLES"] == "False"

@@ -85,6 +85,6 @@ def test_worker_hours() -> None:
 
 
 def test_training_volatile_does_not_import_airflow() -> None:
-    code = "import sys, training.volatile.workers; print('airflow' in sys.modules)"
+    code = "import sys, mopflow.training.volatile.workers; print('airflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

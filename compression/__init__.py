@@ -1,1 +1,0 @@
-"""mopflow compression: top-k ensembles, distillation into a student, registration and promotion."""

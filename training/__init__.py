@@ -1,1 +1,0 @@
-"""mopflow training: data sharding on Dask, models, Lightning modules, the Optuna search."""
