@@ -31,7 +31,6 @@ import pytest
 
 from mopflow.infra import stack
 from mopflow.infra.base.settings import Settings
-from mopflow.infra.stack import free_port
 from mopflow.infra.stack.profile import apply_profile, read_profile
 from tests.conftest import PG, PORT_RANGE_ENV, pg_admin_sql, require_service
 from tests.rest import request_json
@@ -270,9 +269,9 @@ def scale_out_stack(root: Path, **extra: str) -> Iterator[ScaleOutStack]:
         for db in dbs.values():
             _admin_sql(f"CREATE DATABASE {db}")
             cleanup.callback(_admin_sql, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-        s3_port = free_port()
-        s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port)
+        s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0)  # it binds port 0 and reports its port
         s3.start()
+        _, s3_port = s3.get_host_and_port()
         cleanup.callback(s3.stop)
         endpoint = f"http://127.0.0.1:{s3_port}"
         boto3.client(

@@ -75,17 +75,20 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout: floa
     raise AssertionError(f"{what} did not answer at {url}")
 
 
-def _wait_tcp(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 60) -> None:
+def _wait_scheduler_file(path: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> str:
+    """The address a Dask scheduler started with ``--scheduler-file`` wrote, once it accepts."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"{what} exited with {proc.returncode}")
+            raise AssertionError(f"the dask scheduler exited with {proc.returncode}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
+            address = str(json.loads(path.read_text())["address"])
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=1):
+                return address
+        except (OSError, ValueError, KeyError):
             time.sleep(0.3)
-    raise AssertionError(f"{what} did not listen on {port}")
+    raise AssertionError(f"the dask scheduler wrote no reachable address to {path}")
 
 
 class Services:
@@ -134,9 +137,9 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             cleanup.callback(admin_sql, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
         pg = f"postgresql+psycopg2://postgres@{PG[0]}:{PG[1]}"
 
-        s3_port = free_port()
-        s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port)
+        s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0)  # it binds port 0 and reports its port
         s3.start()
+        _, s3_port = s3.get_host_and_port()
         cleanup.callback(s3.stop)
         endpoint = f"http://127.0.0.1:{s3_port}"
         creds = {
@@ -158,7 +161,7 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
         }
         base |= creds | {"PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": str(REPO)}
-        mlflow_port, sched_port = free_port(), free_port()
+        mlflow_port = free_port()  # from this worker's range: `mlflow server` cannot report a port 0 bind
         # What differs from the profile's defaults: this test's ports and database names.
         overrides = {
             "MOPFLOW_PROFILE": "scale-out",
@@ -168,7 +171,6 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             "MOPFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
             "MOPFLOW_STORAGE_OPTIONS": json.dumps({"client_kwargs": {"endpoint_url": endpoint}}),
             "MLFLOW_S3_ENDPOINT_URL": endpoint,
-            "MOPFLOW_DASK_ADDRESS": f"tcp://127.0.0.1:{sched_port}",
             "MOPFLOW_RETRY_DELAY_S": "1",
         }
         env = base | overrides
@@ -196,6 +198,8 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             ],
             env,
         )
+        # the scheduler binds port 0 and reports its address in its scheduler file
+        scheduler_file = root / "scheduler.json"
         scheduler = services.start(
             "dask-scheduler",
             [
@@ -204,12 +208,15 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(sched_port),
+                "0",
+                "--scheduler-file",
+                str(scheduler_file),
                 "--no-dashboard",
             ],
             env,
         )
-        _wait_tcp(sched_port, scheduler, "dask scheduler")
+        address = _wait_scheduler_file(scheduler_file, scheduler)
+        overrides["MOPFLOW_DASK_ADDRESS"] = env["MOPFLOW_DASK_ADDRESS"] = address
         for i in range(2):
             services.start(
                 f"dask-worker-{i}",

@@ -13,7 +13,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from mopflow.training.data import (
     ShardIntegrityError,
     load_manifest,
@@ -28,9 +27,9 @@ from mopflow.training.data.config import DataConfig
 def s3_options() -> Iterator[dict]:
     from moto.server import ThreadedMotoServer
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)  # it binds port 0 and reports its port
     server.start()
+    _, port = server.get_host_and_port()
     options = {
         "key": "testing",
         "secret": "testing",

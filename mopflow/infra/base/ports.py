@@ -12,6 +12,7 @@ on one host (the test suite's workers) never draw the same port.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import socket
@@ -54,19 +55,18 @@ def draw_range(environ: os._Environ[str] | dict[str, str] | None = None) -> tupl
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now, drawn from :func:`draw_range` (below the ephemeral range)
-    where it has room, never one this process handed out before; otherwise the kernel's choice
-    (port 0)."""
+    """A TCP port free on ``host`` now, drawn from :func:`draw_range` (below the ephemeral range),
+    never one this process handed out before: random draws first, then every port of the range in
+    order. Never the kernel's choice (port 0), which any other process's port-0 bind may share; a
+    range with no free port left is an error naming it."""
     low, high = draw_range()
     with _lock:
-        for _ in range(ATTEMPTS if high - low >= 100 else 0):
-            port = _draw.randint(low, high)
+        drawn = (_draw.randint(low, high) for _ in range(ATTEMPTS))
+        for port in itertools.chain(drawn, range(low, high + 1)):
             if (host, port) not in _handed_out and _bindable(host, port):
                 _handed_out.add((host, port))
                 return port
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            return int(sock.getsockname()[1])
+    raise OSError(f"no free TCP port on {host} in {low}-{high} (widen or unset {RANGE_ENV})")
 
 
 # What a server's error says when its port was taken: Python's and uvicorn's OSError, gunicorn's

@@ -22,20 +22,31 @@ def test_ports_are_free_outside_the_kernels_range_and_never_handed_out_twice() -
 
 
 def test_a_port_bound_elsewhere_is_not_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fault: the only candidate port is taken by a listening socket. Expected: the kernel's
-    choice instead, a port that is free."""
+    """Fault: every random draw lands on a port taken by a listening socket. Expected: the next
+    free port of the range, in order, never the taken one and never a kernel's port-0 choice."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        monkeypatch.delenv(ports.RANGE_ENV, raising=False)
-        monkeypatch.setattr(ports, "LOWEST", port)
-        monkeypatch.setattr(ports, "ephemeral_range", lambda: (port + 1000, 65535))
+        monkeypatch.setenv(ports.RANGE_ENV, f"{port}-{port + 200}")
         monkeypatch.setattr(ports._draw, "randint", lambda start, end: port)
         chosen = ports.free_port()
-        assert chosen != port
+        assert port < chosen <= port + 200
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", chosen))
+
+
+def test_a_range_without_a_free_port_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(ports, "draw_range", lambda: (port, port))
+        with pytest.raises(
+            OSError,
+            match=rf"no free TCP port on 127.0.0.1 in {port}-{port} \(widen or unset MOPFLOW_PORT_RANGE\)",
+        ):
+            ports.free_port()
 
 
 def test_the_kernels_range_is_read_and_a_missing_setting_falls_back(tmp_path: Path) -> None:

@@ -188,9 +188,9 @@ def test_unwritable_data_root_fails_clearly_and_leaves_no_manifest(tmp_path: Pat
 def s3_endpoint() -> Iterator[dict]:
     from moto.server import ThreadedMotoServer
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)  # it binds port 0 and reports its port
     server.start()
+    _, port = server.get_host_and_port()
     try:
         yield {
             "key": "testing",
