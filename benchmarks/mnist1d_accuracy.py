@@ -260,7 +260,7 @@ def run(
             print("\nnot written (--quick writes its JSON only to --out)")
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=2) + "\n")
+            out.write_text(json.dumps(output.stamped(report), indent=2) + "\n")
             print(f"\nwrote {out}")
         # a smoke test's figures are not the demo's: it passes by completing
         return 0 if quick or all(t["status"] == "PASS" for t in targets.values()) else 1

@@ -350,7 +350,7 @@ def run(s: Settings, out: Path | None) -> int:
             print(f"\nnot written (--quick writes its JSON only to --out); {report['total_s']:.0f}s in all")
             return 0
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        out.write_text(json.dumps(output.stamped(report), indent=2) + "\n")
         print(f"\nwrote {out} ({report['total_s']:.0f}s in all)")
         return 0
     finally:

@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.big_only:
         with tempfile.TemporaryDirectory(prefix="mopflow-bench-scale-") as tmp:
             result = with_big(json.loads(args.output.read_text()), big_run(args.big, Path(tmp)))
-        args.output.write_text(json.dumps(result, indent=2) + "\n")
+        args.output.write_text(json.dumps(output.stamped(result), indent=2) + "\n")
         print_table(result)
         print(f"wrote {args.output}")
         return 0
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         print("not written (--quick writes its JSON only to --out)")
         return 0
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    args.output.write_text(json.dumps(output.stamped(result), indent=2) + "\n")
     print(f"wrote {args.output}")
     return 0
 

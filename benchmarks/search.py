@@ -291,7 +291,7 @@ def write_results(
     }
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(result, indent=2) + "\n")
+        args.output.write_text(json.dumps(output.stamped(result), indent=2) + "\n")
     return result
 
 

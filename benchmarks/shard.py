@@ -640,7 +640,7 @@ def main_orchestrate(
         print("not written (--quick writes its JSON only to --out)")
     else:
         results_path.parent.mkdir(parents=True, exist_ok=True)
-        results_path.write_text(json.dumps(report, indent=2) + "\n")
+        results_path.write_text(json.dumps(output.stamped(report), indent=2) + "\n")
         print(f"wrote {results_path}")
     return 0 if speedup_ok and memory_ok else 1
 

@@ -132,7 +132,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-from studies import ddp_gangs  # noqa: E402
+from studies import ddp_gangs, output  # noqa: E402
 
 from mopflow.training.compute.workers import cluster_workers  # noqa: E402
 
@@ -996,7 +996,7 @@ def _run(settings: Settings, out_dir: Path, work: Path, shared: dict[int, Any], 
         "printed": [header, table, *curve_lines, *target_lines, *cpu_lines, *per_gpu_lines],
     }
     out = out_dir / f"{settings.stem}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.write_text(json.dumps(output.stamped(report), indent=2) + "\n")
     print(f"\nwrote {out} and {png}")
     return 0
 

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,35 @@ def results_file(out: Path | None, quick: bool, recorded: Path) -> Path | None:
     return out if out.suffix == ".json" else out / recorded.name
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def commit(repo: Path = REPO) -> str:
+    """The commit the figures were measured at, ``+dirty`` when the code differed from it (tracked
+    files other than ``benchmarks/results/``, which a benchmark running beside may be writing), or
+    ``unknown`` outside a git checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if changed else "")
+
+
+def stamped(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with the commit it was measured at (first, for a reader of the file)."""
+    return {"commit": commit()} | {k: v for k, v in report.items() if k != "commit"}
+
+
 def write_report(out: Path | None, report: dict[str, Any], lead: str = "") -> None:
     """Write the report's JSON to ``out`` and say where, or say it was not written (a ``--quick``
     run without ``--out``); ``lead`` goes before the line (``"\\n"`` after a table)."""
@@ -28,7 +58,7 @@ def write_report(out: Path | None, report: dict[str, Any], lead: str = "") -> No
         print(f"{lead}not written (--quick writes its JSON only to --out)")
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.write_text(json.dumps(stamped(report), indent=2) + "\n")
     print(f"{lead}wrote {out}")
 
 

@@ -20,6 +20,9 @@ from tests.benchmarks.loader import BENCHMARKS_DIR, assert_not_written_over, loa
 from tests.conftest import PORT_RANGE_ENV
 
 RESULTS_DIR = BENCHMARKS_DIR / "results"
+HEAD = subprocess.run(
+    ["git", "rev-parse", "HEAD"], cwd=BENCHMARKS_DIR, capture_output=True, text=True, check=True
+).stdout.strip()
 STAGES = ["shard", "search", "ensemble", "distill", "register"]
 
 Report = dict[str, Any]
@@ -216,8 +219,23 @@ def _quick_run(name: str, tmp_path: Path, check: Callable[[Report, Path], None])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads((tmp_path / f"{name}.json").read_text())
     assert report["benchmark"] == name
+    assert report["commit"].removesuffix("+dirty") == HEAD  # the commit the figures come from
     check(report, tmp_path)
     assert_not_written_over(recorded, tmp_path)
+
+
+def test_every_recorded_result_names_the_commit_it_was_measured_at() -> None:
+    for path in sorted(RESULTS_DIR.glob("*.json")):
+        commit = json.loads(path.read_text()).get("commit", "")
+        assert len(commit.removesuffix("+dirty")) == 40, f"{path.name} records no commit"
+
+
+def test_a_report_is_stamped_with_the_commit_first(tmp_path: Path) -> None:
+    from studies import output
+
+    report = output.stamped({"benchmark": "x", "commit": "stale"})
+    assert list(report) == ["commit", "benchmark"] and report["commit"].removesuffix("+dirty") == HEAD
+    assert output.commit(tmp_path) == "unknown"  # outside a git checkout
 
 
 def test_the_quick_runs_are_of_benchmarks_that_exist() -> None:
