@@ -73,7 +73,16 @@ def _env_with(home: Path, site: Path) -> dict[str, str]:
 def test_an_installed_family_goes_through_every_stage_and_is_served(tmp_path: Path, installed: Path) -> None:
     home = tmp_path / "home"
     config = tmp_path / "tcn.json"
-    conf = {**TINY, "model_name": "tcn", "search_space": SPACE, "student_family": "tcn", "student_depth": 3}
+    # the smallest run that still goes through every stage: two one-epoch trials, both ensembled
+    small = {"n_trials": 2, "epochs": 1, "min_resource": 1, "top_k": 2, "distill_epochs": 1}
+    conf = {
+        **TINY,
+        **small,
+        "model_name": "tcn",
+        "search_space": SPACE,
+        "student_family": "tcn",
+        "student_depth": 3,
+    }
     config.write_text(json.dumps(conf))
     summary_file = tmp_path / "summary.json"
     proc = subprocess.run(

@@ -300,7 +300,7 @@ def test_a_failed_run_names_its_root_cause_and_exits_2_for_bad_input(tmp_path: P
 def test_sigint_under_mop_checkpoints_the_units_in_flight_and_resumes(tmp_path: Path) -> None:
     home = tmp_path / "home"
     config = tmp_path / "conf.json"
-    conf = CONF | {"num_samples": 2000, "strategy": "mop", "n_trials": 3, "epochs": 3, "min_resource": 3}
+    conf = CONF | {"num_samples": 2000, "strategy": "mop", "n_trials": 2, "epochs": 2, "min_resource": 2}
     config.write_text(json.dumps(conf))
     proc, log = _start(home, "--config", str(config))
     _wait_for(log, "finished p", proc)  # a first unit is done: the sweep is under way
