@@ -50,12 +50,6 @@ def example_layout(
     return layout | ({"formats": sorted(set(formats))} if encoding == IMAGE else {})
 
 
-def stat_groups(shape: Sequence[int], modality: str) -> int:
-    """How many groups an example's statistics are kept for: an image's channels, a sequence's
-    features (its last axis)."""
-    return int(shape[0]) if modality == "image" else int(shape[-1])
-
-
 def stat_columns(groups: int) -> list[str]:
     """The helper columns of a partition's per-example statistics."""
     return [f"{prefix}{g}" for prefix in STAT_PREFIXES for g in range(groups)]

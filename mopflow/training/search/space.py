@@ -172,13 +172,6 @@ class SearchSpace(_Strict):
             raise ValueError("batch_size must be integers between 1 and 65536")
         return self
 
-    def max_value(self, family: str, name: str) -> int:
-        """Largest value a family's integer parameter can take (for size bounds)."""
-        spec = self.families[family][name]
-        if isinstance(spec, CategoricalParam):
-            return max(int(c) for c in spec.choices)
-        return int(spec.high)
-
 
 DEFAULT_COMMON = {"lr": 1e-2, "weight_decay": 0.0, "batch_size": 128}
 
