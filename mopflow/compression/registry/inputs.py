@@ -32,7 +32,8 @@ def model_rows(model_input: Any, columns: Sequence[str], shape: Sequence[int]) -
             x = x.reshape(len(x), -1)
     if x.ndim != 2 or x.shape[1] != size:
         raise ValueError(f"expected {size} features per row, got shape {x.shape}")
-    return x
+    # pandas' copy-on-write hands out read-only views, which torch.as_tensor warns about: copy then
+    return np.require(x, requirements=["C", "W"])
 
 
 def example_column_rows(frame: pd.DataFrame, shape: Sequence[int]) -> np.ndarray:

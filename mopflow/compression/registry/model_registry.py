@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from mopflow.infra.base.storage import filesystem
+from mopflow.training.data.examples import EXAMPLE_COLUMN
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,12 @@ def decide_promotion(
     return PromotionDecision(ok, "; ".join(reasons))
 
 
-def _pip_requirements() -> list[str]:
+def _pip_requirements(takes_encoded_images: bool = False) -> list[str]:
+    """What serving the model needs; Pillow when its requests carry encoded images."""
     import torch
 
-    return [f"torch=={torch.__version__.split('+')[0]}", "safetensors", "pandas", "numpy", "fsspec"]
+    needs = [f"torch=={torch.__version__.split('+')[0]}", "safetensors", "pandas", "numpy", "fsspec"]
+    return needs + (["Pillow"] if takes_encoded_images else [])
 
 
 def log_bundle_model(
@@ -104,14 +107,14 @@ def log_bundle_model(
                 artifacts={"bundle": str(local)},
                 signature=signature,
                 input_example=example,
-                pip_requirements=_pip_requirements(),
+                pip_requirements=_pip_requirements(model.bundle.feature_columns == [EXAMPLE_COLUMN]),
                 code_paths=[str(_package_dir())],
             )
     return str(info.model_uri)
 
 
 def _package_dir() -> Path:
-    """The ``mopflow`` package folder, to ship with a logged model (its links followed on copy)."""
+    """The ``mopflow`` package folder, to ship with a logged model."""
     import mopflow
 
     return Path(mopflow.__file__).parent

@@ -29,7 +29,13 @@ class BundleProbabilities(PythonModel):
         # the plain member loop depends on the CPU and the sizes, so it is measured once here.
         self.forward, _ = faster_form(self.bundle.module, int(np.prod(self.bundle.input_shape)))
 
-    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> pd.DataFrame:
+    # MLflow reads model_input's hint at every load: it warns for Any and for no hint, and checks
+    # requests against any other hint but pd.DataFrame / np.ndarray, which it passes as they come.
+    # A request is a table (pd.DataFrame), a tensor (np.ndarray) or an example column (a table);
+    # the signature logged with the model describes it, and model_rows checks it.
+    def predict(
+        self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
+    ) -> pd.DataFrame:
         from mopflow.compression.registry.inputs import model_rows
         from mopflow.training.models.bundle import predict_proba
 

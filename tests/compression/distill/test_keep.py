@@ -4,6 +4,7 @@ accuracy (ties to the distilled one), and the evaluation report says which was k
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +134,12 @@ def test_the_stage_registers_the_hard_label_student_when_distillation_lost(
     # the stage's val_acc
     x_val, y_val = load_split(small_manifest, "validation")
     mlflow.set_tracking_uri(settings.tracking_uri)
-    probs = mlflow.pyfunc.load_model(out["model_uri"]).predict(
-        pd.DataFrame(x_val, columns=manifest["feature_columns"])
-    )
+    with warnings.catch_warnings(record=True) as seen:  # loading the champion is quiet
+        warnings.simplefilter("always")
+        probs = mlflow.pyfunc.load_model(out["model_uri"]).predict(
+            pd.DataFrame(x_val, columns=manifest["feature_columns"])
+        )
+    assert not [str(w.message) for w in seen if issubclass(w.category, UserWarning)]
     assert top1_accuracy(probs.to_numpy(), y_val) == pytest.approx(out["val_acc"])
     assert load_bundle(out["bundle_uri"]).spec["extra"]["soft_targets"] is False
     run = mlflow.MlflowClient(settings.tracking_uri).get_run(out["run_id"])

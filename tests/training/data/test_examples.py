@@ -173,3 +173,19 @@ def test_the_pyfunc_input_takes_base64_images_tensors_and_refuses_others() -> No
         model_rows(pd.DataFrame({"x": [tensors[0].tolist(), [1.0, 2.0, 3.0]]}), ["x"], (3, 4, 4))
     with pytest.raises(ValueError, match="cannot decode image 'row 0'"):
         model_rows(pd.DataFrame({"x": [base64.b64encode(b"nope").decode()]}), ["x"], (3, 4, 4))
+
+
+def test_served_rows_are_writable_whatever_the_request_shares() -> None:
+    """pandas' copy-on-write and a client's read-only array hand out views torch warns about
+    (and must not write to): the rows a model gets are its own."""
+    from mopflow.compression.registry.inputs import model_rows
+
+    frozen = np.arange(12, dtype=np.float32).reshape(3, 4)
+    frozen.flags.writeable = False
+    columns = ["a", "b", "c", "d"]
+    frame = pd.DataFrame(frozen, columns=columns)
+    for request in (frame, frozen, frozen.reshape(3, 2, 2)):
+        shape = (2, 2) if request is not frame and np.ndim(request) == 3 else (4,)
+        rows = model_rows(request, columns, shape)
+        assert rows.flags.writeable and rows.flags.c_contiguous
+        assert np.array_equal(rows, frozen.reshape(3, 4))
