@@ -168,25 +168,55 @@ def kill_leftover_runs(tracking_uri: str, experiment: str, run_key: str) -> int:
     return len(leftovers)
 
 
+@dataclass
+class RunOutput:
+    """Where a run's output goes: ``terminal`` (the progress view, the run key) and, unless the run
+    is verbose, a log file that this process's stdout and stderr point to."""
+
+    terminal: TextIO
+    log_path: Path | None = None
+
+    def settle(self, log_file: Path) -> None:
+        """The run's key is known: its log becomes ``log_file`` (an earlier attempt's log first,
+        then what this attempt wrote so far). The file keeps its inode, so the Dask workers
+        started meanwhile, which write to the same descriptors, keep writing to it."""
+        if self.log_path is None or self.log_path == log_file:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if log_file.exists():  # a resumed run: its earlier attempts' log comes first
+            so_far = self.log_path.read_bytes()
+            with self.log_path.open("r+b") as sink:
+                sink.write(log_file.read_bytes())
+                sink.write(so_far)
+        os.replace(self.log_path, log_file)
+        self.log_path = log_file
+
+
 @contextlib.contextmanager
-def run_output(log_file: Path, verbose: bool) -> Iterator[TextIO]:
-    """Yield the terminal stream the progress view writes to. Unless ``verbose``, this process's
-    stdout and stderr (file descriptors 1 and 2, so Airflow's, Dask's and the workers' output
-    too) go to ``log_file`` meanwhile."""
+def run_output(home: str, verbose: bool) -> Iterator[RunOutput]:
+    """A run's output from its first step (the Dask cluster's start, Airflow's migration) to its
+    last (the cluster's shutdown). Unless ``verbose``, this process's stdout and stderr (file
+    descriptors 1 and 2, so Airflow's, Dask's and the workers' output too) go to a log file in
+    ``$MOPFLOW_HOME/logs`` (``starting-<pid>.log`` until :meth:`RunOutput.settle` names it after
+    the run), and the terminal keeps only what mopflow writes there."""
     if verbose:
-        yield sys.stdout
+        yield RunOutput(sys.stdout)
         return
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    logs = Path(home) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    starting = logs / f"starting-{os.getpid()}.log"
     sys.stdout.flush()
     sys.stderr.flush()
     saved = (os.dup(1), os.dup(2))
     terminal = os.fdopen(os.dup(saved[0]), "w", buffering=1)
     _TERMINAL[:] = [terminal]
-    with log_file.open("ab") as sink:
+    with starting.open("ab") as sink:
         os.dup2(sink.fileno(), 1)
         os.dup2(sink.fileno(), 2)
+    output = RunOutput(terminal, starting)
     try:
-        yield terminal
+        yield output
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -196,6 +226,8 @@ def run_output(log_file: Path, verbose: bool) -> Iterator[TextIO]:
             os.close(fd)
         _TERMINAL.clear()
         terminal.close()
+        if output.log_path == starting:  # it stopped before the run had a key
+            print(f"mopflow run: its start's log: {starting}", file=sys.stderr)
 
 
 def log_file_of(home: str, run_key: str) -> Path:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from mopflow.infra.cli import local_runs
 from mopflow.infra.cli.airflow_integration import checked_dags_folder
@@ -40,7 +40,12 @@ def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bo
     record, run_conf = _run_conf(settings.home, conf, resume)
     timeout_s = local_runs.stop_timeout_s()
     dags = checked_dags_folder(os.environ)  # before Airflow starts: a bad folder is one line
-    with shared_local_clusters():  # the stages run here in turn: one LocalCluster serves them all
+    # the output of everything from here on (the cluster's start and shutdown, Airflow's
+    # migration) goes to the run's log; the terminal shows mopflow's own lines
+    with (
+        local_runs.run_output(settings.home, verbose) as output,
+        shared_local_clusters(),  # the stages run here in turn: one LocalCluster serves them all
+    ):
         if not settings.dask_address:  # its workers start and import while Airflow gets ready
             start_local_cluster_early(settings.dask_workers)
         _prepare_airflow(settings.airflow_home)
@@ -51,7 +56,10 @@ def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bo
         handlers = local_runs.stopping_handlers(record, settings.home, tracking, timeout_s, fail_dag_run)
         started = time.monotonic()
         log_file = local_runs.log_file_of(settings.home, record.run_key)
-        dag_run = _run_dag(dag, run_conf, record, log_file, verbose, handlers)
+        output.settle(log_file)
+        dag_run = _run_dag(
+            dag, run_conf, record, log_file, output.terminal if not verbose else None, handlers
+        )
     wall = time.monotonic() - started
     if stopping.stop_requested():
         raise _stopped(record, settings.home, tracking)
@@ -138,24 +146,24 @@ def _run_dag(
     conf: Mapping[str, Any],
     record: RunRecord,
     log_file: Path,
-    verbose: bool,
+    terminal: TextIO | None,
     handlers: tuple[Callable[[int], None], Callable[[int], None]],
 ) -> Any:
-    """``dag.test()`` with this process owning SIGINT/SIGTERM (``handlers``) and, unless
-    ``verbose``, the output in the run's log file and its progress on the terminal. Returns the
-    DAG run, or None when a stop came between tasks."""
+    """``dag.test()`` with this process owning SIGINT/SIGTERM (``handlers``) and, given the
+    ``terminal`` (the run is not verbose; its output already goes to ``log_file``), its progress
+    there. Returns the DAG run, or None when a stop came between tasks."""
     from mopflow.infra.base import progress, stopping
 
     when = datetime.fromisoformat(record.logical_date)
-    if not verbose:
+    if terminal is not None:
         print(
-            f"mopflow run: run key {record.run_key}; full log: {log_file} (--verbose streams it)", flush=True
+            f"mopflow run: run key {record.run_key}; full log: {log_file} (--verbose streams it)",
+            file=terminal,
         )
     try:
         with (
-            local_runs.run_output(log_file, verbose) as terminal,
             progress.ProgressView(terminal, live=terminal.isatty())
-            if not verbose
+            if terminal is not None
             else contextlib.nullcontext(),
             local_runs.owned_signals(*handlers),
         ):

@@ -290,7 +290,13 @@ def test_a_failed_run_names_its_root_cause_and_exits_2_for_bad_input(tmp_path: P
     assert last[2] == f"full log: {log_file}"
     # the terminal shows the progress view; the logs went to the run's log file
     assert "[00:" in proc.stdout and "shard" in proc.stdout and "DAG TEST" not in proc.stdout + proc.stderr
+    # from the first step to the last: the cluster's start and shutdown and Airflow's migration
+    # are in the log, not on the terminal
+    terminal = proc.stdout + proc.stderr
+    assert "distributed." not in terminal and "Airflow database tables" not in terminal, terminal[-3000:]
+    assert not list((home / "logs").glob("starting-*.log"))  # named after the run once it had a key
     output = log_file.read_text()
+    assert "starting Dask LocalCluster" in output and "Airflow database tables created" in output
     # neither the shard nor finalize is retried: a retry cannot fix bad data
     assert output.count("starting task_id=shard ") == 1 and output.count("starting task_id=finalize ") == 1
     assert record.state == "failed" and record.message == "shard: DataValidationError"
