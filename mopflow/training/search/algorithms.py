@@ -1,26 +1,24 @@
 """The search's algorithms as registries: samplers and pruners by name, one factory each.
 
 The names a config may choose (``sampler=``, ``pruner=``) are the keys here; the config's types
-(:data:`SamplerName`, :data:`PrunerName`) are checked against them when this module is imported,
-so adding one is one entry in one place. Everything decides in the coordinator, where every epoch
-is reported. The strategies' names (:data:`StrategyName`) live here too; their executors are the
-registry ``mopflow.training.search.sweep.STRATEGIES``.
+(``SamplerName``, ``PrunerName`` in :mod:`mopflow.training.search.names`) are checked against them
+when this module is imported. Everything decides in the coordinator, where every epoch is
+reported. The strategies' executors are the registry ``mopflow.training.search.sweep.STRATEGIES``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, get_args
+
+from mopflow.training.search.names import PrunerName, SamplerName
 
 if TYPE_CHECKING:
     import optuna
 
     from mopflow.training.search.config import SearchConfig
 
-SamplerName = Literal["tpe", "random", "grid", "gp", "cmaes"]
-PrunerName = Literal["asha", "successive_halving", "hyperband", "median", "none"]
-StrategyName = Literal["task", "ddp", "mop"]
 REDUCTION_FACTOR = 3  # successive halving and Hyperband keep the best third at each rung
 
 

@@ -9,7 +9,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mopflow.training.config import StageConfig
 from mopflow.training.executors.scheduler import MopScheduleName
-from mopflow.training.search.algorithms import PrunerName, SamplerName, StrategyName
+from mopflow.training.search.names import PrunerName, SamplerName, StrategyName
 from mopflow.training.search.space import SearchSpace, default_space, parse_space
 from mopflow.training.trainable.augment import parse_spec
 from mopflow.training.volatile.workers import WorkerSchedule

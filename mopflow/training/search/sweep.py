@@ -20,9 +20,9 @@ from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Executor, ModelOutcome, pass_seconds, task_parts, task_seconds
-from mopflow.training.search.algorithms import StrategyName
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.controller import SearchController
+from mopflow.training.search.names import StrategyName
 from mopflow.training.search.study import (
     SearchOutcome,
     WarmStart,
@@ -384,7 +384,7 @@ class Strategy:
     first_models: Callable[[SearchConfig], int]
 
 
-# strategy name -> how it trains (names: mopflow.training.search.algorithms.StrategyName)
+# strategy name -> how it trains (names: mopflow.training.search.names.StrategyName)
 STRATEGIES: dict[str, Strategy] = {
     # task and DDP admit trials themselves as slots (gangs of workers) free up; MOP starts with its slots
     "task": Strategy(_task_executor, lambda cfg: 0),
