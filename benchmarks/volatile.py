@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         "criterion_b_met": result_b["criterion_met"],
         "elapsed_seconds": elapsed,
     }
-    results_path.write_text(_compact(json.dumps(payload, indent=2)) + "\n")
+    results_path.write_text(_compact(json.dumps(output.stamped(payload), indent=2)) + "\n")
     print(f"wrote {results_path} and {plot_path}")
     return 0
 
