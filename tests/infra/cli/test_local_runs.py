@@ -32,7 +32,7 @@ CONF = {
     "min_resource": 4,  # no pruning: every trial trains all its epochs
     "top_k": 2,
     "student_family": "cnn",
-    "distill_epochs": 2,
+    "distill_epochs": 4,  # the second stop lands while the students train
     "model_name": "stop",
     "max_gap_to_ensemble": 100,
 }
@@ -97,7 +97,7 @@ def _record(home: Path) -> local_runs.RunRecord:
     return record
 
 
-def _resume(home: Path, summary: Path) -> tuple[dict, str]:
+def _resume(home: Path, summary: Path, times: int = 1) -> tuple[dict, str]:
     proc = subprocess.run(
         [
             sys.executable,
@@ -116,12 +116,14 @@ def _resume(home: Path, summary: Path) -> tuple[dict, str]:
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    assert "resumed          : 1 time(s)" in proc.stdout
+    assert f"resumed          : {times} time(s)" in proc.stdout
     return dict(json.loads(summary.read_text())), proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
-def test_sigint_mid_search_stops_cleanly_and_resume_finishes_the_same_study(tmp_path: Path) -> None:
+def test_a_run_stopped_mid_search_then_mid_distill_resumes_each_time_and_finishes(tmp_path: Path) -> None:
+    """SIGINT in the search, SIGTERM in the distillation of the resumed run, then a second resume
+    finishes the same run: one pipeline serves both stops (each stop costs a whole run's start)."""
     home = tmp_path / "home"
     config = tmp_path / "conf.json"
     config.write_text(json.dumps(CONF))
@@ -144,21 +146,37 @@ def test_sigint_mid_search_stops_cleanly_and_resume_finishes_the_same_study(tmp_
     assert all(status != "RUNNING" for _, status in before.values()), before
     assert before[f"pipeline-{record.run_key}"][1] == "KILLED" and before["search"][1] == "KILLED"
 
-    summary, output = _resume(home, tmp_path / "summary.json")
-    after = _mlflow_runs(home, record.run_key)
-    # the trials in flight at the stop are retried from their checkpoints, not started afresh
+    # The resumed run goes on with the trials in flight, and is stopped as its students train.
+    proc, log = _start(home, "--resume")
+    _wait_for(log, "distill: training the student (", proc)
+    code, _, alive = _stop(proc, signal.SIGTERM)
+    output = log.read_text()
+    assert code == 143, output[-3000:]
+    # it stopped by itself, within the stop timeout: no hard stop
+    assert "stopping at once" not in output and alive == [], output[-3000:]
+    # the trials in flight at the first stop were retried from their checkpoints, not afresh
     assert "was left RUNNING by an earlier attempt; retrying its params from its last checkpoint" in output
     for model, epoch in saved:  # it goes on inside the epoch it stopped in, not at its start
         assert re.search(rf"task: {model} resumes at epoch {epoch} \(step \d+\)", output), (model, epoch)
-    assert summary["run_key"] == record.run_key and summary["resumed"] == 1
+    runs = _mlflow_runs(home, record.run_key)
+    assert runs["distill"][1] == "KILLED" and runs["ensemble"][1] == "FINISHED"
+    assert runs["search"][1] == "FINISHED"
+    assert all(status != "RUNNING" for _, status in runs.values()), runs
+    assert _record(home).state == "stopped"
+
+    summary, _ = _resume(home, tmp_path / "summary.json", times=2)
+    after = _mlflow_runs(home, record.run_key)
+    assert summary["run_key"] == record.run_key and summary["resumed"] == 2
     assert summary["trials"]["COMPLETE"] + summary["trials"]["PRUNED"] == CONF["n_trials"]
-    # trials finished before the stop keep their MLflow runs; nothing is left RUNNING
+    # trials finished before the first stop keep their MLflow runs; nothing is left RUNNING
     for name, (run_id, _) in before.items():
         if name.startswith("trial-"):
             assert after[name] == (run_id, "FINISHED")
     assert all(status == "FINISHED" for _, status in after.values()), after
     assert after[f"pipeline-{record.run_key}"][0] == before[f"pipeline-{record.run_key}"][0]
-    assert summary["registered"]["version"] == "1" and _record(home).state == "succeeded"
+    assert after["ensemble"][0] == runs["ensemble"][0]  # the finished stage is not run again
+    assert summary["registered"]["version"] == "1" and summary["registered"]["aliases"]
+    assert _record(home).state == "succeeded"
     import optuna
 
     from mopflow.infra.base.optuna_storage import make_storage
@@ -168,32 +186,6 @@ def test_sigint_mid_search_stops_cleanly_and_resume_finishes_the_same_study(tmp_
     )
     finished = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
     assert len(finished) == CONF["n_trials"]
-
-
-@pytest.mark.slow
-def test_sigterm_mid_distill_stops_cleanly_and_resumes(tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    config = tmp_path / "conf.json"
-    config.write_text(
-        json.dumps(
-            CONF | {"num_samples": 1000, "n_trials": 2, "epochs": 2, "min_resource": 2, "distill_epochs": 24}
-        )
-    )
-    proc, log = _start(home, "--config", str(config))
-    _wait_for(log, "student epoch 10/24", proc)  # the students are training, 14 epochs to go
-    code, _, alive = _stop(proc, signal.SIGTERM)
-    output = log.read_text()
-    assert code == 143, output[-3000:]
-    # it stopped by itself, within the stop timeout: no hard stop
-    assert "stopping at once" not in output and alive == [], output[-3000:]
-    record = _record(home)
-    runs = _mlflow_runs(home, record.run_key)
-    assert runs["distill"][1] == "KILLED" and runs["ensemble"][1] == "FINISHED"
-    assert all(status != "RUNNING" for _, status in runs.values()), runs
-    summary, _ = _resume(home, tmp_path / "summary.json")
-    assert summary["run_key"] == record.run_key
-    assert summary["trials"]["COMPLETE"] == 2
-    assert summary["registered"]["aliases"]
 
 
 def test_our_handler_stays_while_others_try_to_replace_it() -> None:
@@ -306,7 +298,14 @@ def test_a_failed_run_names_its_root_cause_and_exits_2_for_bad_input(tmp_path: P
 def test_sigint_under_mop_checkpoints_the_units_in_flight_and_resumes(tmp_path: Path) -> None:
     home = tmp_path / "home"
     config = tmp_path / "conf.json"
-    conf = CONF | {"num_samples": 2000, "strategy": "mop", "n_trials": 2, "epochs": 2, "min_resource": 2}
+    conf = CONF | {
+        "num_samples": 2000,
+        "strategy": "mop",
+        "n_trials": 2,
+        "epochs": 2,
+        "min_resource": 2,
+        "distill_epochs": 2,
+    }
     config.write_text(json.dumps(conf))
     proc, log = _start(home, "--config", str(config))
     _wait_for(log, "finished p", proc)  # a first unit is done: the sweep is under way
