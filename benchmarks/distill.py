@@ -11,7 +11,7 @@ What is measured
    per task, as the search's ``task`` strategy trains; no Optuna storage). The COMPLETE members are combined with
    ``mopflow.compression.ensemble.build_ensemble`` into a ``ProbabilityEnsemble`` (equal weights); the
    cluster is closed before the students are trained.
-3. Students. ``plan_student(DistillConfig(epochs=...), ensemble_params, DataSpec(40, 10))`` sizes a CNN
+3. Students. ``plan_student(DistillConfig(epochs=...), ensemble_params, DataSpec.from_manifest(manifest))`` sizes a CNN
    student to at most 10% of the ensemble's parameters (the pipeline's ``DistillConfig``
    defaults otherwise: T, alpha, MUNGE multiplier, lr, batch size). The teacher is the ensemble
    in the form ``mopflow.compression.ensemble.faster_form`` picks (member loop or ``StackedEnsemble``,
@@ -255,7 +255,7 @@ def train_students(
     for seed in range(settings.seeds):
         # The student's seed decides its transfer set too (as in the pipeline: the training data
         # plus MUNGE points labelled by the teacher), besides its initialisation and batch order.
-        x_transfer, y_transfer = transfer_set(x_train, y_train, teacher, dcfg, seed)
+        x_transfer, y_transfer = transfer_set(x_train, y_train, teacher, dcfg, seed, plan.arch.data)
         # The baseline gets as many optimizer steps (the same schedule) on the real data alone.
         hard_epochs = matching_epochs(dcfg.epochs, len(x_transfer), len(x_train))
         started = time.monotonic()
@@ -351,7 +351,6 @@ def run(settings: Settings, results_path: Path | None) -> int:
         data = {split: load_split(manifest_uri, split) for split in ("train", "validation", "test")}
         x_test, y_test = data["test"]
         n_features = x_test.shape[1]
-        num_classes = int(manifest["num_classes"])
 
         candidates = [Candidate(r.number, r.state, r.value, r.bundle_uri, r.params) for r in results]
         complete = [c for c in candidates if c.state == "COMPLETE" and c.bundle_uri and c.value is not None]
@@ -380,8 +379,11 @@ def run(settings: Settings, results_path: Path | None) -> int:
             [f"{a:.4f}" for a in member_accs],
         )
 
-        dcfg = DistillConfig(epochs=settings.student_epochs)
-        plan = plan_student(dcfg, ensemble_params, DataSpec(n_features, num_classes))
+        # The pipeline's choices for this data: MNIST-1D is a signal table, so the transfer
+        # points are mixups of shifted examples (``transfer: auto``).
+        spec = DataSpec.from_manifest(manifest)
+        dcfg = DistillConfig(epochs=settings.student_epochs).resolved(spec.modality, spec.ordered)
+        plan = plan_student(dcfg, ensemble_params, spec)
         log.info(
             "student: %s %s, %d params (budget %d)",
             plan.arch.family,

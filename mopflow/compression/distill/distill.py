@@ -41,7 +41,7 @@ class StudentPlan:
 def plan_student(cfg: DistillConfig, ensemble_params: int, data: DataSpec) -> StudentPlan:
     """Size the student: the configured size, or the largest size within ``ratio x ensemble``
     (the family's size parameter; its other parameters at their defaults, ``depth`` as set)."""
-    cfg = cfg.resolved(data.modality)
+    cfg = cfg.resolved(data.modality, data.ordered)
     budget = int(cfg.max_param_ratio * ensemble_params)
     width = cfg.width
     if width is None:
@@ -209,7 +209,7 @@ def transfer_set(
     from mopflow.compression.distill.munge import munge
 
     data = data or DataSpec(x_train.shape[1], int(y_train.max()) + 1)
-    cfg = cfg.resolved(data.modality)
+    cfg = cfg.resolved(data.modality, data.ordered)
     if cfg.transfer == "munge":
         # Each example's neighbour is its nearest of any class, as MUNGE has it (Bucilua et al.):
         # points between classes are where the teacher's answers teach the student most. Same-class

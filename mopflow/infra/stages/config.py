@@ -194,7 +194,7 @@ class PipelineConfig(BaseModel):
         space = self.search.search_space(data.modality)
         check_space_fits(space, data)
         resolve(self.search.augment, data.modality)  # an augmentation the data cannot take
-        distill = self.distill.resolved(data.modality)
+        distill = self.distill.resolved(data.modality, data.ordered)
         student_family = get_family(distill.family)
         if not student_family.fits(data):
             raise ValueError(

@@ -66,7 +66,7 @@ def distill_stage(
         manifest_uri = str(shard["manifest_uri"])
         manifest = load_manifest(manifest_uri, so)
         data = DataSpec.from_manifest(manifest)
-        dcfg = dcfg.resolved(data.modality)
+        dcfg = dcfg.resolved(data.modality, data.ordered)
         teacher_bundle = load_bundle(str(ensemble["bundle_uri"]), so)
         # The loop or the stacked (vmap) form of the ensemble, whichever is faster on this machine.
         teacher, form_ms = faster_form(teacher_bundle.module, len(manifest["feature_columns"]))

@@ -287,6 +287,7 @@ def _manifest(
         "feature_columns": list(features),
         "modality": info.modality,
         "input_shape": list(info.input_shape or (len(features),)),
+        **({"ordered_features": True} if info.ordered_features else {}),
         "label_column": LABEL_COLUMN,
         "num_classes": int(max(n_classes_hint, max(totals["classes"]) + 1)),
         "schema": results["train"][0]["schema"],

@@ -74,3 +74,4 @@ class SourceInfo:
     storage_options: Any = None  # the source's (its partitions read it on the workers)
     example: dict[str, Any] | None = None  # images and sequences: one example column (its layout)
     row_bytes: float = 0.0  # stored bytes per example (0: 4 per feature)
+    ordered_features: bool = False  # the features are one signal's steps, in order (DataSpec.ordered)

@@ -54,6 +54,9 @@ class DataSpec:
     num_classes: int
     input_shape: tuple[int, ...] = ()
     modality: str = "table"
+    # A table whose features are the steps of one signal, in order (MNIST-1D): shifting an
+    # example along them keeps its class, so the student's transfer points may be shifted mixups.
+    ordered: bool = False
 
     def __post_init__(self) -> None:
         shape = tuple(int(n) for n in self.input_shape) or (self.input_dim,)
@@ -76,6 +79,7 @@ class DataSpec:
             int(manifest["num_classes"]),
             tuple(manifest.get("input_shape") or (n_features,)),
             str(manifest.get("modality", "table")),
+            bool(manifest.get("ordered_features", False)),
         )
 
 

@@ -41,3 +41,22 @@ def test_mixup_points_stay_nearest_their_own_example() -> None:
     assert mixup_points(x, (12, 1), "sequence", 0, 0.4, 0, seed=0).shape == (0, 12)
     with pytest.raises(ValueError, match="alpha=0"):
         mixup_points(x, (12, 1), "sequence", 1, alpha=0, max_shift=0, seed=0)
+
+
+def test_auto_transfer_is_munge_for_a_table_of_columns_and_mixup_for_a_signal_table() -> None:
+    from mopflow.compression.config import DistillConfig
+    from mopflow.training.data.config import DataConfig
+    from mopflow.training.data.sources.select import known_data_spec
+    from mopflow.training.models.families import DataSpec
+
+    auto = DistillConfig()
+    assert auto.resolved("table").transfer == "munge"
+    assert auto.resolved("table", ordered=True).transfer == "mixup"
+    assert auto.resolved("image").transfer == auto.resolved("sequence").transfer == "mixup"
+    assert DistillConfig(transfer="munge").resolved("table", ordered=True).transfer == "munge"  # as set
+    mnist1d = known_data_spec(DataConfig())
+    assert mnist1d is not None and mnist1d.ordered and mnist1d.modality == "table"
+    # the manifest says so, and a manifest without the key is a table of columns
+    manifest = {"feature_columns": ["a", "b"], "num_classes": 3, "ordered_features": True}
+    assert DataSpec.from_manifest(manifest).ordered
+    assert not DataSpec.from_manifest({"feature_columns": ["a", "b"], "num_classes": 3}).ordered

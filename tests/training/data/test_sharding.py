@@ -116,6 +116,7 @@ def test_default_mnist1d_keeps_the_published_split(tmp_path: Path, dask_client: 
     assert x.shape == (rows["train"], 40) and set(np.unique(y)) == set(range(10))
     assert np.allclose(manifest["normalization"]["mean"], x.mean(0), atol=1e-4)
     assert np.allclose(manifest["normalization"]["std"], x.std(0), atol=1e-4)
+    assert manifest["ordered_features"] is True  # one signal's steps: the student's mixups need it
     for entry in manifest["splits"]["train"]:
         url = storage.join(result.manifest_uri.rsplit("/", 1)[0], entry["name"])
         assert storage.sha256_url(url) == entry["sha256"]

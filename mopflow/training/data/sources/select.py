@@ -63,7 +63,7 @@ def _describe_mnist1d(cfg: DataConfig, storage_options: Options, client: Any) ->
         "val_fraction": cfg.val_fraction,
         "generator": MNIST1D_GENERATOR,
     }
-    return SourceInfo(fingerprint, feature_columns(40), kind="mnist1d")
+    return SourceInfo(fingerprint, feature_columns(40), kind="mnist1d", ordered_features=True)
 
 
 def _mnist1d_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
@@ -125,7 +125,7 @@ SOURCE_KINDS: tuple[SourceKind, ...] = (
         _describe_mnist1d,
         _mnist1d_partitions,
         generated=True,
-        spec=lambda cfg: DataSpec(40, 10),  # 40 samples of the signal, 10 classes
+        spec=lambda cfg: DataSpec(40, 10, ordered=True),  # 40 samples of the signal, 10 classes
         own_test_split=True,  # the package's published test split
     ),
     SourceKind(
