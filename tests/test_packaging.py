@@ -1,5 +1,7 @@
 """The wheel, installed the way a user installs it: built from the checkout, installed into a fresh
-virtual environment, and run from a folder outside the checkout.
+virtual environment with a model-family package beside it (``examples/custom_family``, found by
+its entry point), and run from a folder outside the checkout: one pipeline run takes the installed
+family through every stage, and the installed MLflow serves its student.
 
 The fresh environment sees the project's venv's libraries (the lock's versions) through a path
 file, all but the checkout's editable mopflow, so only the wheel's ``mopflow`` is there.
@@ -20,10 +22,27 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import PORT_RANGE_ENV
+from tests.dags.serving import invoke, served
+
 REPO = Path(__file__).resolve().parents[1]
 # What the wheel is built from: the package's real files. The repository's top-level links
 # (training/ -> mopflow/training, ...) stay behind, as on a file system without symbolic links.
 PACKAGE_SOURCES = ("pyproject.toml", "README.md", "mopflow")
+# The smallest run that still goes through every stage (two one-epoch trials, both ensembled),
+# searching the installed family only. At 16 channels or more, any two members leave a budget (0.1 x
+# the ensemble's parameters) of at least 523 parameters: room for the smallest depth-3 TCN student
+# (334), whichever trials the search completes.
+TCN_SPACE = {
+    "families": {
+        "tcn": {
+            "channels": {"type": "int", "low": 16, "high": 24},
+            "levels": {"type": "int", "low": 2, "high": 3},
+            "kernel": {"type": "categorical", "choices": [3, 5]},
+            "dropout": {"type": "float", "low": 0.0, "high": 0.1},
+        }
+    }
+}
 TINY_RUN = {
     "num_samples": 600,
     "n_shards": 2,
@@ -34,6 +53,9 @@ TINY_RUN = {
     "distill_epochs": 1,
     "model_name": "wheel",
     "max_gap_to_ensemble": 100,
+    "search_space": TCN_SPACE,
+    "student_family": "tcn",
+    "student_depth": 3,
 }
 
 
@@ -92,6 +114,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if not entry.name.startswith(("mopflow", "__editable__")):
             (libraries / entry.name).symlink_to(entry)
     (site / "project_libraries.pth").write_text(f"{libraries}\n")
+    # The one library script the run needs (MLflow's scoring server starts `uvicorn`), as pip
+    # would have written it into the venv: the venv sees the lock's libraries, not their scripts.
+    uvicorn = env_dir / "bin" / "uvicorn"
+    uvicorn.write_text(f"#!{python}\nimport sys\nfrom uvicorn.main import main\nsys.exit(main())\n")
+    uvicorn.chmod(0o755)
     install = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
         capture_output=True,
@@ -99,10 +126,27 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         timeout=300,
     )
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
+    # A model-family package beside it, installed as a user installs one (a copy: building writes
+    # into the source folder).
+    family = root / "custom_family"
+    shutil.copytree(REPO / "examples" / "custom_family", family)
+    install = subprocess.run(
+        [
+            *[sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q"],
+            *["--no-build-isolation", "--no-index", str(family)],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TMPDIR": str(root)},
+    )
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
     work = root / "work"
     work.mkdir()
     env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_", "PYTHON"))
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_", "PYTHON")) or k == PORT_RANGE_ENV
     }
     env |= {
         "MOPFLOW_HOME": str(root / "home"),
@@ -209,7 +253,9 @@ print(json.dumps({{
 
 
 @pytest.mark.slow
-def test_mopflow_run_from_outside_the_checkout_registers_a_model(installed: dict[str, Any]) -> None:
+def test_mopflow_run_from_outside_the_checkout_trains_the_installed_family_and_serves_it(
+    installed: dict[str, Any],
+) -> None:
     config = installed["work"] / "tiny.json"
     config.write_text(json.dumps(TINY_RUN))
     summary = installed["work"] / "summary.json"
@@ -224,9 +270,24 @@ def test_mopflow_run_from_outside_the_checkout_registers_a_model(installed: dict
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    registered = json.loads(summary.read_text())["registered"]
+    result = json.loads(summary.read_text())
+    registered = result["registered"]
     assert registered["name"] == "wheel-student" and int(registered["version"]) >= 1
-    assert str(REPO) not in json.loads(summary.read_text()).get("log_file", "")
+    assert str(REPO) not in result.get("log_file", "")
+    # the installed family went through every stage: searched, ensembled, distilled into
+    assert result["best_trial"]["params"]["family"] == "tcn"
+    assert {"channels", "levels", "kernel", "dropout"} <= set(result["best_trial"]["params"])
+    assert result["student"]["arch"]["family"] == "tcn"
+    assert result["student"]["num_params"] <= 0.1 * result["ensemble"]["num_params"]
+    assert registered["aliases"]
+    # the installed MLflow serves it: the model server finds the family in its environment
+    home = Path(installed["env"]["MOPFLOW_HOME"])
+    with served(home, "models:/wheel-student@champion", installed["env"], python=installed["python"]) as url:
+        columns = [f"x{i:03d}" for i in range(40)]
+        rows = [[0.05 * i for i in range(40)]] * 2
+        answer = invoke(url, {"dataframe_split": {"columns": columns, "data": rows}})
+    predictions = answer["predictions"]
+    assert len(predictions) == 2 and abs(sum(predictions[0].values()) - 1.0) < 1e-4
 
 
 def test_a_missing_dags_folder_is_one_line_and_exit_2(installed: dict[str, Any]) -> None:

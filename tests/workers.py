@@ -21,12 +21,11 @@ FILE_SECONDS: Mapping[str, float] = {
     "tests/infra/test_scale_out.py": 150,
     "tests/dags/test_end_to_end_images.py": 110,
     "tests/dags/test_end_to_end.py": 110,
-    "tests/examples/test_custom_family.py": 80,
+    "tests/test_packaging.py": 100,
     "tests/infra/stages/test_pipeline.py": 80,
     "tests/training/volatile/test_volatile_sweeps.py": 70,
     "tests/training/volatile/test_spot_replay.py": 70,
     "tests/training/volatile/test_scaling.py": 60,
-    "tests/test_packaging.py": 60,
     "tests/benchmarks/test_strategies.py": 60,
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,15 +19,21 @@ from tests.server_waits import wait_until_answering
 
 
 @contextmanager
-def served(home: Path, model_uri: str, extra_env: Mapping[str, str] | None = None) -> Iterator[str]:
-    """Serve ``model_uri`` from ``home``'s MLflow registry; yield the server's base URL."""
+def served(
+    home: Path,
+    model_uri: str,
+    extra_env: Mapping[str, str] | None = None,
+    python: Path | None = None,
+) -> Iterator[str]:
+    """Serve ``model_uri`` from ``home``'s MLflow registry with the MLflow of ``python`` (default:
+    this one's); yield the server's base URL."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "MOPFLOW_"))}
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.update(extra_env or {})
-    mlflow_bin = str(Path(sys.executable).with_name("mlflow"))
-    command = [mlflow_bin, "models", "serve", "-m", model_uri, "--env-manager", "local"]
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
+    mlflow = [str(python), "-m", "mlflow"] if python else [str(Path(sys.executable).with_name("mlflow"))]
+    command = [*mlflow, "models", "serve", "-m", model_uri, "--env-manager", "local"]
     server = subprocess.Popen(
         [*command, "-h", "127.0.0.1", "-p", str(port), "-w", "1"],
         env=env,
@@ -44,7 +51,8 @@ def served(home: Path, model_uri: str, extra_env: Mapping[str, str] | None = Non
         )
         yield f"http://127.0.0.1:{port}"
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have exited already
+            os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
 
 
