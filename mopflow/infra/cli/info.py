@@ -69,9 +69,11 @@ def cmd_config_keys(args: argparse.Namespace) -> int:
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     """Run optuna-dashboard on the study storage (until it is stopped)."""
+    from mopflow.infra.base.extras import require_extra
     from mopflow.infra.base.optuna_storage import journal_path, make_storage, storage_kind
     from mopflow.infra.base.settings import Settings
 
+    require_extra("stack", "mopflow dashboard (optuna-dashboard)")
     url = Settings.from_env().optuna_storage
     make_storage(url)  # creates an empty journal on a fresh machine (optuna-dashboard needs the file)
     target = journal_path(url) if storage_kind(url) == "journal" else url

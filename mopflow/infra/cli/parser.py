@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mopflow.infra.base.airflow_home import AirflowSetupError
+from mopflow.infra.base.extras import MissingExtraError, require_extras_of
 from mopflow.infra.base.settings import SettingsError
 from mopflow.infra.cli.airflow_integration import cmd_dags_install, cmd_dags_path
 from mopflow.infra.cli.errors import CliError
@@ -255,8 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CliError(str(exc)) from exc
         if applied:
             log.info("profile %s: %s", os.environ.get("MOPFLOW_PROFILE"), ", ".join(sorted(applied)))
+        require_extras_of(os.environ)  # PostgreSQL, S3, Celery: their extras, before anything starts
         return int(args.func(args))
-    except (CliError, AirflowSetupError, SettingsError) as exc:  # bad input, an Airflow DB not migrated
+    # bad input, an Airflow DB not migrated, an extra the set-up needs
+    except (CliError, AirflowSetupError, SettingsError, MissingExtraError) as exc:
         print(f"mopflow: {exc}", file=sys.stderr)
         return 2
     except RunEnded as exc:  # stopped (130/143) or failed (2: bad input, 1: otherwise)

@@ -44,6 +44,18 @@ def _has_module(name: str, bin_dir: str) -> bool:
         return False
 
 
+def _require_stack_extra(bin_dir: str, has_module: Callable[[str, str], bool]) -> None:
+    """Refuse a stack whose services' Python lacks the stack extra (optuna-dashboard)."""
+    from mopflow.infra.base.extras import MissingExtraError, require_extra
+
+    try:
+        require_extra(
+            "stack", f"mopflow up (optuna-dashboard, in {bin_dir})", lambda m: has_module(m, bin_dir)
+        )
+    except MissingExtraError as exc:
+        raise StackError(str(exc)) from exc
+
+
 def create_optuna_tables(url: str) -> None:
     """Create (or upgrade) Optuna's tables in an RDB storage, as any Optuna client would."""
     from optuna.storages import RDBStorage
@@ -86,6 +98,7 @@ def up(
         existing = _already_running(path, say)
         if existing is not None:
             return existing
+        _require_stack_extra(bin_dir, has_module)
         if config.mlflow_auth and not has_module("flask_wtf", bin_dir):
             raise StackError(
                 "--auth runs MLflow's basic-auth app, which needs the auth extra (Flask-WTF): "

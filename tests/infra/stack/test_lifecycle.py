@@ -33,6 +33,20 @@ def test_auth_without_the_mlflow_auth_extra_is_refused_before_starting(tmp_path:
     assert not state_path(home).exists() and not (stack_dir(home) / "logs").exists()
 
 
+def test_up_without_the_stack_extra_is_refused_naming_it(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    with pytest.raises(StackError, match=r"mopflow up \(optuna-dashboard.*pip install 'mopflow\[stack\]'"):
+        up(
+            settings_at(home),
+            config_from_env({}, {}, True, 2, counter()),
+            {},
+            lambda _: None,
+            bin_dir=BIN,
+            has_module=lambda name, _: name != "optuna_dashboard",
+        )
+    assert not state_path(home).exists() and not (stack_dir(home) / "logs").exists()
+
+
 def test_status_without_a_stack_says_so(tmp_path: Path) -> None:
     said: list[str] = []
     assert status(tmp_path, said.append) is False
