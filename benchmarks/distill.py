@@ -216,7 +216,6 @@ def train_members(settings: Settings, data_root: str) -> tuple[str, list[TrialRe
         results.append(
             TrialResult(
                 number=i,
-                trial_id=i,
                 params=dict(spec.params),
                 state="COMPLETE" if ok else "FAIL",
                 value=outcome.history[-1].val_acc if ok else None,

@@ -235,7 +235,8 @@ def load_sweeps(
 
 def optuna_study_ids(storage_url: str) -> dict[str, int]:
     """Study name -> id in the Optuna storage (the ids optuna-dashboard puts in its URLs)."""
-    return {s.study_name: s._study_id for s in sweep_figures.storage(storage_url).get_all_studies()}
+    storage = sweep_figures.storage(storage_url)
+    return {s.study_name: storage.get_study_id_from_name(s.study_name) for s in storage.get_all_studies()}
 
 
 def download_gantt(client: Any, run_id: str, name: str) -> bytes:

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -51,6 +51,9 @@ class RunRecord:
     ended_at: str = ""
     resumed: int = 0
     message: str = ""
+    # folders (or URL prefixes) this run may read beside MOPFLOW_DATA_ROOTS (`--data-root`); a
+    # resume keeps them
+    data_roots: list[str] = field(default_factory=list)
 
 
 def records_dir(home: str) -> Path:

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,11 +24,17 @@ DAG_ID = "mopflow_retrain"
 log = logging.getLogger("mopflow")
 
 
-def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bool = True) -> dict[str, Any]:
+def run_pipeline(
+    conf: Mapping[str, Any],
+    resume: str | None = None,
+    verbose: bool = True,
+    data_roots: Sequence[str] = (),
+) -> dict[str, Any]:
     """Run the retraining DAG once through ``dag.test()`` (the product path) and return its summary.
 
     ``resume`` (a run key, or ``""`` for the latest unfinished run) runs an earlier run again
-    with its conf instead. SIGINT/SIGTERM stop the run (:mod:`mopflow.infra.cli.local_runs`): ``RunStopped``.
+    with its conf (and its ``data_roots``) instead. ``data_roots``: folders or URL prefixes this
+    run may read its data from besides ``MOPFLOW_DATA_ROOTS`` (the stages check them too). SIGINT/SIGTERM stop the run (:mod:`mopflow.infra.cli.local_runs`): ``RunStopped``.
     Unless ``verbose``, the logs go to ``$MOPFLOW_HOME/logs/<run key>.log`` and the terminal
     shows the run's progress (:mod:`mopflow.infra.base.progress`).
     """
@@ -50,7 +56,8 @@ def run_pipeline(conf: Mapping[str, Any], resume: str | None = None, verbose: bo
             start_local_cluster_early(settings.dask_workers)
         _prepare_airflow(settings.airflow_home)
         dag = _load_dag(dags)
-        record = _open_record(settings.home, record, run_conf)
+        record = _open_record(settings.home, record, run_conf, data_roots)
+        _allow_data_roots(record.data_roots)
         stopping.reset()
         tracking = (settings.tracking_uri, settings.experiment_name)
         handlers = local_runs.stopping_handlers(record, settings.home, tracking, timeout_s, fail_dag_run)
@@ -115,6 +122,14 @@ def _migrate_airflow_db(airflow_home: str) -> None:
         ) from exc
 
 
+def _allow_data_roots(roots: Sequence[str]) -> None:
+    """Let the stages of this process read from ``roots`` too: they check the dataset against
+    ``MOPFLOW_DATA_ROOTS`` however a run was created."""
+    if roots:
+        known = [r.strip() for r in os.environ.get("MOPFLOW_DATA_ROOTS", "").split(",") if r.strip()]
+        os.environ["MOPFLOW_DATA_ROOTS"] = ",".join([*known, *(r for r in roots if r not in known)])
+
+
 def _load_dag(dags_folder: Path) -> Any:
     """The retraining DAG, from its file in the DAGs folder."""
     import importlib.util
@@ -128,10 +143,13 @@ def _load_dag(dags_folder: Path) -> Any:
     return next(v for v in vars(module).values() if getattr(v, "dag_id", None) == DAG_ID)
 
 
-def _open_record(home: str, record: RunRecord | None, conf: Mapping[str, Any]) -> RunRecord:
+def _open_record(
+    home: str, record: RunRecord | None, conf: Mapping[str, Any], data_roots: Sequence[str] = ()
+) -> RunRecord:
     """A new run's record, or the resumed run's (its DAG run forgotten: dag.test makes it again)."""
     if record is None:
         record = new_run_record(conf)
+        record.data_roots = list(data_roots)
     else:
         forget_dag_run(DAG_ID, record.airflow_run_id)  # dag.test makes it again, same id
         record.resumed += 1

@@ -84,7 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(yaml.safe_dump(plan.config.to_conf(), sort_keys=True, default_flow_style=False).rstrip())
             return 0
-        summary = run_pipeline(plan.conf, None, verbose=args.verbose)
+        summary = run_pipeline(plan.conf, None, verbose=args.verbose, data_roots=plan.data_roots)
     print(format_summary(summary))
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)

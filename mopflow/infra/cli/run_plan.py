@@ -24,6 +24,7 @@ class RunPlan:
     source: str  # which config is in force, in words
     config: Any  # the PipelineConfig of the DAG's defaults merged with ``conf``
     retrain_keys: frozenset[str]  # keys whose value comes from the DAG's defaults
+    data_roots: tuple[str, ...] = ()  # `--data-root` folders, absolute: this run may read there too
 
     def describe(self) -> list[str]:
         """The first lines of a run: the config in force and the warm-start decision."""
@@ -121,11 +122,13 @@ def plan_run(
     try:
         defaults = retrain_defaults(environ)
         config = PipelineConfig.from_conf({**defaults, **conf})
-        roots = [*Settings.from_env(environ).allowed_data_roots, *(_absolute(root) for root in data_roots)]
-        check_data_roots(config, roots)
+        extra_roots = tuple(_absolute(root) for root in data_roots)
+        check_data_roots(config, [*Settings.from_env(environ).allowed_data_roots, *extra_roots])
     except ConfigError as exc:
         raise CliError(f"invalid config: {exc}") from exc
-    return RunPlan(typed_conf(conf, config.to_conf()), source, config, frozenset(defaults) - frozenset(conf))
+    return RunPlan(
+        typed_conf(conf, config.to_conf()), source, config, frozenset(defaults) - frozenset(conf), extra_roots
+    )
 
 
 def typed_conf(conf: Mapping[str, Any], validated: Mapping[str, Any]) -> dict[str, Any]:

@@ -95,6 +95,7 @@ def search_stage(
                 warm_start=warm,
                 min_complete=cfg.ensemble.top_k,
                 device=device,
+                study_attrs=study_attrs(st),
             )
         for result in outcome.results:  # trials finished by an earlier attempt but never logged
             log_trial(result)
@@ -117,6 +118,19 @@ def search_stage(
         "counts": counts,
         "best_trial": best[0].number,
         "best_val_acc": best[0].value,
+    }
+
+
+def study_attrs(st: Stage) -> dict[str, str]:
+    """What the study records of its run: the run key, the DAG run, the MLflow runs (the
+    pipeline's and the search stage's), so that a study in optuna-dashboard leads to them."""
+    run = st.run
+    return {
+        "mopflow.run_key": run.run_key,
+        "mopflow.dag_id": run.dag_id,
+        "mopflow.airflow_run_id": run.airflow_run_id,
+        "mopflow.mlflow_parent_run_id": run.parent_run_id,
+        "mopflow.mlflow_search_run_id": st.run_id,
     }
 
 

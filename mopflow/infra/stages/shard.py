@@ -7,6 +7,7 @@ from typing import Any
 
 from mopflow.infra.base import storage
 from mopflow.infra.base.settings import Settings
+from mopflow.infra.stages.conf_input import check_data_roots
 from mopflow.infra.stages.context import stage
 
 
@@ -19,6 +20,9 @@ def shard_stage(
 
     with stage("shard", conf, ctx_dict, settings) as st:
         settings = st.settings
+        # However the run was created (the API's trigger guard, `airflow dags trigger`, a user's
+        # DAG), nothing outside the data roots is read: a permanent error, before any read.
+        check_data_roots(st.cfg, settings.allowed_data_roots)
         storage.check_output_location(settings.data_root, st.storage_options, "MOPFLOW_DATA_ROOT")
         storage.check_output_location(settings.artifact_root, st.storage_options, "MOPFLOW_ARTIFACT_ROOT")
         with dask_client(settings.dask_address, settings.dask_workers) as client:

@@ -172,7 +172,6 @@ def result_from_frozen(trial: optuna.trial.FrozenTrial) -> TrialResult:
     value = trial.value if trial.state == TrialState.COMPLETE else attrs.get("last_value")
     return TrialResult(
         number=trial.number,
-        trial_id=trial._trial_id,
         params=params_from_optuna(trial.params),
         state=state,
         value=value,
@@ -192,15 +191,17 @@ def _counted(trial: optuna.trial.FrozenTrial) -> bool:
     return trial.state in FINISHED and not trial.user_attrs.get(STALE_ATTR) and not is_learned(trial)
 
 
-def retry_stale_trials(study: optuna.Study) -> int:
+def retry_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage) -> int:
     """Fail trials left RUNNING by a dead coordinator and enqueue their params again.
 
     Only one coordinator drives a study (the search task), so at its start every RUNNING
     trial is stale; the retry keeps the model id, so its model resumes from its checkpoint.
     """
     stale = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+    study_id = storage.get_study_id_from_name(study.study_name) if stale else 0
     for t in stale:
-        optuna.trial.Trial(study, t._trial_id).set_user_attr(STALE_ATTR, True)
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
+        storage.set_trial_user_attr(trial_id, STALE_ATTR, True)
         study.tell(t.number, state=TrialState.FAIL)
         attrs = {RESUME_ATTR: t.number} | (
             {MODEL_ATTR: t.user_attrs[MODEL_ATTR]} if MODEL_ATTR in t.user_attrs else {}
@@ -308,6 +309,22 @@ def warm_start_study(study: optuna.Study, space: SearchSpace, warm: WarmStart) -
     return True
 
 
+METRIC_NAME = "val_acc"  # what every trial's value is: optuna-dashboard shows it by this name
+
+
+def describe_study(study: optuna.Study, attrs: Mapping[str, Any]) -> None:
+    """Name the study's objective and record ``attrs`` on it (both idempotent on a resume)."""
+    import warnings
+
+    if study.metric_names != [METRIC_NAME]:
+        with warnings.catch_warnings():  # experimental in Optuna 5, and the only way to name it
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([METRIC_NAME])
+    for key, value in attrs.items():
+        if study.user_attrs.get(key) != value:
+            study.set_user_attr(key, value)
+
+
 def open_study(
     cfg: SearchConfig,
     manifest_uri: str,
@@ -316,11 +333,13 @@ def open_study(
     storage_options: Mapping[str, Any] | None,
     warm_start: WarmStart | None = None,
     client: Any = None,
+    attrs: Mapping[str, Any] | None = None,
 ) -> tuple[optuna.Study, Any, list[optuna.trial.FrozenTrial], list[TrialResult]]:
     """Verify the shards (on the Dask workers of ``client`` when given), then create or resume the
     study (a new one learns from earlier studies of the same data when ``cfg.warm_start_studies``;
     stale trials retried); return it, the space, the trials that already count towards the budget
-    and their results."""
+    and their results. The study's objective is named (:data:`METRIC_NAME`) and ``attrs`` become
+    its user attributes (the run it belongs to)."""
     from mopflow.training.models.families import DataSpec
     from mopflow.training.search.space import check_space_fits
 
@@ -339,13 +358,14 @@ def open_study(
         pruner=make_pruner(cfg.pruner, cfg.first_rung, cfg.epochs),
         load_if_exists=True,
     )
+    describe_study(study, attrs or {})
     key = search_key(dataset_identity(manifest), space, cfg.epochs)
     learn_from_earlier(study, storage, key, cfg.warm_start_studies)
     if warm_start is not None:
         warm_start_study(study, space, warm_start)
     if enqueues_grid(cfg.sampler):
         enqueue_grid(study, cfg, space)
-    retry_stale_trials(study)
+    retry_stale_trials(study, storage)
     trials = study.get_trials(deepcopy=False)
     retried = {n for t in trials if (n := retried_trial(t)) is not None}  # superseded by their retry
     # current: not superseded by the trial that continued their model from its rung either

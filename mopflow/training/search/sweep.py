@@ -45,9 +45,12 @@ class SearchOptions(TypedDict, total=False):
     warm_start: WarmStart | None  # a known-good configuration to try first
     min_complete: int  # COMPLETE trials the ensemble needs: extra trials run without pruning till then
     device: DeviceSpec  # what every trial trains on
+    study_attrs: Mapping[str, Any]  # user attributes of the study: what run it belongs to
 
 
-DEFAULT_OPTIONS = SearchOptions(on_trial_done=None, warm_start=None, min_complete=1, device=CPU)
+DEFAULT_OPTIONS = SearchOptions(
+    on_trial_done=None, warm_start=None, min_complete=1, device=CPU, study_attrs={}
+)
 
 
 def run_search_with_executor(
@@ -97,8 +100,9 @@ def _search(
     from mopflow.training.models.families import DataSpec
 
     study, space, already, results = open_study(
-        cfg, manifest_uri, study_name, storage_url, storage_options, opts["warm_start"], client
-    )
+        cfg, manifest_uri, study_name, storage_url, storage_options, opts["warm_start"], client,
+        opts["study_attrs"],
+    )  # fmt: skip
     budget = max(cfg.n_trials - len(already), 0)
     progress.publish("search", total=cfg.n_trials, finished=len(already))
     manifest = load_manifest(manifest_uri, storage_options)
@@ -292,7 +296,6 @@ class _Sweep:
         started = getattr(executor, "started_at", {}).get(model_id)
         return TrialResult(
             number=trial.number,
-            trial_id=trial._trial_id,
             params=dict(outcome.spec.params),
             state=state,
             value=history[-1]["val_acc"] if history else None,

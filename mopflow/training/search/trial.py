@@ -34,7 +34,6 @@ class TrialResult:
     """What a trial produced. ``state`` is COMPLETE, PRUNED or FAIL."""
 
     number: int
-    trial_id: int
     params: dict[str, Any]
     state: str
     value: float | None

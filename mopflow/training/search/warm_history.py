@@ -72,7 +72,8 @@ def earlier_studies(storage: Any, key: str, exclude: str, limit: int) -> list[st
         for s in storage.get_all_studies()
         if s.user_attrs.get(SEARCH_KEY_ATTR) == key and s.study_name != exclude
     ]
-    matching.sort(key=lambda s: s._study_id, reverse=True)
+    # studies are numbered as they are created (Optuna's public storage API gives the number)
+    matching.sort(key=lambda s: storage.get_study_id_from_name(s.study_name), reverse=True)
     return [s.study_name for s in matching[:limit]]
 
 

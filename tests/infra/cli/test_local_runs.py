@@ -32,7 +32,8 @@ CONF = {
     "min_resource": 4,  # no pruning: every trial trains all its epochs
     "top_k": 2,
     "student_family": "cnn",
-    "distill_epochs": 4,  # the second stop lands while the students train
+    "distill_epochs": 2,  # the second stop lands as the students start training
+    "munge_multiplier": 1,
     "model_name": "stop",
     "max_gap_to_ensemble": 100,
 }
@@ -304,7 +305,6 @@ def test_sigint_under_mop_checkpoints_the_units_in_flight_and_resumes(tmp_path: 
         "n_trials": 2,
         "epochs": 2,
         "min_resource": 2,
-        "distill_epochs": 2,
     }
     config.write_text(json.dumps(conf))
     proc, log = _start(home, "--config", str(config))
@@ -340,3 +340,24 @@ def test_a_second_signal_stops_at_once_and_leaves_no_run_running(tmp_path: Path)
     runs = _mlflow_runs(home, record.run_key)
     assert all(status != "RUNNING" for _, status in runs.values()), runs  # a resume reopens them
     assert runs[f"pipeline-{record.run_key}"][1] == "KILLED"
+
+
+def test_a_runs_own_data_roots_are_kept_for_its_resume_and_given_to_its_stages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mopflow.infra.cli import pipeline
+
+    home = str(tmp_path)
+    record = local_runs.RunRecord(
+        "ccc", "d", "r3", "2026-01-03T00:00:00+00:00", {}, "stopped", "t", data_roots=["/data/a"]
+    )
+    local_runs.save_record(home, record)
+    assert local_runs.find_resumable(home, "ccc").data_roots == ["/data/a"]
+    old = {
+        k: v for k, v in json.loads((tmp_path / "runs" / "ccc.json").read_text()).items() if k != "data_roots"
+    }
+    (tmp_path / "runs" / "ccc.json").write_text(json.dumps(old))  # a record written before the field
+    assert local_runs.find_resumable(home, "ccc").data_roots == []
+    monkeypatch.setenv("MOPFLOW_DATA_ROOTS", "s3://bucket/x/")
+    pipeline._allow_data_roots(["/data/a", "s3://bucket/x/"])
+    assert os.environ["MOPFLOW_DATA_ROOTS"] == "s3://bucket/x/,/data/a"  # the stages' settings read it

@@ -184,6 +184,31 @@ def test_unwritable_data_root_fails_clearly_and_leaves_no_manifest(tmp_path: Pat
     assert blocker.read_text() == "x"
 
 
+def test_a_dataset_outside_the_data_roots_is_refused_by_the_shard_stage_before_any_read(
+    tmp_path: Path,
+) -> None:
+    """Fault: a run created past the trigger guard (`airflow dags trigger`, a user's DAG) names a
+    dataset outside MOPFLOW_DATA_ROOTS. Expected: the shard stage refuses it (a permanent error,
+    naming the path and the roots) before reading it; nothing is written."""
+    from mopflow.infra.stages.config import ConfigError
+    from mopflow.infra.stages.context import permanent_errors
+
+    outside = tmp_path / "elsewhere" / "table.csv"
+    outside.parent.mkdir()
+    outside.write_text("x,label\n1,0\n")
+    before = outside.stat().st_atime_ns
+    settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path / "home")})
+    conf = CONF | {"dataset": str(outside)}
+    ctx = start_pipeline(conf, "mopflow_retrain", "manual__outside", settings)
+    with pytest.raises(ConfigError) as refused:
+        shard_stage(conf, ctx, settings)
+    assert isinstance(refused.value, permanent_errors())  # not retried
+    message = str(refused.value)
+    assert f"dataset={str(outside)!r} outside the data roots" in message and settings.data_root in message
+    assert not (Path(settings.data_root) / "datasets").exists()
+    assert outside.stat().st_atime_ns == before  # never opened
+
+
 @pytest.fixture()
 def s3_endpoint() -> Iterator[dict]:
     from moto.server import ThreadedMotoServer

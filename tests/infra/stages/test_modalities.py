@@ -77,7 +77,7 @@ def test_a_sequence_ensemble_of_two_families_is_distilled_on_mixup(tmp_path: Pat
     x[np.arange(600), 4 + 3 * y, 0] += 3.0  # the class is where the bump is
     np.save(folder / "x.npy", x)
     np.save(folder / "y.npy", y)
-    settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path / "home")})
+    settings = Settings.from_env({"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_DATA_ROOTS": str(folder)})
     conf = BASE | {
         "dataset": str(folder),
         "search_space": SEQUENCE_SPACE,

@@ -53,6 +53,11 @@ def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
 
     study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
     assert len(study.trials) == CONF["n_trials"]
+    # the study names its objective and the run it belongs to (optuna-dashboard shows both)
+    assert study.metric_names == ["val_acc"]
+    assert study.user_attrs["mopflow.run_key"] == ctx["run_key"]
+    assert study.user_attrs["mopflow.airflow_run_id"] == "manual__test"
+    assert study.user_attrs["mopflow.mlflow_parent_run_id"] == ctx["parent_run_id"]
     client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
     assert len(client.search_model_versions("name='idem-student'")) == 1
     assert len(client.search_model_versions("name='idem-ensemble'")) == 1

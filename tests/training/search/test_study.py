@@ -222,3 +222,15 @@ def test_a_study_learns_from_an_earlier_study_of_the_same_data(
     assert tuesday.results[0].params == best_monday.params
     assert trials[2].user_attrs[WARM_START_ATTR] == f"study mon#{best_monday.number}"
     assert [c.number for c in load_candidates("tue", storage_url)] == [2, 3]  # copies join no ensemble
+
+
+def test_a_study_names_its_objective_and_its_run_once(recwarn: pytest.WarningsRecorder) -> None:
+    from mopflow.training.search.study import METRIC_NAME, describe_study
+
+    study = optuna.create_study(direction="maximize")
+    attrs = {"mopflow.run_key": "abc", "mopflow.airflow_run_id": "manual__1"}
+    describe_study(study, attrs)
+    describe_study(study, attrs)  # a resume: nothing changes
+    assert study.metric_names == [METRIC_NAME] == ["val_acc"]
+    assert study.user_attrs == attrs
+    assert not [w for w in recwarn if issubclass(w.category, optuna.exceptions.ExperimentalWarning)]
