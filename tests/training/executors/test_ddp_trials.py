@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from mopflow.training.executors import DataRef, ModelSpec
 from mopflow.training.executors.base import EpochReport, ModelOutcome
@@ -89,6 +90,21 @@ def test_two_trials_train_at_once_and_stop_at_the_epoch_decided_on(
     assert a["start"] < b["end"] and b["start"] < a["end"]
     assert set(a["worker"].split(",")).isdisjoint(b["worker"].split(","))
     assert len(set(executor.rank_pids["a"]) | set(executor.rank_pids["b"])) == 4
+
+
+@pytest.mark.slow
+def test_a_trials_seed_decides_its_weights_under_ddp(small_manifest: str, four_workers: Any) -> None:
+    """Two trials of one seed end with bit-identical weights, on whichever gang they trained;
+    a third of another seed ends with other weights."""
+    from safetensors.torch import load
+
+    executor = DDPExecutor(four_workers, DataRef.open(small_manifest), world_size=2)
+    specs = [ModelSpec("a", CNN, seed=3), ModelSpec("b", CNN, seed=3), ModelSpec("c", CNN, seed=4)]
+    outcomes = executor.run(specs, 1)
+    states = {m: load(outcomes[m].state or b"") for m in "abc"}
+    weights = [k for k in states["a"] if not k.startswith("opt.")]
+    assert weights and all(torch.equal(states["a"][k], states["b"][k]) for k in weights)
+    assert not all(torch.equal(states["a"][k], states["c"][k]) for k in weights)
 
 
 @pytest.mark.slow

@@ -140,3 +140,7 @@ def test_sequential_task_and_mop_on_one_partition_train_identical_weights(
         for key in expected:
             assert torch.equal(got[key], expected[key]), (name, key)
         assert [r.val_acc for r in outcome.history] == [r.val_acc for r in runs["sequential"].history]
+    # another seed: another initialisation and batch order, so other weights
+    other = TaskExecutor(dask_client, data, shards).run([ModelSpec("trial-0001", CNN, seed=8)], epochs)
+    got = load(other["trial-0001"].state or b"")
+    assert not all(torch.equal(got[key], expected[key]) for key in expected if not key.startswith("opt."))
