@@ -48,9 +48,7 @@ class SearchOptions(TypedDict, total=False):
     study_attrs: Mapping[str, Any]  # user attributes of the study: what run it belongs to
 
 
-DEFAULT_OPTIONS = SearchOptions(
-    on_trial_done=None, warm_start=None, min_complete=1, device=CPU, study_attrs={}
-)
+DEFAULT_OPTIONS = SearchOptions(on_trial_done=None, warm_start=None, min_complete=1, device=CPU)
 
 
 def run_search_with_executor(
@@ -101,7 +99,7 @@ def _search(
 
     study, space, already, results = open_study(
         cfg, manifest_uri, study_name, storage_url, storage_options, opts["warm_start"], client,
-        opts["study_attrs"],
+        opts.get("study_attrs"),
     )  # fmt: skip
     budget = max(cfg.n_trials - len(already), 0)
     progress.publish("search", total=cfg.n_trials, finished=len(already))
@@ -158,10 +156,9 @@ def run_strategy_search(
 ) -> SearchOutcome:
     """The search of ``cfg.strategy`` through its executor, with checkpoints under
     ``<artifact_root>/checkpoints/<study>`` (one folder per model)."""
-    checkpoint_root = storage.join(artifact_root, "checkpoints", study_name)
     return run_search_with_executor(
         cfg, manifest_uri, study_name, storage_url, artifact_root, client, storage_options,
-        checkpoint_root=checkpoint_root, **options,
+        checkpoint_root=storage.join(artifact_root, "checkpoints", study_name), **options,
     )  # fmt: skip
 
 
