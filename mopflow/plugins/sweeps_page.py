@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from mopflow.infra.base import tag_names as tag
 from mopflow.plugins import sweep_figures
 
 DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"
@@ -142,8 +143,8 @@ def _leaderboard_from_trial_runs(runs: Sequence[Any]) -> list[TrialRow]:
         pruned = metrics.get("pruned_epoch")
         rows.append(
             TrialRow(
-                trial=int(tags.get("mopflow.trial", -1)),
-                state=str(tags.get("mopflow.trial_state", run.info.status)),
+                trial=int(tags.get(tag.TRIAL, -1)),
+                state=str(tags.get(tag.TRIAL_STATE, run.info.status)),
                 val_acc=metrics.get("val_acc"),
                 pruned_epoch=int(pruned) if pruned is not None else None,
                 params=dict(run.data.params),
@@ -174,9 +175,9 @@ def load_sweeps(
         return []
     exp_id = str(experiment.experiment_id)
     # Every pipeline run is a search; MLflow filters have no OR, so one DAG or all of them.
-    where = "tags.`mopflow.stage` = 'pipeline'"
+    where = f"tags.`{tag.STAGE}` = 'pipeline'"
     if dag_id:
-        where += f" and tags.`mopflow.dag_id` = '{_quote(dag_id)}'"
+        where += f" and tags.`{tag.DAG_ID}` = '{_quote(dag_id)}'"
     parents = client.search_runs(
         [exp_id],
         filter_string=where,
@@ -186,10 +187,10 @@ def load_sweeps(
     sweeps = []
     for parent in parents:
         tags = parent.data.tags
-        key = tags.get("mopflow.run_key", "")
-        search_runs = _find(client, exp_id, {"mopflow.run_key": key, "mopflow.stage": "search"}, 1)
+        key = tags.get(tag.RUN_KEY, "")
+        search_runs = _find(client, exp_id, {tag.RUN_KEY: key, tag.STAGE: "search"}, 1)
         search = search_runs[0] if search_runs else None
-        study = search.data.tags.get("mopflow.study") if search else None
+        study = search.data.tags.get(tag.STUDY) if search else None
         leaderboard: list[TrialRow] = []
         source = "none"
         gantt: list[str] = []
@@ -201,7 +202,7 @@ def load_sweeps(
                     leaderboard = _leaderboard_from_json(json.loads(Path(local).read_text()))
                 source = "leaderboard.json"
             else:
-                trials = _find(client, exp_id, {"mopflow.run_key": key, "mopflow.stage": "trial"})
+                trials = _find(client, exp_id, {tag.RUN_KEY: key, tag.STAGE: "trial"})
                 leaderboard = _leaderboard_from_trial_runs(trials)
                 source = "trial runs" if trials else "none"
             if "mop" in artifacts:
@@ -210,13 +211,13 @@ def load_sweeps(
                     for a in client.list_artifacts(search.info.run_id, "mop")
                     if GANTT_RE.match(Path(a.path).name)
                 )
-        register = _find(client, exp_id, {"mopflow.run_key": key, "mopflow.stage": "register"}, 1)
+        register = _find(client, exp_id, {tag.RUN_KEY: key, tag.STAGE: "register"}, 1)
         sweeps.append(
             Sweep(
                 run_id=parent.info.run_id,
                 experiment_id=exp_id,
-                dag_id=tags.get("mopflow.dag_id", ""),
-                airflow_run_id=tags.get("mopflow.airflow_run_id", ""),
+                dag_id=tags.get(tag.DAG_ID, ""),
+                airflow_run_id=tags.get(tag.AIRFLOW_RUN_ID, ""),
                 status=str(parent.info.status),
                 start_time_ms=parent.info.start_time,
                 strategy=parent.data.params.get("strategy", ""),
@@ -226,8 +227,8 @@ def load_sweeps(
                 leaderboard=leaderboard,
                 leaderboard_source=source,
                 gantt=gantt,
-                promoted=register[0].data.tags.get("mopflow.promoted") if register else None,
-                promotion_reason=register[0].data.tags.get("mopflow.promotion_reason") if register else None,
+                promoted=register[0].data.tags.get(tag.PROMOTED) if register else None,
+                promotion_reason=register[0].data.tags.get(tag.PROMOTION_REASON) if register else None,
             )
         )
     return sweeps

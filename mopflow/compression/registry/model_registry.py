@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from mopflow.infra.base.storage import filesystem
+from mopflow.infra.base.tag_names import PROMOTION_REASON, RUN_KEY
 from mopflow.training.data.examples import EXAMPLE_COLUMN
 
 log = logging.getLogger(__name__)
@@ -19,7 +20,6 @@ log = logging.getLogger(__name__)
 PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
 CHALLENGER = "challenger"
 CHAMPION = "champion"
-RUN_KEY_TAG = "mopflow.run_key"
 
 
 @dataclass(frozen=True)
@@ -132,10 +132,10 @@ def register_version(client: Any, name: str, model_uri: str, run_key: str, tags:
         except Exception:  # created concurrently
             client.get_registered_model(name)
     for version in client.search_model_versions(f"name='{name}'"):
-        if version.tags.get(RUN_KEY_TAG) == run_key:
+        if version.tags.get(RUN_KEY) == run_key:
             log.info("register: %s version %s already exists for this run; reusing it", name, version.version)
             return version
-    version = mlflow.register_model(model_uri, name, tags={RUN_KEY_TAG: run_key, **tags})
+    version = mlflow.register_model(model_uri, name, tags={RUN_KEY: run_key, **tags})
     log.info("register: %s version %s registered from %s", name, version.version, model_uri)
     return version
 
@@ -181,7 +181,7 @@ def promote(client: Any, name: str, version: str) -> str:
         raise RegistryError(f"registered model {name!r} has no version {version!r}") from exc
     previous = alias_version(client, name, CHAMPION)
     set_alias(client, name, CHAMPION, str(version))
-    client.set_model_version_tag(name, str(version), "mopflow.promotion_reason", "promoted by hand")
+    client.set_model_version_tag(name, str(version), PROMOTION_REASON, "promoted by hand")
     before = previous.version if previous is not None else "none"
     return f"{name}: champion {before} -> {version}"
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mopflow.infra.base import stopping
+from mopflow.infra.base.tag_names import RUN_KEY
 from mopflow.infra.cli.errors import CliError
 
 log = logging.getLogger("mopflow")
@@ -165,7 +166,7 @@ def kill_leftover_runs(tracking_uri: str, experiment: str, run_key: str) -> int:
     from mopflow.infra.base.tracking import MlflowTracker
 
     tracker = MlflowTracker(tracking_uri, experiment)
-    leftovers = [r for r in tracker.find_runs({"mopflow.run_key": run_key}) if r.info.status == "RUNNING"]
+    leftovers = [r for r in tracker.find_runs({RUN_KEY: run_key}) if r.info.status == "RUNNING"]
     for run in leftovers:
         tracker.end_run(run.info.run_id, "KILLED")
     return len(leftovers)

@@ -14,6 +14,7 @@ from typing import Any
 from mopflow.infra.base import progress, storage
 from mopflow.infra.base.settings import Settings
 from mopflow.infra.base.stopping import PipelineStopped, ended_status, raise_if_stopped
+from mopflow.infra.base.tag_names import AIRFLOW_RUN_ID, DAG_ID, RUN_KEY, STAGE
 from mopflow.infra.base.tracking import MlflowTracker, Tracker
 from mopflow.infra.stages.config import ConfigError, PipelineConfig
 from mopflow.infra.stages.memory import peak_memory_logged
@@ -21,7 +22,6 @@ from mopflow.infra.stages.version import code_version
 
 log = logging.getLogger(__name__)
 
-STAGE_TAG = "mopflow.stage"
 FAILURE_FILE = "failure.json"
 
 
@@ -69,9 +69,9 @@ class RunContext:
 def run_tags(dag_id: str, airflow_run_id: str, run_key: str) -> dict[str, str]:
     """Tags naming the DAG run, the pipeline run key and the code that ran."""
     return {
-        "mopflow.dag_id": dag_id,
-        "mopflow.airflow_run_id": airflow_run_id,
-        "mopflow.run_key": run_key,
+        DAG_ID: dag_id,
+        AIRFLOW_RUN_ID: airflow_run_id,
+        RUN_KEY: run_key,
         "mopflow.code_version": code_version(),
     }
 
@@ -158,7 +158,7 @@ def stage(
     raise_if_stopped()  # a stage does not start in a run asked to stop (its retry neither)
     progress.publish("stage", stage=name)
     extra = lineage(cfg, run) if callable(lineage) else (lineage or {})
-    tags = {**run.tags(), STAGE_TAG: name, **extra}
+    tags = {**run.tags(), STAGE: name, **extra}
     run_id = tracker.get_or_start_run(name, tags, parent_run_id=run.parent_run_id)
     with peak_memory_logged(name):
         try:

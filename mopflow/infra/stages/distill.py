@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from mopflow.compression.distill.keep import REPORT_NAMES, KeptStudent
 from mopflow.infra.base.settings import Settings
+from mopflow.infra.base.tag_names import MANIFEST_HASH
 from mopflow.infra.stages.context import Stage, stage
 from mopflow.infra.stages.ensemble import example_input, json_figures
 from mopflow.training.models.families import DataSpec, get_family
@@ -59,7 +60,7 @@ def distill_stage(
     from mopflow.training.data import load_manifest
     from mopflow.training.models.bundle import load_bundle
 
-    lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"])}
+    lineage = {MANIFEST_HASH: str(shard["manifest_hash"])}
     with stage("distill", conf, ctx_dict, settings, lineage) as st:
         torch.set_num_threads(1)  # small models: one thread is fastest, more only contend with each other
         so, dcfg = st.storage_options, st.cfg.distill

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mopflow.infra.base.settings import Settings
+from mopflow.infra.base.tag_names import MANIFEST_HASH, STUDY
 from mopflow.infra.stages.context import Stage, stage
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,8 @@ def ensemble_stage(
     from mopflow.training.compute.cluster import dask_client
 
     lineage = {
-        "mopflow.manifest_hash": str(shard["manifest_hash"]),
-        "mopflow.study": str(search["study_name"]),
+        MANIFEST_HASH: str(shard["manifest_hash"]),
+        STUDY: str(search["study_name"]),
     }
     with stage("ensemble", conf, ctx_dict, settings, lineage) as st:
         so, cfg = st.storage_options, st.cfg

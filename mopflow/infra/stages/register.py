@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from mopflow.infra.base import storage
 from mopflow.infra.base.settings import Settings
+from mopflow.infra.base.tag_names import MANIFEST_HASH, PROMOTED, PROMOTION_REASON, STUDY
 from mopflow.infra.stages.context import Stage, stage
 from mopflow.infra.stages.search import BEST_PARAMS_TAG
 
@@ -31,7 +32,7 @@ def register_stage(
     """Register both models, apply the promotion gate, and return (and store) the run's summary."""
     from mopflow.compression.registry.model_registry import CHALLENGER, CHAMPION, registry_client
 
-    lineage = {"mopflow.manifest_hash": str(shard["manifest_hash"])}
+    lineage = {MANIFEST_HASH: str(shard["manifest_hash"])}
     with stage("register", conf, ctx_dict, settings, lineage) as st:
         client = registry_client(st.settings)
         names = {
@@ -39,8 +40,8 @@ def register_stage(
             "ensemble": f"{st.cfg.registry.model_name}-ensemble",
         }
         version_tags = {
-            "mopflow.manifest_hash": str(shard["manifest_hash"]),
-            "mopflow.study": str(search["study_name"]),
+            MANIFEST_HASH: str(shard["manifest_hash"]),
+            STUDY: str(search["study_name"]),
         }
         versions = _register_versions(client, names, st.run.run_key, version_tags, ensemble, distill)
         decision, champion_acc = _promotion(
@@ -49,7 +50,7 @@ def register_stage(
         aliases = _set_aliases(client, names, versions, decision.promote)
         st.tracker.set_tags(
             st.run_id,
-            {"mopflow.promoted": str(decision.promote).lower(), "mopflow.promotion_reason": decision.reason},
+            {PROMOTED: str(decision.promote).lower(), PROMOTION_REASON: decision.reason},
         )
         st.tracker.log_params(
             st.run_id, {"student_model": names["student"], "student_version": versions["student"]}

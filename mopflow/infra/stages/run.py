@@ -10,9 +10,9 @@ from typing import Any
 from mopflow.infra.base import storage
 from mopflow.infra.base.settings import Settings
 from mopflow.infra.base.stopping import ended_status, raise_if_stopped
+from mopflow.infra.base.tag_names import RUN_KEY, STAGE
 from mopflow.infra.stages.config import PipelineConfig
 from mopflow.infra.stages.context import (
-    STAGE_TAG,
     PipelineFailed,
     RunContext,
     make_run_key,
@@ -33,7 +33,7 @@ def start_pipeline(
     key = make_run_key(dag_id, airflow_run_id)
     tracker = tracker_for(settings)
     parent = tracker.get_or_start_run(
-        f"pipeline-{key}", {**run_tags(dag_id, airflow_run_id, key), STAGE_TAG: "pipeline"}
+        f"pipeline-{key}", {**run_tags(dag_id, airflow_run_id, key), STAGE: "pipeline"}
     )
     tracker.log_params(parent, {k: v for k, v in cfg.to_conf().items() if k != "search_space"})
     tracker.log_dict(parent, cfg.to_conf(), "config.json")
@@ -53,7 +53,7 @@ def finalize_pipeline(ctx_dict: Mapping[str, Any], settings: Settings | None = N
     succeeded = storage.exists(summary_uri, settings.storage_options)
     leftovers = [
         r
-        for r in tracker.find_runs({"mopflow.run_key": run.run_key})
+        for r in tracker.find_runs({RUN_KEY: run.run_key})
         if r.info.status == "RUNNING" and r.info.run_id != run.parent_run_id
     ]
     status = ended_status()  # KILLED when the run was asked to stop

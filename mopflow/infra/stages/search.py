@@ -9,9 +9,20 @@ from typing import Any
 
 from mopflow.infra.base.optuna_storage import redact_url
 from mopflow.infra.base.settings import Settings
+from mopflow.infra.base.tag_names import (
+    AIRFLOW_RUN_ID,
+    DAG_ID,
+    MANIFEST_HASH,
+    RUN_KEY,
+    STAGE,
+    STUDY,
+    TRIAL,
+    TRIAL_STATE,
+    WORKER,
+)
 from mopflow.infra.base.tracking import Tracker
 from mopflow.infra.stages.config import ConfigError, PipelineConfig
-from mopflow.infra.stages.context import STAGE_TAG, RunContext, Stage, stage, study_name_for
+from mopflow.infra.stages.context import RunContext, Stage, stage, study_name_for
 from mopflow.training.models.families import DataSpec
 
 log = logging.getLogger(__name__)
@@ -55,8 +66,8 @@ def search_stage(
 
     def lineage(cfg: PipelineConfig, run: RunContext) -> dict[str, str]:
         return {
-            "mopflow.manifest_hash": str(shard["manifest_hash"]),
-            "mopflow.study": study_name_for(cfg, run),
+            MANIFEST_HASH: str(shard["manifest_hash"]),
+            STUDY: study_name_for(cfg, run),
         }
 
     with stage("search", conf, ctx_dict, settings, lineage) as st:
@@ -126,9 +137,9 @@ def study_attrs(st: Stage) -> dict[str, str]:
     pipeline's and the search stage's), so that a study in optuna-dashboard leads to them."""
     run = st.run
     return {
-        "mopflow.run_key": run.run_key,
-        "mopflow.dag_id": run.dag_id,
-        "mopflow.airflow_run_id": run.airflow_run_id,
+        RUN_KEY: run.run_key,
+        DAG_ID: run.dag_id,
+        AIRFLOW_RUN_ID: run.airflow_run_id,
         "mopflow.mlflow_parent_run_id": run.parent_run_id,
         "mopflow.mlflow_search_run_id": st.run_id,
     }
@@ -137,20 +148,18 @@ def study_attrs(st: Stage) -> dict[str, str]:
 def trial_logger(st: Stage, lineage: Mapping[str, str]) -> Callable[[Any], None]:
     """A callback that logs one finished trial as a nested MLflow run of the search stage's run
     (once: a trial already logged by an earlier attempt is not logged again)."""
-    study = lineage["mopflow.study"]
+    study = lineage[STUDY]
 
     def log_trial(result: Any) -> None:
         tracker, number = st.tracker, str(result.number)
-        if tracker.find_run(
-            {"mopflow.run_key": st.run.run_key, "mopflow.study": study, "mopflow.trial": number}
-        ):
+        if tracker.find_run({RUN_KEY: st.run.run_key, STUDY: study, TRIAL: number}):
             return
-        tags = {**st.run.tags(), **lineage, STAGE_TAG: "trial", "mopflow.trial": number}
+        tags = {**st.run.tags(), **lineage, STAGE: "trial", TRIAL: number}
         trial_run = tracker.start_run(f"trial-{result.number}", tags, parent_run_id=st.run_id)
         tracker.log_params(trial_run, result.params)
         for key in ("val_acc", "train_loss"):
             tracker.log_metric_history(trial_run, key, [(int(h["epoch"]), h[key]) for h in result.history])
-        tracker.set_tags(trial_run, {"mopflow.trial_state": result.state, "mopflow.worker": result.worker})
+        tracker.set_tags(trial_run, {TRIAL_STATE: result.state, WORKER: result.worker})
         if result.pruned_epoch is not None:
             tracker.log_metrics(trial_run, {"pruned_epoch": result.pruned_epoch})
         if result.error:

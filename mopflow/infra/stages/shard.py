@@ -7,6 +7,7 @@ from typing import Any
 
 from mopflow.infra.base import storage
 from mopflow.infra.base.settings import Settings
+from mopflow.infra.base.tag_names import MANIFEST_HASH
 from mopflow.infra.stages.conf_input import check_data_roots
 from mopflow.infra.stages.context import stage
 
@@ -28,7 +29,7 @@ def shard_stage(
         with dask_client(settings.dask_address, settings.dask_workers) as client:
             result = shard_dataset(st.cfg.data, settings.data_root, client, st.storage_options)
         manifest = storage.read_json(result.manifest_uri, st.storage_options)
-        st.tag_lineage({"mopflow.manifest_hash": result.manifest_hash})
+        st.tag_lineage({MANIFEST_HASH: result.manifest_hash})
         st.tracker.log_params(st.run_id, st.cfg.data.model_dump())
         rows = {f"rows_{s}": sum(e["rows"] for e in manifest["splits"][s]) for s in manifest["splits"]}
         st.tracker.log_metrics(st.run_id, rows)

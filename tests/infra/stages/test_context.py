@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mopflow.infra.base.settings import Settings
+from mopflow.infra.base.tag_names import STAGE
 from mopflow.infra.stages.context import (
-    STAGE_TAG,
     RunContext,
     read_failure,
     stage,
@@ -38,9 +38,7 @@ def test_a_stage_run_carries_the_lineage_and_is_reopened_on_a_retry(settings: Se
             first = st.run_id
     tracker = tracker_for(settings)
     runs = [
-        r
-        for r in tracker.find_runs({"mopflow.run_key": ctx["run_key"]})
-        if r.data.tags[STAGE_TAG] == "search"
+        r for r in tracker.find_runs({"mopflow.run_key": ctx["run_key"]}) if r.data.tags[STAGE] == "search"
     ]
     assert [r.info.run_id for r in runs] == [first]  # the retry reopened the same run
     tags = runs[0].data.tags
@@ -74,4 +72,4 @@ def test_a_bad_conf_is_refused_before_any_run_opens(settings: Settings) -> None:
     with pytest.raises(ConfigError, match="n_trials"), stage("shard", {"n_trials": -1}, ctx, settings):
         pass
     runs = tracker_for(settings).find_runs({"mopflow.run_key": ctx["run_key"]})
-    assert [r.data.tags[STAGE_TAG] for r in runs] == ["pipeline"]
+    assert [r.data.tags[STAGE] for r in runs] == ["pipeline"]
