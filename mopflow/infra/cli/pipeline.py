@@ -197,9 +197,10 @@ def _finished_summary(
     """Close the record of a finished DAG run: the run's summary when it succeeded, else
     ``RunFailed`` with the failed stage's error (exit code 2 when retrying cannot help)."""
     from mopflow.infra.base import storage
+    from mopflow.infra.stages.context import summary_uri
 
-    summary_uri = storage.join(settings.artifact_root, "runs", record.run_key, "summary.json")
-    if not state.endswith("success") or not storage.exists(summary_uri, settings.storage_options):
+    summary_file = summary_uri(settings, record.run_key)
+    if not state.endswith("success") or not storage.exists(summary_file, settings.storage_options):
         from mopflow.infra.stages.context import read_failure
 
         failure = read_failure(settings, record.run_key)
@@ -213,7 +214,7 @@ def _finished_summary(
         raise local_runs.RunFailed(message, 2 if permanent else 1)
     record.state, record.ended_at = "succeeded", local_runs.now_iso()
     local_runs.save_record(settings.home, record)
-    summary: dict[str, Any] = storage.read_json(summary_uri, settings.storage_options)
+    summary: dict[str, Any] = storage.read_json(summary_file, settings.storage_options)
     summary["wall_time_s"] = round(wall, 1)
     summary["how_to_open"] = ui_hints(settings, summary)
     summary["resumed"] = record.resumed

@@ -91,6 +91,14 @@ def run_dir(settings: Settings, run_key: str) -> str:
     return storage.join(settings.artifact_root, "runs", run_key)
 
 
+SUMMARY_FILE = "summary.json"  # a run's summary, written by the register stage last
+
+
+def summary_uri(settings: Settings, run_key: str) -> str:
+    """Where a pipeline run's summary is: it exists once the run succeeded."""
+    return storage.join(run_dir(settings, run_key), SUMMARY_FILE)
+
+
 def study_name_for(cfg: PipelineConfig, run: RunContext) -> str:
     """One study per pipeline run: rerunning the run resumes it instead of starting another."""
     return f"{cfg.registry.model_name}-{run.run_key}"

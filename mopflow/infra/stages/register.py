@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from mopflow.infra.base import storage
 from mopflow.infra.base.settings import Settings
 from mopflow.infra.base.tag_names import MANIFEST_HASH, PROMOTED, PROMOTION_REASON, STUDY
-from mopflow.infra.stages.context import Stage, stage
+from mopflow.infra.stages.context import SUMMARY_FILE, Stage, stage, summary_uri
 from mopflow.infra.stages.search import BEST_PARAMS_TAG
 
 if TYPE_CHECKING:
@@ -70,8 +70,8 @@ def register_stage(
             "previous_champion_test_acc": champion_acc,
             "model_uri": f"models:/{names['student']}@{CHAMPION if decision.promote else CHALLENGER}",
         }
-        st.tracker.log_dict(st.run.parent_run_id, summary, "summary.json")
-        storage.write_json_atomic(st.output_uri("summary.json"), summary, st.storage_options)
+        st.tracker.log_dict(st.run.parent_run_id, summary, SUMMARY_FILE)
+        storage.write_json_atomic(summary_uri(st.settings, st.run.run_key), summary, st.storage_options)
     return summary
 
 

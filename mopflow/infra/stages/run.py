@@ -16,8 +16,8 @@ from mopflow.infra.stages.context import (
     PipelineFailed,
     RunContext,
     make_run_key,
-    run_dir,
     run_tags,
+    summary_uri,
     tracker_for,
 )
 
@@ -49,8 +49,8 @@ def finalize_pipeline(ctx_dict: Mapping[str, Any], settings: Settings | None = N
     settings = settings or Settings.from_env()
     run = RunContext.from_dict(ctx_dict)
     tracker = tracker_for(settings)
-    summary_uri = storage.join(run_dir(settings, run.run_key), "summary.json")
-    succeeded = storage.exists(summary_uri, settings.storage_options)
+    summary = summary_uri(settings, run.run_key)
+    succeeded = storage.exists(summary, settings.storage_options)
     leftovers = [
         r
         for r in tracker.find_runs({RUN_KEY: run.run_key})
@@ -69,5 +69,5 @@ def finalize_pipeline(ctx_dict: Mapping[str, Any], settings: Settings | None = N
     if not succeeded:
         raise_if_stopped()  # stopped: a permanent error, the task is not retried
         # the verdict on the run, not a fault: retrying finalize cannot change it
-        raise PipelineFailed(f"pipeline run {run.run_key} did not complete (no summary at {summary_uri})")
-    return {"summary_uri": summary_uri, "run_key": run.run_key}
+        raise PipelineFailed(f"pipeline run {run.run_key} did not complete (no summary at {summary})")
+    return {"summary_uri": summary, "run_key": run.run_key}
