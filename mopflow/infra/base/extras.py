@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Mapping
 
+from mopflow.infra.base.optuna_storage import redact_url
+
 # extra -> the modules it brings (pyproject.toml's [project.optional-dependencies])
 EXTRA_MODULES: Mapping[str, tuple[str, ...]] = {
     "stack": ("optuna_dashboard",),
@@ -81,11 +83,4 @@ def extras_needed(environ: Mapping[str, str]) -> list[tuple[str, str]]:
 def require_extras_of(environ: Mapping[str, str], find: Finder = importable) -> None:
     """Refuse a set-up (:class:`MissingExtraError`) whose settings need an extra not installed."""
     for extra, name in extras_needed(environ):
-        require_extra(extra, f"{name}={_shown(environ[name])!r}", find)
-
-
-def _shown(value: str) -> str:
-    """A setting as it can be shown: a URL's password left out."""
-    from mopflow.infra.base.optuna_storage import redact_url
-
-    return redact_url(value)
+        require_extra(extra, f"{name}={redact_url(environ[name])!r}", find)  # no password shown

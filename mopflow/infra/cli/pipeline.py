@@ -34,7 +34,8 @@ def run_pipeline(
 
     ``resume`` (a run key, or ``""`` for the latest unfinished run) runs an earlier run again
     with its conf (and its ``data_roots``) instead. ``data_roots``: folders or URL prefixes this
-    run may read its data from besides ``MOPFLOW_DATA_ROOTS`` (the stages check them too). SIGINT/SIGTERM stop the run (:mod:`mopflow.infra.cli.local_runs`): ``RunStopped``.
+    run may read its data from besides ``MOPFLOW_DATA_ROOTS`` (the stages check them too).
+    SIGINT/SIGTERM stop the run (:mod:`mopflow.infra.cli.local_runs`): ``RunStopped``.
     Unless ``verbose``, the logs go to ``$MOPFLOW_HOME/logs/<run key>.log`` and the terminal
     shows the run's progress (:mod:`mopflow.infra.base.progress`).
     """
@@ -57,7 +58,7 @@ def run_pipeline(
         _prepare_airflow(settings.airflow_home)
         dag = _load_dag(dags)
         record = _open_record(settings.home, record, run_conf, data_roots)
-        _allow_data_roots(record.data_roots)
+        _allow_data_roots(settings.data_roots, record.data_roots)
         stopping.reset()
         tracking = (settings.tracking_uri, settings.experiment_name)
         handlers = local_runs.stopping_handlers(record, settings.home, tracking, timeout_s, fail_dag_run)
@@ -122,11 +123,11 @@ def _migrate_airflow_db(airflow_home: str) -> None:
         ) from exc
 
 
-def _allow_data_roots(roots: Sequence[str]) -> None:
-    """Let the stages of this process read from ``roots`` too: they check the dataset against
-    ``MOPFLOW_DATA_ROOTS`` however a run was created."""
+def _allow_data_roots(known: Sequence[str], roots: Sequence[str]) -> None:
+    """Let the stages of this process read from ``roots`` too, besides the ``known`` ones (the
+    settings' ``data_roots``): they check the dataset against ``MOPFLOW_DATA_ROOTS`` however a
+    run was created."""
     if roots:
-        known = [r.strip() for r in os.environ.get("MOPFLOW_DATA_ROOTS", "").split(",") if r.strip()]
         os.environ["MOPFLOW_DATA_ROOTS"] = ",".join([*known, *(r for r in roots if r not in known)])
 
 

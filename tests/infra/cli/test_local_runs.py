@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from mopflow.infra.base import stopping
+from mopflow.infra.base.settings import Settings
 from mopflow.infra.cli import CliError, local_runs
 from tests.dags.test_end_to_end import REPO, _env
 
@@ -359,5 +360,6 @@ def test_a_runs_own_data_roots_are_kept_for_its_resume_and_given_to_its_stages(
     (tmp_path / "runs" / "ccc.json").write_text(json.dumps(old))  # a record written before the field
     assert local_runs.find_resumable(home, "ccc").data_roots == []
     monkeypatch.setenv("MOPFLOW_DATA_ROOTS", "s3://bucket/x/")
-    pipeline._allow_data_roots(["/data/a", "s3://bucket/x/"])
+    known = Settings.from_env().data_roots
+    pipeline._allow_data_roots(known, ["/data/a", "s3://bucket/x/"])
     assert os.environ["MOPFLOW_DATA_ROOTS"] == "s3://bucket/x/,/data/a"  # the stages' settings read it
