@@ -191,7 +191,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
 
 def run_mopflow_search(job: dict[str, Any]) -> dict[str, Any]:
     """One mopflow search of one arm under one strategy and seed; every epoch report is recorded."""
-    from mopflow.infra.base import progress
+    from mopflow.base import progress
     from mopflow.training.search.config import SearchConfig
     from mopflow.training.search.sweep import run_strategy_search
 

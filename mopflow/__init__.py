@@ -1,9 +1,11 @@
 """mopflow: Airflow-orchestrated model selection, ensembling and distillation with Dask, Optuna,
 Lightning and MLflow.
 
-The package's parts are ``mopflow.training`` (the training core), ``mopflow.compression``
-(ensembles, distillation, registry), ``mopflow.infra`` (settings, stages, the ``mopflow``
-command), ``mopflow.dags`` (the Airflow DAG files) and ``mopflow.plugins`` (the Airflow plugin).
+The package's parts, from the top: ``mopflow.dags`` (the Airflow DAG files) and
+``mopflow.plugins`` (the Airflow plugin), ``mopflow.infra`` (the ``mopflow`` command, the local
+stack, deployment), ``mopflow.pipeline`` (the stages), ``mopflow.compression`` (ensembles,
+distillation, registry), ``mopflow.training`` (the training core) and ``mopflow.base`` (the
+ground floor: settings, storage, tracking).
 
 A model-family plugin needs only what this module exports::
 

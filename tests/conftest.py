@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Each pytest-xdist worker (and every process it starts) draws the ports of its servers from its
 # own range, below the kernel's ephemeral range: two workers never draw the same port, and no
 # port-0 bind of a Dask process can take one between its choice and the server's bind
-# (mopflow.infra.base.ports).
+# (mopflow.base.ports).
 PORT_RANGE_LOW, PORT_RANGE_HIGH = 12000, 32000
 PORT_RANGE_ENV = "MOPFLOW_PORT_RANGE"  # kept in a child's environment when the rest of MOPFLOW_* is not
 

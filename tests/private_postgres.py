@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mopflow.infra.base import ports
+from mopflow.base import ports
 
 
 def postgres_bin() -> Path | None:

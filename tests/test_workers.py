@@ -7,7 +7,7 @@ from tests.workers import FILE_SECONDS, file_of, heaviest_first
 
 def test_a_file_is_one_unit() -> None:
     assert file_of("tests/test_docs.py::test_x[a::b]") == "tests/test_docs.py"
-    assert file_of("tests/infra/stages/test_faults.py::Test::test_y") == "tests/infra/stages/test_faults.py"
+    assert file_of("tests/pipeline/test_faults.py::Test::test_y") == "tests/pipeline/test_faults.py"
 
 
 def test_the_heaviest_files_go_first_and_the_rest_keep_their_order() -> None:

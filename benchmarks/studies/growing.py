@@ -18,7 +18,7 @@ are fewer real processes than workers; it reproduces the maths of synchronous SG
 is >= the slot's price are active (``y_j``). Only they contribute micro-batches; a slot with no active
 worker is idle: no update, j waits. The run is accounted with :func:`mopflow.training.volatile.cost.account_run` (cost,
 active / idle time, wasted work) over the same slots; :mod:`mopflow.training.volatile.growing_report` gives
-its cost over time and logs records and account through the :class:`~mopflow.infra.base.tracking.Tracker` protocol.
+its cost over time and logs records and account through the :class:`~mopflow.base.tracking.Tracker` protocol.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 :func:`~mopflow.training.volatile.growing.train_growing` returns a :class:`~mopflow.training.volatile.growing.GrowingResult`;
 :func:`cost_curve` and :func:`account_prefix` say what it cost up to any point (e.g. a target accuracy),
 and :func:`log_growing_run` logs the config, the per-slot histories and the cost account through the
-:class:`~mopflow.infra.base.tracking.Tracker` protocol.
+:class:`~mopflow.base.tracking.Tracker` protocol.
 """
 
 from __future__ import annotations
 
-from mopflow.infra.base.tracking import Tracker
+from mopflow.base.tracking import Tracker
 from mopflow.training.volatile.cost import account_run
 from mopflow.training.volatile.prices import SECONDS_PER_HOUR
 from mopflow.training.volatile.run_account import RunAccount, log_run_account

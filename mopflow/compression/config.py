@@ -1,6 +1,6 @@
 """The configs of the compression stages: ensemble selection, distillation and the registry.
 
-Each is a frozen, validated model; :mod:`mopflow.infra.stages.config` joins them with the data and search
+Each is a frozen, validated model; :mod:`mopflow.pipeline.config` joins them with the data and search
 configs into the pipeline config and the flat conf keys.
 """
 

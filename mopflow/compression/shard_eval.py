@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from mopflow.infra.base import storage
-from mopflow.infra.base.storage import canonical_hash
+from mopflow.base import storage
+from mopflow.base.storage import canonical_hash
 
 
 @dataclass(frozen=True)

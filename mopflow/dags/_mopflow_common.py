@@ -1,8 +1,8 @@
 """Wiring shared by the pipeline DAGs (``mopflow_retrain``, ``mopflow_sweep``): Params and tasks.
 
-Not a DAG file itself. Every task body makes one call into the stage layer, ``mopflow.infra.stages``
+Not a DAG file itself. Every task body makes one call into the stage layer, ``mopflow.pipeline``
 (imported inside the task), and passes small references (URIs, ids) through XCom; the Params are generated
-from ``mopflow.infra.stages.config.conf_json_schema``, so the trigger form, the REST API and the tasks
+from ``mopflow.pipeline.config.conf_json_schema``, so the trigger form, the REST API and the tasks
 validate the same way.
 
 Asset design (no trigger loop): ``mopflow_retrain`` is scheduled on the ``mopflow_sharded_dataset``
@@ -20,8 +20,8 @@ from typing import Any
 
 from airflow.sdk import Asset, AssetAlias, Param, task
 
-from mopflow.infra.base.settings import TRAINING_POOL  # created by `mopflow up` / `mopflow run`
-from mopflow.infra.stages.config import ADVANCED_SECTION, FORM_KEYS, conf_json_schema
+from mopflow.base.settings import TRAINING_POOL  # created by `mopflow up` / `mopflow run`
+from mopflow.pipeline.config import ADVANCED_SECTION, FORM_KEYS, conf_json_schema
 
 # The sharded dataset: an event means "a sweep sharded data nobody had sharded before".
 SHARDED_DATASET = Asset("mopflow_sharded_dataset")
@@ -73,7 +73,7 @@ def _call(stage: Callable[..., Any], *args: Any, with_params: bool = True) -> An
     from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
-    from mopflow.infra.stages.context import permanent_errors
+    from mopflow.pipeline.context import permanent_errors
 
     try:
         return stage(_run_conf(get_current_context()), *args) if with_params else stage(*args)
@@ -83,7 +83,7 @@ def _call(stage: Callable[..., Any], *args: Any, with_params: bool = True) -> An
 
 def _run_conf(context: Any) -> dict[str, Any]:
     """The run's Params; in a run triggered by new shards, with the data and model the event carries."""
-    from mopflow.infra.stages.data_events import conf_with_data_events
+    from mopflow.pipeline.data_events import conf_with_data_events
 
     events = (context.get("triggering_asset_events") or {}).get(SHARDED_DATASET, [])
     extras = [dict(event.extra or {}) for event in sorted(events, key=lambda event: event.timestamp)]
@@ -93,7 +93,7 @@ def _run_conf(context: Any) -> dict[str, Any]:
 def retrain_defaults() -> dict[str, Any]:
     """mopflow_retrain's Param defaults: ``warm_start``, ``warm_start_studies`` and the keys of
     ``MOPFLOW_RETRAIN_CONFIG`` (a YAML file of config keys, validated when the DAG file is parsed)."""
-    from mopflow.infra.stages.conf_input import retrain_defaults as defaults
+    from mopflow.pipeline.conf_input import retrain_defaults as defaults
 
     return defaults(os.environ)
 
@@ -110,7 +110,7 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     def start() -> dict[str, Any]:
         from airflow.sdk import get_current_context
 
-        from mopflow.infra.stages.run import start_pipeline
+        from mopflow.pipeline.run import start_pipeline
 
         context = get_current_context()
         result: dict[str, Any] = _call(start_pipeline, context["dag"].dag_id, context["run_id"])
@@ -124,8 +124,8 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     def shard(ctx: Ref) -> dict[str, Any]:
         from airflow.sdk import get_current_context
 
-        from mopflow.infra.stages.data_events import EVENT_CONF_KEY, event_conf
-        from mopflow.infra.stages.shard import shard_stage
+        from mopflow.pipeline.data_events import EVENT_CONF_KEY, event_conf
+        from mopflow.pipeline.shard import shard_stage
 
         result: dict[str, Any] = _call(shard_stage, ctx)
         if publish_new_shards and not result.get("reused"):
@@ -142,21 +142,21 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     # Training tasks share the pool: at most its slots train at once across all DAG runs.
     @task(execution_timeout=timedelta(hours=6), pool=TRAINING_POOL, **retry)
     def search(ctx: Ref, shards: Ref) -> dict[str, Any]:
-        from mopflow.infra.stages.search import search_stage
+        from mopflow.pipeline.search import search_stage
 
         result: dict[str, Any] = _call(search_stage, ctx, shards)
         return result
 
     @task(execution_timeout=timedelta(minutes=30), **retry)
     def ensemble(ctx: Ref, shards: Ref, study: Ref) -> dict[str, Any]:
-        from mopflow.infra.stages.ensemble import ensemble_stage
+        from mopflow.pipeline.ensemble import ensemble_stage
 
         result: dict[str, Any] = _call(ensemble_stage, ctx, shards, study)
         return result
 
     @task(execution_timeout=timedelta(hours=2), pool=TRAINING_POOL, **retry)
     def distill(ctx: Ref, shards: Ref, ens: Ref) -> dict[str, Any]:
-        from mopflow.infra.stages.distill import distill_stage
+        from mopflow.pipeline.distill import distill_stage
 
         result: dict[str, Any] = _call(distill_stage, ctx, shards, ens)
         return result
@@ -169,7 +169,7 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
         ens: Ref,
         student: Ref,
     ) -> dict[str, Any]:
-        from mopflow.infra.stages.register import register_stage
+        from mopflow.pipeline.register import register_stage
 
         result: dict[str, Any] = _call(register_stage, ctx, shards, study, ens, student)
         return result
@@ -177,7 +177,7 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     # Runs whatever happened upstream: closes MLflow runs, fails the DAG run without a summary.
     @task(trigger_rule="all_done", retries=1, execution_timeout=timedelta(minutes=10))
     def finalize(ctx: Ref) -> dict[str, Any]:
-        from mopflow.infra.stages.run import finalize_pipeline
+        from mopflow.pipeline.run import finalize_pipeline
 
         result: dict[str, Any] = _call(finalize_pipeline, ctx, with_params=False)  # needs no conf
         return result

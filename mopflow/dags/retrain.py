@@ -1,7 +1,7 @@
 """mopflow_retrain: scheduled retraining, warm-started from the champion, ending with the promotion gate.
 
 Runs ``start → shard → search → ensemble → distill → register → finalize`` (wiring in
-``mopflow.dags._mopflow_common``; each task makes one call into ``mopflow.infra.stages``). It runs on its
+``mopflow.dags._mopflow_common``; each task makes one call into ``mopflow.pipeline``). It runs on its
 timetable (``MOPFLOW_RETRAIN_SCHEDULE``, default ``@weekly``; ``none`` = only on data events)
 *and* whenever the ``mopflow_sharded_dataset`` Asset gets an event, i.e. when a sweep sharded
 new data; such a run trains on the data (and registers the model) the event names, with its

@@ -1,4 +1,4 @@
-"""mopflow ground floor: settings, storage and tracking clients, and the operator's CLI."""
+"""mopflow's face: the ``mopflow`` command, the local stack and the deployment files."""
 
 # The repository's top-level `infra/` is a link to this folder, for people reading the layout. Imported
 # through it (the repository root on sys.path) this module would load a second time under another

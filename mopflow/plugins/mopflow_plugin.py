@@ -41,8 +41,8 @@ require_user = _require_user()
 
 
 def _client_and_settings() -> tuple[Any, Any]:
-    from mopflow.infra.base.settings import Settings
-    from mopflow.infra.base.tracking import bound_mlflow_retries
+    from mopflow.base.settings import Settings
+    from mopflow.base.tracking import bound_mlflow_retries
 
     bound_mlflow_retries()  # a down tracking server must not hang the page for minutes
     from mlflow import MlflowClient
@@ -89,7 +89,7 @@ def create_app() -> FastAPI:
     @app.get("/sweeps/figures/{study}/{name}", dependencies=[Depends(require_user)])
     def figure(study: str, name: str) -> Response:
         """A figure of a study (``<kind>.png``), drawn from the Optuna storage as it is now."""
-        from mopflow.infra.base.settings import Settings
+        from mopflow.base.settings import Settings
         from mopflow.training.search.figures import FigureUnavailable
 
         try:
@@ -187,7 +187,7 @@ def _guarded_dag(call: trigger_guard.Call, user: Any) -> trigger_guard.GuardedDa
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
-    from mopflow.infra.stages.config import CONF_FIELDS
+    from mopflow.pipeline.config import CONF_FIELDS
 
     with create_session() as session:
         dag_id = call.dag_id or call.endpoint.dag_id
@@ -220,8 +220,8 @@ def _guarded_dag(call: trigger_guard.Call, user: Any) -> trigger_guard.GuardedDa
 
 def validate_pipeline_trigger(conf: Mapping[str, Any]) -> object:
     """A pipeline DAG's merged conf, valid and reading only from the data roots (ValueError if not)."""
-    from mopflow.infra.base.settings import Settings
-    from mopflow.infra.stages.conf_input import validate_trigger_conf
+    from mopflow.base.settings import Settings
+    from mopflow.pipeline.conf_input import validate_trigger_conf
 
     return validate_trigger_conf(conf, Settings.from_env().allowed_data_roots)
 
@@ -245,7 +245,7 @@ async def resolve_trigger(call: trigger_guard.Call, user: Any) -> trigger_guard.
 
 def guard_kwargs() -> dict[str, Any]:
     """The trigger guard's injected Airflow side and its limits."""
-    from mopflow.infra.stages.config import MAX_CONF_BYTES
+    from mopflow.pipeline.config import MAX_CONF_BYTES
 
     return {
         "authenticate": authenticate_caller,
@@ -259,7 +259,7 @@ def conf_limit() -> int | ValueError:
     """``[mopflow] max_conf_bytes`` (default and most: the pipeline's own limit), or why it is bad."""
     from airflow.configuration import conf
 
-    from mopflow.infra.stages.config import MAX_CONF_BYTES
+    from mopflow.pipeline.config import MAX_CONF_BYTES
 
     try:
         return trigger_guard.parse_limit(conf.get("mopflow", "max_conf_bytes", fallback=None), MAX_CONF_BYTES)

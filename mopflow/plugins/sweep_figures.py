@@ -78,7 +78,7 @@ def check_kind(kind: str) -> str:
 @functools.lru_cache(maxsize=4)
 def storage(storage_url: str) -> Any:
     """One Optuna storage (one database engine) per URL for the life of the web server process."""
-    from mopflow.infra.base.optuna_storage import make_storage
+    from mopflow.base.optuna_storage import make_storage
 
     return make_storage(storage_url)
 

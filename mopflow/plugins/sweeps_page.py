@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from mopflow.infra.base import tag_names as tag
+from mopflow.base import tag_names as tag
 from mopflow.plugins import sweep_figures
 
 DEFAULT_MLFLOW_UI = "http://127.0.0.1:5000"

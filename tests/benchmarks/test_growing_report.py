@@ -31,7 +31,7 @@ def test_the_cost_curve_adds_each_slots_price_times_its_active_workers() -> None
 
 @pytest.mark.slow
 def test_the_run_and_its_cost_are_logged_to_a_real_mlflow_store(tmp_path: Path) -> None:
-    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.base.tracking import MlflowTracker
 
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "growing", str(tmp_path / "artifacts"))
     run_id = tracker.start_run("growing", {"stage": "growing"})

@@ -133,7 +133,7 @@ def test_retrain_warm_starts_and_sweep_does_not_by_default(dagbag: Any) -> None:
 
 @pytest.mark.parametrize("dag_id", ["mopflow_retrain", "mopflow_sweep"])
 def test_every_param_has_a_schema_and_a_description(dagbag: Any, dag_id: str) -> None:
-    from mopflow.infra.stages.config import CONF_FIELDS, PipelineConfig
+    from mopflow.pipeline.config import CONF_FIELDS, PipelineConfig
 
     dag = dagbag.dags[dag_id]
     assert set(dag.params.keys()) == set(CONF_FIELDS)
@@ -170,7 +170,7 @@ def test_the_form_rule_flags_an_empty_required_string() -> None:
 @pytest.mark.parametrize("key", ["worker_schedule", "spot_trace"])
 @pytest.mark.parametrize("blank", [None, ""])
 def test_optional_text_params_accept_a_blank_field(dagbag: Any, key: str, blank: Any) -> None:
-    from mopflow.infra.stages.config import PipelineConfig
+    from mopflow.pipeline.config import PipelineConfig
 
     config = PipelineConfig.from_conf(_validated(dagbag.dags["mopflow_sweep"], **{key: blank}))
     assert config.search.worker_schedule is None and config.search.spot_trace == ""
@@ -178,7 +178,7 @@ def test_optional_text_params_accept_a_blank_field(dagbag: Any, key: str, blank:
 
 def test_sweep_form_shows_the_sweep_keys_first() -> None:
     from mopflow.dags import _mopflow_common as common
-    from mopflow.infra.stages.config import CONF_FIELDS, FORM_KEYS
+    from mopflow.pipeline.config import CONF_FIELDS, FORM_KEYS
 
     expected = list(FORM_KEYS)  # the config's form order: the one source
     assert expected[:3] == ["dataset", "search_space", "strategy"] and set(expected) <= set(CONF_FIELDS)
@@ -252,8 +252,8 @@ def test_promote_dag_wiring_and_params(dagbag: Any) -> None:
 
 
 WIRING_IMPORTS = {
-    "mopflow.infra.base.settings",
-    "mopflow.infra.stages.config",
+    "mopflow.base.settings",
+    "mopflow.pipeline.config",
     "mopflow.dags._mopflow_common",
 }
 
@@ -271,14 +271,14 @@ def test_dag_files_only_wire() -> None:
                 assert module in WIRING_IMPORTS, (name, line)
                 continue
             assert module.split(".")[0] not in {"torch", "optuna", "mlflow", "dask"}, (name, line)
-    shared = (REPO / "infra" / "base" / "settings.py").read_text()
+    shared = (REPO / "mopflow" / "base" / "settings.py").read_text()
     imported = {
         line.split()[1].split(".")[0] for line in shared.splitlines() if line.startswith(("import ", "from "))
     }
     assert imported <= {"__future__", "json", "os", "collections", "dataclasses", "pathlib", "typing"}, (
         imported
     )
-    probe = "import json, sys, mopflow.infra.stages.config; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    probe = "import json, sys, mopflow.pipeline.config; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
     loaded = subprocess.run(
         [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True
     )

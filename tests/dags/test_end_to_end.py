@@ -134,8 +134,8 @@ def test_runs_carry_lineage_and_match_the_study(pipeline_run: tuple[Path, dict])
     from mlflow import MlflowClient
     from optuna.trial import TrialState
 
-    from mopflow.infra.base import storage
-    from mopflow.infra.base.optuna_storage import make_storage
+    from mopflow.base import storage
+    from mopflow.base.optuna_storage import make_storage
 
     uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)

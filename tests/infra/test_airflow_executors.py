@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
+from mopflow.base.settings import Settings
 from mopflow.infra import stack
-from mopflow.infra.base.settings import Settings
 from mopflow.infra.stack.profile import apply_profile, read_profile
 from tests.conftest import PG, PORT_RANGE_ENV, pg_admin_sql, require_service
 from tests.rest import request_json

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import optuna
 
-from mopflow.infra.base.optuna_storage import make_storage
+from mopflow.base.optuna_storage import make_storage
 from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 
 REPO = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 
 They cannot run here (no Docker daemon, no cluster), so they are checked as data: structure and
 cross-references (services, labels, ports, ConfigMaps, Secrets), the settings they pass to the
-mopflow containers against infra/base/settings.py and the MOPFLOW_ variables the code reads, the
+mopflow containers against mopflow/base/settings.py and the MOPFLOW_ variables the code reads, the
 Airflow config keys against Airflow's own config template, and every CLI flag against the
 installed `mlflow`, `dask`, `optuna-dashboard` and `airflow` commands. The resolved environment
 of each mopflow container is fed to ``Settings.from_env`` and must point at the services defined.
@@ -27,8 +27,8 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
+from mopflow.base.settings import LOCAL_ENV, RUNTIME_ENV, SETTING_ENV, TRAINING_POOL, Settings
 from mopflow.infra import stack
-from mopflow.infra.base.settings import LOCAL_ENV, RUNTIME_ENV, SETTING_ENV, TRAINING_POOL, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -95,7 +95,7 @@ def test_every_variable_the_code_reads_is_registered() -> None:
     unregistered = {var: files for var, files in env_vars_in_code().items() if var not in registered}
     assert not unregistered, (
         f"MOPFLOW_ variables read by the code but in no registry: {unregistered}; add each to "
-        "infra/base/settings.py RUNTIME_ENV (and pass it through in infra/deploy) or to LOCAL_ENV"
+        "base/settings.py RUNTIME_ENV (and pass it through in infra/deploy) or to LOCAL_ENV"
     )
     assert set(RUNTIME_ENV) >= DAG_LEVEL_ENV
     # The scan itself finds the variables it must (it would pass vacuously on an empty result).

@@ -281,7 +281,7 @@ def test_pipeline_in_the_scale_out_profile_has_the_embedded_outcomes(scale_out: 
     from mlflow import MlflowClient
     from optuna.trial import TrialState
 
-    from mopflow.infra.base.optuna_storage import make_storage
+    from mopflow.base.optuna_storage import make_storage
 
     summary, env = scale_out["summary"], scale_out["env"]
     # Registry: the student is registered and is the champion, as in the embedded run.

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from mopflow.base.settings import TRAINING_POOL
 from mopflow.infra import stack
-from mopflow.infra.base.settings import TRAINING_POOL
 from mopflow.infra.stack.processes import is_running
 from tests.conftest import PORT_RANGE_ENV, skip_unless_required
 from tests.rest import request_json

@@ -33,7 +33,7 @@ def _add(study: optuna.Study, lr: float, curve: list[float], state: TrialState =
 
 def _study(storage_url: str) -> optuna.Study:
     """One completed trial and one pruned: importances cannot be drawn yet."""
-    from mopflow.infra.base.optuna_storage import make_storage
+    from mopflow.base.optuna_storage import make_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name=STUDY, storage=make_storage(storage_url), direction="maximize")
@@ -111,7 +111,7 @@ def test_the_page_shows_the_figures_beside_the_leaderboard_and_refreshes_a_runni
 def client(mopflow_home: Path) -> Any:
     from fastapi.testclient import TestClient
 
-    from mopflow.infra.base.settings import Settings
+    from mopflow.base.settings import Settings
     from mopflow.plugins import mopflow_plugin
 
     _study(Settings.from_env().optuna_storage)

@@ -75,8 +75,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         mp.setenv("MOPFLOW_HOME", str(home))
         mp.setenv("MOPFLOW_OPTUNA_DASHBOARD_URL", "http://127.0.0.1:18081")
         mp.setenv("MLFLOW_TRACKING_URI", "")  # restored by the monkeypatch after MLflow exports its own
-        from mopflow.infra.base.settings import Settings
-        from mopflow.infra.base.tracking import MlflowTracker
+        from mopflow.base.settings import Settings
+        from mopflow.base.tracking import MlflowTracker
 
         settings = Settings.from_env()
         tracker = MlflowTracker(

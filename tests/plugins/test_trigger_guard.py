@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mopflow.infra.stages.config import CONF_FIELDS, MAX_CONF_BYTES, conf_json_schema, validate_conf
+from mopflow.pipeline.config import CONF_FIELDS, MAX_CONF_BYTES, conf_json_schema, validate_conf
 from mopflow.plugins import trigger_guard
 
 PIPELINE = trigger_guard.GuardedDag(

@@ -13,8 +13,8 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from mopflow.base import progress
 from mopflow.compression.config import DistillConfig
-from mopflow.infra.base import progress
 from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.models.builtin import ArchSpec, build_model, count_params, largest_size_within
 from mopflow.training.models.families import DataSpec

@@ -61,9 +61,9 @@ def train_student_job(
     the real training shards alone (hard labels) for ``epochs``; save it at ``out_uri``."""
     import torch
 
+    from mopflow.base import storage
     from mopflow.compression.distill.distill import fit_student
     from mopflow.compression.distill.transfer_shards import student_rows, train_split_rows
-    from mopflow.infra.base import storage
     from mopflow.training.data import load_manifest, split_shards
     from mopflow.training.models.bundle import SPEC_NAME, load_bundle, save_bundle
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from mopflow.infra.base import storage
-from mopflow.infra.base.storage import canonical_hash
+from mopflow.base import storage
+from mopflow.base.storage import canonical_hash
 from mopflow.training.data.examples import batch_decoder, decoded_row_bytes, stored_row_bytes
 from mopflow.training.data.streaming import Block
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pandas as pd
 
-from mopflow.infra.base.storage import filesystem
-from mopflow.infra.base.tag_names import PROMOTION_REASON, RUN_KEY
+from mopflow.base.storage import filesystem
+from mopflow.base.tag_names import PROMOTION_REASON, RUN_KEY
 from mopflow.training.data.examples import EXAMPLE_COLUMN
 
 log = logging.getLogger(__name__)
@@ -206,8 +206,8 @@ def rollback(client: Any, name: str) -> str:
 
 def registry_client(settings: Any | None = None) -> Any:
     """An ``MlflowClient`` on the configured tracking and registry URI (``Settings.from_env()`` by default)."""
-    from mopflow.infra.base.settings import Settings
-    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.base.settings import Settings
+    from mopflow.base.tracking import MlflowTracker
 
     settings = settings or Settings.from_env()
     return MlflowTracker(

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
-from mopflow.infra.base.airflow_home import dags_folder
+from mopflow.base.airflow_home import dags_folder
 from mopflow.infra.cli.errors import CliError
 
 LOADER_NAME = "mopflow_dags.py"

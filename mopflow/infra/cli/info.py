@@ -13,7 +13,7 @@ from pathlib import Path
 
 def cmd_settings(args: argparse.Namespace) -> int:
     """Print the effective settings and the local stack's knobs with their environment variables."""
-    from mopflow.infra.base.settings import SETTING_ENV, Settings
+    from mopflow.base.settings import SETTING_ENV, Settings
 
     settings = Settings.from_env().describe()
     from mopflow.infra.stack import PORT_ENV, STACK_ENV
@@ -50,7 +50,7 @@ def cmd_settings(args: argparse.Namespace) -> int:
 def cmd_config_keys(args: argparse.Namespace) -> int:
     """Print every pipeline config key with its default and meaning (the table in
     docs/user-guide/configuration.md)."""
-    from mopflow.infra.stages.config import RETRAIN_DEFAULTS, conf_json_schema, conf_markdown_table
+    from mopflow.pipeline.config import RETRAIN_DEFAULTS, conf_json_schema, conf_markdown_table
 
     if args.format == "json":
         keys = {
@@ -69,9 +69,9 @@ def cmd_config_keys(args: argparse.Namespace) -> int:
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     """Run optuna-dashboard on the study storage (until it is stopped)."""
-    from mopflow.infra.base.extras import require_extra
-    from mopflow.infra.base.optuna_storage import journal_path, make_storage, storage_kind
-    from mopflow.infra.base.settings import Settings
+    from mopflow.base.extras import require_extra
+    from mopflow.base.optuna_storage import journal_path, make_storage, storage_kind
+    from mopflow.base.settings import Settings
 
     require_extra("stack", "mopflow dashboard (optuna-dashboard)")
     url = Settings.from_env().optuna_storage

@@ -3,7 +3,7 @@ can be resumed.
 
 Every run has a record, ``$MOPFLOW_HOME/runs/<run key>.json`` (its key, Airflow run id, logical
 date, conf and state). While the DAG runs, this process owns SIGINT and SIGTERM: the first one
-asks the run to stop (``mopflow.infra.base.stopping``): the stage in progress is interrupted, its Dask cluster
+asks the run to stop (``mopflow.base.stopping``): the stage in progress is interrupted, its Dask cluster
 closed, its MLflow runs end ``KILLED``, no task is retried, ``finalize`` closes the rest and
 the process exits with 130 (SIGINT) or 143 (SIGTERM) within ``MOPFLOW_STOP_TIMEOUT_S``
 (default 30 s). A second signal stops at once. ``--resume`` runs the same DAG run again (same
@@ -26,8 +26,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from mopflow.infra.base import stopping
-from mopflow.infra.base.tag_names import RUN_KEY
+from mopflow.base import stopping
+from mopflow.base.tag_names import RUN_KEY
 from mopflow.infra.cli.errors import CliError
 
 log = logging.getLogger("mopflow")
@@ -163,7 +163,7 @@ def end_child_processes(grace_s: float = 5.0) -> None:
 
 def kill_leftover_runs(tracking_uri: str, experiment: str, run_key: str) -> int:
     """End this pipeline run's MLflow runs still RUNNING as KILLED; how many there were."""
-    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.base.tracking import MlflowTracker
 
     tracker = MlflowTracker(tracking_uri, experiment)
     leftovers = [r for r in tracker.find_runs({RUN_KEY: run_key}) if r.info.status == "RUNNING"]
@@ -314,7 +314,7 @@ def stopping_handlers(
     failed in Airflow's DB: the operator's face, which may import Airflow, passes it)."""
 
     def first(signum: int) -> None:
-        from mopflow.infra.base import progress
+        from mopflow.base import progress
 
         stopping.request_stop(signum)
         progress.publish("stop", signal=signal.Signals(signum).name, timeout_s=timeout_s)
@@ -338,7 +338,7 @@ def stopping_handlers(
 
 def started_record(dag_id: str, conf: Mapping[str, Any], run_id: str, logical: datetime) -> RunRecord:
     """A new run's record: its logical date, its Airflow run id (as dag.test makes it) and its key."""
-    from mopflow.infra.stages.context import make_run_key
+    from mopflow.pipeline.context import make_run_key
 
     return RunRecord(
         run_key=make_run_key(dag_id, run_id),

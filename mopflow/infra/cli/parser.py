@@ -10,9 +10,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mopflow.infra.base.airflow_home import AirflowSetupError
-from mopflow.infra.base.extras import MissingExtraError, require_extras_of
-from mopflow.infra.base.settings import SettingsError
+from mopflow.base.airflow_home import AirflowSetupError
+from mopflow.base.extras import MissingExtraError, require_extras_of
+from mopflow.base.settings import SettingsError
 from mopflow.infra.cli.airflow_integration import cmd_dags_install, cmd_dags_path
 from mopflow.infra.cli.errors import CliError
 from mopflow.infra.cli.info import cmd_config_keys, cmd_dashboard, cmd_settings
@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mopflow: {exc}", file=sys.stderr)
         return exc.code
     except Exception as exc:
-        from mopflow.infra.stages.config import ConfigError
+        from mopflow.pipeline.config import ConfigError
 
         if isinstance(exc, ConfigError):
             print(f"mopflow: invalid config: {exc}", file=sys.stderr)

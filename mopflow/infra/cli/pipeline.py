@@ -37,10 +37,10 @@ def run_pipeline(
     run may read its data from besides ``MOPFLOW_DATA_ROOTS`` (the stages check them too).
     SIGINT/SIGTERM stop the run (:mod:`mopflow.infra.cli.local_runs`): ``RunStopped``.
     Unless ``verbose``, the logs go to ``$MOPFLOW_HOME/logs/<run key>.log`` and the terminal
-    shows the run's progress (:mod:`mopflow.infra.base.progress`).
+    shows the run's progress (:mod:`mopflow.base.progress`).
     """
-    from mopflow.infra.base import stopping
-    from mopflow.infra.base.settings import Settings
+    from mopflow.base import stopping
+    from mopflow.base.settings import Settings
     from mopflow.training.compute.cluster import shared_local_clusters, start_local_cluster_early
 
     settings = Settings.from_env()
@@ -80,7 +80,7 @@ def _run_conf(
 ) -> tuple[RunRecord | None, dict[str, Any]]:
     """The run to resume (if ``resume`` is given) and the conf to run, refused when invalid before
     anything starts."""
-    from mopflow.infra.stages.config import ConfigError, PipelineConfig
+    from mopflow.pipeline.config import ConfigError, PipelineConfig
 
     record = local_runs.find_resumable(home, resume or None) if resume is not None else None
     run_conf = dict(record.conf) if record is not None else dict(conf)
@@ -111,7 +111,7 @@ def _migrate_airflow_db(airflow_home: str) -> None:
     from airflow.utils import db
     from airflow.utils.providers_configuration_loader import providers_configuration_loaded
 
-    from mopflow.infra.base.airflow_home import AirflowSetupError
+    from mopflow.base.airflow_home import AirflowSetupError
 
     Path(airflow_home).mkdir(parents=True, exist_ok=True)
     log.info("airflow: migrating metadata DB in %s", airflow_home)
@@ -171,7 +171,7 @@ def _run_dag(
     """``dag.test()`` with this process owning SIGINT/SIGTERM (``handlers``) and, given the
     ``terminal`` (the run is not verbose; its output already goes to ``log_file``), its progress
     there. Returns the DAG run, or None when a stop came between tasks."""
-    from mopflow.infra.base import progress, stopping
+    from mopflow.base import progress, stopping
 
     when = datetime.fromisoformat(record.logical_date)
     if terminal is not None:
@@ -197,12 +197,12 @@ def _finished_summary(
 ) -> dict[str, Any]:
     """Close the record of a finished DAG run: the run's summary when it succeeded, else
     ``RunFailed`` with the failed stage's error (exit code 2 when retrying cannot help)."""
-    from mopflow.infra.base import storage
-    from mopflow.infra.stages.context import summary_uri
+    from mopflow.base import storage
+    from mopflow.pipeline.context import summary_uri
 
     summary_file = summary_uri(settings, record.run_key)
     if not state.endswith("success") or not storage.exists(summary_file, settings.storage_options):
-        from mopflow.infra.stages.context import read_failure
+        from mopflow.pipeline.context import read_failure
 
         failure = read_failure(settings, record.run_key)
         record.state, record.ended_at = "failed", local_runs.now_iso()
@@ -227,7 +227,7 @@ def _stopped(record: RunRecord, home: str, tracking: tuple[str, str]) -> Excepti
     """Close a stopped run: DAG run failed, MLflow runs KILLED, children ended, record stopped."""
     import signal
 
-    from mopflow.infra.base import stopping
+    from mopflow.base import stopping
 
     signum = stopping.stop_signal() or signal.SIGINT
     fail_dag_run(DAG_ID, record.airflow_run_id)
@@ -295,7 +295,7 @@ def forget_dag_run(dag_id: str, run_id: str) -> None:
 
 def ui_hints(settings: Any, summary: Mapping[str, Any]) -> dict[str, str]:
     """Commands that open the MLflow and Optuna UIs on this run's data."""
-    from mopflow.infra.base.optuna_storage import journal_path, redact_url, storage_kind
+    from mopflow.base.optuna_storage import journal_path, redact_url, storage_kind
 
     optuna_url = settings.optuna_storage
     optuna_arg = journal_path(optuna_url) if storage_kind(optuna_url) == "journal" else redact_url(optuna_url)

@@ -12,7 +12,7 @@ from mopflow.infra.cli.errors import CliError
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve models:/<model>@champion (MLflow's scoring protocol), reloading when the alias moves."""
-    from mopflow.infra.base.settings import Settings
+    from mopflow.base.settings import Settings
     from mopflow.infra.stack.serve import NoChampion, serve
 
     if not 0.5 <= args.poll_s <= 3600:
@@ -42,8 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _registry_client() -> Any:
     import mlflow  # noqa: F401  (configures its loggers at INFO when first imported)
 
-    from mopflow.infra.base.settings import Settings
-    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.base.settings import Settings
+    from mopflow.base.tracking import MlflowTracker
 
     # a registry command prints what it changed; MLflow's database set-up lines are not that
     logging.getLogger("mlflow").setLevel(logging.WARNING)

@@ -95,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     """List the runs `mopflow run` started on this machine, newest first."""
-    from mopflow.infra.base.settings import Settings
+    from mopflow.base.settings import Settings
     from mopflow.infra.cli import local_runs
 
     records = local_runs.load_records(Settings.from_env().home)

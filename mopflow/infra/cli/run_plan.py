@@ -68,8 +68,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     """``--set KEY=VALUE`` items, each converted by its key's type; every bad item reported at once."""
-    from mopflow.infra.stages.conf_input import parse_text_value
-    from mopflow.infra.stages.config import CONF_FIELDS, ConfigError
+    from mopflow.pipeline.conf_input import parse_text_value
+    from mopflow.pipeline.config import CONF_FIELDS, ConfigError
 
     values: dict[str, Any] = {}
     problems = []
@@ -97,9 +97,9 @@ def plan_run(
 
     Without ``--config`` the demo's config applies to the demo's dataset only: on another dataset
     the per-modality defaults do (``student_family=auto`` and the like)."""
-    from mopflow.infra.base.settings import Settings
-    from mopflow.infra.stages.conf_input import check_data_roots, retrain_defaults
-    from mopflow.infra.stages.config import ConfigError, PipelineConfig
+    from mopflow.base.settings import Settings
+    from mopflow.pipeline.conf_input import check_data_roots, retrain_defaults
+    from mopflow.pipeline.config import ConfigError, PipelineConfig
 
     overrides = parse_sets(sets)
     if config_path:

@@ -13,7 +13,7 @@ from mopflow.infra.cli.errors import CliError
 
 def _stack_call(fn: Callable[..., Any], *args: Any) -> Any:
     """Run a stack function, turning its errors into CLI errors (printed, exit code 2)."""
-    from mopflow.infra.base.settings import SettingsError
+    from mopflow.base.settings import SettingsError
     from mopflow.infra.stack import StackError
 
     try:
@@ -23,15 +23,15 @@ def _stack_call(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _stack_home() -> str:
-    from mopflow.infra.base.settings import Settings
+    from mopflow.base.settings import Settings
 
     return Settings.from_env().home
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Start the local stack with the ports and knobs of the flags and the environment."""
+    from mopflow.base.settings import Settings
     from mopflow.infra import stack
-    from mopflow.infra.base.settings import Settings
 
     def start() -> object:
         settings = Settings.from_env()

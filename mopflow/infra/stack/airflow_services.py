@@ -7,7 +7,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from mopflow.infra.base.settings import TRAINING_POOL
+from mopflow.base.settings import TRAINING_POOL
 from mopflow.infra.stack.config import HOST, StackError, StackPorts
 from mopflow.infra.stack.services import HealthCheck, ServiceSpec
 

@@ -8,8 +8,8 @@ import json
 import os
 from collections.abc import Mapping
 
-from mopflow.infra.base.airflow_home import embedded_airflow_env
-from mopflow.infra.base.settings import Settings
+from mopflow.base.airflow_home import embedded_airflow_env
+from mopflow.base.settings import Settings
 from mopflow.infra.stack.config import HOST, StackPorts
 
 # MLflow client variables that say where runs go (``set_tracking_uri`` exports some of them): a stale

@@ -10,10 +10,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from mopflow.infra.base.airflow_home import migrate_airflow_db
-from mopflow.infra.base.optuna_storage import journal_path, storage_kind
-from mopflow.infra.base.ports import port_was_taken
-from mopflow.infra.base.settings import TRAINING_POOL, Settings
+from mopflow.base.airflow_home import migrate_airflow_db
+from mopflow.base.optuna_storage import journal_path, storage_kind
+from mopflow.base.ports import port_was_taken
+from mopflow.base.settings import TRAINING_POOL, Settings
 from mopflow.infra.stack.airflow_services import set_training_pool
 from mopflow.infra.stack.auth import MlflowAuth, airflow_password_file, owner_only, prepare_mlflow_auth
 from mopflow.infra.stack.config import StackConfig, StackError
@@ -46,7 +46,7 @@ def _has_module(name: str, bin_dir: str) -> bool:
 
 def _require_stack_extra(bin_dir: str, has_module: Callable[[str, str], bool]) -> None:
     """Refuse a stack whose services' Python lacks the stack extra (optuna-dashboard)."""
-    from mopflow.infra.base.extras import MissingExtraError, require_extra
+    from mopflow.base.extras import MissingExtraError, require_extra
 
     try:
         require_extra(
@@ -60,7 +60,7 @@ def create_optuna_tables(url: str) -> None:
     """Create (or upgrade) Optuna's tables in an RDB storage, as any Optuna client would."""
     from optuna.storages import RDBStorage
 
-    from mopflow.infra.base.optuna_storage import redact_url
+    from mopflow.base.optuna_storage import redact_url
 
     try:
         RDBStorage(url).engine.dispose()

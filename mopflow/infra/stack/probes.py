@@ -9,14 +9,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
-from mopflow.infra.base import ports
+from mopflow.base import ports
 from mopflow.infra.stack.config import HOST
 from mopflow.infra.stack.services import HealthCheck
 
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, outside the range the kernel gives to port-0 binds
-    (``mopflow.infra.base.ports``): no other process takes it before the service binds it."""
+    (``mopflow.base.ports``): no other process takes it before the service binds it."""
     return ports.free_port(HOST)
 
 

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from mopflow.infra.base.optuna_storage import journal_path, storage_kind
-from mopflow.infra.base.settings import Settings
+from mopflow.base.optuna_storage import journal_path, storage_kind
+from mopflow.base.settings import Settings
 from mopflow.infra.stack.airflow_services import airflow_executor, airflow_specs
 from mopflow.infra.stack.auth import MlflowAuth
 from mopflow.infra.stack.config import HOST, StackConfig, StackError, StackPorts

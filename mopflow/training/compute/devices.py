@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mopflow.infra.base.settings import Accelerator, Precision
+from mopflow.base.settings import Accelerator, Precision
 from mopflow.training.compute.workers import cluster_workers
 
 GPU_RESOURCE = "GPU"  # the Dask worker resource a GPU worker declares (dask worker --resources GPU=1)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.data.examples import EXAMPLE_COLUMN, STAT_PREFIXES, arrow_examples, row_group_rows
 from mopflow.training.data.manifest import LABEL_COLUMN, PARQUET_WRITE_OPTIONS, SPLITS
 from mopflow.training.data.rules import (

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.data.examples import decode_examples
 from mopflow.training.data.manifest import MANIFEST_VERSION, SPLITS, ShardIntegrityError
 from mopflow.training.data.rules import manifest_hash

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.data.config import DEFAULT_MAX_SHARD_MB, DataConfig
 from mopflow.training.data.manifest import LABEL_COLUMN, MANIFEST_VERSION, SHARD_FORMAT_VERSION, SPLITS
 

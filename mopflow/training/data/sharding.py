@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.data.config import DataConfig
 from mopflow.training.data.examples import group_normalization
 from mopflow.training.data.manifest import LABEL_COLUMN, MANIFEST_NAME, MANIFEST_VERSION, SPLITS, ShardResult

@@ -206,7 +206,7 @@ def shard_blocks(
     """The row groups of these training shards (read from the parquet footers only)."""
     import pyarrow.parquet as pq
 
-    from mopflow.infra.base import storage
+    from mopflow.base import storage
     from mopflow.training.data import ShardIntegrityError
 
     blocks = []
@@ -237,7 +237,7 @@ def cache_shards(
     local paths by shard name. Local shards are read where they are."""
     from pathlib import Path
 
-    from mopflow.infra.base import storage
+    from mopflow.base import storage
     from mopflow.training.data import ShardIntegrityError
 
     base = manifest_uri.rsplit("/", 1)[0]
@@ -274,7 +274,7 @@ def block_reader(
     :class:`~mopflow.training.data.ShardIntegrityError` naming it."""
     import pyarrow.parquet as pq
 
-    from mopflow.infra.base import storage
+    from mopflow.base import storage
     from mopflow.training.data import ShardIntegrityError
     from mopflow.training.data.examples import read_examples
 

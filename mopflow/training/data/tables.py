@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.data.rules import (
     DataValidationError,
 )

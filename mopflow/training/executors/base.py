@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from mopflow.infra.base import stopping, storage
+from mopflow.base import stopping, storage
 from mopflow.training.data.ref import DataRef
 from mopflow.training.trainable.unit import ModelSpec
 
@@ -117,7 +117,7 @@ class Executor(ABC):
 
     name = "base"
     # Whether a training run watches for a requested stop itself (its units checkpoint at their
-    # next batch first): a signal then only sets the flag (``mopflow.infra.base.stopping``).
+    # next batch first): a signal then only sets the flag (``mopflow.base.stopping``).
     stops_on_its_own = False
 
     def __init__(self, data: DataRef, checkpoint_root: str = "") -> None:

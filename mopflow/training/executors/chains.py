@@ -15,7 +15,7 @@ import posixpath
 from collections.abc import Sequence
 from typing import Any
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import CHECKPOINT_FILE, STAGED_FILE
 from mopflow.training.executors.units import STAGED_RECORD, train_epochs_and_validate

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from mopflow.infra.base.ports import port_was_taken
+from mopflow.base.ports import port_was_taken
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome
 from mopflow.training.executors.ddp_rank import GO, STOP, free_port, run_rank

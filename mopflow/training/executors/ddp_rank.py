@@ -82,7 +82,7 @@ def free_port() -> tuple[str, int]:
     """A free TCP port on this worker's host, and the host's address as the cluster knows it."""
     from distributed import get_worker
 
-    from mopflow.infra.base import ports
+    from mopflow.base import ports
 
     host = get_worker().address.split("://")[-1].rsplit(":", 1)[0]
     return host, ports.free_port(host)
@@ -176,7 +176,7 @@ def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
     """The rank's trainable unit (resumed from the job's checkpoint, if any), its training rows
     (in memory when within the worker's budget, else streamed: every rank reads its share) and
     the data's :class:`DataRef`."""
-    from mopflow.infra.base import storage
+    from mopflow.base import storage
     from mopflow.training.data import load_manifest
     from mopflow.training.data.ref import DataRef
     from mopflow.training.executors.units import training_rows
@@ -217,7 +217,7 @@ class _RankZero:
 
     def save(self, state: bytes) -> None:
         """Write ``state`` as the trial's checkpoint (when it keeps one)."""
-        from mopflow.infra.base import storage
+        from mopflow.base import storage
 
         if self.job.get("checkpoint_uri"):
             storage.write_bytes_atomic(self.job["checkpoint_uri"], state, self.data.storage_options)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mopflow.infra.base import stopping
+from mopflow.base import stopping
 from mopflow.training.compute.workers import joined_worker_addresses
 from mopflow.training.data import load_manifest
 from mopflow.training.data.ref import DataRef

@@ -1,6 +1,6 @@
 """Stopping a training run whose units are in flight on Dask workers.
 
-Asked to stop (``mopflow.infra.base.stopping``), a coordinator gives every worker the spot notice once
+Asked to stop (``mopflow.base.stopping``), a coordinator gives every worker the spot notice once
 (``training/volatile/preempt.py``): the units in flight save their state at their next batch
 and come back, so the run resumes from there. The notice is withdrawn once they are back, so
 the workers can train again.

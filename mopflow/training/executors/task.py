@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from mopflow.infra.base import stopping
+from mopflow.base import stopping
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome, OneModelAtATime

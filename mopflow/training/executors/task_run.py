@@ -25,7 +25,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from mopflow.infra.base import stopping
+from mopflow.base import stopping
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.executors.base import (
     Controller,

@@ -13,7 +13,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.models.builtin import ArchSpec, build_model
 from mopflow.training.models.metrics import top1_accuracy
 

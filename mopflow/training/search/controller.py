@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from mopflow.infra.base import progress
+from mopflow.base import progress
 from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.search.algorithms import REDUCTION_FACTOR, decision_epochs, keeps_waiting_rungs
 from mopflow.training.search.config import SearchConfig

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import TrialState
 
-from mopflow.infra.base import storage
-from mopflow.infra.base.optuna_storage import make_storage, quiet_optuna
+from mopflow.base import storage
+from mopflow.base.optuna_storage import make_storage, quiet_optuna
 from mopflow.training.data import verify_manifest
 from mopflow.training.search.algorithms import enqueues_grid, make_pruner, make_sampler
 from mopflow.training.search.config import SearchConfig

@@ -15,7 +15,7 @@ from typing import Any, TypedDict, Unpack, get_args
 
 import optuna
 
-from mopflow.infra.base import progress, storage
+from mopflow.base import progress, storage
 from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef

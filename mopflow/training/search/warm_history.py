@@ -28,7 +28,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from mopflow.infra.base import progress
+from mopflow.base import progress
 from mopflow.training.search.rungs import current
 from mopflow.training.search.space import SearchSpace
 

@@ -146,7 +146,7 @@ def load_price_trace(path: str | Path, end: float | None = None) -> PriceTrace:
 
 def read_price_trace(location: str, storage_options: Mapping[str, Any] | None = None) -> PriceTrace:
     """A ``timestamp,price`` CSV from a local path or an fsspec URL (``s3://...``)."""
-    from mopflow.infra.base import storage
+    from mopflow.base import storage
 
     try:
         data = storage.read_bytes(location, storage_options)

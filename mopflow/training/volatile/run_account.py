@@ -2,7 +2,7 @@
 
 :class:`RunAccount` is what every accounting in :mod:`mopflow.training.volatile.cost` returns (a record of
 work replayed against a price trace, task-parallel units, or a replay's real billed intervals);
-:func:`log_run_account` writes it through an injected :class:`~mopflow.infra.base.tracking.Tracker`.
+:func:`log_run_account` writes it through an injected :class:`~mopflow.base.tracking.Tracker`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mopflow.infra.base.tracking import Tracker
+from mopflow.base.tracking import Tracker
 from mopflow.training.volatile.prices import SECONDS_PER_HOUR
 
 

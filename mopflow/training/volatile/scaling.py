@@ -34,7 +34,7 @@ from mopflow.training.volatile.preempt import register_preemption
 from mopflow.training.volatile.workers import WorkerSchedule, workers_at
 
 if TYPE_CHECKING:
-    from mopflow.infra.base.tracking import Tracker
+    from mopflow.base.tracking import Tracker
     from mopflow.training.search.config import SearchConfig
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """What a spot price replay recorded: the workers' events, the run's account, and its tracking.
 
 :class:`~mopflow.training.volatile.spot_replay.SpotReplay` produces a :class:`SpotReport`; :func:`log_replay`
-writes it to MLflow through the :class:`~mopflow.infra.base.tracking.Tracker` protocol.
+writes it to MLflow through the :class:`~mopflow.base.tracking.Tracker` protocol.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from mopflow.infra.base.tracking import Tracker
+from mopflow.base.tracking import Tracker
 from mopflow.training.volatile.run_account import RunAccount, log_run_account
 
 EventKind = Literal["notice", "exit", "killed", "start", "joined"]

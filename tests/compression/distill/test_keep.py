@@ -90,9 +90,9 @@ def test_the_stage_registers_the_hard_label_student_when_distillation_lost(
     import mlflow
     import pandas as pd
 
-    from mopflow.infra.base.settings import Settings
-    from mopflow.infra.stages.distill import distill_stage
-    from mopflow.infra.stages.run import start_pipeline
+    from mopflow.base.settings import Settings
+    from mopflow.pipeline.distill import distill_stage
+    from mopflow.pipeline.run import start_pipeline
     from mopflow.training.data import load_manifest, load_split
     from mopflow.training.models.bundle import load_bundle
     from mopflow.training.models.metrics import top1_accuracy

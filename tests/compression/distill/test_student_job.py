@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from mopflow.base import progress
 from mopflow.compression.config import DistillConfig
 from mopflow.compression.distill.distill import plan_student
 from mopflow.compression.distill.student_job import StudentJob, train_student_job, train_students_on_workers
 from mopflow.compression.distill.transfer_shards import build_transfer_set
-from mopflow.infra.base import progress
 from mopflow.training.data import load_manifest, load_split
 from mopflow.training.models.bundle import load_bundle
 from mopflow.training.models.families import DataSpec

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mopflow.infra.base import stopping
-from mopflow.infra.base.settings import Settings
+from mopflow.base import stopping
+from mopflow.base.settings import Settings
 from mopflow.infra.cli import CliError, local_runs
 from tests.dags.test_end_to_end import REPO, _env
 
@@ -85,7 +85,7 @@ def _stop(proc: subprocess.Popen[str], signum: int) -> tuple[int, float, list[in
 
 
 def _mlflow_runs(home: Path, run_key: str) -> dict[str, tuple[str, str]]:
-    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.base.tracking import MlflowTracker
 
     tracker = MlflowTracker(f"sqlite:///{home / 'mlflow' / 'mlflow.db'}", "mopflow")
     return {
@@ -181,7 +181,7 @@ def test_a_run_stopped_mid_search_then_mid_distill_resumes_each_time_and_finishe
     assert _record(home).state == "succeeded"
     import optuna
 
-    from mopflow.infra.base.optuna_storage import make_storage
+    from mopflow.base.optuna_storage import make_storage
 
     study = optuna.load_study(
         study_name=summary["optuna"]["study_name"], storage=make_storage(str(home / "optuna" / "journal.log"))

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from mopflow.infra.base.settings import Settings
+from mopflow.base.settings import Settings
 from mopflow.infra.stack import config_from_env
 from mopflow.infra.stack.config import StackConfig
 from mopflow.infra.stack.probes import free_port

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from mopflow.infra.base.settings import Settings, SettingsError
+from mopflow.base.settings import Settings, SettingsError
 from mopflow.training.compute.cluster import dask_client, local_gpus, shared_local_clusters
 from mopflow.training.compute.devices import (
     CPU,

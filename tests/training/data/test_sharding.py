@@ -9,7 +9,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.data import (
     PARQUET_WRITE_OPTIONS,
     SPLIT_COLUMN,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mopflow.infra.base.ports import port_was_taken
+from mopflow.base.ports import port_was_taken
 from mopflow.training.compute.workers import worker_addresses
 from mopflow.training.executors.ddp_job import DDPJob, MasterPortTaken, RankLost
 

@@ -9,7 +9,7 @@ from typing import Any
 import optuna
 import pytest
 
-from mopflow.infra.base.optuna_storage import make_storage
+from mopflow.base.optuna_storage import make_storage
 from mopflow.training.search.algorithms import REDUCTION_FACTOR, decision_epochs, make_pruner
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.rungs import Rungs

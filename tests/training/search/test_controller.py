@@ -61,7 +61,7 @@ def test_an_epoch_trained_again_is_reported_to_optuna_once(recwarn: pytest.Warni
 
 
 def test_a_trial_reaching_the_goal_stops_new_trials_and_every_epoch_is_published() -> None:
-    from mopflow.infra.base import progress
+    from mopflow.base import progress
     from mopflow.training.executors import EpochReport
 
     cfg = SearchConfig(n_trials=20, space=SPACE, pruner="none", goal_val_acc=0.95)

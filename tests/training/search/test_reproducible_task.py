@@ -9,8 +9,8 @@ from typing import Any
 import optuna
 import pytest
 
-from mopflow.infra.base.optuna_storage import make_storage
-from mopflow.infra.stages.config import ConfigError, PipelineConfig
+from mopflow.base.optuna_storage import make_storage
+from mopflow.pipeline.config import ConfigError, PipelineConfig
 from mopflow.training.compute.workers import worker_addresses
 from mopflow.training.data import load_manifest
 from mopflow.training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec

@@ -17,7 +17,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from mopflow.infra.base.optuna_storage import make_storage
+from mopflow.base.optuna_storage import make_storage
 from mopflow.training.executors.base import CHECKPOINT_FILE
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.study import RESUME_ATTR, checkpoint_folder
@@ -115,7 +115,7 @@ WORKER = textwrap.dedent(
     """
     import json, sys
     import optuna
-    from mopflow.infra.base.optuna_storage import make_storage
+    from mopflow.base.optuna_storage import make_storage
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url, worker, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     study = optuna.load_study(study_name="crowd", storage=make_storage(url, writers=4))

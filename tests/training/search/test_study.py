@@ -6,8 +6,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from mopflow.infra.base import progress
-from mopflow.infra.base.optuna_storage import StorageConfigError, make_storage
+from mopflow.base import progress
+from mopflow.base.optuna_storage import StorageConfigError, make_storage
 from mopflow.training.data import load_manifest
 from mopflow.training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
 from mopflow.training.executors.base import TrainAll
@@ -86,7 +86,7 @@ def _poison_train_shard(manifest_uri: str, tmp_path: Path) -> str:
 
     import pandas as pd
 
-    from mopflow.infra.base import storage
+    from mopflow.base import storage
     from mopflow.training.data import manifest_hash
 
     src = Path(manifest_uri).parent
@@ -202,7 +202,7 @@ def test_search_adds_unpruned_trials_until_the_ensemble_has_its_members(
 def test_a_study_learns_from_an_earlier_study_of_the_same_data(
     small_manifest: str, tmp_path: Path, dask_client: object
 ) -> None:
-    from mopflow.infra.stages.ensemble import load_candidates
+    from mopflow.pipeline.ensemble import load_candidates
     from mopflow.training.search.warm_history import LEARNED_ATTR, WARM_START_ATTR
 
     storage_url = str(tmp_path / "journal.log")

@@ -8,7 +8,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from mopflow.infra.base.optuna_storage import make_storage
+from mopflow.base.optuna_storage import make_storage
 from mopflow.training.executors import EpochReport, ModelOutcome
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.controller import SearchController

@@ -60,7 +60,7 @@ def test_a_resumed_pass_gets_the_same_augmented_batches() -> None:
 
 
 def test_the_pipeline_config_validates_augment() -> None:
-    from mopflow.infra.stages.config import ConfigError, PipelineConfig
+    from mopflow.pipeline.config import ConfigError, PipelineConfig
 
     assert (
         PipelineConfig.from_conf({"dataset": "shapes", "augment": "Flip, shift:1"}).search.augment

@@ -47,7 +47,7 @@ def test_log_run_account_logs_cost_times_and_active_workers() -> None:
 
 @pytest.mark.slow
 def test_log_run_account_to_a_real_mlflow(tmp_path: Path) -> None:
-    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.base.tracking import MlflowTracker
 
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "cost", str(tmp_path / "artifacts"))
     run_id = tracker.start_run("spot", {"stage": "cost"})

@@ -146,7 +146,7 @@ def test_task_sweep_runs_rounds_of_n_j_trials(
     # trials were both started before either finished.
     import optuna
 
-    from mopflow.infra.base.optuna_storage import make_storage
+    from mopflow.base.optuna_storage import make_storage
 
     study = optuna.load_study(study_name=outcome.study_name, storage=make_storage(outcome.storage_url))
     second = [t for t in study.trials if t.number in (1, 2)]
@@ -157,7 +157,7 @@ def test_task_sweep_runs_rounds_of_n_j_trials(
 def test_worker_counts_are_logged_to_mlflow(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.base.tracking import MlflowTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = MlflowTracker(uri, "scaling", str(tmp_path / "artifacts"))

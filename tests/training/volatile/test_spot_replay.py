@@ -62,7 +62,7 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
     back as a new process at a new address; the account bills what really ran."""
     from mlflow.tracking import MlflowClient
 
-    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.base.tracking import MlflowTracker
     from mopflow.training.compute.cluster import dask_client
     from mopflow.training.search.sweep import run_strategy_search
     from mopflow.training.volatile.scaling import log_volatile
@@ -143,7 +143,7 @@ def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
     import dask
     from mlflow.tracking import MlflowClient
 
-    from mopflow.infra.base.tracking import MlflowTracker
+    from mopflow.base.tracking import MlflowTracker
     from mopflow.training.compute.cluster import dask_client
     from mopflow.training.search.sweep import run_search_with_executor
     from mopflow.training.volatile.scaling import log_volatile

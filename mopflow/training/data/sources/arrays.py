@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.data.examples import (
     content_hash,
     example_stats,

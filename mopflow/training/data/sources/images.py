@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.data.examples import ExampleError, decode_image, example_stats, image_values
 from mopflow.training.data.sources.arrays import (
     SourceError,

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from mopflow.infra.base import storage
+from mopflow.base import storage
 from mopflow.training.data.config import DataConfig
 from mopflow.training.data.examples import EXAMPLE_COLUMN, IMAGE, TENSOR, example_layout
 from mopflow.training.data.rules import (
