@@ -13,15 +13,16 @@ def test_the_import_contracts_are_kept() -> None:
     lint = Path(sys.executable).with_name("lint-imports")
     proc = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "3 kept, 0 broken" in proc.stdout  # every contract was checked
+    assert "4 kept, 0 broken" in proc.stdout  # every contract was checked
 
 
 def _mopflow_import_graph() -> dict[str, set[str]]:
-    """Each mopflow module and the mopflow modules it imports, function-local imports included
-    (imports only for type checking left out: they never run)."""
+    """Each mopflow module and the mopflow modules it imports, function-local imports and imports
+    made only for type checking included: a cycle that type checking alone needs is still two
+    halves of one thing."""
     import grimp
 
-    graph = grimp.build_graph("mopflow", cache_dir=None, exclude_type_checking_imports=True)
+    graph = grimp.build_graph("mopflow", cache_dir=None, exclude_type_checking_imports=False)
     return {
         module: {m for m in graph.find_modules_directly_imported_by(module) if m.startswith("mopflow")}
         for module in graph.modules

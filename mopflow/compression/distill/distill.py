@@ -137,7 +137,7 @@ def fit_student(
     epoch the student is validated on ``validation()``'s shards, one at a time, and the epoch is
     told to ``on_epoch`` (default :func:`report_epoch`). The model comes back on the CPU."""
     from mopflow.training.data.streaming import StreamedRows
-    from mopflow.training.search.trial import quiet_lightning
+    from mopflow.training.trainable.lit import quiet_lightning
     from mopflow.training.trainable.unit import ModelSpec, TrainableUnit
 
     quiet_lightning()

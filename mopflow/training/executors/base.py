@@ -112,6 +112,30 @@ class _NoController(TrainAll):
         return None
 
 
+class RunBookkeeping(Protocol):
+    """What a run's helpers (a DDP job, a MOP run's models, a task run) need from the executor they
+    serve: reports to the controller, checkpoints, staged states and resumptions. Every
+    :class:`Executor` offers it."""
+
+    def report_epoch(self, outcome: ModelOutcome, report: EpochReport, controller: Controller) -> bool: ...
+
+    def replay_history(self, outcome: ModelOutcome, through_epoch: int, controller: Controller) -> bool: ...
+
+    def kept_checkpoint(self, model_id: str) -> str | None: ...
+
+    def save_checkpoint(self, model_id: str, state: bytes) -> str | None: ...
+
+    def load_checkpoint(self, model_id: str) -> tuple[bytes, dict[str, Any]] | None: ...
+
+    def note_resumed(self, model_id: str, epoch: int, state: bytes) -> None: ...
+
+    def staged_folder(self, model_id: str) -> str: ...
+
+    def promote_staged(self, model_id: str, epoch: int) -> None: ...
+
+    def drop_staged(self, model_id: str) -> None: ...
+
+
 class Executor(ABC):
     """A strategy for training many models; see the module docstring."""
 

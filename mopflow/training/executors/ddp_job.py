@@ -16,16 +16,14 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mopflow.base.ports import port_was_taken
 from mopflow.training.compute.workers import cluster_workers
-from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome
+from mopflow.training.data.ref import DataRef
+from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome, RunBookkeeping
 from mopflow.training.executors.ddp_rank import GO, STOP, free_port, run_rank
 from mopflow.training.trainable.unit import ModelSpec
-
-if TYPE_CHECKING:
-    from mopflow.training.executors.ddp import DDPExecutor
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +55,25 @@ class _Ranks:
     futures: dict[Any, tuple[int, str]]
 
 
+class DDPJobHost(RunBookkeeping, Protocol):
+    """What one attempt needs from the executor that runs it (``DDPExecutor``): the cluster, the
+    data, the collective's settings, and where it records each rank's process and traffic."""
+
+    client: Any
+    data: DataRef
+    bf16_compress: bool
+    epoch_timeout_s: float
+    collective_timeout_s: float
+    rank_pids: dict[str, list[int]]
+    allreduce_bytes: dict[str, int]
+
+
 class DDPJob:
     """One attempt of ``spec`` on ``gang``: from the last checkpoint to the end or a stop."""
 
     def __init__(
         self,
-        executor: DDPExecutor,
+        executor: DDPJobHost,
         spec: ModelSpec,
         epochs: int,
         controller: Controller,

@@ -98,7 +98,7 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     import torch
     from pytorch_lightning.strategies import DDPStrategy
 
-    from mopflow.training.search.trial import quiet_lightning
+    from mopflow.training.trainable.lit import quiet_lightning
     from mopflow.training.trainable.unit import PassInterrupted
 
     torch.set_num_threads(1)

@@ -114,9 +114,7 @@ class MopExecutor(Executor):
         self.partitions = partition_shards(shard_names, partitions or cluster_size(client, workers))
         manifest = load_manifest(data.manifest_uri, data.storage_options)
         self.partition_rows = partition_rows(manifest, self.partitions)
-        self.before_round = (
-            before_round  # e.g. scale the cluster to n_j workers (training/volatile/scaling.py)
-        )
+        self.before_round = before_round  # e.g. scale the cluster to n_j workers (training/search/scaling.py)
         # "fixed": each round's plan is a function of the seed and the round (scheduler.py)
         self.scheduler = MopScheduler(round_robin(self.partitions, workers), seed=seed, schedule=schedule)
         # Model slots: models training at once (at least one per partition keeps every worker busy).

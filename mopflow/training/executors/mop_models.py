@@ -11,25 +11,41 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome, epochs_before_decision
+from mopflow.training.data.ref import DataRef
+from mopflow.training.executors.base import (
+    Controller,
+    EpochReport,
+    ModelOutcome,
+    RunBookkeeping,
+    epochs_before_decision,
+)
+from mopflow.training.executors.scheduler import MopScheduler
 from mopflow.training.executors.units import evaluate_state
 from mopflow.training.trainable.state import partial_meta, read_meta
 from mopflow.training.trainable.unit import ModelSpec
 
-if TYPE_CHECKING:
-    from mopflow.training.executors.mop import MopExecutor
-
 log = logging.getLogger(__name__)
+
+
+class MopHost(RunBookkeeping, Protocol):
+    """What a MOP run's models need from their executor (``MopExecutor``): the cluster, the data,
+    the partitions and their scheduler, and how many models train at once."""
+
+    client: Any
+    data: DataRef
+    partitions: dict[str, list[str]]
+    scheduler: MopScheduler
+    slots: int
 
 
 class MopModels:
     """The bookkeeping of one :meth:`MopExecutor.run`: active models, their latest states, the
     partitions each visited in its current epoch and the epoch it trains next."""
 
-    def __init__(self, executor: MopExecutor, epochs: int, controller: Controller) -> None:
-        self.x, self.epochs, self.controller = executor, epochs, controller
+    def __init__(self, executor: MopHost, epochs: int, controller: Controller) -> None:
+        self.executor, self.epochs, self.controller = executor, epochs, controller
         self.outcomes: dict[str, ModelOutcome] = {}
         self.states: dict[str, bytes] = {}
         self.visited: dict[str, list[str]] = {}
@@ -43,35 +59,35 @@ class MopModels:
         outcome = self.outcomes[spec.model_id] = ModelOutcome(spec)
         self._restore(spec)
         done = self.next_epoch.setdefault(spec.model_id, 0)
-        keep = self.x.replay_history(outcome, done - 1, self.controller) if done else True
+        keep = self.executor.replay_history(outcome, done - 1, self.controller) if done else True
         if keep and done < self.epochs:
             self.active[spec.model_id] = spec
             return True
         outcome.stopped_early = not keep
         outcome.state = self.states.get(spec.model_id)
-        outcome.checkpoint_uri = self.x.kept_checkpoint(spec.model_id)
+        outcome.checkpoint_uri = self.executor.kept_checkpoint(spec.model_id)
         self.controller.on_model_done(outcome)
         return False
 
     def _restore(self, spec: ModelSpec) -> None:
         """The model's state and position from its checkpoint, if it has one."""
-        found = self.x.load_checkpoint(spec.model_id)
+        found = self.executor.load_checkpoint(spec.model_id)
         if found is None:
             return
         state, meta = found
-        mid, partitions = spec.model_id, self.x.partitions
+        mid, partitions = spec.model_id, self.executor.partitions
         self.states[mid] = state
         epoch = int(meta.get("epoch", -1))
         seen = list(meta.get("visited", []))
         if partial_meta(state) is not None:  # stopped mid-pass on a notice: that unit comes first
             seen = [p for p in seen if p != meta.get("partition")]
             if meta.get("partition") in partitions:
-                self.x.scheduler.resume[mid] = str(meta["partition"])
+                self.executor.scheduler.resume[mid] = str(meta["partition"])
         if len(seen) >= len(partitions):  # that epoch was complete
             self.next_epoch[mid], self.visited[mid] = epoch + 1, []
         else:
             self.next_epoch[mid], self.visited[mid] = epoch, seen
-        self.x.note_resumed(mid, self.next_epoch[mid] - 1, state)
+        self.executor.note_resumed(mid, self.next_epoch[mid] - 1, state)
         log.info("mop: %s resumes at epoch %d from its checkpoint", mid, self.next_epoch[mid] + 1)
 
     def unit_done(self, model_id: str, state: bytes) -> None:
@@ -88,7 +104,7 @@ class MopModels:
 
     def epoch_complete(self, model_id: str) -> bool:
         """Whether the model has visited every partition in its current epoch."""
-        return len(self.visited.get(model_id, [])) >= len(self.x.partitions)
+        return len(self.visited.get(model_id, [])) >= len(self.executor.partitions)
 
     def end_epoch(self, model_id: str, val_acc: float | None, records: list[dict[str, Any]]) -> None:
         """Report a model's epoch that ended before its round's last: the controller cannot stop
@@ -113,7 +129,7 @@ class MopModels:
         for mid in finished:
             val_acc = val_accs[mid] if mid in val_accs else float(missing[mid].result())
             self._end_epoch(mid, val_acc, records)
-        for spec in self.controller.new_models(max(0, self.x.slots - len(self.active))):
+        for spec in self.controller.new_models(max(0, self.executor.slots - len(self.active))):
             if self.admit(spec):
                 log.info("mop: %s joins at the next round", spec.model_id)
 
@@ -121,11 +137,11 @@ class MopModels:
         """Validation of ``models`` on the cluster (futures of their accuracy): an epoch's last
         unit normally validates its model; one without a figure is validated here."""
         return {
-            mid: self.x.client.submit(
+            mid: self.executor.client.submit(
                 evaluate_state,
                 self.active[mid],
                 self.states[mid],
-                self.x.data,
+                self.executor.data,
                 pure=False,
                 resources=self.active[mid].device.resources() or None,
             )
@@ -146,7 +162,7 @@ class MopModels:
         )
         outcome = self.outcomes[mid]
         self.next_epoch[mid], self.visited[mid] = epoch + 1, []
-        keep = self.x.report_epoch(outcome, report, self.controller)
+        keep = self.executor.report_epoch(outcome, report, self.controller)
         log.info(
             "mop: %s epoch %d/%d val_acc=%.4f%s",
             mid,
@@ -159,7 +175,7 @@ class MopModels:
             outcome.stopped_early = True
         if not keep or epoch + 1 >= self.epochs:
             outcome.state = self.states[mid]
-            outcome.checkpoint_uri = self.x.kept_checkpoint(mid)
+            outcome.checkpoint_uri = self.executor.kept_checkpoint(mid)
             del self.active[mid]
             self.controller.on_model_done(outcome)  # before its slot is filled again
 
@@ -167,5 +183,5 @@ class MopModels:
         """Every model's outcome, with its latest state."""
         for mid, state in self.states.items():
             self.outcomes[mid].state = state
-            self.outcomes[mid].checkpoint_uri = self.x.kept_checkpoint(mid)
+            self.outcomes[mid].checkpoint_uri = self.executor.kept_checkpoint(mid)
         return self.outcomes

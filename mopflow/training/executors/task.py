@@ -22,26 +22,19 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from mopflow.base import stopping
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome, OneModelAtATime
 from mopflow.training.executors.stop_notice import StopNotice
+from mopflow.training.executors.task_host import Admission
 from mopflow.training.executors.task_run import TaskRun, listen, stop_listening
 from mopflow.training.executors.units import evaluate_state, init_state, train_pass
 from mopflow.training.trainable.unit import ModelSpec
 
 log = logging.getLogger(__name__)
-
-
-class Admission(Protocol):
-    """Who decides when another model may start (``training/volatile/scaling.py``'s rounds of n_j)."""
-
-    def may_start(self, in_flight: int) -> bool: ...
-
-    def started(self) -> None: ...
 
 
 class TaskExecutor(Executor):

@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mopflow.base import stopping
 from mopflow.training.compute.workers import cluster_workers
@@ -34,13 +34,11 @@ from mopflow.training.executors.base import (
     epochs_before_decision,
 )
 from mopflow.training.executors.chains import EPOCH_TOPIC, train_chain
+from mopflow.training.executors.task_host import TaskHost
 from mopflow.training.executors.units import init_state
 from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta
 from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
-
-if TYPE_CHECKING:
-    from mopflow.training.executors.task import TaskExecutor
 
 # How long an epoch handed back by a spot notice waits for its worker to leave before it is
 # submitted anyway (the worker leaves within its grace period, MOPFLOW_PREEMPT_GRACE_S).
@@ -54,13 +52,13 @@ class TaskRun:
 
     def __init__(
         self,
-        executor: TaskExecutor,
+        executor: TaskHost,
         epochs: int,
         controller: Controller,
         waiting: list[ModelSpec],
         run_id: str = "",
     ) -> None:
-        self.x, self.epochs, self.controller = executor, epochs, controller
+        self.executor, self.epochs, self.controller = executor, epochs, controller
         self.run_id = run_id  # whose chains' epochs are heard as they end ("": at the chain's end)
         self.waiting = waiting  # models to start, before the controller's new ones
         self.outcomes: dict[str, ModelOutcome] = {}
@@ -118,8 +116,8 @@ class TaskRun:
         epoch = int(record["epoch"])
         self.told[mid] = epoch
         if staged:
-            self.x.promote_staged(mid, epoch)
-        self.x.records.append(record)
+            self.executor.promote_staged(mid, epoch)
+        self.executor.records.append(record)
         report = EpochReport(
             mid, epoch, float(record["val_acc"]), float(record["train_loss"]), float(record["lr_end"])
         )
@@ -132,7 +130,7 @@ class TaskRun:
                 report.val_acc,
                 record["worker"],
             )
-        if not self.x.report_epoch(self.outcomes[mid], report, self.controller):
+        if not self.executor.report_epoch(self.outcomes[mid], report, self.controller):
             self.stop_after[mid] = epoch
 
     # -- models in ----------------------------------------------------------------------------
@@ -140,7 +138,7 @@ class TaskRun:
     def admit(self) -> None:
         """Start models while there are slots (or the admission says so): the waiting ones first,
         then the controller's; in batches, only once the previous batch is done."""
-        if self.x.batches and self.active:
+        if self.executor.batches and self.active:
             return
         while True:
             if not self.waiting and not self.active:
@@ -149,13 +147,13 @@ class TaskRun:
                 self.waiting.extend(self.controller.new_models(1))
                 if not self.waiting:
                     return
-            if not self.x.may_start(len(self.active)):
+            if not self.executor.may_start(len(self.active)):
                 return
             spec = self.waiting.pop(0) if self.waiting else next(iter(self.controller.new_models(1)), None)
             if spec is None:
                 return
-            if self.x.admission is not None:
-                self.x.admission.started()
+            if self.executor.admission is not None:
+                self.executor.admission.started()
             self.start(spec)
 
     def start(self, spec: ModelSpec) -> None:
@@ -163,13 +161,13 @@ class TaskRun:
         trial, its finished epochs handed to the controller again), then its next chain."""
         mid = spec.model_id
         self.specs[mid], self.outcomes[mid] = spec, ModelOutcome(spec)
-        self.x.started_at[mid] = time.time()
+        self.executor.started_at[mid] = time.time()
         self.started[mid] = max(self.started.values(), default=-1) + 1
         self.told[mid], keep = -1, True
         self.early.pop(mid, None)
         self.stop_after.pop(mid, None)
         try:
-            found = self.x.load_checkpoint(mid)
+            found = self.executor.load_checkpoint(mid)
         except StateFormatError as exc:  # a damaged or tampered checkpoint: never loaded
             self.fail(mid, f"{type(exc).__name__}: {exc}")
             return
@@ -178,14 +176,14 @@ class TaskRun:
             stopped_mid_epoch = partial_meta(state) is not None
             epoch = int(meta.get("epoch", -1)) + (0 if stopped_mid_epoch else 1)
             self.states[mid], self.next_epoch[mid], self.told[mid] = state, epoch, epoch - 1
-            self.x.resumed[mid] = {"epoch": epoch - 1, "step": global_step(state)}
+            self.executor.resumed[mid] = {"epoch": epoch - 1, "step": global_step(state)}
             log.info(
                 "task: %s resumes at epoch %d (step %d) from its checkpoint",
                 mid,
                 epoch + 1,
                 global_step(state),
             )
-            keep = self.x.replay_history(self.outcomes[mid], epoch - 1, self.controller)
+            keep = self.executor.replay_history(self.outcomes[mid], epoch - 1, self.controller)
         self.active.add(mid)
         if keep and self.next_epoch.get(mid, 0) < self.epochs:
             self.submit(mid)
@@ -205,7 +203,7 @@ class TaskRun:
     def _leaving_still_here(self) -> bool:
         if not self.leaving:
             return False
-        self.leaving &= set(cluster_workers(self.x.client))  # the gone ones are forgotten
+        self.leaving &= set(cluster_workers(self.executor.client))  # the gone ones are forgotten
         return bool(self.leaving)
 
     def submit_deferred(self) -> None:
@@ -222,19 +220,19 @@ class TaskRun:
         spec = self.specs[mid]
         epoch = self.next_epoch.get(mid, 0)
         # in batches every epoch waits for its batch before the controller hears it: one per task
-        count = 1 if self.x.batches else epochs_before_decision(self.controller, epoch, self.epochs)
-        state = self.states.get(mid) or init_state(spec, self.x.data)
-        future = self.x.client.submit(
+        count = 1 if self.executor.batches else epochs_before_decision(self.controller, epoch, self.epochs)
+        state = self.states.get(mid) or init_state(spec, self.executor.data)
+        future = self.executor.client.submit(
             train_chain,
             spec,
             state,
-            self.x.data,
-            self.x.shards,
+            self.executor.data,
+            self.executor.shards,
             epoch,
             count,
             self.epochs,
             self.run_id,
-            self.x.staged_folder(mid),
+            self.executor.staged_folder(mid),
             pure=False,
             key=f"task-{mid}-e{epoch}-{count}-{time.monotonic_ns()}",
             resources=spec.device.resources() or None,
@@ -267,14 +265,14 @@ class TaskRun:
                 "epoch": epoch - 1,
                 "step": global_step(self.states.get(mid)),
             }
-            self.x.resumed[mid] = dict(where)
+            self.executor.resumed[mid] = dict(where)
         *inside, last = records
         for record in inside:  # those not heard yet, each with its staged state
             self.take_epoch(mid, record)
         self.states[mid] = state
-        self.x.save_checkpoint(mid, state)
+        self.executor.save_checkpoint(mid, state)
         self.next_epoch[mid] = int(last["epoch"]) + 1
-        if self.x.batches:
+        if self.executor.batches:
             self.held[mid] = last  # handed over with the rest of its batch (:meth:`release`)
         else:
             self.advance(mid, last)
@@ -312,9 +310,9 @@ class TaskRun:
     def _account_killed(self, mid: str, epoch: int, future: Any) -> bool:
         """Record the work of attempts of this chain lost with a killed worker (from the
         scheduler's story of its task); whether there were any."""
-        lost = redone_seconds(lost_spans(task_story(self.x.client, str(future.key))))
+        lost = redone_seconds(lost_spans(task_story(self.executor.client, str(future.key))))
         if lost > 0:
-            self.x.account(mid, epoch, "", "killed", lost)
+            self.executor.account(mid, epoch, "", "killed", lost)
         return lost > 0
 
     def _preempted(self, mid: str, first_epoch: int, exc: UnitPreempted) -> None:
@@ -327,9 +325,9 @@ class TaskRun:
             self.take_epoch(mid, record)
         if exc.state is not None:
             self.states[mid] = exc.state
-            self.x.save_checkpoint(mid, exc.state)
+            self.executor.save_checkpoint(mid, exc.state)
             self.next_epoch[mid] = epoch
-            self.x.resumed[mid] = {
+            self.executor.resumed[mid] = {
                 "epoch": epoch - 1,
                 "step": global_step(exc.state),
                 "after_notice": True,
@@ -347,7 +345,7 @@ class TaskRun:
             return
         worker = str(exc.record.get("worker", ""))
         self.leaving.add(worker)  # forgotten once it has left (a restarted one has a new address)
-        self.x.account(
+        self.executor.account(
             mid,
             epoch,
             worker,
@@ -363,11 +361,11 @@ class TaskRun:
     def finish(self, mid: str, stopped_early: bool) -> None:
         """The model is done: its outcome to the controller (which may add a model in its slot)."""
         self.active.discard(mid)
-        self.x.drop_staged(mid)
+        self.executor.drop_staged(mid)
         outcome = self.outcomes[mid]
         outcome.stopped_early = stopped_early
         outcome.state = self.states.get(mid)
-        outcome.checkpoint_uri = self.x.kept_checkpoint(mid)
+        outcome.checkpoint_uri = self.executor.kept_checkpoint(mid)
         self.controller.on_model_done(outcome)
 
 

@@ -247,7 +247,7 @@ def _rows_here(spec: ModelSpec, data: DataRef, shard_names: Sequence[str]) -> tu
     """The training rows on this worker (loaded once per worker), and when they were ready."""
     import torch
 
-    from mopflow.training.search.trial import quiet_lightning
+    from mopflow.training.trainable.lit import quiet_lightning
 
     torch.set_num_threads(1)
     quiet_lightning()

@@ -21,6 +21,7 @@ from mopflow.training.data import verify_manifest
 from mopflow.training.search.algorithms import enqueues_grid, make_pruner, make_sampler
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.rungs import current
+from mopflow.training.search.scaling import RoundScale
 from mopflow.training.search.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
 from mopflow.training.search.trial import TrialResult
 from mopflow.training.search.warm_history import (
@@ -32,7 +33,6 @@ from mopflow.training.search.warm_history import (
     own_trials,
     search_key,
 )
-from mopflow.training.volatile.scaling import RoundScale
 
 if TYPE_CHECKING:
     from mopflow.training.volatile.spot_report import SpotReport
@@ -55,9 +55,7 @@ class SearchOutcome:
     storage_url: str
     results: list[TrialResult]
     epoch_records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # MOP units per epoch
-    worker_rounds: tuple[
-        RoundScale, ...
-    ] = ()  # worker_schedule: n_j per round (training/volatile/scaling.py)
+    worker_rounds: tuple[RoundScale, ...] = ()  # worker_schedule: n_j per round (training/search/scaling.py)
     spot: SpotReport | None = None  # spot_trace: the replay's record and cost account
     busy_s: float = 0.0  # worker seconds inside training and validation passes (the batch loops)
     task_s: float = 0.0  # worker seconds inside tasks: the passes and the set-up and packing around them

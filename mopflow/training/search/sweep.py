@@ -23,6 +23,7 @@ from mopflow.training.executors.base import Executor, ModelOutcome, pass_seconds
 from mopflow.training.search.config import SearchConfig
 from mopflow.training.search.controller import SearchController
 from mopflow.training.search.names import StrategyName
+from mopflow.training.search.scaling import RoundScaling, round_scaling, with_spot_replay
 from mopflow.training.search.study import (
     SearchOutcome,
     WarmStart,
@@ -33,7 +34,6 @@ from mopflow.training.search.study import (
 from mopflow.training.search.trial import TrialResult, shard_cache_dir
 from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import register_preemption
-from mopflow.training.volatile.scaling import RoundScaling, round_scaling, with_spot_replay
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A trial's record and what every trainer of one shares: its pruner and quiet Lightning.
+"""A trial's record and where its workers cache shards.
 
 Trials train through the strategy's executor (``training/executors``) and are told to Optuna
 by the coordinator (``training/search/sweep.py``); a :class:`TrialResult` is what the
@@ -19,14 +19,6 @@ log = logging.getLogger(__name__)
 def shard_cache_dir() -> str:
     """Where a worker caches remote shards on its local disk (``MOPFLOW_SHARD_CACHE``)."""
     return os.environ.get("MOPFLOW_SHARD_CACHE") or os.path.join(tempfile.gettempdir(), "mopflow-shard-cache")
-
-
-def quiet_lightning() -> None:
-    """Lightning's INFO chatter (GPU available, tips) does not belong in task logs."""
-    for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
-        logger = logging.getLogger(name)
-        if logger.level != logging.WARNING:  # setLevel clears every logger's cache: once, not per pass
-            logger.setLevel(logging.WARNING)
 
 
 @dataclass

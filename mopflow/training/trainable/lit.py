@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -22,6 +23,14 @@ from mopflow.training.trainable.schedule import one_cycle
 
 class NonFiniteLossError(FloatingPointError):
     """The training loss became NaN or infinite; the run stops at that step."""
+
+
+def quiet_lightning() -> None:
+    """Lightning's INFO chatter (GPU available, tips) does not belong in task logs."""
+    for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
+        logger = logging.getLogger(name)
+        if logger.level != logging.WARNING:  # setLevel clears every logger's cache: once, not per pass
+            logger.setLevel(logging.WARNING)
 
 
 class Classifier(pl.LightningModule):

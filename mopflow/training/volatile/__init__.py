@@ -1,7 +1,6 @@
 """The volatile-worker wing: training on workers that come and go, and what they cost.
 
 - :mod:`~mopflow.training.volatile.workers`: worker schedules ``n_j`` and step-size scaling (pure);
-- :mod:`~mopflow.training.volatile.scaling`: a sweep's rounds on ``n_j`` workers, and spot replay in a sweep;
 - :mod:`~mopflow.training.volatile.preempt`: spot notices (SIGTERM) on a worker: checkpoint and leave;
 - :mod:`~mopflow.training.volatile.growing`: the growing-workers experiment (Zhang et al. 2020);
 - :mod:`~mopflow.training.volatile.growing_report`: a growing run's cost over time and its tracking;

@@ -94,7 +94,7 @@ def test_lightning_is_quieted_once_per_process(monkeypatch: pytest.MonkeyPatch) 
     every logger's cache, a cost once per pass on a worker)."""
     import logging
 
-    from mopflow.training.search.trial import quiet_lightning
+    from mopflow.training.trainable.lit import quiet_lightning
 
     quiet_lightning()
     assert logging.getLogger("pytorch_lightning").level == logging.WARNING

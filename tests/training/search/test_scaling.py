@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from mopflow.training.compute.workers import worker_addresses
 from mopflow.training.search.config import SearchConfig
-from mopflow.training.volatile.scaling import (
+from mopflow.training.search.scaling import (
     RoundScale,
     RoundScaling,
     log_worker_rounds,
@@ -98,7 +98,7 @@ def test_external_scheduler_retires_surplus_workers_and_waits_for_new_ones(
         scaler = scaler_for(client, timeout_s=2)
         assert type(scaler).__name__ == "RetiringScaler"
         assert scaler.scale(1) == 1 and len(worker_addresses(client)) == 1
-        with caplog.at_level("WARNING", logger="mopflow.training.volatile.scaling"):
+        with caplog.at_level("WARNING", logger="mopflow.training.search.scaling"):
             assert scaler.scale(2) == 1
         assert "wanted 2 workers, 1 present" in caplog.text
 
