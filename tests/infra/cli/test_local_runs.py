@@ -18,6 +18,13 @@ from mopflow.base import stopping
 from mopflow.base.settings import Settings
 from mopflow.infra.cli import CliError, local_runs
 from tests.dags.test_end_to_end import REPO, _env
+from tests.infra.cli.terminal import (
+    PROGRESS_ROW,
+    before_first_progress,
+    foreign_lines,
+    run_in_terminal,
+    screen_lines,
+)
 
 # The product's promise: a stopped run exits within MOPFLOW_STOP_TIMEOUT_S, ending at once when a
 # clean stop takes longer. The tests give it a minute (a loaded 2-CPU machine's clean stop can take
@@ -99,27 +106,27 @@ def _record(home: Path) -> local_runs.RunRecord:
     return record
 
 
-def _resume(home: Path, summary: Path, times: int = 1) -> tuple[dict, str]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mopflow.infra.cli",
-            "run",
-            "--resume",
-            "--verbose",
-            "--summary-json",
-            str(summary),
-        ],
-        cwd=REPO,
-        env=_env(home),
-        capture_output=True,
-        text=True,
+def _resume(home: Path, summary: Path, times: int = 1) -> dict:
+    """Resume the run in a pseudo-terminal, as a person would, and check what the screen shows:
+    a few lines of mopflow's own before the first progress row, no library's log or warning
+    anywhere before the summary, and a bounded number of lines."""
+    code, output = run_in_terminal(
+        [sys.executable, "-m", "mopflow.infra.cli", "run", "--resume", "--summary-json", str(summary)],
+        _env(home),
+        REPO,
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    assert f"resumed          : {times} time(s)" in proc.stdout
-    return dict(json.loads(summary.read_text())), proc.stdout + proc.stderr
+    lines = screen_lines(output)
+    assert code == 0, lines[-60:]
+    assert any(f"resumed          : {times} time(s)" in line for line in lines), lines[-30:]
+    shown = lines[: lines.index("mopflow run summary")]
+    first = before_first_progress(shown)
+    assert 1 <= len(first) <= 15 and any(line.startswith("mopflow run: ") for line in first), first
+    assert foreign_lines(shown) == [], foreign_lines(shown)[:10]
+    # redraws of the progress rows aside, the screen has a line per stage message and trial
+    messages = {line for line in shown if not PROGRESS_ROW.match(line)}
+    assert len(messages) <= 40, sorted(messages)
+    return dict(json.loads(summary.read_text()))
 
 
 @pytest.mark.slow
@@ -166,7 +173,7 @@ def test_a_run_stopped_mid_search_then_mid_distill_resumes_each_time_and_finishe
     assert all(status != "RUNNING" for _, status in runs.values()), runs
     assert _record(home).state == "stopped"
 
-    summary, _ = _resume(home, tmp_path / "summary.json", times=2)
+    summary = _resume(home, tmp_path / "summary.json", times=2)
     after = _mlflow_runs(home, record.run_key)
     assert summary["run_key"] == record.run_key and summary["resumed"] == 2
     assert summary["trials"]["COMPLETE"] + summary["trials"]["PRUNED"] == CONF["n_trials"]
@@ -314,7 +321,7 @@ def test_sigint_under_mop_checkpoints_the_units_in_flight_and_resumes(tmp_path: 
     output = log.read_text()
     assert code == 130 and took < STOP_BOUND_S and alive == [], output[-3000:]
     assert re.search(r"mop: stopping; \d+ unit\(s\) in flight checkpoint at their next batch", output)
-    summary, _ = _resume(home, tmp_path / "summary.json")
+    summary = _resume(home, tmp_path / "summary.json")
     assert summary["trials"]["COMPLETE"] + summary["trials"]["PRUNED"] == conf["n_trials"]
 
 
