@@ -25,7 +25,7 @@ FILE_SECONDS: Mapping[str, float] = {
     "tests/pipeline/test_pipeline.py": 80,
     "tests/training/volatile/test_volatile_sweeps.py": 70,
     "tests/training/volatile/test_spot_replay.py": 70,
-    "tests/training/volatile/test_scaling.py": 60,
+    "tests/training/search/test_scaling.py": 60,
     "tests/benchmarks/test_strategies.py": 60,
 }
 

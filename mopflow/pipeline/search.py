@@ -61,8 +61,8 @@ def search_stage(
     from mopflow.training.compute.cluster import dask_client
     from mopflow.training.compute.devices import device_for_cluster
     from mopflow.training.data import load_manifest
-    from mopflow.training.search.sweep import run_strategy_search
     from mopflow.training.search.scaling import log_volatile
+    from mopflow.training.search.sweep import run_strategy_search
 
     def lineage(cfg: PipelineConfig, run: RunContext) -> dict[str, str]:
         return {

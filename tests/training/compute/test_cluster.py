@@ -5,7 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mopflow.training.compute.cluster import dask_client, shared_local_clusters, start_local_cluster_early
+import dask
+import pytest
+
+from mopflow.training.compute.cluster import (
+    START_METHOD,
+    dask_client,
+    shared_local_clusters,
+    start_local_cluster_early,
+    worker_start_settings,
+)
 
 
 def _worker_settings(dask_worker: Any) -> dict[str, Any]:
@@ -75,7 +84,7 @@ def test_a_cluster_started_early_serves_the_next_use_with_its_imports_done() -> 
         start_local_cluster_early(1, ("wave",))
         with dask_client("", 1) as client:
             assert client.submit(_imported, "wave", pure=False).result() is True
-            assert client.submit(_imported, "colorsys", pure=False).result() is False
+            assert client.submit(_imported, "tabnanny", pure=False).result() is False
             address = client.scheduler.address
         with dask_client("", 1) as client:
             assert client.scheduler.address == address
@@ -99,3 +108,39 @@ def test_a_cluster_that_failed_to_start_early_is_started_by_its_use(monkeypatch:
         with dask_client("", 1) as client:
             assert client.submit(_pid, pure=False).result() != os.getpid()
     assert len(calls) == 2
+
+
+def _worker_start(variable: str) -> dict[str, Any]:
+    import sys
+
+    return {
+        "parent": os.getppid(),
+        "lightning_loaded": "pytorch_lightning" in sys.modules,
+        "variable": os.environ.get(variable),
+    }
+
+
+def test_cpu_workers_fork_from_a_server_with_the_training_stack_and_this_processs_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forked from the server, a worker has torch and Lightning loaded before its first task, and
+    sees this process's environment as it is when the cluster starts, not as it was when the
+    server started."""
+    with dask_client("", 1):
+        pass  # the fork server is running from here on
+    monkeypatch.setenv("MOPFLOW_TEST_WORKER_ENV", "set after the server started")
+    with dask_client("", 1) as client:
+        (seen,) = client.run(_worker_start, "MOPFLOW_TEST_WORKER_ENV").values()
+    assert seen["parent"] != os.getpid()  # the fork server's child, not this process's
+    assert seen["lightning_loaded"] is True
+    assert seen["variable"] == "set after the server started"
+    assert dask.config.get(START_METHOD) == "spawn"  # the cluster's setting ends with it
+
+
+def test_the_start_method_a_user_chose_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert worker_start_settings(gpu_workers=False) == {START_METHOD: "forkserver"}
+    assert worker_start_settings(gpu_workers=True) == {}  # each GPU worker's CUDA_VISIBLE_DEVICES
+    with dask.config.set({START_METHOD: "fork"}):
+        assert worker_start_settings(gpu_workers=False) == {}
+    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", "spawn")
+    assert worker_start_settings(gpu_workers=False) == {}

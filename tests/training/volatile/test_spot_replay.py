@@ -64,8 +64,8 @@ def test_sweep_under_a_replayed_trace_stops_and_restarts_a_worker(
 
     from mopflow.base.tracking import MlflowTracker
     from mopflow.training.compute.cluster import dask_client
-    from mopflow.training.search.sweep import run_strategy_search
     from mopflow.training.search.scaling import log_volatile
+    from mopflow.training.search.sweep import run_strategy_search
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,0.8\n600,0.3\n100000,0.3\n")
@@ -145,8 +145,8 @@ def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
 
     from mopflow.base.tracking import MlflowTracker
     from mopflow.training.compute.cluster import dask_client
-    from mopflow.training.search.sweep import run_search_with_executor
     from mopflow.training.search.scaling import log_volatile
+    from mopflow.training.search.sweep import run_search_with_executor
 
     csv = tmp_path / "prices.csv"
     csv.write_text("timestamp,price\n0,0.3\n60,0.8\n180,0.3\n100000,0.3\n")
