@@ -69,10 +69,7 @@ from torch import nn  # noqa: E402
 
 from mopflow.training.models.builtin import ArchSpec, build_model  # noqa: E402
 from mopflow.training.trainable.batches import Batches, pass_order  # noqa: E402
-from mopflow.training.trainable.lit import (
-    BatchRun,  # noqa: E402
-    quiet_lightning,  # noqa: E402
-)
+from mopflow.training.trainable.lit import BatchRun, quiet_lightning  # noqa: E402
 from mopflow.training.trainable.unit import ModelSpec, TrainableUnit  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "overhead.json"
