@@ -144,12 +144,17 @@ def stored_images(
 
 
 def split_shards(
-    manifest_uri: str, split: str, storage_options: Mapping[str, Any] | None = None
+    manifest_uri: str,
+    split: str,
+    storage_options: Mapping[str, Any] | None = None,
+    manifest: Mapping[str, Any] | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """A split's features and labels one verified shard at a time (memory: one shard)."""
+    """A split's features and labels one verified shard at a time (memory: one shard); ``manifest``
+    is the one at ``manifest_uri`` when the caller has read it already."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
-    manifest = load_manifest(manifest_uri, storage_options)  # read and verified once, not per shard
+    if manifest is None:  # read and verified once, not per shard
+        manifest = load_manifest(manifest_uri, storage_options)
     for entry in manifest["splits"][split]:
         yield shard_arrays(read_shard(manifest_uri, manifest, entry, storage_options), manifest)
 
