@@ -1,4 +1,4 @@
-"""What every stage shares: the run's identity, and one stage context that parses the config once,
+"""What every stage shares: the run's tags and study name, and one stage context that parses the config once,
 owns the stage's MLflow run through the :class:`~mopflow.base.tracking.Tracker`, sets the lineage tags,
 logs the stage's peak memory, and records the root cause when the stage fails."""
 
