@@ -66,7 +66,7 @@ def distill_stage(
         with dask_client(st.settings.dask_address, st.settings.dask_workers) as client:
             device = device_for_cluster(client, st.settings.accelerator, st.settings.precision)
             students = train_students(
-                client, device, dcfg, manifest_uri, data, teacher, st.cfg.search.seed, outputs, so
+                client, device, dcfg, manifest_uri, manifest, data, teacher, st.cfg.search.seed, outputs, so
             )
         best_trial = (ensemble.best_trial.number, ensemble.best_trial_bundle)
         report, table = evaluation_report(

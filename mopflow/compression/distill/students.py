@@ -63,6 +63,7 @@ def train_students(
     device: Any,
     dcfg: Any,
     manifest_uri: str,
+    manifest: Mapping[str, Any],
     data: DataSpec,
     teacher: Teacher,
     seed: int,
@@ -94,7 +95,7 @@ def train_students(
     # Transfer set: the training data, plus synthetic points near it labelled by the ensemble.
     stacked = isinstance(teacher.module, StackedEnsemble)
     transfer = build_transfer_set(
-        client, manifest_uri, teacher.bundle_uri, stacked, dcfg, seed, outputs.transfer, so
+        client, manifest_uri, teacher.bundle_uri, stacked, dcfg, seed, outputs.transfer, so, manifest
     )
     log.info(
         "distill: transfer set has %d real + %d %s points, with soft targets, in %d block(s) made on the workers",
@@ -124,7 +125,7 @@ def train_students(
     chosen = baseline if kept.student == "hard_label" else student
     # static INT8 needs the quantizable families' layout (conv-ReLU pairs); others skip it
     static = (
-        quantize_static_int8(chosen, calibration_rows(manifest_uri, 2048, so))
+        quantize_static_int8(chosen, calibration_rows(manifest_uri, 2048, so, manifest))
         if get_family(plan.arch.family).quantizable
         else None
     )
