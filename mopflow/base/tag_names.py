@@ -17,3 +17,5 @@ WORKER = "mopflow.worker"
 # the register stage's decision, on its run and on the model version
 PROMOTED = "mopflow.promoted"
 PROMOTION_REASON = "mopflow.promotion_reason"
+# on a registered student: its best trial's parameters, what a warm-started sweep tries first
+BEST_PARAMS = "mopflow.best_trial_params"

@@ -126,12 +126,14 @@ class ShardEvaluator:
         manifest_uri: str,
         out_dir: str,
         storage_options: Mapping[str, Any] | None = None,
+        manifest: Mapping[str, Any] | None = None,
     ) -> None:
         from mopflow.training.data import load_manifest
 
         self.client, self.manifest_uri, self.out_dir = client, manifest_uri, out_dir
         self.storage_options = dict(storage_options or {})
-        self.manifest = load_manifest(manifest_uri, storage_options)
+        # the caller's manifest when it read it already: one read per stage
+        self.manifest = manifest if manifest is not None else load_manifest(manifest_uri, storage_options)
 
     def predictions(self, split: str, bundle_uris: Sequence[str]) -> list[str]:
         """The probability shards of ``bundle_uris`` on ``split``, one per data shard (computed on

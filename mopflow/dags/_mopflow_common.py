@@ -1,7 +1,9 @@
 """Wiring shared by the pipeline DAGs (``mopflow_retrain``, ``mopflow_sweep``): Params and tasks.
 
 Not a DAG file itself. Every task body makes one call into the stage layer, ``mopflow.pipeline``
-(imported inside the task), and passes small references (URIs, ids) through XCom; the Params are generated
+(imported inside the task), through :func:`_call`, the one place where XCom meets the stages' typed
+records (``mopflow.pipeline.records``): XCom carries each record as a small JSON-able dict of
+references (URIs, ids, a few figures); the Params are generated
 from ``mopflow.pipeline.config.conf_json_schema``, so the trigger form, the REST API and the tasks
 validate the same way.
 
@@ -28,7 +30,7 @@ SHARDED_DATASET = Asset("mopflow_sharded_dataset")
 # Sweeps publish through this alias so that an event is emitted only when shards are new.
 NEW_SHARDS = AssetAlias("mopflow_new_shards")
 
-# A task argument: an XCom reference while wiring, the upstream task's dict at run time.
+# A task argument: an XCom reference while wiring, the upstream task's record (as XCom) at run time.
 Ref = Any
 
 
@@ -67,16 +69,22 @@ def conf_params(defaults: Mapping[str, Any] | None = None) -> dict[str, Param]:
     return params
 
 
-def _call(stage: Callable[..., Any], *args: Any, with_params: bool = True) -> Any:
-    """Run one pipeline stage, with the run's Params first unless ``with_params`` is False;
-    errors a retry cannot fix fail the task at once."""
+def _call(stage: Callable[..., Any], *args: Any, with_params: bool = True) -> dict[str, Any]:
+    """Run one pipeline stage, with the run's Params first unless ``with_params`` is False: the
+    upstream records arrive as XCom dicts and are made records again, and the stage's record
+    leaves as an XCom dict. Errors a retry cannot fix (a bad record among them) fail the task
+    at once."""
     from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
     from mopflow.pipeline.context import permanent_errors
+    from mopflow.pipeline.records import from_xcom
 
     try:
-        return stage(_run_conf(get_current_context()), *args) if with_params else stage(*args)
+        records = [from_xcom(arg) if isinstance(arg, Mapping) else arg for arg in args]
+        result = stage(_run_conf(get_current_context()), *records) if with_params else stage(*records)
+        xcom: dict[str, Any] = result.to_xcom()
+        return xcom
     except permanent_errors() as exc:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
@@ -88,6 +96,28 @@ def _run_conf(context: Any) -> dict[str, Any]:
     events = (context.get("triggering_asset_events") or {}).get(SHARDED_DATASET, [])
     extras = [dict(event.extra or {}) for event in sorted(events, key=lambda event: event.timestamp)]
     return conf_with_data_events(dict(context["params"]), extras)
+
+
+def _publish_new_shards(shard_xcom: Mapping[str, Any]) -> None:
+    """Emit a ``mopflow_sharded_dataset`` event (extra: manifest URI and hash, dataset, and the conf
+    the retrain it triggers trains on) when the shard task wrote new shards; none when it reused
+    them."""
+    from airflow.sdk import get_current_context
+
+    from mopflow.pipeline.data_events import EVENT_CONF_KEY, event_conf
+    from mopflow.pipeline.records import ShardRecord
+
+    shard = ShardRecord.from_xcom(shard_xcom)
+    if shard.reused:
+        return
+    context = get_current_context()
+    extra: dict[str, Any] = {
+        "manifest_uri": shard.manifest_uri,
+        "manifest_hash": shard.manifest_hash,
+        "dataset": str(context["params"].get("dataset")),
+        EVENT_CONF_KEY: event_conf(_run_conf(context)),
+    }
+    context["outlet_events"][NEW_SHARDS].add(SHARDED_DATASET, extra=extra)
 
 
 def retrain_defaults() -> dict[str, Any]:
@@ -113,8 +143,7 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
         from mopflow.pipeline.run import start_pipeline
 
         context = get_current_context()
-        result: dict[str, Any] = _call(start_pipeline, context["dag"].dag_id, context["run_id"])
-        return result
+        return _call(start_pipeline, context["dag"].dag_id, context["run_id"])
 
     @task(
         execution_timeout=timedelta(minutes=30),
@@ -122,21 +151,11 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
         **retry,
     )
     def shard(ctx: Ref) -> dict[str, Any]:
-        from airflow.sdk import get_current_context
-
-        from mopflow.pipeline.data_events import EVENT_CONF_KEY, event_conf
         from mopflow.pipeline.shard import shard_stage
 
-        result: dict[str, Any] = _call(shard_stage, ctx)
-        if publish_new_shards and not result.get("reused"):
-            context = get_current_context()
-            extra = {
-                "manifest_uri": result["manifest_uri"],
-                "manifest_hash": result["manifest_hash"],
-                "dataset": str(context["params"].get("dataset")),
-                EVENT_CONF_KEY: event_conf(_run_conf(context)),  # what the retrain it triggers trains on
-            }
-            context["outlet_events"][NEW_SHARDS].add(SHARDED_DATASET, extra=extra)
+        result = _call(shard_stage, ctx)
+        if publish_new_shards:
+            _publish_new_shards(result)
         return result
 
     # Training tasks share the pool: at most its slots train at once across all DAG runs.
@@ -144,22 +163,19 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     def search(ctx: Ref, shards: Ref) -> dict[str, Any]:
         from mopflow.pipeline.search import search_stage
 
-        result: dict[str, Any] = _call(search_stage, ctx, shards)
-        return result
+        return _call(search_stage, ctx, shards)
 
     @task(execution_timeout=timedelta(minutes=30), **retry)
     def ensemble(ctx: Ref, shards: Ref, study: Ref) -> dict[str, Any]:
         from mopflow.pipeline.ensemble import ensemble_stage
 
-        result: dict[str, Any] = _call(ensemble_stage, ctx, shards, study)
-        return result
+        return _call(ensemble_stage, ctx, shards, study)
 
     @task(execution_timeout=timedelta(hours=2), pool=TRAINING_POOL, **retry)
     def distill(ctx: Ref, shards: Ref, ens: Ref) -> dict[str, Any]:
         from mopflow.pipeline.distill import distill_stage
 
-        result: dict[str, Any] = _call(distill_stage, ctx, shards, ens)
-        return result
+        return _call(distill_stage, ctx, shards, ens)
 
     @task(execution_timeout=timedelta(minutes=30), **retry)
     def register(
@@ -171,16 +187,14 @@ def pipeline_tasks(publish_new_shards: bool = False) -> None:
     ) -> dict[str, Any]:
         from mopflow.pipeline.register import register_stage
 
-        result: dict[str, Any] = _call(register_stage, ctx, shards, study, ens, student)
-        return result
+        return _call(register_stage, ctx, shards, study, ens, student)
 
     # Runs whatever happened upstream: closes MLflow runs, fails the DAG run without a summary.
     @task(trigger_rule="all_done", retries=1, execution_timeout=timedelta(minutes=10))
     def finalize(ctx: Ref) -> dict[str, Any]:
         from mopflow.pipeline.run import finalize_pipeline
 
-        result: dict[str, Any] = _call(finalize_pipeline, ctx, with_params=False)  # needs no conf
-        return result
+        return _call(finalize_pipeline, ctx, with_params=False)  # needs no conf
 
     ctx = start()
     shards = shard(ctx)

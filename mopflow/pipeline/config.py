@@ -10,6 +10,7 @@ docs and the task-side validation can never drift apart.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -217,7 +218,18 @@ class PipelineConfig(BaseModel):
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any] | None) -> PipelineConfig:
-        """Build from a flat mapping (Airflow conf / YAML). Unknown keys and bad values raise ConfigError."""
+        """Build from a flat mapping (Airflow conf / YAML). Unknown keys and bad values raise ConfigError.
+
+        A conf already parsed in this process is not parsed again (``mopflow run`` runs every stage
+        in one process; the config is frozen, so sharing it is safe)."""
+        try:
+            key = json.dumps(dict(conf or {}), sort_keys=True)
+        except (TypeError, ValueError):  # not plain JSON (a caller's own objects): parsed each time
+            return cls._parse(conf)
+        return _parsed(key)
+
+    @classmethod
+    def _parse(cls, conf: Mapping[str, Any] | None) -> PipelineConfig:
         conf = dict(conf or {})
         size = len(json.dumps(conf, default=str))
         if size > MAX_CONF_BYTES:
@@ -352,6 +364,12 @@ def conf_markdown_table() -> str:
     changed = ", ".join(f"`{key}={json.dumps(value)}`" for key, value in RETRAIN_DEFAULTS.items())
     lines += ["", f"`mopflow_retrain`, which `mopflow run` runs, defaults to {changed}."]
     return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(conf_json: str) -> PipelineConfig:
+    """The config of a conf given as canonical JSON, parsed once per process (errors are not kept)."""
+    return PipelineConfig._parse(json.loads(conf_json))
 
 
 def validate_conf(conf: Mapping[str, Any] | None) -> PipelineConfig:

@@ -1,4 +1,4 @@
-"""What every stage shares: the run's identity, and one stage context that parses the config once,
+"""What every stage shares: the run's tags and study name, and one stage context that parses the config once,
 owns the stage's MLflow run through the :class:`~mopflow.base.tracking.Tracker`, sets the lineage tags,
 logs the stage's peak memory, and records the root cause when the stage fails."""
 
@@ -18,11 +18,11 @@ from mopflow.base.tag_names import AIRFLOW_RUN_ID, DAG_ID, RUN_KEY, STAGE
 from mopflow.base.tracking import MlflowTracker, Tracker
 from mopflow.pipeline.config import ConfigError, PipelineConfig
 from mopflow.pipeline.memory import peak_memory_logged
+from mopflow.pipeline.paths import RunPaths, run_paths
+from mopflow.pipeline.records import RecordError, RunContext
 from mopflow.pipeline.version import code_version
 
 log = logging.getLogger(__name__)
-
-FAILURE_FILE = "failure.json"
 
 
 class PipelineFailed(RuntimeError):
@@ -45,25 +45,13 @@ def permanent_errors() -> tuple[type[BaseException], ...]:
         DataValidationError,
         StudentBudgetError,
         StorageConfigError,
+        RecordError,
     )
 
 
-@dataclass(frozen=True)
-class RunContext:
-    """Identity of one pipeline run (passed between tasks through XCom as a dict)."""
-
-    dag_id: str
-    airflow_run_id: str
-    run_key: str
-    parent_run_id: str
-
-    def tags(self) -> dict[str, str]:
-        """The lineage tags every MLflow run of this pipeline run carries."""
-        return run_tags(self.dag_id, self.airflow_run_id, self.run_key)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RunContext:
-        return cls(**{k: str(data[k]) for k in ("dag_id", "airflow_run_id", "run_key", "parent_run_id")})
+def lineage_tags(run: RunContext) -> dict[str, str]:
+    """The lineage tags every MLflow run of the pipeline run ``run`` carries."""
+    return run_tags(run.dag_id, run.airflow_run_id, run.run_key)
 
 
 def run_tags(dag_id: str, airflow_run_id: str, run_key: str) -> dict[str, str]:
@@ -86,17 +74,9 @@ def tracker_for(settings: Settings) -> MlflowTracker:
     return MlflowTracker(settings.tracking_uri, settings.experiment_name, settings.mlflow_artifact_location)
 
 
-def run_dir(settings: Settings, run_key: str) -> str:
-    """The folder of one pipeline run's outputs (bundles, summary, failure) under the artifact root."""
-    return storage.join(settings.artifact_root, "runs", run_key)
-
-
-SUMMARY_FILE = "summary.json"  # a run's summary, written by the register stage last
-
-
 def summary_uri(settings: Settings, run_key: str) -> str:
     """Where a pipeline run's summary is: it exists once the run succeeded."""
-    return storage.join(run_dir(settings, run_key), SUMMARY_FILE)
+    return run_paths(settings, run_key).summary
 
 
 def study_name_for(cfg: PipelineConfig, run: RunContext) -> str:
@@ -106,7 +86,7 @@ def study_name_for(cfg: PipelineConfig, run: RunContext) -> str:
 
 def read_failure(settings: Settings, run_key: str) -> dict[str, Any] | None:
     """The root cause recorded for a failed pipeline run (None if none was recorded)."""
-    uri = storage.join(run_dir(settings, run_key), FAILURE_FILE)
+    uri = run_paths(settings, run_key).failure
     if not storage.exists(uri, settings.storage_options):
         return None
     failure: dict[str, Any] = storage.read_json(uri, settings.storage_options)
@@ -114,7 +94,7 @@ def read_failure(settings: Settings, run_key: str) -> dict[str, Any] | None:
 
 
 # a stage's own lineage tags: given, or computed from the config and the run
-Lineage = Mapping[str, str] | Callable[[PipelineConfig, "RunContext"], Mapping[str, str]]
+Lineage = Mapping[str, str] | Callable[[PipelineConfig, RunContext], Mapping[str, str]]
 
 
 @dataclass(frozen=True)
@@ -133,9 +113,10 @@ class Stage:
     def storage_options(self) -> Mapping[str, Any]:
         return self.settings.storage_options
 
-    def output_uri(self, name: str) -> str:
-        """Where this pipeline run keeps the output ``name`` (keyed by the run key: reruns reuse it)."""
-        return storage.join(run_dir(self.settings, self.run.run_key), name)
+    @property
+    def paths(self) -> RunPaths:
+        """Where this pipeline run keeps its outputs (keyed by the run key: reruns reuse them)."""
+        return run_paths(self.settings, self.run.run_key)
 
     def tag_lineage(self, tags: Mapping[str, str]) -> None:
         """Lineage learned during the stage (e.g. the manifest hash), on this run and the parent."""
@@ -147,11 +128,11 @@ class Stage:
 def stage(
     name: str,
     conf: Mapping[str, Any] | None,
-    ctx_dict: Mapping[str, Any],
+    run: RunContext,
     settings: Settings | None = None,
     lineage: Lineage | None = None,
 ) -> Iterator[Stage]:
-    """Run the body as stage ``name`` of the pipeline run ``ctx_dict``.
+    """Run the body as stage ``name`` of the pipeline run ``run``.
 
     Parses ``conf`` once, opens (or reopens, on a retry) the stage's MLflow run with the run's
     lineage tags plus ``lineage`` (tags, or a function of the config and the run giving them),
@@ -161,12 +142,11 @@ def stage(
     """
     settings = settings or Settings.from_env()
     cfg = PipelineConfig.from_conf(conf)
-    run = RunContext.from_dict(ctx_dict)
     tracker = tracker_for(settings)
     raise_if_stopped()  # a stage does not start in a run asked to stop (its retry neither)
     progress.publish("stage", stage=name)
     extra = lineage(cfg, run) if callable(lineage) else (lineage or {})
-    tags = {**run.tags(), STAGE: name, **extra}
+    tags = {**lineage_tags(run), STAGE: name, **extra}
     run_id = tracker.get_or_start_run(name, tags, parent_run_id=run.parent_run_id)
     with peak_memory_logged(name):
         try:
@@ -187,5 +167,4 @@ def _record_failure(settings: Settings, run: RunContext, stage_name: str, exc: E
         "message": str(exc)[:4000],
         "permanent": isinstance(exc, permanent_errors()),
     }
-    uri = storage.join(run_dir(settings, run.run_key), FAILURE_FILE)
-    storage.write_json_atomic(uri, failure, settings.storage_options)
+    storage.write_json_atomic(run_paths(settings, run.run_key).failure, failure, settings.storage_options)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any
 
 from mopflow.base import storage
@@ -12,21 +11,16 @@ from mopflow.base.settings import Settings
 from mopflow.base.stopping import ended_status, raise_if_stopped
 from mopflow.base.tag_names import RUN_KEY, STAGE
 from mopflow.pipeline.config import PipelineConfig
-from mopflow.pipeline.context import (
-    PipelineFailed,
-    RunContext,
-    make_run_key,
-    run_tags,
-    summary_uri,
-    tracker_for,
-)
+from mopflow.pipeline.context import PipelineFailed, make_run_key, run_tags, tracker_for
+from mopflow.pipeline.paths import CONFIG_ARTIFACT, run_paths
+from mopflow.pipeline.records import RunContext, RunResult
 
 log = logging.getLogger(__name__)
 
 
 def start_pipeline(
     conf: Mapping[str, Any] | None, dag_id: str, airflow_run_id: str, settings: Settings | None = None
-) -> dict[str, Any]:
+) -> RunContext:
     """Validate the conf and open (or reopen) the pipeline's parent MLflow run."""
     settings = settings or Settings.from_env()
     cfg = PipelineConfig.from_conf(conf)
@@ -36,20 +30,19 @@ def start_pipeline(
         f"pipeline-{key}", {**run_tags(dag_id, airflow_run_id, key), STAGE: "pipeline"}
     )
     tracker.log_params(parent, {k: v for k, v in cfg.to_conf().items() if k != "search_space"})
-    tracker.log_dict(parent, cfg.to_conf(), "config.json")
+    tracker.log_dict(parent, cfg.to_conf(), CONFIG_ARTIFACT)
     log.info("pipeline %s: run key %s, MLflow parent run %s", dag_id, key, parent)
-    return asdict(RunContext(dag_id, airflow_run_id, key, parent))
+    return RunContext(dag_id=dag_id, airflow_run_id=airflow_run_id, run_key=key, parent_run_id=parent)
 
 
-def finalize_pipeline(ctx_dict: Mapping[str, Any], settings: Settings | None = None) -> dict[str, Any]:
+def finalize_pipeline(run: RunContext, settings: Settings | None = None) -> RunResult:
     """Last task (runs whatever happened upstream): close the parent run and any run left RUNNING.
 
     Raises when the pipeline did not produce its summary, so the Airflow run is marked failed.
     """
     settings = settings or Settings.from_env()
-    run = RunContext.from_dict(ctx_dict)
     tracker = tracker_for(settings)
-    summary = summary_uri(settings, run.run_key)
+    summary = run_paths(settings, run.run_key).summary
     succeeded = storage.exists(summary, settings.storage_options)
     leftovers = [
         r
@@ -70,4 +63,4 @@ def finalize_pipeline(ctx_dict: Mapping[str, Any], settings: Settings | None = N
         raise_if_stopped()  # stopped: a permanent error, the task is not retried
         # the verdict on the run, not a fault: retrying finalize cannot change it
         raise PipelineFailed(f"pipeline run {run.run_key} did not complete (no summary at {summary})")
-    return {"summary_uri": summary, "run_key": run.run_key}
+    return RunResult(run_key=run.run_key, summary_uri=summary)

@@ -11,6 +11,7 @@ from mopflow.base.optuna_storage import redact_url
 from mopflow.base.settings import Settings
 from mopflow.base.tag_names import (
     AIRFLOW_RUN_ID,
+    BEST_PARAMS,
     DAG_ID,
     MANIFEST_HASH,
     RUN_KEY,
@@ -22,14 +23,14 @@ from mopflow.base.tag_names import (
 )
 from mopflow.base.tracking import Tracker
 from mopflow.pipeline.config import ConfigError, PipelineConfig
-from mopflow.pipeline.context import RunContext, Stage, stage, study_name_for
+from mopflow.pipeline.context import Stage, lineage_tags, stage, study_name_for
+from mopflow.pipeline.paths import FIGURES_FOLDER, LEADERBOARD_ARTIFACT, MOP_FOLDER, SEARCH_SPACE_ARTIFACT
+from mopflow.pipeline.records import RunContext, SearchRecord, ShardRecord
 from mopflow.training.models.families import DataSpec
 
 log = logging.getLogger(__name__)
 
-BEST_PARAMS_TAG = "mopflow.best_trial_params"
 TRIAL_STATES = ("COMPLETE", "PRUNED", "FAIL")
-FIGURES_FOLDER = "figures"  # the search run's pictures of its study (training/search/figures.py)
 
 
 def champion_warm_start(client: Any, cfg: PipelineConfig) -> Any:
@@ -43,19 +44,19 @@ def champion_warm_start(client: Any, cfg: PipelineConfig) -> Any:
     if champion is None:
         log.info("search: warm start requested but %s has no champion yet; starting cold", name)
         return None
-    raw = champion.tags.get(BEST_PARAMS_TAG)
+    raw = champion.tags.get(BEST_PARAMS)
     if not raw:
-        log.warning("search: %s v%s records no %s; starting cold", name, champion.version, BEST_PARAMS_TAG)
+        log.warning("search: %s v%s records no %s; starting cold", name, champion.version, BEST_PARAMS)
         return None
     return WarmStart(params=json.loads(raw), source=f"{name} v{champion.version} ({CHAMPION})")
 
 
 def search_stage(
     conf: Mapping[str, Any] | None,
-    ctx_dict: Mapping[str, Any],
-    shard: Mapping[str, Any],
+    run: RunContext,
+    shard: ShardRecord,
     settings: Settings | None = None,
-) -> dict[str, Any]:
+) -> SearchRecord:
     """Run (or resume) the pipeline run's study; returns its name, trial counts and best trial."""
     from mopflow.compression.registry.model_registry import registry_client
     from mopflow.training.compute.cluster import dask_client
@@ -66,24 +67,24 @@ def search_stage(
 
     def lineage(cfg: PipelineConfig, run: RunContext) -> dict[str, str]:
         return {
-            MANIFEST_HASH: str(shard["manifest_hash"]),
+            MANIFEST_HASH: shard.manifest_hash,
             STUDY: study_name_for(cfg, run),
         }
 
-    with stage("search", conf, ctx_dict, settings, lineage) as st:
+    with stage("search", conf, run, settings, lineage) as st:
         settings, cfg = st.settings, st.cfg
         study = study_name_for(cfg, st.run)
         params = {k: v for k, v in cfg.search.model_dump().items() if k != "space"}
         params["worker_schedule"] = cfg.to_conf()["worker_schedule"]  # its spec, as the conf gives it
         st.tracker.log_params(st.run_id, params)
-        manifest = load_manifest(str(shard["manifest_uri"]), st.storage_options)
+        manifest = load_manifest(shard.manifest_uri, st.storage_options)
         data = DataSpec.from_manifest(manifest)
         try:  # every family the config names takes this data, or nothing trains (a permanent error)
             cfg.check_fits_data(data)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         space = cfg.search.search_space(data.modality)
-        st.tracker.log_dict(st.run_id, space.model_dump(), "search_space.json")
+        st.tracker.log_dict(st.run_id, space.model_dump(), SEARCH_SPACE_ARTIFACT)
         log_trial = trial_logger(st, lineage(cfg, st.run))
         warm = champion_warm_start(registry_client(settings), cfg) if cfg.search.warm_start else None
         with dask_client(
@@ -96,7 +97,7 @@ def search_stage(
             )
             outcome = run_strategy_search(
                 cfg.search,
-                str(shard["manifest_uri"]),
+                shard.manifest_uri,
                 study,
                 settings.optuna_storage,
                 settings.artifact_root,
@@ -123,13 +124,13 @@ def search_stage(
     log.info(
         "search: study %s done: %s; best trial %d val_acc=%.4f", study, counts, best[0].number, best[0].value
     )
-    return {
-        "study_name": study,
-        "storage_url": redact_url(settings.optuna_storage),  # shown in XCom: no password
-        "counts": counts,
-        "best_trial": best[0].number,
-        "best_val_acc": best[0].value,
-    }
+    return SearchRecord(
+        study_name=study,
+        storage_url=redact_url(settings.optuna_storage),  # shown in XCom: no password
+        counts=counts,
+        best_trial=best[0].number,
+        best_val_acc=best[0].value,
+    )
 
 
 def study_attrs(st: Stage) -> dict[str, str]:
@@ -154,7 +155,7 @@ def trial_logger(st: Stage, lineage: Mapping[str, str]) -> Callable[[Any], None]
         tracker, number = st.tracker, str(result.number)
         if tracker.find_run({RUN_KEY: st.run.run_key, STUDY: study, TRIAL: number}):
             return
-        tags = {**st.run.tags(), **lineage, STAGE: "trial", TRIAL: number}
+        tags = {**lineage_tags(st.run), **lineage, STAGE: "trial", TRIAL: number}
         trial_run = tracker.start_run(f"trial-{result.number}", tags, parent_run_id=st.run_id)
         tracker.log_params(trial_run, result.params)
         for key in ("val_acc", "train_loss"):
@@ -185,7 +186,7 @@ def _log_leaderboard(st: Stage, outcome: Any) -> dict[str, int]:
         }
         for r in sorted(outcome.results, key=lambda r: (-(r.value or -1.0), r.number))
     ]
-    st.tracker.log_dict(st.run_id, leaderboard, "leaderboard.json")
+    st.tracker.log_dict(st.run_id, leaderboard, LEADERBOARD_ARTIFACT)
     counts = {s: sum(1 for r in outcome.results if r.state == s) for s in TRIAL_STATES}
     st.tracker.log_metrics(st.run_id, {f"trials_{k.lower()}": v for k, v in counts.items()})
     # work lost with preempted or killed workers and done again (0 on a calm cluster)
@@ -244,4 +245,4 @@ def _log_mop_epochs(tracker: Tracker, run_id: str, epoch_records: Mapping[int, l
             Path(tmp, f"units-epoch-{epoch + 1:03d}.json").write_text(
                 json.dumps(records, indent=1, default=str)
             )
-            tracker.log_artifacts(run_id, tmp, "mop")
+            tracker.log_artifacts(run_id, tmp, MOP_FOLDER)

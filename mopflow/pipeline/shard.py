@@ -10,16 +10,18 @@ from mopflow.base.settings import Settings
 from mopflow.base.tag_names import MANIFEST_HASH
 from mopflow.pipeline.conf_input import check_data_roots
 from mopflow.pipeline.context import stage
+from mopflow.pipeline.paths import MANIFEST_ARTIFACT
+from mopflow.pipeline.records import RunContext, ShardRecord
 
 
 def shard_stage(
-    conf: Mapping[str, Any] | None, ctx_dict: Mapping[str, Any], settings: Settings | None = None
-) -> dict[str, Any]:
+    conf: Mapping[str, Any] | None, run: RunContext, settings: Settings | None = None
+) -> ShardRecord:
     """Shard the dataset on Dask; returns the manifest URI and hash (reused when unchanged)."""
     from mopflow.training.compute.cluster import dask_client
     from mopflow.training.data import shard_dataset
 
-    with stage("shard", conf, ctx_dict, settings) as st:
+    with stage("shard", conf, run, settings) as st:
         settings = st.settings
         # However the run was created (the API's trigger guard, `airflow dags trigger`, a user's
         # DAG), nothing outside the data roots is read: a permanent error, before any read.
@@ -33,9 +35,7 @@ def shard_stage(
         st.tracker.log_params(st.run_id, st.cfg.data.model_dump())
         rows = {f"rows_{s}": sum(e["rows"] for e in manifest["splits"][s]) for s in manifest["splits"]}
         st.tracker.log_metrics(st.run_id, rows)
-        st.tracker.log_dict(st.run_id, manifest, "manifest.json")
-    return {
-        "manifest_uri": result.manifest_uri,
-        "manifest_hash": result.manifest_hash,
-        "reused": result.reused,
-    }
+        st.tracker.log_dict(st.run_id, manifest, MANIFEST_ARTIFACT)
+    return ShardRecord(
+        manifest_uri=result.manifest_uri, manifest_hash=result.manifest_hash, reused=result.reused
+    )

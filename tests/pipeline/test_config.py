@@ -280,3 +280,15 @@ def test_the_demo_configs_hold_only_what_they_change(name: str) -> None:
     defaults = PipelineConfig().to_conf()
     assert [key for key, value in conf.items() if defaults[key] == value] == []
     PipelineConfig.from_conf(conf)  # and it is valid
+
+
+def test_a_conf_is_parsed_once_per_process_and_a_bad_one_is_refused_every_time() -> None:
+    from mopflow.pipeline.config import ConfigError, PipelineConfig
+
+    conf = {"n_trials": 3, "top_k": 2, "model_name": "parsed-once"}
+    first = PipelineConfig.from_conf(conf)
+    assert PipelineConfig.from_conf(dict(reversed(conf.items()))) is first  # the same conf, any order
+    assert PipelineConfig.from_conf(conf | {"n_trials": 4}) is not first
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="top_k=5 is larger than n_trials=3"):
+            PipelineConfig.from_conf(conf | {"top_k": 5})

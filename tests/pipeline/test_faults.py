@@ -23,7 +23,7 @@ from mopflow.base.optuna_storage import make_storage
 from mopflow.base.settings import Settings
 from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from mopflow.pipeline.config import PipelineConfig
-from mopflow.pipeline.context import RunContext, study_name_for
+from mopflow.pipeline.context import study_name_for
 from mopflow.pipeline.distill import distill_stage
 from mopflow.pipeline.ensemble import ensemble_stage
 from mopflow.pipeline.register import register_stage
@@ -110,7 +110,7 @@ def test_mlflow_server_down_mid_run_fails_clearly_and_leaves_no_run_running(
     with pytest.raises(Exception) as failure:
         search_stage(CONF, ctx, shard, settings)
     assert f"127.0.0.1:{mlflow_server.port}" in str(failure.value)
-    study_name = study_name_for(PipelineConfig.from_conf(CONF), RunContext.from_dict(ctx))
+    study_name = study_name_for(PipelineConfig.from_conf(CONF), ctx)
     with pytest.raises(KeyError):  # nothing was trained without tracking
         optuna.load_study(study_name=study_name, storage=make_storage(settings.optuna_storage))
 
@@ -119,10 +119,10 @@ def test_mlflow_server_down_mid_run_fails_clearly_and_leaves_no_run_running(
         finalize_pipeline(ctx, settings)
     client = MlflowClient(tracking_uri=mlflow_server.url)
     experiment = client.get_experiment_by_name(settings.experiment_name)
-    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx.run_key}'")
     assert runs and not [r for r in runs if r.info.status == "RUNNING"]
-    assert client.get_run(ctx["parent_run_id"]).info.status == "FAILED"
-    assert storage.exists(shard["manifest_uri"])
+    assert client.get_run(ctx.parent_run_id).info.status == "FAILED"
+    assert storage.exists(shard.manifest_uri)
     assert shard_stage(CONF, ctx, settings)["reused"]  # the retry redoes nothing
 
 
@@ -134,8 +134,8 @@ def sharded(tmp_path: Path) -> tuple[Settings, dict, dict]:
 
 
 def _shard_path(shard: dict, split: str) -> Path:
-    manifest = load_manifest(shard["manifest_uri"])
-    base = Path(shard["manifest_uri"]).parent
+    manifest = load_manifest(shard.manifest_uri)
+    base = Path(shard.manifest_uri).parent
     return base / manifest["splits"][split][0]["name"]
 
 
@@ -158,7 +158,7 @@ def test_damaged_shard_between_stages_is_named_before_any_training(
     with pytest.raises((ShardIntegrityError, FileNotFoundError)) as failure:
         search_stage(CONF, ctx, shard, settings)
     assert victim.name in str(failure.value)
-    study_name = study_name_for(PipelineConfig.from_conf(CONF), RunContext.from_dict(ctx))
+    study_name = study_name_for(PipelineConfig.from_conf(CONF), ctx)
     storage_ = make_storage(settings.optuna_storage)
     assert not [
         s for s in optuna.get_all_study_summaries(storage_) if s.study_name == study_name and s.n_trials
@@ -405,39 +405,38 @@ def test_dask_worker_killed_mid_unit_leaves_the_pipeline_result_complete(tmp_pat
     assert len(killed) == 1 and isinstance(killed[0], int), f"no worker was killed mid-unit: {killed}"
     ens = ensemble_stage(conf, ctx, shard, search, settings)
     student = distill_stage(conf, ctx, shard, ens, settings)
-    summary = register_stage(conf, ctx, shard, search, ens, student, settings)
+    registered = register_stage(conf, ctx, shard, search, ens, student, settings)
 
     # every trial COMPLETE, each once
-    assert search["counts"] == {"COMPLETE": conf["n_trials"], "PRUNED": 0, "FAIL": 0}
-    study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
+    assert search.counts == {"COMPLETE": conf["n_trials"], "PRUNED": 0, "FAIL": 0}
+    study = optuna.load_study(study_name=search.study_name, storage=make_storage(settings.optuna_storage))
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * conf["n_trials"]
 
     client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
     experiment = client.get_experiment_by_name(settings.experiment_name)
-    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx.run_key}'")
     # no run left RUNNING by the stages (the parent is closed by finalize)
     assert [r.info.run_name for r in runs if r.info.status == "RUNNING"] == [
-        client.get_run(ctx["parent_run_id"]).info.run_name
+        client.get_run(ctx.parent_run_id).info.run_name
     ]
     stage_tags = [r.data.tags["mopflow.stage"] for r in runs]
     assert stage_tags.count("trial") == conf["n_trials"] and stage_tags.count("search") == 1
     for run in runs:  # lineage
         if run.data.tags["mopflow.stage"] != "pipeline":
-            assert run.data.tags["mopflow.manifest_hash"] == shard["manifest_hash"], run.info.run_name
+            assert run.data.tags["mopflow.manifest_hash"] == shard.manifest_hash, run.info.run_name
     search_run = next(r for r in runs if r.data.tags["mopflow.stage"] == "search")
     assert search_run.data.metrics["redone_unit_seconds"] > 0  # the killed unit was done again
     assert search_run.data.metrics["trials_complete"] == conf["n_trials"]
 
     # the registry: a new version carrying the lineage, aliased
-    registered = summary["registered"]
-    assert registered["version"] == "1" and "challenger" in registered["aliases"]
-    version = client.get_model_version_by_alias(registered["name"], "challenger")
-    assert str(version.version) == registered["version"]
-    assert version.tags["mopflow.manifest_hash"] == shard["manifest_hash"]
-    assert version.tags["mopflow.study"] == search["study_name"]
-    if registered["promoted"]:
-        assert client.get_model_version_by_alias(registered["name"], "champion").version == version.version
+    assert registered.version == "1" and "challenger" in registered.aliases
+    version = client.get_model_version_by_alias(registered.name, "challenger")
+    assert str(version.version) == registered.version
+    assert version.tags["mopflow.manifest_hash"] == shard.manifest_hash
+    assert version.tags["mopflow.study"] == search.study_name
+    if registered.promoted:
+        assert client.get_model_version_by_alias(registered.name, "champion").version == version.version
 
     finalize_pipeline(ctx, settings)
-    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx.run_key}'")
     assert {r.info.status for r in runs} == {"FINISHED"}

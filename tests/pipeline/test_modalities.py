@@ -12,7 +12,7 @@ import pytest
 from mopflow.base.optuna_storage import make_storage
 from mopflow.base.settings import Settings
 from mopflow.pipeline.config import ConfigError, PipelineConfig
-from mopflow.pipeline.context import RunContext, study_name_for, tracker_for
+from mopflow.pipeline.context import study_name_for, tracker_for
 from mopflow.pipeline.distill import distill_stage
 from mopflow.pipeline.ensemble import ensemble_stage
 from mopflow.pipeline.run import start_pipeline
@@ -64,7 +64,7 @@ def test_images_train_under_the_mop_and_ddp_strategies(tmp_path: Path, strategy:
     ctx = start_pipeline(conf, "mopflow_retrain", f"manual__{strategy}", settings)
     shard = shard_stage(conf, ctx, settings)
     search = search_stage(conf, ctx, shard, settings)
-    assert search["counts"] == {"COMPLETE": 2, "PRUNED": 0, "FAIL": 0}
+    assert search.counts == {"COMPLETE": 2, "PRUNED": 0, "FAIL": 0}
 
 
 @pytest.mark.slow
@@ -88,14 +88,14 @@ def test_a_sequence_ensemble_of_two_families_is_distilled_on_mixup(tmp_path: Pat
     shard = shard_stage(conf, ctx, settings)
     search = search_stage(conf, ctx, shard, settings)
     ensemble = ensemble_stage(conf, ctx, shard, search, settings)
-    members = load_bundle(ensemble["bundle_uri"]).spec["members"]
+    members = load_bundle(ensemble.bundle_uri).spec["members"]
     assert sorted(m["family"] for m in members) == ["gru", "rescnn"]
     assert all(m["modality"] == "sequence" and m["input_shape"] == [16, 2] for m in members)
     distill = distill_stage(conf, ctx, shard, ensemble, settings)
-    assert distill["arch"]["family"] == "cnn" and distill["arch"]["input_shape"] == [16, 2]
-    params = tracker_for(settings).client.get_run(distill["run_id"]).data.params
+    assert distill.arch["family"] == "cnn" and distill.arch["input_shape"] == [16, 2]
+    params = tracker_for(settings).client.get_run(distill.run_id).data.params
     assert params["transfer"] == "mixup" and params["family"] == "cnn"  # the choices auto made
-    assert "student int8 (static)" in {row["model"] for row in distill["evaluation"]}
+    assert "student int8 (static)" in {row["model"] for row in distill.evaluation}
 
     # A student family that cannot take the data fails the search before any trial trains.
     bad = conf | {"student_family": "cnn2d", "model_name": "seq-bad"}
@@ -105,5 +105,5 @@ def test_a_sequence_ensemble_of_two_families_is_distilled_on_mixup(tmp_path: Pat
     ):
         search_stage(bad, bad_ctx, shard_stage(bad, bad_ctx, settings), settings)
     studies = optuna.get_all_study_names(make_storage(settings.optuna_storage))
-    assert study_name_for(PipelineConfig.from_conf(conf), RunContext.from_dict(ctx)) in studies
-    assert study_name_for(PipelineConfig.from_conf(bad), RunContext.from_dict(bad_ctx)) not in studies
+    assert study_name_for(PipelineConfig.from_conf(conf), ctx) in studies
+    assert study_name_for(PipelineConfig.from_conf(bad), bad_ctx) not in studies

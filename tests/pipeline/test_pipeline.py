@@ -11,13 +11,14 @@ from mlflow import MlflowClient
 
 from mopflow.base.optuna_storage import make_storage
 from mopflow.base.settings import Settings
+from mopflow.base.tag_names import BEST_PARAMS
 from mopflow.pipeline.config import PipelineConfig
 from mopflow.pipeline.context import make_run_key, tracker_for
 from mopflow.pipeline.distill import distill_stage
 from mopflow.pipeline.ensemble import ensemble_stage
 from mopflow.pipeline.register import register_stage
 from mopflow.pipeline.run import finalize_pipeline, start_pipeline
-from mopflow.pipeline.search import BEST_PARAMS_TAG, champion_warm_start, search_stage
+from mopflow.pipeline.search import champion_warm_start, search_stage
 from mopflow.pipeline.shard import shard_stage
 from mopflow.training.search.space import params_from_optuna
 from mopflow.training.search.study import WARM_START_ATTR
@@ -45,24 +46,24 @@ def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
 
     # The same run again, stage by stage (an Airflow "clear and rerun").
     shard2 = shard_stage(CONF, ctx, settings)
-    assert shard2["reused"] and shard2["manifest_hash"] == shard["manifest_hash"]
+    assert shard2.reused and shard2.manifest_hash == shard.manifest_hash
     search2 = search_stage(CONF, ctx, shard2, settings)
-    assert search2["study_name"] == search["study_name"]
+    assert search2.study_name == search.study_name
     second = register_stage(CONF, ctx, shard2, search2, ens, student, settings)
-    assert second["registered"]["version"] == first["registered"]["version"] == "1"
+    assert second.version == first.version == "1"
 
-    study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
+    study = optuna.load_study(study_name=search.study_name, storage=make_storage(settings.optuna_storage))
     assert len(study.trials) == CONF["n_trials"]
     # the study names its objective and the run it belongs to (optuna-dashboard shows both)
     assert study.metric_names == ["val_acc"]
-    assert study.user_attrs["mopflow.run_key"] == ctx["run_key"]
+    assert study.user_attrs["mopflow.run_key"] == ctx.run_key
     assert study.user_attrs["mopflow.airflow_run_id"] == "manual__test"
-    assert study.user_attrs["mopflow.mlflow_parent_run_id"] == ctx["parent_run_id"]
+    assert study.user_attrs["mopflow.mlflow_parent_run_id"] == ctx.parent_run_id
     client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
     assert len(client.search_model_versions("name='idem-student'")) == 1
     assert len(client.search_model_versions("name='idem-ensemble'")) == 1
     experiment = client.get_experiment_by_name(settings.experiment_name)
-    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx['run_key']}'")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{ctx.run_key}'")
     stage_tags = [r.data.tags["mopflow.stage"] for r in runs]
     assert (
         stage_tags.count("pipeline") == 1
@@ -73,10 +74,10 @@ def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
 
     # A run left RUNNING (a killed task) is closed by finalize; the parent ends FINISHED.
     tracker = tracker_for(settings)
-    dangling = tracker.start_run("killed", {"mopflow.run_key": ctx["run_key"], "mopflow.stage": "ghost"})
+    dangling = tracker.start_run("killed", {"mopflow.run_key": ctx.run_key, "mopflow.stage": "ghost"})
     finalize_pipeline(ctx, settings)
     assert client.get_run(dangling).info.status == "FAILED"
-    assert client.get_run(ctx["parent_run_id"]).info.status == "FINISHED"
+    assert client.get_run(ctx.parent_run_id).info.status == "FINISHED"
 
 
 @pytest.mark.slow
@@ -84,12 +85,12 @@ def test_retraining_warm_starts_from_the_champion(settings: Settings) -> None:
     """Runs after the test above, which registered a champion in this module's MLflow."""
     client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
     champion = client.get_model_version_by_alias("idem-student", "champion")
-    best = json.loads(champion.tags[BEST_PARAMS_TAG])
+    best = json.loads(champion.tags[BEST_PARAMS])
     conf = CONF | {"warm_start": True, "sampler": "random", "seed": 5}
     ctx = start_pipeline(conf, "mopflow_retrain", "scheduled__warm", settings)
     shard = shard_stage(conf, ctx, settings)
     search = search_stage(conf, ctx, shard, settings)
-    study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
+    study = optuna.load_study(study_name=search.study_name, storage=make_storage(settings.optuna_storage))
     first = study.trials[0]
     assert params_from_optuna(first.params) == best  # the champion's configuration is tried first
     assert first.user_attrs[WARM_START_ATTR] == f"idem-student v{champion.version} (champion)"
@@ -103,7 +104,7 @@ def test_finalize_fails_the_run_when_the_pipeline_did_not_finish(settings: Setti
     with pytest.raises(RuntimeError, match="did not complete"):
         finalize_pipeline(ctx, local)
     client = MlflowClient(tracking_uri=local.tracking_uri)
-    assert client.get_run(ctx["parent_run_id"]).info.status == "FAILED"
+    assert client.get_run(ctx.parent_run_id).info.status == "FAILED"
 
 
 def test_run_key_is_stable_and_distinct() -> None:
@@ -118,7 +119,7 @@ def test_mop_strategy_runs_the_search_and_logs_gantt_charts(tmp_path: Path) -> N
     ctx = start_pipeline(conf, "mopflow_retrain", "manual__mop", local)
     shard = shard_stage(conf, ctx, local)
     search = search_stage(conf, ctx, shard, local)
-    assert sum(search["counts"].values()) == 3 and search["counts"]["COMPLETE"] == 3
+    assert sum(search.counts.values()) == 3 and search.counts["COMPLETE"] == 3
     client = MlflowClient(tracking_uri=local.tracking_uri)
     experiment = client.get_experiment_by_name(local.experiment_name)
     run = client.search_runs([experiment.experiment_id], "tags.`mopflow.stage` = 'search'")[0]
@@ -137,8 +138,8 @@ def test_ddp_strategy_runs_the_search_on_the_dask_workers(tmp_path: Path) -> Non
     ctx = start_pipeline(conf, "mopflow_retrain", "manual__ddp", local)
     shard = shard_stage(conf, ctx, local)
     search = search_stage(conf, ctx, shard, local)
-    assert search["counts"] == {"COMPLETE": 2, "PRUNED": 0, "FAIL": 0}
-    study = optuna.load_study(study_name=search["study_name"], storage=make_storage(local.optuna_storage))
+    assert search.counts == {"COMPLETE": 2, "PRUNED": 0, "FAIL": 0}
+    study = optuna.load_study(study_name=search.study_name, storage=make_storage(local.optuna_storage))
     for trial in study.trials:
         assert [h["epoch"] for h in trial.user_attrs["history"]] == [0, 1]
         assert Path(trial.user_attrs["bundle_uri"], "weights.safetensors").exists()
@@ -174,9 +175,9 @@ def test_a_student_without_static_int8_is_distilled_and_reported_without_it(
     search = search_stage(conf, ctx, shard, settings)
     ens = ensemble_stage(conf, ctx, shard, search, settings)
     student = distill_stage(conf, ctx, shard, ens, settings)
-    assert student["arch"]["family"] == "rescnn"
-    assert student["param_ratio"] <= 0.1
-    assert "int8_static_test_acc" not in student and student["int8_test_acc"] is not None
-    rows = [row["model"] for row in student["evaluation"]]
+    assert student.arch["family"] == "rescnn"
+    assert student.param_ratio <= 0.1
+    assert student.int8_static_test_acc is None and student.int8_test_acc is not None
+    rows = [row["model"] for row in student.evaluation]
     assert "student int8 (static)" not in rows
     assert {"ensemble", "student", "student int8 (dynamic)", "hard-label student"} <= set(rows)

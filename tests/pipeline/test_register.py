@@ -3,16 +3,14 @@ leaves the champion where it is, a more accurate one takes its place, and rerunn
 made the champion changes nothing.
 
 The students are genuinely different models: the same small MLP trained for a different number of
-steps on the shared small dataset, so each one's test accuracy (what ``distill["test_acc"]`` carries
+steps on the shared small dataset, so each one's test accuracy (what ``distill.test_acc`` carries
 into the gate) is measured, not made up. Only the register stage runs; the shard, search and
 ensemble outputs it reads are built here from the dataset and the models, which costs seconds
 instead of a whole pipeline."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import mlflow
 import numpy as np
@@ -22,9 +20,18 @@ import torch
 from mlflow import MlflowClient
 
 from mopflow.base.settings import Settings
+from mopflow.compression.registry.inputs import example_input
 from mopflow.compression.registry.model_registry import CHALLENGER, CHAMPION, log_bundle_model
 from mopflow.pipeline.context import stage
-from mopflow.pipeline.ensemble import example_input
+from mopflow.pipeline.records import (
+    BestTrial,
+    DistillRecord,
+    EnsembleRecord,
+    RegisterRecord,
+    RunContext,
+    SearchRecord,
+    ShardRecord,
+)
 from mopflow.pipeline.register import register_stage
 from mopflow.pipeline.run import start_pipeline
 from mopflow.training.data import load_manifest, load_split
@@ -48,9 +55,9 @@ class Gate:
 
     settings: Settings
     client: MlflowClient
-    shard: dict[str, Any]
-    search: dict[str, Any]
-    ensemble: dict[str, Any]
+    shard: ShardRecord
+    search: SearchRecord
+    ensemble: EnsembleRecord
     arch: ArchSpec
     bundles: dict[str, str]
     val_accs: dict[str, float]
@@ -95,32 +102,34 @@ def gate(tmp_path_factory: pytest.TempPathFactory, small_manifest: str) -> Gate:
     ctx = start_pipeline(CONF, "mopflow_retrain", "manual__ensemble", settings)
     with stage("ensemble", CONF, ctx, settings) as st:
         ensemble_uri = log_bundle_model(
-            st.run_id, "ensemble", ensemble_bundle, example_input(small_manifest, {})
+            st.run_id, "ensemble", ensemble_bundle, example_input(small_manifest, manifest, {})
         )
-    best = {"number": 0, "params": {"family": "mlp", **ARCH_PARAMS}, "val_acc": 0.0, "test_acc": 0.0}
+    best = BestTrial(number=0, params={"family": "mlp", **ARCH_PARAMS}, val_acc=0.0, test_acc=0.0)
     return Gate(
         settings=settings,
         client=MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri),
-        shard={
-            "manifest_uri": small_manifest,
-            "manifest_hash": manifest["manifest_hash"],
-            "reused": True,
-        },
-        search={
-            "study_name": "gate-study",
-            "storage_url": settings.optuna_storage,
-            "counts": {"COMPLETE": 2, "PRUNED": 0, "FAIL": 0},
-        },
-        ensemble={
-            "bundle_uri": ensemble_bundle,
-            "model_uri": ensemble_uri,
-            "members": [1, 2],
-            "member_weights": [0.5, 0.5],
-            "best_trial": best,
-            "val_acc": accuracy(teacher, x_val, y_val),
-            "test_acc": accuracy(teacher, x_test, y_test),
-            "num_params": 2 * count_params(arch),
-        },
+        shard=ShardRecord(manifest_uri=small_manifest, manifest_hash=manifest["manifest_hash"], reused=True),
+        search=SearchRecord(
+            study_name="gate-study",
+            storage_url=settings.optuna_storage,
+            counts={"COMPLETE": 2, "PRUNED": 0, "FAIL": 0},
+            best_trial=0,
+            best_val_acc=0.0,
+        ),
+        ensemble=EnsembleRecord(
+            bundle_uri=ensemble_bundle,
+            model_uri=ensemble_uri,
+            run_id=st.run_id,
+            members=[1, 2],
+            member_weights=[0.5, 0.5],
+            best_trial_bundle=bundles["champion"],
+            best_trial=best,
+            val_acc=accuracy(teacher, x_val, y_val),
+            test_acc=accuracy(teacher, x_test, y_test),
+            best_trial_val_acc=0.0,
+            best_trial_test_acc=0.0,
+            num_params=2 * count_params(arch),
+        ),
         arch=arch,
         bundles=bundles,
         val_accs=val_accs,
@@ -128,29 +137,39 @@ def gate(tmp_path_factory: pytest.TempPathFactory, small_manifest: str) -> Gate:
     )
 
 
-def _pipeline_run(gate: Gate, airflow_run_id: str, quality: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _pipeline_run(gate: Gate, airflow_run_id: str, quality: str) -> tuple[RunContext, DistillRecord]:
     """A pipeline run whose distill stage logged the ``quality`` student: its context and the
     distill stage's output (the student's measured test accuracy in ``test_acc``)."""
     ctx = start_pipeline(CONF, "mopflow_retrain", airflow_run_id, gate.settings)
     with stage("distill", CONF, ctx, gate.settings) as st:
         model_uri = log_bundle_model(
-            st.run_id, "student", gate.bundles[quality], example_input(gate.shard["manifest_uri"], {})
+            st.run_id,
+            "student",
+            gate.bundles[quality],
+            example_input(gate.shard.manifest_uri, load_manifest(gate.shard.manifest_uri), {}),
         )
     num_params = count_params(gate.arch)
-    distill = {
-        "bundle_uri": gate.bundles[quality],
-        "model_uri": model_uri,
-        "run_id": st.run_id,
-        "arch": {"family": "mlp", "params": ARCH_PARAMS},
-        "val_acc": gate.val_accs[quality],
-        "test_acc": gate.test_accs[quality],
-        "num_params": float(num_params),
-        "param_ratio": num_params / gate.ensemble["num_params"],
-    }
+    distill = DistillRecord(
+        bundle_uri=gate.bundles[quality],
+        model_uri=model_uri,
+        run_id=st.run_id,
+        arch={"family": "mlp", "params": ARCH_PARAMS},
+        kept={},
+        evaluation=[],
+        val_acc=gate.val_accs[quality],
+        test_acc=gate.test_accs[quality],
+        num_params=float(num_params),
+        param_ratio=num_params / gate.ensemble.num_params,
+        distilled_val_acc=None,
+        distilled_test_acc=None,
+        hard_label_val_acc=None,
+        hard_label_test_acc=None,
+        int8_test_acc=None,
+    )
     return ctx, distill
 
 
-def _register(gate: Gate, ctx: Mapping[str, Any], distill: Mapping[str, Any]) -> dict[str, Any]:
+def _register(gate: Gate, ctx: RunContext, distill: DistillRecord) -> RegisterRecord:
     return register_stage(CONF, ctx, gate.shard, gate.search, gate.ensemble, distill, gate.settings)
 
 
@@ -161,19 +180,19 @@ def _alias(gate: Gate, alias: str) -> str:
 def _version_accuracy(gate: Gate, version: str) -> float:
     """Test accuracy of one registered student version, through its pyfunc loaded from where the
     registry keeps that version, on the whole test split at once."""
-    manifest_uri = gate.shard["manifest_uri"]
+    manifest_uri = gate.shard.manifest_uri
     model = mlflow.pyfunc.load_model(gate.client.get_model_version_download_uri(STUDENT, version))
     x, y = load_split(manifest_uri, "test")
     probs = np.asarray(model.predict(pd.DataFrame(x, columns=load_manifest(manifest_uri)["feature_columns"])))
     return int((probs.argmax(axis=1) == y).sum()) / len(y)
 
 
-def _register_run_tags(gate: Gate, ctx: Mapping[str, Any]) -> dict[str, str]:
+def _register_run_tags(gate: Gate, ctx: RunContext) -> dict[str, str]:
     experiment = gate.client.get_experiment_by_name(gate.settings.experiment_name)
     assert experiment is not None
     runs = gate.client.search_runs(
         [experiment.experiment_id],
-        f"tags.`mopflow.run_key` = '{ctx['run_key']}' and tags.`mopflow.stage` = 'register'",
+        f"tags.`mopflow.run_key` = '{ctx.run_key}' and tags.`mopflow.stage` = 'register'",
     )
     assert len(runs) == 1
     return dict(runs[0].data.tags)
@@ -184,24 +203,23 @@ def champion(gate: Gate) -> str:
     """The first pipeline run: no champion yet, so its student becomes the champion; its version."""
     assert gate.test_accs["worse"] < gate.test_accs["champion"] < gate.test_accs["better"]
     ctx, distill = _pipeline_run(gate, "manual__first", "champion")
-    summary = _register(gate, ctx, distill)
-    registered = summary["registered"]
-    assert registered["promoted"] and registered["reason"].startswith("there is no champion yet")
-    assert registered["previous_champion_test_acc"] is None
-    assert _alias(gate, CHAMPION) == registered["version"]
-    return str(registered["version"])
+    registered = _register(gate, ctx, distill)
+    assert registered.promoted and registered.reason.startswith("there is no champion yet")
+    assert registered.previous_champion_test_acc is None
+    assert _alias(gate, CHAMPION) == registered.version
+    return str(registered.version)
 
 
 @dataclass(frozen=True)
 class Promotion:
     """A pipeline run with the better student: the champion before it, that champion's accuracy
-    measured before the run, the run's context and student, and the stage's summary."""
+    measured before the run, the run's context and student, and the stage's record."""
 
     before: str
     before_acc: float
-    ctx: dict[str, Any]
-    distill: dict[str, Any]
-    summary: dict[str, Any]
+    ctx: RunContext
+    distill: DistillRecord
+    registered: RegisterRecord
 
 
 @pytest.fixture(scope="module")
@@ -219,57 +237,57 @@ def test_a_less_accurate_student_leaves_the_champion_where_it_is(gate: Gate, cha
     assert worse_acc < champion_acc
 
     ctx, distill = _pipeline_run(gate, "manual__worse", "worse")
-    registered = _register(gate, ctx, distill)["registered"]
+    registered = _register(gate, ctx, distill)
 
-    assert registered["version"] != champion
+    assert registered.version != champion
     assert _alias(gate, CHAMPION) == champion  # the champion did not move
-    assert _alias(gate, CHALLENGER) == registered["version"]
-    assert registered["promoted"] is False
-    assert registered["aliases"] == [CHALLENGER]
-    assert registered["model_uri"] == f"models:/{STUDENT}@{CHALLENGER}"
-    assert registered["previous_champion_test_acc"] == pytest.approx(champion_acc, abs=1e-12)
+    assert _alias(gate, CHALLENGER) == registered.version
+    assert registered.promoted is False
+    assert registered.aliases == [CHALLENGER]
+    assert registered.model_uri == f"models:/{STUDENT}@{CHALLENGER}"
+    assert registered.previous_champion_test_acc == pytest.approx(champion_acc, abs=1e-12)
     because = f"test accuracy {worse_acc:.4f} < champion's {champion_acc:.4f} on the same test set"
-    assert registered["reason"].startswith(because)
+    assert registered.reason.startswith(because)
     tags = _register_run_tags(gate, ctx)
     assert tags["mopflow.promoted"] == "false"
-    assert tags["mopflow.promotion_reason"] == registered["reason"]
+    assert tags["mopflow.promotion_reason"] == registered.reason
 
 
 @pytest.mark.slow
 def test_a_more_accurate_student_becomes_the_champion(gate: Gate, promotion: Promotion) -> None:
-    registered = promotion.summary["registered"]
+    registered = promotion.registered
     better_acc = gate.test_accs["better"]
     assert better_acc > promotion.before_acc
 
-    assert registered["version"] != promotion.before
-    assert _alias(gate, CHAMPION) == _alias(gate, CHALLENGER) == registered["version"]
-    assert registered["promoted"] is True
-    assert registered["aliases"] == [CHALLENGER, CHAMPION]
-    assert registered["model_uri"] == f"models:/{STUDENT}@{CHAMPION}"
-    assert registered["previous_champion_test_acc"] == pytest.approx(promotion.before_acc, abs=1e-12)
+    assert registered.version != promotion.before
+    assert _alias(gate, CHAMPION) == _alias(gate, CHALLENGER) == registered.version
+    assert registered.promoted is True
+    assert registered.aliases == [CHALLENGER, CHAMPION]
+    assert registered.model_uri == f"models:/{STUDENT}@{CHAMPION}"
+    assert registered.previous_champion_test_acc == pytest.approx(promotion.before_acc, abs=1e-12)
     because = f"test accuracy {better_acc:.4f} >= champion's {promotion.before_acc:.4f} on the same test set"
-    assert registered["reason"].startswith(because)
+    assert registered.reason.startswith(because)
     tags = _register_run_tags(gate, promotion.ctx)
     assert tags["mopflow.promoted"] == "true"
-    assert tags["mopflow.promotion_reason"] == registered["reason"]
+    assert tags["mopflow.promotion_reason"] == registered.reason
     # the new champion remembers the one it replaced, for a rollback
-    new = gate.client.get_model_version(STUDENT, registered["version"])
+    new = gate.client.get_model_version(STUDENT, registered.version)
     assert new.tags["mopflow.previous_champion"] == promotion.before
 
 
 @pytest.mark.slow
 def test_rerunning_the_run_that_made_the_champion_keeps_it(gate: Gate, promotion: Promotion) -> None:
-    champion = promotion.summary["registered"]["version"]
+    champion = promotion.registered.version
     assert _alias(gate, CHAMPION) == champion
     versions = len(gate.client.search_model_versions(f"name='{STUDENT}'"))
 
-    registered = _register(gate, promotion.ctx, promotion.distill)["registered"]
+    registered = _register(gate, promotion.ctx, promotion.distill)
 
-    assert registered["version"] == champion
+    assert registered.version == champion
     assert len(gate.client.search_model_versions(f"name='{STUDENT}'")) == versions
     assert _alias(gate, CHAMPION) == champion
-    assert registered["promoted"] is True
-    assert registered["reason"] == "this version is already the champion"
-    assert registered["previous_champion_test_acc"] is None
+    assert registered.promoted is True
+    assert registered.reason == "this version is already the champion"
+    assert registered.previous_champion_test_acc is None
     tags = _register_run_tags(gate, promotion.ctx)
     assert tags["mopflow.promotion_reason"] == "this version is already the champion"

@@ -55,12 +55,12 @@ def _sweep(run_id: str, shard: dict[str, Any], settings: Settings) -> dict[str, 
     search = search_stage(CONF, ctx, shard, settings)
     ensemble = ensemble_stage(CONF, ctx, shard, search, settings)
     student = distill_stage(CONF, ctx, shard, ensemble, settings)
-    study = optuna.load_study(study_name=search["study_name"], storage=make_storage(settings.optuna_storage))
+    study = optuna.load_study(study_name=search.study_name, storage=make_storage(settings.optuna_storage))
     return {
-        "study": search["study_name"],
+        "study": search.study_name,
         "trials": [(t.number, t.state.name, t.params, t.intermediate_values, t.value) for t in study.trials],
-        "ensemble": (ensemble["members"], ensemble["member_weights"], ensemble["test_acc"]),
-        "student": (student["val_acc"], student["test_acc"], student["distilled_test_acc"]),
+        "ensemble": (ensemble.members, ensemble.member_weights, ensemble.test_acc),
+        "student": (student.val_acc, student.test_acc, student.distilled_test_acc),
     }
 
 

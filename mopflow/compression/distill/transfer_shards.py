@@ -114,12 +114,15 @@ def build_transfer_set(
     seed: int,
     out_dir: str,
     storage_options: Mapping[str, Any] | None = None,
+    manifest: Mapping[str, Any] | None = None,
 ) -> TransferSet:
-    """The transfer set of every training shard, made on the workers (one task per shard)."""
+    """The transfer set of every training shard, made on the workers (one task per shard);
+    ``manifest`` is the one at ``manifest_uri`` when the caller has read it already."""
     from mopflow.training.data import load_manifest
     from mopflow.training.models.families import DataSpec
 
-    manifest = load_manifest(manifest_uri, storage_options)
+    if manifest is None:
+        manifest = load_manifest(manifest_uri, storage_options)
     entries = manifest["splits"]["train"]
     settings = distill.model_dump(mode="json")
     key = canonical_hash({"teacher": teacher_uri, "distill": settings, "seed": seed})[:12]
@@ -219,10 +222,18 @@ def train_split_rows(manifest_uri: str, storage_options: Mapping[str, Any] | Non
     )
 
 
-def calibration_rows(manifest_uri: str, rows: int, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """The first ``rows`` training rows (of the first shard): static quantization's calibration."""
+def calibration_rows(
+    manifest_uri: str,
+    rows: int,
+    storage_options: Mapping[str, Any] | None = None,
+    manifest: Mapping[str, Any] | None = None,
+) -> Any:
+    """The first ``rows`` training rows (of the first shard): static quantization's calibration;
+    ``manifest`` is the one at ``manifest_uri`` when the caller has read it already."""
     from mopflow.training.data import load_manifest, load_split
 
-    first = load_manifest(manifest_uri, storage_options)["splits"]["train"][0]["name"]
-    x, _ = load_split(manifest_uri, "train", storage_options, shard_names=[first])
+    if manifest is None:
+        manifest = load_manifest(manifest_uri, storage_options)
+    first = manifest["splits"]["train"][0]["name"]
+    x, _ = load_split(manifest_uri, "train", storage_options, shard_names=[first], manifest=manifest)
     return x[:rows]

@@ -69,3 +69,17 @@ def served_examples(frame: pd.DataFrame, x: np.ndarray, manifest: Mapping[str, A
     if str(manifest.get("modality", "table")) != "table":
         return x.reshape(-1, *shape)
     return pd.DataFrame(x, columns=manifest["feature_columns"])
+
+
+def example_input(manifest_uri: str, manifest: Mapping[str, Any], storage_options: Mapping[str, Any]) -> Any:
+    """A few validation examples of the dataset ``manifest`` describes, as a logged model's input
+    example: a frame of a table's columns, an array of tensors ``(n, *shape)`` for images and
+    sequences (a TensorSpec signature), or one column of base64 images for images stored encoded
+    (one string column)."""
+    from mopflow.training.data import read_shard
+    from mopflow.training.data.reading import shard_arrays
+
+    first = manifest["splits"]["validation"][0]  # one shard is enough for five rows
+    frame = read_shard(manifest_uri, manifest, first, storage_options).iloc[:5]
+    x, _ = shard_arrays(frame, manifest)
+    return served_examples(frame, x, manifest)

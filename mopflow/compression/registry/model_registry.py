@@ -213,3 +213,25 @@ def registry_client(settings: Any | None = None) -> Any:
     return MlflowTracker(
         settings.tracking_uri, settings.experiment_name, settings.mlflow_artifact_location
     ).client
+
+
+def champion_accuracy(
+    name: str, manifest_uri: str, manifest: Mapping[str, Any], storage_options: Mapping[str, Any]
+) -> float:
+    """The current champion of model ``name``'s test accuracy on the test set of ``manifest``
+    (through its pyfunc, as it is served), one test shard in memory at a time."""
+    import mlflow
+
+    from mopflow.compression.registry.inputs import served_examples
+    from mopflow.training.data import read_shard
+    from mopflow.training.data.reading import shard_arrays
+    from mopflow.training.models.metrics import top1_correct
+
+    champion = mlflow.pyfunc.load_model(f"models:/{name}@{CHAMPION}")
+    correct = rows = 0
+    for entry in manifest["splits"]["test"]:
+        frame = read_shard(manifest_uri, manifest, entry, storage_options)
+        x, y = shard_arrays(frame, manifest)
+        probs = champion.predict(served_examples(frame, x, manifest))
+        correct, rows = correct + top1_correct(probs.to_numpy(), y), rows + len(y)
+    return correct / rows if rows else 0.0

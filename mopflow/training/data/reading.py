@@ -101,14 +101,17 @@ def load_split(
     storage_options: Mapping[str, Any] | None = None,
     shard_names: Sequence[str] | None = None,
     cache_dir: str | None = None,
+    manifest: Mapping[str, Any] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Features (float32) and labels (int64) of a split, read from its verified shards.
 
     ``shard_names`` restricts reading to the shards a worker holds; memory is bounded by those.
+    ``manifest`` is the one at ``manifest_uri`` when the caller has read it already.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
-    manifest = load_manifest(manifest_uri, storage_options)
+    if manifest is None:
+        manifest = load_manifest(manifest_uri, storage_options)
     entries = [e for e in manifest["splits"][split] if shard_names is None or e["name"] in shard_names]
     frames = [read_shard(manifest_uri, manifest, e, storage_options, cache_dir) for e in entries]
     return shard_arrays(pd.concat(frames, ignore_index=True), manifest)
@@ -144,12 +147,17 @@ def stored_images(
 
 
 def split_shards(
-    manifest_uri: str, split: str, storage_options: Mapping[str, Any] | None = None
+    manifest_uri: str,
+    split: str,
+    storage_options: Mapping[str, Any] | None = None,
+    manifest: Mapping[str, Any] | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """A split's features and labels one verified shard at a time (memory: one shard)."""
+    """A split's features and labels one verified shard at a time (memory: one shard); ``manifest``
+    is the one at ``manifest_uri`` when the caller has read it already."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
-    manifest = load_manifest(manifest_uri, storage_options)  # read and verified once, not per shard
+    if manifest is None:  # read and verified once, not per shard
+        manifest = load_manifest(manifest_uri, storage_options)
     for entry in manifest["splits"][split]:
         yield shard_arrays(read_shard(manifest_uri, manifest, entry, storage_options), manifest)
 

@@ -92,6 +92,7 @@ def test_the_stage_registers_the_hard_label_student_when_distillation_lost(
 
     from mopflow.base.settings import Settings
     from mopflow.pipeline.distill import distill_stage
+    from mopflow.pipeline.records import BestTrial, EnsembleRecord, ShardRecord
     from mopflow.pipeline.run import start_pipeline
     from mopflow.training.data import load_manifest, load_split
     from mopflow.training.models.bundle import load_bundle
@@ -113,34 +114,42 @@ def test_the_stage_registers_the_hard_label_student_when_distillation_lost(
     }
     ctx = start_pipeline(conf, "mopflow_retrain", "manual__kept", settings)
     manifest = load_manifest(small_manifest)
-    shard = {"manifest_uri": small_manifest, "manifest_hash": manifest["manifest_hash"]}
-    ensemble = {
-        "bundle_uri": teacher,
-        "best_trial_bundle": teacher,
-        "best_trial": {"number": 0},
-        "test_acc": 0.1,
-    }
+    shard = ShardRecord(manifest_uri=small_manifest, manifest_hash=manifest["manifest_hash"], reused=True)
+    ensemble = EnsembleRecord(
+        bundle_uri=teacher,
+        model_uri="",
+        run_id="",
+        members=[0],
+        member_weights=[1.0],
+        best_trial_bundle=teacher,
+        best_trial=BestTrial(number=0, params={}, val_acc=None, test_acc=None),
+        val_acc=0.1,
+        test_acc=0.1,
+        best_trial_val_acc=None,
+        best_trial_test_acc=None,
+        num_params=0.0,
+    )
     out = distill_stage(conf, ctx, shard, ensemble, settings)
 
-    assert out["kept"]["student"] == "hard_label" and out["kept"]["model"] == "hard-label student"
-    assert out["kept"]["reason"].startswith("hard-label val_acc ")
-    assert out["bundle_uri"].rstrip("/").endswith("hard-label-student")
-    rows = {row["model"]: row for row in out["evaluation"]}
+    assert out.kept["student"] == "hard_label" and out.kept["model"] == "hard-label student"
+    assert out.kept["reason"].startswith("hard-label val_acc ")
+    assert out.bundle_uri.rstrip("/").endswith("hard-label-student")
+    rows = {row["model"]: row for row in out.evaluation}
     assert rows["hard-label student"]["kept"] is True and rows["student"]["kept"] is False
-    assert out["test_acc"] == rows["hard-label student"]["test_acc"] > rows["student"]["test_acc"]
-    assert out["val_acc"] == out["hard_label_val_acc"] == rows["hard-label student"]["val_acc"]
-    assert out["distilled_test_acc"] == rows["student"]["test_acc"]
+    assert out.test_acc == rows["hard-label student"]["test_acc"] > rows["student"]["test_acc"]
+    assert out.val_acc == out.hard_label_val_acc == rows["hard-label student"]["val_acc"]
+    assert out.distilled_test_acc == rows["student"]["test_acc"]
     # the model logged for registration is the kept one: its accuracy on the validation split is
     # the stage's val_acc
     x_val, y_val = load_split(small_manifest, "validation")
     mlflow.set_tracking_uri(settings.tracking_uri)
     with warnings.catch_warnings(record=True) as seen:  # loading the champion is quiet
         warnings.simplefilter("always")
-        probs = mlflow.pyfunc.load_model(out["model_uri"]).predict(
+        probs = mlflow.pyfunc.load_model(out.model_uri).predict(
             pd.DataFrame(x_val, columns=manifest["feature_columns"])
         )
     assert not [str(w.message) for w in seen if issubclass(w.category, UserWarning)]
-    assert top1_accuracy(probs.to_numpy(), y_val) == pytest.approx(out["val_acc"])
-    assert load_bundle(out["bundle_uri"]).spec["extra"]["soft_targets"] is False
-    run = mlflow.MlflowClient(settings.tracking_uri).get_run(out["run_id"])
+    assert top1_accuracy(probs.to_numpy(), y_val) == pytest.approx(out.val_acc)
+    assert load_bundle(out.bundle_uri).spec["extra"]["soft_targets"] is False
+    run = mlflow.MlflowClient(settings.tracking_uri).get_run(out.run_id)
     assert run.data.tags["mopflow.kept_student"] == "hard_label"
