@@ -14,7 +14,7 @@ from typing import Any
 
 from airflow.sdk import Param, dag, task
 
-from mopflow.dags._mopflow_common import retry_args
+from mopflow.operators import retry_args
 
 # Same rule as compression's registered-model names (mopflow.training.config.check_name).
 MODEL_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"

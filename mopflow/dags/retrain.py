@@ -1,7 +1,7 @@
 """mopflow_retrain: scheduled retraining, warm-started from the champion, ending with the promotion gate.
 
-Runs ``start → shard → search → ensemble → distill → register → finalize`` (wiring in
-``mopflow.dags._mopflow_common``; each task makes one call into ``mopflow.pipeline``). It runs on its
+Runs ``start → shard → search → ensemble → distill → register → finalize`` (the tasks of
+``mopflow.operators``; each makes one call into ``mopflow.pipeline``). It runs on its
 timetable (``MOPFLOW_RETRAIN_SCHEDULE``, default ``@weekly``; ``none`` = only on data events)
 *and* whenever the ``mopflow_sharded_dataset`` Asset gets an event, i.e. when a sweep sharded
 new data; such a run trains on the data (and registers the model) the event names, with its
@@ -20,13 +20,7 @@ from typing import Any
 
 from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag
 
-from mopflow.dags._mopflow_common import (
-    SHARDED_DATASET,
-    conf_params,
-    pipeline_tasks,
-    retrain_defaults,
-    retry_args,
-)
+from mopflow.operators import SHARDED_DATASET, conf_params, pipeline, retry_args
 
 SCHEDULE_ENV = os.environ.get("MOPFLOW_RETRAIN_SCHEDULE", "@weekly").strip()
 
@@ -35,6 +29,14 @@ SCHEDULE_ENV = os.environ.get("MOPFLOW_RETRAIN_SCHEDULE", "@weekly").strip()
 # default (run_immediately=False) still runs the latest cron time when it lies within a tenth of
 # the period (16.8 h for @weekly), so a DAG unpaused on a Sunday would retrain at once.
 RUN_IMMEDIATELY = timedelta(0)
+
+
+def retrain_defaults() -> dict[str, Any]:
+    """mopflow_retrain's Param defaults: ``warm_start``, ``warm_start_studies`` and the keys of
+    ``MOPFLOW_RETRAIN_CONFIG`` (a YAML file of config keys, validated when the DAG file is parsed)."""
+    from mopflow.pipeline.conf_input import retrain_defaults as defaults
+
+    return defaults(os.environ)
 
 
 def _schedule(cron: str) -> Any:
@@ -58,7 +60,7 @@ def _schedule(cron: str) -> Any:
     doc_md=__doc__,
 )
 def mopflow_retrain() -> None:
-    pipeline_tasks(publish_new_shards=False)
+    pipeline(publish_new_shards=False)
 
 
 retrain_dag = mopflow_retrain()

@@ -14,7 +14,7 @@ from datetime import datetime
 
 from airflow.sdk import dag
 
-from mopflow.dags._mopflow_common import conf_params, pipeline_tasks, retry_args
+from mopflow.operators import conf_params, pipeline, retry_args
 
 
 @dag(
@@ -29,7 +29,7 @@ from mopflow.dags._mopflow_common import conf_params, pipeline_tasks, retry_args
     doc_md=__doc__,
 )
 def mopflow_sweep() -> None:
-    pipeline_tasks(publish_new_shards=True)
+    pipeline(publish_new_shards=True)
 
 
 sweep_dag = mopflow_sweep()

@@ -53,13 +53,15 @@ class Record(BaseModel):
 
 
 class RunContext(Record):
-    """Identity of one pipeline run: the DAG run, the run key, the parent MLflow run."""
+    """Identity of one pipeline run: the DAG run, the run key, the parent MLflow run, and the config
+    keys an upstream task of the user's DAG gave it (over the run's Params, in every stage)."""
 
     KIND = "run"
     dag_id: str
     airflow_run_id: str
     run_key: str
     parent_run_id: str
+    conf_overrides: dict[str, Any] = {}
 
 
 class ShardRecord(Record):

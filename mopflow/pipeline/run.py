@@ -19,11 +19,18 @@ log = logging.getLogger(__name__)
 
 
 def start_pipeline(
-    conf: Mapping[str, Any] | None, dag_id: str, airflow_run_id: str, settings: Settings | None = None
+    conf: Mapping[str, Any] | None,
+    dag_id: str,
+    airflow_run_id: str,
+    settings: Settings | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> RunContext:
-    """Validate the conf and open (or reopen) the pipeline's parent MLflow run."""
+    """Validate the conf (with ``overrides``, config keys an upstream task gave, on top) and open
+    (or reopen) the pipeline's parent MLflow run. The run's context carries the overrides to every
+    later stage."""
     settings = settings or Settings.from_env()
-    cfg = PipelineConfig.from_conf(conf)
+    overrides = dict(overrides or {})
+    cfg = PipelineConfig.from_conf({**(conf or {}), **overrides})
     key = make_run_key(dag_id, airflow_run_id)
     tracker = tracker_for(settings)
     parent = tracker.get_or_start_run(
@@ -32,7 +39,13 @@ def start_pipeline(
     tracker.log_params(parent, {k: v for k, v in cfg.to_conf().items() if k != "search_space"})
     tracker.log_dict(parent, cfg.to_conf(), CONFIG_ARTIFACT)
     log.info("pipeline %s: run key %s, MLflow parent run %s", dag_id, key, parent)
-    return RunContext(dag_id=dag_id, airflow_run_id=airflow_run_id, run_key=key, parent_run_id=parent)
+    return RunContext(
+        dag_id=dag_id,
+        airflow_run_id=airflow_run_id,
+        run_key=key,
+        parent_run_id=parent,
+        conf_overrides=overrides,
+    )
 
 
 def finalize_pipeline(run: RunContext, settings: Settings | None = None) -> RunResult:

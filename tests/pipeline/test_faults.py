@@ -123,7 +123,7 @@ def test_mlflow_server_down_mid_run_fails_clearly_and_leaves_no_run_running(
     assert runs and not [r for r in runs if r.info.status == "RUNNING"]
     assert client.get_run(ctx.parent_run_id).info.status == "FAILED"
     assert storage.exists(shard.manifest_uri)
-    assert shard_stage(CONF, ctx, settings)["reused"]  # the retry redoes nothing
+    assert shard_stage(CONF, ctx, settings).reused  # the retry redoes nothing
 
 
 @pytest.fixture()

@@ -13,6 +13,7 @@ from mopflow.base.optuna_storage import make_storage
 from mopflow.base.settings import Settings
 from mopflow.pipeline.distill import distill_stage
 from mopflow.pipeline.ensemble import ensemble_stage
+from mopflow.pipeline.records import ShardRecord
 from mopflow.pipeline.run import start_pipeline
 from mopflow.pipeline.search import search_stage
 from mopflow.training.data import load_manifest
@@ -49,7 +50,7 @@ CONF: dict[str, Any] = {
 }
 
 
-def _sweep(run_id: str, shard: dict[str, Any], settings: Settings) -> dict[str, Any]:
+def _sweep(run_id: str, shard: ShardRecord, settings: Settings) -> dict[str, Any]:
     """The search, ensemble and distill stages of one pipeline run; what a rerun must reproduce."""
     ctx = start_pipeline(CONF, "mopflow_retrain", run_id, settings)
     search = search_stage(CONF, ctx, shard, settings)
@@ -71,7 +72,9 @@ def test_a_mop_sweep_run_twice_with_one_seed_gives_the_same_results(
     settings = Settings.from_env(
         {"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_DASK_ADDRESS": dask_client.scheduler.address}
     )
-    shard = {"manifest_uri": small_manifest, "manifest_hash": load_manifest(small_manifest)["manifest_hash"]}
+    shard = ShardRecord(
+        manifest_uri=small_manifest, manifest_hash=load_manifest(small_manifest)["manifest_hash"], reused=True
+    )
     first = _sweep("manual__first", shard, settings)
     second = _sweep("manual__second", shard, settings)
     assert first["study"] != second["study"]  # two studies: nothing of the first run is reused

@@ -1,4 +1,4 @@
-"""The one place where XCom meets the stages (``_mopflow_common._call``): the upstream tasks' XCom
+"""The one place where XCom meets the stages (``operators.call_stage``): the upstream tasks' XCom
 dicts arrive at a stage as its typed records, its record leaves as an XCom dict, and a value that
 is not the record expected fails the task at once, naming the field."""
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from mopflow.dags import _mopflow_common
+from mopflow import operators
 from mopflow.pipeline.records import RunContext, SearchRecord, ShardRecord
 
 RUN = RunContext(dag_id="mopflow_retrain", airflow_run_id="manual__x", run_key="k", parent_run_id="p")
@@ -34,7 +34,7 @@ def fake_search(conf: dict[str, Any], run: RunContext, shard: ShardRecord) -> Se
 
 
 def test_a_task_hands_its_stage_records_and_returns_one_as_xcom() -> None:
-    xcom = _mopflow_common._call(fake_search, RUN.to_xcom(), SHARD.to_xcom())
+    xcom = operators.call_stage(fake_search, RUN.to_xcom(), SHARD.to_xcom())
     assert xcom["record"] == "search"
     assert SearchRecord.from_xcom(xcom).study_name == "m-k"
 
@@ -45,4 +45,4 @@ def test_a_bad_xcom_value_fails_the_task_at_once_naming_the_field() -> None:
     with pytest.raises(
         AirflowFailException, match="RecordError: bad shard record in XCom: field 'manifest_uri'"
     ):
-        _mopflow_common._call(fake_search, RUN.to_xcom(), bad)
+        operators.call_stage(fake_search, RUN.to_xcom(), bad)
