@@ -19,7 +19,7 @@ What is measured
    (``mopflow.compression.distill.distill.transfer_set``: the training split plus ``munge_multiplier`` MUNGE
    points per example labelled by the teacher). For each of ``--seeds`` seeds (default 3; the seed also draws the transfer set's MUNGE points) the
    same student architecture is trained twice, in this process (one torch thread), with
-   ``mopflow.compression.distill.distill.train_student``: (a) distilled on the transfer set (soft targets at T
+   ``studies.student.train_student``: (a) distilled on the transfer set (soft targets at T
    with weight alpha plus hard labels), and (b) on the real training rows with hard labels
    alone (``teacher=None``) for ``matching_epochs`` epochs: as many optimizer steps, hence the
    same one-cycle schedule, as (a). Both use the manifest's normalisation. Each distilled
@@ -85,6 +85,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from studies import output  # noqa: E402
+from studies.student import train_student  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mopflow.compression.config import DistillConfig  # noqa: E402
@@ -92,7 +93,6 @@ from mopflow.compression.distill.distill import (  # noqa: E402
     StudentPlan,
     matching_epochs,
     plan_student,
-    train_student,
     transfer_set,
 )
 from mopflow.compression.ensemble import Candidate, build_ensemble, faster_form  # noqa: E402

@@ -325,7 +325,8 @@ def _timed_run(executor: Any, specs: Sequence[Any], epochs: int) -> tuple[dict[s
 
 def _run_sequential(name: str, job: dict[str, Any], specs: list[Any], data: Any, shared: Any) -> Any:
     """One model after another in this process."""
-    from mopflow.training.executors.task import SequentialExecutor
+    from baselines.sequential import SequentialExecutor
+
     from mopflow.training.executors.units import cached_bytes, clear_partitions
 
     _warm_imports()
@@ -345,7 +346,8 @@ def _run_sequential(name: str, job: dict[str, Any], specs: list[Any], data: Any,
 
 def _executor_on_workers(name: str, client: Any, data: Any, shards: list[str]) -> Any:
     """The executor of a strategy whose units run on the Dask workers."""
-    from mopflow.training.executors.averaging import ModelAveragingExecutor
+    from baselines.averaging import ModelAveragingExecutor
+
     from mopflow.training.executors.mop import MopExecutor
     from mopflow.training.executors.task import TaskExecutor
 

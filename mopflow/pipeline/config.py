@@ -352,8 +352,3 @@ def conf_markdown_table() -> str:
     changed = ", ".join(f"`{key}={json.dumps(value)}`" for key, value in RETRAIN_DEFAULTS.items())
     lines += ["", f"`mopflow_retrain`, which `mopflow run` runs, defaults to {changed}."]
     return "\n".join(lines)
-
-
-def validate_conf(conf: Mapping[str, Any] | None) -> PipelineConfig:
-    """Alias used by the DAG tasks and the CLI: validate a flat conf or raise ConfigError."""
-    return PipelineConfig.from_conf(conf)
