@@ -18,7 +18,7 @@ many optimizer steps, the same schedule): the baseline.
 
 Output: a table on stdout, the target lines, and every figure in
 ``benchmarks/results/images.json`` (with the machine and the date; ``--out`` names another
-folder or file, and a ``--quick`` run writes only there). Wall time is reported for
+folder or file, and a ``--quick`` run writes there or into a temporary folder). Wall time is reported for
 information; on a shared machine other processes inflate it.
 
 ``--storage``: images at real size instead (``benchmarks/studies/image_io.py``): a generated
@@ -49,7 +49,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from studies import output  # noqa: E402
+from studies import harness  # noqa: E402
 
 from mopflow.compression.distill.keep import REPORT_NAMES
 
@@ -92,21 +92,14 @@ def run_demo(overrides: list[str], home: Path | None = None) -> tuple[dict, floa
         return json.loads(summary.read_text()), wall
 
 
-def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes (:func:`studies.output.results_file`)."""
-    return output.results_file(out, quick, RESULTS)
+def results_file(out: Path | None, quick: bool) -> Path:
+    """Where the JSON goes (:func:`studies.harness.results_file`)."""
+    return harness.results_file(out, quick, RESULTS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: " + " ".join(QUICK))
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
-    )
-    output.add_pipeline_options(parser)
+    parser = harness.parser(__doc__, " ".join(QUICK))
+    harness.add_pipeline_options(parser)
     parser.add_argument(
         "--storage", action="store_true", help="shard bytes, throughput and RSS of PNG images"
     )
@@ -154,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "images",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": output.machine(load_before),
-        "settings": {"config": str(CONFIG.relative_to(REPO)), "overrides": overrides},
+        "machine": harness.machine(load_before),
+        "settings": (settings := {"config": str(CONFIG.relative_to(REPO)), "overrides": overrides}),
         "accuracy": {name: acc for name, acc, _ in rows},
         "params": {"ensemble": rows[0][2], "student": rows[2][2]},
         "recovered_gain": gain,
@@ -169,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "param_ratio": {"bound": TARGET_RATIO, "status": "PASS" if ratio_ok else "FAIL"},
         },
     }
-    output.write_report(out, report)
+    harness.write_report(out, report, config=settings)
     return 0
 
 
@@ -179,7 +172,7 @@ def storage_main(args: argparse.Namespace) -> int:
 
     small = 400 if args.quick else args.images
     large = 10 * small
-    out = output.results_file(args.out, args.quick, STORAGE_RESULTS)
+    out = harness.results_file(args.out, args.quick, STORAGE_RESULTS)
     load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as tmp:
         report = measure(Path(tmp), small, large, workers=2, limit=min(small, 5_000))
@@ -214,12 +207,13 @@ def storage_main(args: argparse.Namespace) -> int:
     report |= {
         "benchmark": "image_storage",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": output.machine(load_before),
+        "machine": harness.machine(load_before),
         "targets": {
             name: {"value": value, "status": "PASS" if ok else "FAIL"} for name, (value, ok) in checks.items()
         },
     }
-    output.write_report(out, report)
+    config = {"images": small, "large_images": large, "workers": 2, "quick": args.quick}
+    harness.write_report(out, report, config=config)
     return 0
 
 

@@ -132,7 +132,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-from studies import ddp_gangs, output  # noqa: E402
+from studies import ddp_gangs, harness  # noqa: E402
 
 from mopflow.training.compute.workers import cluster_workers  # noqa: E402
 
@@ -998,8 +998,8 @@ def _run(settings: Settings, out_dir: Path, work: Path, shared: dict[int, Any], 
         "printed": [header, table, *curve_lines, *target_lines, *cpu_lines, *per_gpu_lines],
     }
     out = out_dir / f"{settings.stem}.json"
-    out.write_text(json.dumps(output.stamped(report), indent=2) + "\n")
-    print(f"\nwrote {out} and {png}")
+    harness.write_report(out, report, lead="\n", config=settings)
+    print(f"wrote {png}")
     return 0
 
 
@@ -1042,10 +1042,7 @@ def format_trials_per_gpu(per_gpu: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke test: 3000 samples, 2 configs, 2 epochs, one process"
-    )
+    parser = harness.parser(__doc__, "3000 samples, 2 configs, 2 epochs, one process")
     parser.add_argument(
         "--num-samples", type=int, default=None, help="MNIST-1D samples generated (default 142000)"
     )
@@ -1064,13 +1061,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--trials-per-gpu",
         default="",
         help="cuda: comma-separated worker counts per GPU for an extra task sweep (e.g. 1,2,4,8)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder for the JSON and the curves PNG (default benchmarks/results/; --quick: a new temporary "
-        "folder), or the JSON file (NAME.json; the PNG goes beside it as NAME_curves.png)",
     )
     parser.add_argument(
         "--note", default="", help="a remark stored in the JSON and printed (e.g. a shared machine)"
@@ -1124,8 +1114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def output_dir(out: Path | None, quick: bool) -> Path:
-    """Where the results go: ``out`` (default ``benchmarks/results/``); a quick run never writes
-    over the committed results, so without another folder it takes a new temporary one."""
+    """Where the results go: ``out`` (a folder for the JSON and the curves PNG, default
+    ``benchmarks/results/``; ``--out NAME.json`` puts the PNG beside it as ``NAME_curves.png``);
+    a quick run never writes over the committed results, so without another folder it takes a
+    new temporary one."""
     chosen = out or RESULTS_DIR
     if quick and chosen.resolve() == RESULTS_DIR.resolve():
         chosen = Path(tempfile.mkdtemp(prefix="strategies-quick-"))

@@ -61,7 +61,6 @@ Run it from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -76,7 +75,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 import torch  # noqa: E402
-from studies import output  # noqa: E402
+from studies import harness  # noqa: E402
 from studies.growing import GrowingConfig, GrowingResult, Volatility, train_growing  # noqa: E402
 from studies.growing_report import account_prefix, cost_curve  # noqa: E402
 
@@ -147,12 +146,12 @@ def first_at_or_above(result: GrowingResult, target: float) -> tuple[int, int] |
 Data = tuple[torch.Tensor, torch.Tensor]
 
 
-arch_params = output.arch_params
+arch_params = harness.arch_params
 
 
-def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes (:func:`studies.output.results_file`)."""
-    return output.results_file(out, quick, RESULTS_PATH)
+def results_file(out: Path | None, quick: bool) -> Path:
+    """Where the JSON goes (:func:`studies.harness.results_file`)."""
+    return harness.results_file(out, quick, RESULTS_PATH)
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -592,26 +591,18 @@ def _compact(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(
+        __doc__,
+        "2,000 samples; (a) 400 it., eta 1.01; (b) 1 seed x 600 it., target 0.25",
+        seeds=5,
+        seeds_help="(b) seeds",
+    )
     parser.add_argument("--samples", type=int, default=10_000, help="MNIST-1D samples (80%% train)")
     parser.add_argument("--iterations", type=int, default=10_000, help="(a) iterations")
     parser.add_argument("--eta", type=float, default=1.0004, help="(a) growth factor")
     parser.add_argument("--eval-every", type=int, default=250, help="(a) evaluation period")
     parser.add_argument("--b-iterations", type=int, default=10_000, help="(b) iterations per run")
-    parser.add_argument("--seeds", type=int, default=5, help="(b) seeds")
     parser.add_argument("--target", type=float, default=0.80, help="(b) target accuracy")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke test: 2,000 samples; (a) 400 it., eta 1.01; (b) 1 seed x 600 it., target 0.25",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder (or .json file) for the JSON and the plot; default benchmarks/results/, "
-        "nowhere with --quick",
-    )
     args = parser.parse_args(argv)
     targets: tuple[float, ...] = (0.70, 0.75, 0.80, 0.85)
     if args.quick:
@@ -631,10 +622,6 @@ def main(argv: list[str] | None = None) -> int:
     result_b = part_b(args.b_iterations, args.seeds, args.target, targets, report, train, test)
     elapsed = time.perf_counter() - began
     print(f"elapsed {elapsed:.0f} s")
-    if results_path is None:
-        print("not written (--quick writes its JSON and plot only to --out)")
-        return 0
-
     results_path.parent.mkdir(parents=True, exist_ok=True)
     plot_path = results_path.parent / PLOT_PATH.name
     plot(result_b, plot_path)
@@ -656,7 +643,9 @@ def main(argv: list[str] | None = None) -> int:
         "criterion_b_met": result_b["criterion_met"],
         "elapsed_seconds": elapsed,
     }
-    results_path.write_text(_compact(json.dumps(output.stamped(payload), indent=2)) + "\n")
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "seeds")}
+    stamped = harness.stamped(payload, config, list(range(args.seeds)))
+    results_path.write_text(_compact(json.dumps(stamped, indent=2)) + "\n")
     print(f"wrote {results_path} and {plot_path}")
     return 0
 
