@@ -127,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         ("hard-label student", hard, int(summary["student"]["num_params"])),
         ("distilled student", student, int(summary["student"]["num_params"])),
     ]
-    print(f"\n{'model':<20} {'test_acc':>9} {'params':>9}")
-    for name, acc, params in rows:
-        print(f"{name:<20} {acc:>9.4f} {params if params is not None else '-':>9}")
+    print()
+    harness.print_table(
+        ["model", "test_acc", "params"], [[name, f"{acc:.4f}", params] for name, acc, params in rows]
+    )
     gain_status = "UNDEFINED" if gain is None else "PASS" if gain >= TARGET_GAIN else "FAIL"
     ratio_ok = ratio <= TARGET_RATIO
     print()
@@ -182,14 +183,21 @@ def storage_main(args: argparse.Namespace) -> int:
         "throughput_ratio": (report["throughput_ratio"], report["throughput_ratio"] >= TARGET_THROUGHPUT),
         "rss_ratio": (report["rss_ratio"], report["rss_ratio"] <= TARGET_RSS),
     }
-    print(
-        f"\n{'images':>8} {'folder MB':>10} {'shard MB':>9} {'ratio':>6} {'shard s':>8} {'cols':>5} {'peak RSS MB':>12}"
-    )
-    for count, row in ((small, first), (large, second)):
-        print(
-            f"{count:>8} {row['folder_bytes'] / 1e6:>10.1f} {row['shard_bytes'] / 1e6:>9.1f} "
-            f"{row['shard_over_folder']:>6.3f} {row['shard_wall_s']:>8.1f} {row['columns']:>5} {row['peak_rss_mb']:>12.0f}"
-        )
+    columns = ["images", "folder MB", "shard MB", "ratio", "shard s", "cols", "peak RSS MB"]
+    cells = [
+        [
+            count,
+            f"{row['folder_bytes'] / 1e6:.1f}",
+            f"{row['shard_bytes'] / 1e6:.1f}",
+            f"{row['shard_over_folder']:.3f}",
+            f"{row['shard_wall_s']:.1f}",
+            row["columns"],
+            f"{row['peak_rss_mb']:.0f}",
+        ]
+        for count, row in ((small, first), (large, second))
+    ]
+    print()
+    harness.print_table(columns, cells)
     print(
         f"images/s per worker: streamed {report['streamed']['images_per_s']:.0f}, "
         f"DataLoader {report['dataloader']['images_per_s']:.0f}"

@@ -136,12 +136,12 @@ def run_demo(home: Path, summary_path: Path, log_path: Path, overrides: Sequence
 
 
 def format_table(row: dict[str, Any]) -> str:
-    header = f"{'ensemble_test_acc':>18}{'student_test_acc':>18}{'student/ensemble params':>26}{'wall_s':>9}"
     params = f"{row['student_params']}/{row['ensemble_params']} = {row['param_ratio']:.3f}"
-    line = (
-        f"{row['ensemble_test_acc']:>18.4f}{row['student_test_acc']:>18.4f}{params:>26}{row['wall_s']:>9.1f}"
-    )
-    return "\n".join([header, "-" * len(header), line])
+    columns = ["ensemble_test_acc", "student_test_acc", "student/ensemble params", "wall_s"]
+    cells = [
+        [f"{row['ensemble_test_acc']:.4f}", f"{row['student_test_acc']:.4f}", params, f"{row['wall_s']:.1f}"]
+    ]
+    return "\n".join(harness.table_lines(columns, cells))
 
 
 def run(

@@ -155,14 +155,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     columns = (*SCHEDULES, *UNLOCKED)
-    header = f"{'mix':<10}{'models':>7}{'epochs/round':>14}" + "".join(f"{c:>21}" for c in columns)
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(
-            f"{r['mix']:<10}{r['models']:>7}{r['round_epochs']:>14}"
-            + "".join(f"{r[c]:>21.3f}" for c in columns)
-        )
-    return lines
+    cells = [[r["mix"], r["models"], r["round_epochs"], *(f"{r[c]:.3f}" for c in columns)] for r in rows]
+    return harness.table_lines(["mix", "models", "epochs/round", *columns], cells)
 
 
 def _ints(text: str) -> list[int]:

@@ -227,11 +227,8 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
-    header = (
-        f"{'mix':<9}{'schedule':<10}{'wall_s':>9}{'rows_per_s':>12}{'idle':>8}{'reproduced':>12}"
-        f"{'fixed/greedy':>14}{'simulated':>11}"
-    )
-    lines = [header, "-" * len(header)]
+    columns = ["mix", "schedule", "wall_s", "rows_per_s", "idle", "reproduced", "fixed/greedy", "simulated"]
+    cells = []
     for mix, m in summary.items():
         for schedule in SCHEDULE_ORDER:
             r = m[schedule]
@@ -241,11 +238,18 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
                 else ("", "")
             )
             reproduced = "-" if r["reproduced"] is None else ("yes" if r["reproduced"] else "no")
-            lines.append(
-                f"{mix:<9}{schedule:<10}{r['wall_s']:>9.1f}{r['rows_per_s']:>12.0f}{_fmt(r['idle'], '.1%'):>8}"
-                f"{reproduced:>12}{ratio[0]:>14}{ratio[1]:>11}"
+            cells.append(
+                [
+                    mix,
+                    schedule,
+                    f"{r['wall_s']:.1f}",
+                    f"{r['rows_per_s']:.0f}",
+                    _fmt(r["idle"], ".1%"),
+                    reproduced,
+                    *ratio,
+                ]
             )
-    return "\n".join(lines)
+    return "\n".join(harness.table_lines(columns, cells))
 
 
 def verdict(summary: dict[str, dict[str, Any]]) -> str:

@@ -271,16 +271,19 @@ def run(settings: Settings, out: Path | None) -> int:
         f"{BATCH_SIZE}, {settings.epochs} epochs, {settings.repeats} repeats, 1 torch thread, "
         f"{os.cpu_count()} CPUs"
     )
-    rows = [f"{'loop':<14}{'steps':>7}{'ms/step (end to end)':>22}{'ms/iteration (steady)':>23}{'ratio':>8}"]
-    rows.append("-" * len(rows[0]))
     base = summary["plain"]["per_step_ms_median"]
-    for loop in LOOPS:
-        s = summary[loop]
-        rows.append(
-            f"{loop:<14}{int(s['steps']):>7}{s['per_step_ms_median']:>22.3f}"
-            f"{s['median_iteration_ms_median']:>23.3f}{s['per_step_ms_median'] / base:>7.2f}x"
-        )
-    table = "\n".join(rows)
+    cells = [
+        [
+            loop,
+            int(summary[loop]["steps"]),
+            f"{summary[loop]['per_step_ms_median']:.3f}",
+            f"{summary[loop]['median_iteration_ms_median']:.3f}",
+            f"{summary[loop]['per_step_ms_median'] / base:.2f}x",
+        ]
+        for loop in LOOPS
+    ]
+    columns = ["loop", "steps", "ms/step (end to end)", "ms/iteration (steady)", "ratio"]
+    table = "\n".join(harness.table_lines(columns, cells))
     status = "PASS" if ratio <= TARGET_RATIO else "FAIL"
     target_line = f"{status:<9} Lightning / plain PyTorch per step: {ratio:.2f}x (target <= {TARGET_RATIO}x)"
     info_lines = [

@@ -123,19 +123,21 @@ def measure(settings: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+COLUMNS = ("state", "mode", "wall ms", "coord CPU", "main thr", "workers CPU", "wall x", "coord x")
+FIGURES = (
+    "wall_ms",
+    "coordinator_cpu_ms",
+    "coordinator_main_thread_cpu_ms",
+    "workers_cpu_ms",
+    "wall_ratio",
+    "coordinator_cpu_ratio",
+)
+
+
 def table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The rows as a plain-text table (milliseconds per unit)."""
-    lines = [
-        f"{'state':>10} {'mode':<11} {'wall ms':>8} {'coord CPU':>10} {'main thr':>9} "
-        f"{'workers CPU':>12} {'wall x':>7} {'coord x':>8}"
-    ]
-    for r in rows:
-        lines.append(
-            f"{_size(r['state_bytes']):>10} {r['mode']:<11} {r['wall_ms']:8.2f} {r['coordinator_cpu_ms']:10.2f} "
-            f"{r['coordinator_main_thread_cpu_ms']:9.2f} {r['workers_cpu_ms']:12.2f} "
-            f"{r['wall_ratio']:7.2f} {r['coordinator_cpu_ratio']:8.2f}"
-        )
-    return lines
+    cells = [[_size(r["state_bytes"]), r["mode"], *(f"{r[k]:.2f}" for k in FIGURES)] for r in rows]
+    return harness.table_lines(COLUMNS, cells)
 
 
 def _size(n: int) -> str:

@@ -207,12 +207,19 @@ def with_big(result: Mapping[str, Any], big: Mapping[str, Any]) -> dict[str, Any
 
 
 def print_table(result: Mapping[str, Any]) -> None:
-    print(f"\n{'rows':>10} {'wall s':>8} {'task peak MB':>13} {'worker peak MB':>15}  stage peaks (MB)")
-    for run in result["runs"]:
-        stages = ", ".join(f"{k} {v}" for k, v in run["stage_peak_mb"].items())
-        print(
-            f"{run['rows']:>10} {run['wall_s']:>8.1f} {run['task_peak_mb']:>13} {run['worker_peak_mb']:>15}  {stages}"
-        )
+    columns = ["rows", "wall s", "task peak MB", "worker peak MB", "stage peaks (MB)"]
+    cells = [
+        [
+            run["rows"],
+            f"{run['wall_s']:.1f}",
+            run["task_peak_mb"],
+            run["worker_peak_mb"],
+            ", ".join(f"{k} {v}" for k, v in run["stage_peak_mb"].items()),
+        ]
+        for run in result["runs"]
+    ]
+    print()
+    harness.print_table(columns, cells)
     found, verdicts = result["ratios"], result["verdict"]
     factor = result.get("settings", {}).get("factor", 10)
     print(

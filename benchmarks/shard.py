@@ -443,17 +443,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ]
         for r in rows
     ]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-
-    def line(values: list[str]) -> str:
-        # first column left-aligned, the figures right-aligned
-        padded = [
-            v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))
-        ]
-        return "  ".join(padded)
-
-    lines = [line(headers), line(["-" * w for w in widths])] + [line(c) for c in cells]
-    return "\n".join(lines)
+    return "\n".join(harness.table_lines(headers, cells))
 
 
 SPIN_ITERATIONS = 20_000_000  # about a second of one CPU

@@ -709,25 +709,32 @@ def plot_curves(results: Mapping[str, Mapping[str, Any]], path: Path, title: str
 # Tables and targets
 
 
+TABLE_COLUMNS = (
+    "strategy", "wall_s", "per_epoch_s", "rows_per_s", "footprint_mb", "moved_mb", "val_acc_mean", "gap_pts", "idle",
+)  # fmt: skip
+
+
 def format_table(results: dict[str, dict[str, Any]]) -> str:
-    w = max([11, *(len(name) + 1 for name in results)])
-    header = (
-        f"{'strategy':<{w}}{'wall_s':>9}{'per_epoch_s':>13}{'rows_per_s':>12}{'footprint_mb':>14}"
-        f"{'moved_mb':>11}{'val_acc_mean':>14}{'gap_pts':>9}{'idle':>7}"
-    )
-    lines = [header, "-" * len(header)]
+    cells: list[list[Any]] = []
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"{name:<{w}}FAILED: {r['error']}")
+            cells.append([name, f"FAILED: {r['error']}", *[""] * (len(TABLE_COLUMNS) - 2)])
             continue
         moved = r["moved_bytes"] / MB
-        moved_s = f"~{moved:.1f}" if r.get("moved_is_estimate") else f"{moved:.1f}"
-        lines.append(
-            f"{name:<{w}}{r['wall_s']:>9.1f}{r['per_epoch_s']:>13.1f}{r['rows_per_s']:>12.0f}"
-            f"{r['footprint_bytes'] / MB:>14.1f}{moved_s:>11}{_fmt(r['val_acc_mean'], '.4f'):>14}"
-            f"{_fmt(r.get('gap_points'), '+.2f'):>9}{_fmt(r.get('idle_fraction'), '.1%'):>7}"
+        cells.append(
+            [
+                name,
+                f"{r['wall_s']:.1f}",
+                f"{r['per_epoch_s']:.1f}",
+                f"{r['rows_per_s']:.0f}",
+                f"{r['footprint_bytes'] / MB:.1f}",
+                f"~{moved:.1f}" if r.get("moved_is_estimate") else f"{moved:.1f}",
+                _fmt(r["val_acc_mean"], ".4f"),
+                _fmt(r.get("gap_points"), "+.2f"),
+                _fmt(r.get("idle_fraction"), ".1%"),
+            ]
         )
-    return "\n".join(lines)
+    return "\n".join(harness.table_lines(TABLE_COLUMNS, cells))
 
 
 def format_cpu(results: dict[str, dict[str, Any]]) -> list[str]:

@@ -234,18 +234,26 @@ def part_a(
         f" lr {BASE_LR}*n_j; prices uniform [{PRICES.low}, {PRICES.high}], planner's one bid {bid:.4f}"
         f" (active {active_fraction:.1%}); target accuracy {target:.4f} (static final - 0.5 pt)"
     )
-    print(
-        f"{'schedule':<12}{'final acc':>10}{'worker-it':>11}{'ratio':>7}{'spot cost':>11}{'ratio':>7}"
-        f"{'idle h':>8}{'it@target':>10}{'w-it@target':>12}{'ratio':>7}{'cost@target':>12}{'ratio':>7}"
-    )
-    for r in rows:
-        print(
-            f"{r['schedule']:<12}{r['final_accuracy']:>10.4f}{r['worker_iterations']:>11d}"
-            f"{r['worker_iterations_ratio']:>7.3f}{r['spot_cost']:>11.3f}{r['spot_cost_ratio']:>7.3f}"
-            f"{r['spot_idle_hours']:>8.2f}{_fmt(r['target_iteration'], 'd'):>10}"
-            f"{_fmt(r['target_worker_iterations'], 'd'):>12}{_fmt(r['target_worker_iterations_ratio'], '.3f'):>7}"
-            f"{_fmt(r['target_spot_cost'], '.3f'):>12}{_fmt(r['target_spot_cost_ratio'], '.3f'):>7}"
-        )
+    columns = ["schedule", "final acc", "worker-it", "ratio", "spot cost", "ratio", "idle h"]
+    columns += ["it@target", "w-it@target", "ratio", "cost@target", "ratio"]
+    cells = [
+        [
+            r["schedule"],
+            f"{r['final_accuracy']:.4f}",
+            r["worker_iterations"],
+            f"{r['worker_iterations_ratio']:.3f}",
+            f"{r['spot_cost']:.3f}",
+            f"{r['spot_cost_ratio']:.3f}",
+            f"{r['spot_idle_hours']:.2f}",
+            _fmt(r["target_iteration"], "d"),
+            _fmt(r["target_worker_iterations"], "d"),
+            _fmt(r["target_worker_iterations_ratio"], ".3f"),
+            _fmt(r["target_spot_cost"], ".3f"),
+            _fmt(r["target_spot_cost_ratio"], ".3f"),
+        ]
+        for r in rows
+    ]
+    harness.print_table(columns, cells)
     dyn = rows[1]
     accuracy_gap = static_final - dyn["final_accuracy"]
     saving = 1.0 - dyn["worker_iterations_ratio"]
@@ -475,30 +483,39 @@ def part_b(
         f" on-demand {ON_DEMAND:g}; plan_spot (error 0.05, deadline {PLAN_CONFIG.deadline_hours:g} h,"
         f" n_max {N_MAX}); {seeds} seeds (means); target accuracy {target:.2f} (evaluated every {B_EVAL_EVERY})"
     )
-    print(
-        f"{'strategy':<10}{'workers':>8}{'bids':>15}{'plan J':>8}{'plan E[cost]':>13}{'reached':>8}"
-        f"{'it@target':>10}{'cost@target':>12}{'ratio':>7}{'wall h':>8}{'active h':>9}{'idle h':>8}"
-        f"{'final acc':>10}{'train s':>8}"
-    )
+    columns = ["strategy", "workers", "bids", "plan J", "plan E[cost]", "reached", "it@target", "cost@target"]
+    columns += ["ratio", "wall h", "active h", "idle h", "final acc", "train s"]
+    cells = []
     for row in rows:
         plan = plans[row["strategy"]]
         workers = f"{plan.high_bid_workers}" + (f"+{plan.low_bid_workers}" if plan.low_bid_workers else "")
         bids = "-" if plan.high_bid is None else f"{plan.high_bid:.4f}"
         if plan.low_bid is not None:
             bids += f"/{plan.low_bid:.4f}"
-        print(
-            f"{row['strategy']:<10}{workers:>8}{bids:>15}{plan.iterations:>8d}{plan.expected_cost:>13.4f}"
-            f"{row['reached']:>6d}/{seeds:<1d}{_fmt(row['iterations_to_target'], '.0f'):>10}"
-            f"{_fmt(row['cost_to_target'], '.4f'):>12}{_fmt(row['cost_to_target_ratio'], '.3f'):>7}"
-            f"{_fmt(row['wall_hours_to_target'], '.2f'):>8}{_fmt(row['active_hours_to_target'], '.2f'):>9}"
-            f"{_fmt(row['idle_hours_to_target'], '.2f'):>8}{row['final_accuracy']:>10.4f}{row['train_seconds']:>8.1f}"
+        cells.append(
+            [
+                row["strategy"],
+                workers,
+                bids,
+                plan.iterations,
+                f"{plan.expected_cost:.4f}",
+                f"{row['reached']}/{seeds}",
+                _fmt(row["iterations_to_target"], ".0f"),
+                _fmt(row["cost_to_target"], ".4f"),
+                _fmt(row["cost_to_target_ratio"], ".3f"),
+                _fmt(row["wall_hours_to_target"], ".2f"),
+                _fmt(row["active_hours_to_target"], ".2f"),
+                _fmt(row["idle_hours_to_target"], ".2f"),
+                f"{row['final_accuracy']:.4f}",
+                f"{row['train_seconds']:.1f}",
+            ]
         )
-    print("mean cost to reach accuracy: " + "  ".join(f"{t:.2f}" for t in targets))
-    for row in rows:
-        print(
-            f"  {row['strategy']:<10}"
-            + "".join(f"{_fmt(row['cost_to'][f'{t:.2f}'], '.4f'):>10}" for t in targets)
-        )
+    harness.print_table(columns, cells)
+    harness.print_table(
+        ["strategy", *(f"{t:.2f}" for t in targets)],
+        [[row["strategy"], *(_fmt(row["cost_to"][f"{t:.2f}"], ".4f") for t in targets)] for row in rows],
+        title="mean cost to reach accuracy",
+    )
     print(
         f"  per seed, cost to {key}: "
         + "; ".join(

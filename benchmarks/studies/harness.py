@@ -9,6 +9,7 @@ never into ``benchmarks/results/``."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -20,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -158,18 +160,27 @@ def write_report(
     print(f"{lead}wrote {out}")
 
 
-def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
-    """Print ``rows`` under ``columns`` as a table (numbers right-aligned; None as ``-``)."""
-    table = Table(title=title, title_justify="left")
-    numeric = [
-        bool(rows) and all(isinstance(r[i], int | float) or r[i] is None for r in rows)
-        for i in range(len(columns))
-    ]
-    for name, right in zip(columns, numeric, strict=True):
-        table.add_column(name, justify="right" if right else "left")
+def table_lines(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> list[str]:
+    """``rows`` under ``columns`` as the lines of a plain-text table (rich's): the first column
+    left-aligned, the others right-aligned, None shown as ``-``. Cells print as ``str`` gives them:
+    format numbers before (``f"{x:.3f}"``) for a fixed precision."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for index, name in enumerate(columns):
+        table.add_column(name, justify="left" if index == 0 else "right")
     for row in rows:
         table.add_row(*("-" if v is None else str(v) for v in row))
-    Console(width=max(120, Console().width)).print(table)
+    console = Console(file=io.StringIO(), width=250, color_system=None, force_terminal=False)
+    console.print(table)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> list[str]:
+    """Print ``rows`` under ``columns`` as :func:`table_lines` gives them, and return the lines
+    (a report keeps what was printed)."""
+    lines = table_lines(columns, rows, title)
+    print("\n".join(lines))
+    return lines
 
 
 def arch_params(arch: Any) -> str:

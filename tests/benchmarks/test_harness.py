@@ -52,10 +52,14 @@ def test_outside_a_checkout_the_commit_is_unknown(tmp_path: Path) -> None:
     assert harness.commit(tmp_path) == "unknown"
 
 
-def test_a_table_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:
-    harness.print_table(["model", "test_acc"], [["ensemble", 0.9612], ["student", None]], title="accuracy")
-    printed = capsys.readouterr().out
-    assert "accuracy" in printed and "0.9612" in printed and "student" in printed and " - " in printed
+def test_a_table_prints_every_row_and_returns_its_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = harness.print_table(
+        ["model", "test_acc"], [["ensemble", "0.9612"], ["student", None]], title="accuracy"
+    )
+    assert capsys.readouterr().out.splitlines() == lines
+    assert lines[0].strip() == "accuracy" and lines[1].split() == ["model", "test_acc"]
+    assert [line.split() for line in lines[-2:]] == [["ensemble", "0.9612"], ["student", "-"]]
+    assert lines[-1].endswith("-") and lines[-2].endswith("0.9612")  # the figures right-aligned
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
