@@ -50,11 +50,13 @@ def parser(
 
 def results_file(out: Path | None, quick: bool, recorded: Path) -> Path:
     """Where the JSON goes: ``--out`` (a folder, where it is named as ``recorded`` is, or a
-    ``.json`` file), else ``recorded`` in ``benchmarks/results/``, or for a ``--quick`` run a
-    file of that name in a fresh temporary folder."""
-    if out is None:
-        return Path(tempfile.mkdtemp(prefix="mopflow-bench-")) / recorded.name if quick else recorded
-    return out if out.suffix == ".json" else out / recorded.name
+    ``.json`` file), else ``recorded`` in ``benchmarks/results/``. A ``--quick`` run never writes
+    into ``benchmarks/results/``: without another ``--out`` its file goes into a fresh temporary
+    folder."""
+    chosen = recorded if out is None else out if out.suffix == ".json" else out / recorded.name
+    if quick and chosen.parent.resolve() == recorded.parent.resolve():
+        return Path(tempfile.mkdtemp(prefix="mopflow-bench-")) / recorded.name
+    return chosen
 
 
 REPO = Path(__file__).resolve().parents[2]

@@ -32,8 +32,9 @@ def test_a_full_run_writes_to_the_results_and_a_quick_one_never(tmp_path: Path) 
     assert harness.results_file(None, False, recorded) == recorded
     assert harness.results_file(tmp_path, True, recorded) == tmp_path / "x.json"
     assert harness.results_file(tmp_path / "y.json", False, recorded) == tmp_path / "y.json"
-    quick = harness.results_file(None, True, recorded)
-    assert quick.name == "x.json" and quick.parent != RESULTS_DIR and quick.parent.is_dir()
+    for out in (None, RESULTS_DIR, RESULTS_DIR / "x.json"):  # a quick run's figures are not recorded
+        quick = harness.results_file(out, True, recorded)
+        assert quick.name == "x.json" and quick.parent != RESULTS_DIR and quick.parent.is_dir()
 
 
 def test_a_report_records_commit_machine_date_config_and_seeds(tmp_path: Path) -> None:
