@@ -19,7 +19,7 @@ What is measured
    (``mopflow.compression.distill.distill.transfer_set``: the training split plus ``munge_multiplier`` MUNGE
    points per example labelled by the teacher). For each of ``--seeds`` seeds (default 3; the seed also draws the transfer set's MUNGE points) the
    same student architecture is trained twice, in this process (one torch thread), with
-   ``mopflow.compression.distill.distill.train_student``: (a) distilled on the transfer set (soft targets at T
+   ``studies.student.train_student``: (a) distilled on the transfer set (soft targets at T
    with weight alpha plus hard labels), and (b) on the real training rows with hard labels
    alone (``teacher=None``) for ``matching_epochs`` epochs: as many optimizer steps, hence the
    same one-cycle schedule, as (a). Both use the manifest's normalisation. Each distilled
@@ -53,7 +53,7 @@ The stacked-vs-loop ensemble latency ratio is printed for information only.
 
 Output: a plain-text table on stdout, the target lines, and every figure in
 ``benchmarks/results/distill.json`` (with the CPU count, load averages and the date; ``--out``
-names another folder or file, and a ``--quick`` run writes only there). Latencies
+names another folder or file, and a ``--quick`` run writes there or into a temporary folder). Latencies
 are wall-clock on a shared machine: other processes running at the same time inflate them.
 
 Run it from the repository root::
@@ -65,7 +65,6 @@ Run it from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import platform
@@ -84,7 +83,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from studies import output  # noqa: E402
+from studies import harness  # noqa: E402
+from studies.student import train_student  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mopflow.compression.config import DistillConfig  # noqa: E402
@@ -92,7 +92,6 @@ from mopflow.compression.distill.distill import (  # noqa: E402
     StudentPlan,
     matching_epochs,
     plan_student,
-    train_student,
     transfer_set,
 )
 from mopflow.compression.ensemble import Candidate, build_ensemble, faster_form  # noqa: E402
@@ -170,12 +169,12 @@ class StudentRun:
     hard_epochs: int
 
 
-arch_params = output.arch_params
+arch_params = harness.arch_params
 
 
-def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes (:func:`studies.output.results_file`)."""
-    return output.results_file(out, quick, RESULTS_PATH)
+def results_file(out: Path | None, quick: bool) -> Path:
+    """Where the JSON goes (:func:`studies.harness.results_file`)."""
+    return harness.results_file(out, quick, RESULTS_PATH)
 
 
 def n_params(module: nn.Module) -> int:
@@ -641,24 +640,19 @@ def run(settings: Settings, results_path: Path | None) -> int:
             },
             "printed": [header, format_table(rows), *lines],
         }
-        output.write_report(results_path, report, lead="\n")
+        seeds = [r.seed for r in runs]
+        harness.write_report(results_path, report, lead="\n", config=settings, seeds=seeds)
         return 0
     finally:
         shutil.rmtree(data_root, ignore_errors=True)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke test: 2 members, 2 epochs, 2 student epochs, 10 timed passes per latency",
-    )
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        default=None,
-        help="student seeds, each with its own transfer set (distilled + hard-label each; default 3, 1 with --quick)",
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
+    parser = harness.parser(
+        __doc__,
+        "2 members, 2 epochs, 2 student epochs, 10 timed passes per latency",
+        seeds=None,
+        seeds_help="student seeds, each with its own transfer set (distilled + hard-label each; default 3, 1 with --quick)",
     )
     parser.add_argument(
         "--members", type=int, default=None, help=f"ensemble members (1..{len(MEMBER_CONFIGS)})"
@@ -667,12 +661,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None
     parser.add_argument("--student-epochs", type=int, default=None, help="student training epochs")
     parser.add_argument(
         "--repeats", type=int, default=None, help="timed forward passes per latency figure (default 50)"
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
     )
     args = parser.parse_args(argv)
     members = args.members if args.members is not None else (2 if args.quick else 4)

@@ -18,7 +18,7 @@ many optimizer steps, the same schedule): the baseline.
 
 Output: a table on stdout, the target lines, and every figure in
 ``benchmarks/results/images.json`` (with the machine and the date; ``--out`` names another
-folder or file, and a ``--quick`` run writes only there). Wall time is reported for
+folder or file, and a ``--quick`` run writes there or into a temporary folder). Wall time is reported for
 information; on a shared machine other processes inflate it.
 
 ``--storage``: images at real size instead (``benchmarks/studies/image_io.py``): a generated
@@ -49,7 +49,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from studies import output  # noqa: E402
+from studies import harness  # noqa: E402
 
 from mopflow.compression.distill.keep import REPORT_NAMES
 
@@ -92,21 +92,14 @@ def run_demo(overrides: list[str], home: Path | None = None) -> tuple[dict, floa
         return json.loads(summary.read_text()), wall
 
 
-def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes (:func:`studies.output.results_file`)."""
-    return output.results_file(out, quick, RESULTS)
+def results_file(out: Path | None, quick: bool) -> Path:
+    """Where the JSON goes (:func:`studies.harness.results_file`)."""
+    return harness.results_file(out, quick, RESULTS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: " + " ".join(QUICK))
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
-    )
-    output.add_pipeline_options(parser)
+    parser = harness.parser(__doc__, " ".join(QUICK))
+    harness.add_pipeline_options(parser)
     parser.add_argument(
         "--storage", action="store_true", help="shard bytes, throughput and RSS of PNG images"
     )
@@ -134,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         ("hard-label student", hard, int(summary["student"]["num_params"])),
         ("distilled student", student, int(summary["student"]["num_params"])),
     ]
-    print(f"\n{'model':<20} {'test_acc':>9} {'params':>9}")
-    for name, acc, params in rows:
-        print(f"{name:<20} {acc:>9.4f} {params if params is not None else '-':>9}")
+    print()
+    harness.print_table(
+        ["model", "test_acc", "params"], [[name, f"{acc:.4f}", params] for name, acc, params in rows]
+    )
     gain_status = "UNDEFINED" if gain is None else "PASS" if gain >= TARGET_GAIN else "FAIL"
     ratio_ok = ratio <= TARGET_RATIO
     print()
@@ -154,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "images",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": output.machine(load_before),
-        "settings": {"config": str(CONFIG.relative_to(REPO)), "overrides": overrides},
+        "machine": harness.machine(load_before),
+        "settings": (settings := {"config": str(CONFIG.relative_to(REPO)), "overrides": overrides}),
         "accuracy": {name: acc for name, acc, _ in rows},
         "params": {"ensemble": rows[0][2], "student": rows[2][2]},
         "recovered_gain": gain,
@@ -169,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "param_ratio": {"bound": TARGET_RATIO, "status": "PASS" if ratio_ok else "FAIL"},
         },
     }
-    output.write_report(out, report)
+    harness.write_report(out, report, config=settings)
     return 0
 
 
@@ -179,7 +173,7 @@ def storage_main(args: argparse.Namespace) -> int:
 
     small = 400 if args.quick else args.images
     large = 10 * small
-    out = output.results_file(args.out, args.quick, STORAGE_RESULTS)
+    out = harness.results_file(args.out, args.quick, STORAGE_RESULTS)
     load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as tmp:
         report = measure(Path(tmp), small, large, workers=2, limit=min(small, 5_000))
@@ -189,14 +183,21 @@ def storage_main(args: argparse.Namespace) -> int:
         "throughput_ratio": (report["throughput_ratio"], report["throughput_ratio"] >= TARGET_THROUGHPUT),
         "rss_ratio": (report["rss_ratio"], report["rss_ratio"] <= TARGET_RSS),
     }
-    print(
-        f"\n{'images':>8} {'folder MB':>10} {'shard MB':>9} {'ratio':>6} {'shard s':>8} {'cols':>5} {'peak RSS MB':>12}"
-    )
-    for count, row in ((small, first), (large, second)):
-        print(
-            f"{count:>8} {row['folder_bytes'] / 1e6:>10.1f} {row['shard_bytes'] / 1e6:>9.1f} "
-            f"{row['shard_over_folder']:>6.3f} {row['shard_wall_s']:>8.1f} {row['columns']:>5} {row['peak_rss_mb']:>12.0f}"
-        )
+    columns = ["images", "folder MB", "shard MB", "ratio", "shard s", "cols", "peak RSS MB"]
+    cells = [
+        [
+            count,
+            f"{row['folder_bytes'] / 1e6:.1f}",
+            f"{row['shard_bytes'] / 1e6:.1f}",
+            f"{row['shard_over_folder']:.3f}",
+            f"{row['shard_wall_s']:.1f}",
+            row["columns"],
+            f"{row['peak_rss_mb']:.0f}",
+        ]
+        for count, row in ((small, first), (large, second))
+    ]
+    print()
+    harness.print_table(columns, cells)
     print(
         f"images/s per worker: streamed {report['streamed']['images_per_s']:.0f}, "
         f"DataLoader {report['dataloader']['images_per_s']:.0f}"
@@ -214,12 +215,13 @@ def storage_main(args: argparse.Namespace) -> int:
     report |= {
         "benchmark": "image_storage",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": output.machine(load_before),
+        "machine": harness.machine(load_before),
         "targets": {
             name: {"value": value, "status": "PASS" if ok else "FAIL"} for name, (value, ok) in checks.items()
         },
     }
-    output.write_report(out, report)
+    config = {"images": small, "large_images": large, "workers": 2, "quick": args.quick}
+    harness.write_report(out, report, config=config)
     return 0
 
 

@@ -32,7 +32,7 @@ parameters <= 10% of the ensemble's.
 
 Output: a plain-text table on stdout, the target lines, and every figure in
 ``benchmarks/results/mnist1d_accuracy.json`` (with the CPU count, load averages, the config run
-and the date; ``--out`` names another folder or file, and a ``--quick`` run writes only there).
+and the date; ``--out`` names another folder or file, and a ``--quick`` run writes there or into a temporary folder).
 The exit status is 0 when every target passes (a ``--quick`` run: when it completes). The wall time is measured on a possibly shared machine: other processes running
 at the same time slow the run down; the JSON records the load averages before and after.
 
@@ -44,7 +44,6 @@ Run it from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -59,7 +58,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from studies import output  # noqa: E402
+from studies import harness  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "mnist1d_accuracy.json"
@@ -137,12 +136,12 @@ def run_demo(home: Path, summary_path: Path, log_path: Path, overrides: Sequence
 
 
 def format_table(row: dict[str, Any]) -> str:
-    header = f"{'ensemble_test_acc':>18}{'student_test_acc':>18}{'student/ensemble params':>26}{'wall_s':>9}"
     params = f"{row['student_params']}/{row['ensemble_params']} = {row['param_ratio']:.3f}"
-    line = (
-        f"{row['ensemble_test_acc']:>18.4f}{row['student_test_acc']:>18.4f}{params:>26}{row['wall_s']:>9.1f}"
-    )
-    return "\n".join([header, "-" * len(header), line])
+    columns = ["ensemble_test_acc", "student_test_acc", "student/ensemble params", "wall_s"]
+    cells = [
+        [f"{row['ensemble_test_acc']:.4f}", f"{row['student_test_acc']:.4f}", params, f"{row['wall_s']:.1f}"]
+    ]
+    return "\n".join(harness.table_lines(columns, cells))
 
 
 def run(
@@ -256,12 +255,12 @@ def run(
             },
             "printed": [header, format_table(row), *lines],
         }
-        if out is None:
-            print("\nnot written (--quick writes its JSON only to --out)")
-        else:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(output.stamped(report), indent=2) + "\n")
-            print(f"\nwrote {out}")
+        config = {
+            "config": str(DEFAULT_CONFIG.relative_to(REPO_ROOT)),
+            "overrides": list(overrides),
+            "quick": quick,
+        }
+        harness.write_report(out, report, lead="\n", config=config)
         # a smoke test's figures are not the demo's: it passes by completing
         return 0 if quick or all(t["status"] == "PASS" for t in targets.values()) else 1
     finally:
@@ -272,26 +271,17 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke test: " + " ".join(QUICK) + " (before any --set)"
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
-    )
+    parser = harness.parser(__doc__, " ".join(QUICK) + " (before any --set)")
     parser.add_argument("--keep", action="store_true", help="keep the run's MOPFLOW_HOME and log")
-    output.add_pipeline_options(parser)
+    harness.add_pipeline_options(parser)
     args = parser.parse_args(argv)
     overrides = [*QUICK, *args.overrides] if args.quick else args.overrides
     return run(results_file(args.out, args.quick), overrides, args.keep, args.quick, args.home)
 
 
-def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes (:func:`studies.output.results_file`)."""
-    return output.results_file(out, quick, RESULTS_PATH)
+def results_file(out: Path | None, quick: bool) -> Path:
+    """Where the JSON goes (:func:`studies.harness.results_file`)."""
+    return harness.results_file(out, quick, RESULTS_PATH)
 
 
 if __name__ == "__main__":

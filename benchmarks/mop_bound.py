@@ -52,7 +52,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from studies import mop_replay, output  # noqa: E402
+from studies import harness, mop_replay  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,14 +155,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     columns = (*SCHEDULES, *UNLOCKED)
-    header = f"{'mix':<10}{'models':>7}{'epochs/round':>14}" + "".join(f"{c:>21}" for c in columns)
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(
-            f"{r['mix']:<10}{r['models']:>7}{r['round_epochs']:>14}"
-            + "".join(f"{r[c]:>21.3f}" for c in columns)
-        )
-    return lines
+    cells = [[r["mix"], r["models"], r["round_epochs"], *(f"{r[c]:.3f}" for c in columns)] for r in rows]
+    return harness.table_lines(["mix", "models", "epochs/round", *columns], cells)
 
 
 def _ints(text: str) -> list[int]:
@@ -170,8 +164,7 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="smoke test: 4 and 6 models, 10 draws")
+    parser = harness.parser(__doc__, "4 and 6 models, 10 draws")
     parser.add_argument("--workers", type=int, default=2, help="workers (one partition each)")
     parser.add_argument(
         "--models", type=_ints, default=None, help="comma-separated model counts (default 2,3,4,6,8)"
@@ -181,7 +174,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--draws", type=int, default=None, help="draws per cell of a drawn mix (default 200)")
     parser.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated, from {', '.join(MIXES)}")
-    parser.add_argument("--out", type=Path, default=None, help="folder (or .json file) for the JSON")
     args = parser.parse_args(argv)
     args.models = args.models or ([4, 6] if args.quick else [2, 3, 4, 6, 8])
     args.draws = args.draws or (10 if args.quick else 200)
@@ -210,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "printed": lines,
     }
-    output.write_report(output.results_file(args.out, args.quick, RESULTS_PATH), report, lead="\n")
+    out = harness.results_file(args.out, args.quick, RESULTS_PATH)
+    harness.write_report(out, report, lead="\n", config=report["settings"])
     return 0
 
 

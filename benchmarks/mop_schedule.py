@@ -45,7 +45,6 @@ Run it from the repository root::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -61,7 +60,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from studies import mop_replay, output  # noqa: E402
+from studies import harness, mop_replay  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -228,11 +227,8 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
-    header = (
-        f"{'mix':<9}{'schedule':<10}{'wall_s':>9}{'rows_per_s':>12}{'idle':>8}{'reproduced':>12}"
-        f"{'fixed/greedy':>14}{'simulated':>11}"
-    )
-    lines = [header, "-" * len(header)]
+    columns = ["mix", "schedule", "wall_s", "rows_per_s", "idle", "reproduced", "fixed/greedy", "simulated"]
+    cells = []
     for mix, m in summary.items():
         for schedule in SCHEDULE_ORDER:
             r = m[schedule]
@@ -242,11 +238,18 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
                 else ("", "")
             )
             reproduced = "-" if r["reproduced"] is None else ("yes" if r["reproduced"] else "no")
-            lines.append(
-                f"{mix:<9}{schedule:<10}{r['wall_s']:>9.1f}{r['rows_per_s']:>12.0f}{_fmt(r['idle'], '.1%'):>8}"
-                f"{reproduced:>12}{ratio[0]:>14}{ratio[1]:>11}"
+            cells.append(
+                [
+                    mix,
+                    schedule,
+                    f"{r['wall_s']:.1f}",
+                    f"{r['rows_per_s']:.0f}",
+                    _fmt(r["idle"], ".1%"),
+                    reproduced,
+                    *ratio,
+                ]
             )
-    return "\n".join(lines)
+    return "\n".join(harness.table_lines(columns, cells))
 
 
 def verdict(summary: dict[str, dict[str, Any]]) -> str:
@@ -261,9 +264,9 @@ def verdict(summary: dict[str, dict[str, Any]]) -> str:
     return f"fixed/greedy throughput {worst:.3f} at worst ({mix}; {simulated:.3f} simulated): {outcome}"
 
 
-def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes (:func:`studies.output.results_file`)."""
-    return output.results_file(out, quick, RESULTS_PATH)
+def results_file(out: Path | None, quick: bool) -> Path:
+    """Where the JSON goes (:func:`studies.harness.results_file`)."""
+    return harness.results_file(out, quick, RESULTS_PATH)
 
 
 def run(s: Settings, out: Path | None) -> int:
@@ -346,24 +349,15 @@ def run(s: Settings, out: Path | None) -> int:
             "total_s": time.perf_counter() - wall_start,
             "printed": [header, table, conclusion],
         }
-        if out is None:
-            print(f"\nnot written (--quick writes its JSON only to --out); {report['total_s']:.0f}s in all")
-            return 0
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(output.stamped(report), indent=2) + "\n")
-        print(f"\nwrote {out} ({report['total_s']:.0f}s in all)")
+        harness.write_report(out, report, lead="\n", config=s, seeds=[s.seed])
+        print(f"{report['total_s']:.0f}s in all")
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke test: 3000 samples, 4 configs x 2 epochs x 2 repeats, mixed",
-    )
+    parser = harness.parser(__doc__, "3000 samples, 4 configs x 2 epochs x 2 repeats, mixed")
     parser.add_argument("--num-samples", type=int, default=None, help="MNIST-1D samples (default 40000)")
     parser.add_argument("--n-shards", type=int, default=4, help="training shards")
     parser.add_argument("--workers", type=int, default=2, help="Dask worker processes (one partition each)")
@@ -373,12 +367,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=128, help="batch size of every configuration")
     parser.add_argument("--mixes", default=None, help=f"comma-separated subset of {','.join(MIXES)}")
     parser.add_argument("--seed", type=int, default=0, help="the MOP seed (the fixed plan's)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
-    )
     return parser.parse_args(argv)
 
 

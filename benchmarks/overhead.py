@@ -34,7 +34,7 @@ processes does not inflate.
 
 Output: a plain-text table on stdout, the target line, and every figure in
 ``benchmarks/results/overhead.json`` (with the CPU count, load averages and the date; ``--out``
-names another folder or file, and a ``--quick`` run writes only there). Timings
+names another folder or file, and a ``--quick`` run writes there or into a temporary folder). Timings
 are wall-clock on a shared machine: other processes running at the same time inflate them.
 
 Run it from the repository root::
@@ -45,7 +45,6 @@ Run it from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import platform
@@ -64,7 +63,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from studies import output  # noqa: E402
+from studies import harness  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mopflow.training.models.builtin import ArchSpec, build_model  # noqa: E402
@@ -105,12 +104,12 @@ class Timing:
     cpu_per_step_ms: float = 0.0  # this process's CPU time per step (time lost to other processes excluded)
 
 
-arch_params = output.arch_params
+arch_params = harness.arch_params
 
 
-def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes (:func:`studies.output.results_file`)."""
-    return output.results_file(out, quick, RESULTS_PATH)
+def results_file(out: Path | None, quick: bool) -> Path:
+    """Where the JSON goes (:func:`studies.harness.results_file`)."""
+    return harness.results_file(out, quick, RESULTS_PATH)
 
 
 Data = tuple[torch.Tensor, torch.Tensor]
@@ -271,16 +270,19 @@ def run(settings: Settings, out: Path | None) -> int:
         f"{BATCH_SIZE}, {settings.epochs} epochs, {settings.repeats} repeats, 1 torch thread, "
         f"{os.cpu_count()} CPUs"
     )
-    rows = [f"{'loop':<14}{'steps':>7}{'ms/step (end to end)':>22}{'ms/iteration (steady)':>23}{'ratio':>8}"]
-    rows.append("-" * len(rows[0]))
     base = summary["plain"]["per_step_ms_median"]
-    for loop in LOOPS:
-        s = summary[loop]
-        rows.append(
-            f"{loop:<14}{int(s['steps']):>7}{s['per_step_ms_median']:>22.3f}"
-            f"{s['median_iteration_ms_median']:>23.3f}{s['per_step_ms_median'] / base:>7.2f}x"
-        )
-    table = "\n".join(rows)
+    cells = [
+        [
+            loop,
+            int(summary[loop]["steps"]),
+            f"{summary[loop]['per_step_ms_median']:.3f}",
+            f"{summary[loop]['median_iteration_ms_median']:.3f}",
+            f"{summary[loop]['per_step_ms_median'] / base:.2f}x",
+        ]
+        for loop in LOOPS
+    ]
+    columns = ["loop", "steps", "ms/step (end to end)", "ms/iteration (steady)", "ratio"]
+    table = "\n".join(harness.table_lines(columns, cells))
     status = "PASS" if ratio <= TARGET_RATIO else "FAIL"
     target_line = f"{status:<9} Lightning / plain PyTorch per step: {ratio:.2f}x (target <= {TARGET_RATIO}x)"
     info_lines = [
@@ -328,22 +330,15 @@ def run(settings: Settings, out: Path | None) -> int:
         "timings": [asdict(t) for t in timings],
         "printed": [header, table, target_line, *info_lines],
     }
-    output.write_report(out, report, lead="\n")
+    harness.write_report(out, report, lead="\n", config=report["settings"])
     return 0
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path | None]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="smoke test: 2000 rows, 1 epoch, 1 repeat")
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Settings, Path]:
+    parser = harness.parser(__doc__, "2000 rows, 1 epoch, 1 repeat")
     parser.add_argument("--rows", type=int, default=None, help="training rows (default 20000)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs per run (default 3)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
-    )
     args = parser.parse_args(argv)
     rows = args.rows or (2000 if args.quick else 20_000)
     epochs = args.epochs or (1 if args.quick else 3)

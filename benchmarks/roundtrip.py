@@ -27,7 +27,7 @@ processes (``time.process_time`` in each, through ``client.run``). Each (size, m
 against the smallest state's ``by_value`` trip in the same run.
 
 Output: a plain-text table on stdout and every figure in ``benchmarks/results/roundtrip.json``
-(``--out`` names another folder or file; a ``--quick`` run writes only there).
+(``--out`` names another folder or file; a ``--quick`` run writes there or into a temporary folder).
 
 Run it from the repository root::
 
@@ -49,7 +49,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-from studies import output  # noqa: E402
+from studies import harness  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "roundtrip.json"
 MODES = ("by_value", "dependency")
@@ -123,27 +123,29 @@ def measure(settings: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+COLUMNS = ("state", "mode", "wall ms", "coord CPU", "main thr", "workers CPU", "wall x", "coord x")
+FIGURES = (
+    "wall_ms",
+    "coordinator_cpu_ms",
+    "coordinator_main_thread_cpu_ms",
+    "workers_cpu_ms",
+    "wall_ratio",
+    "coordinator_cpu_ratio",
+)
+
+
 def table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The rows as a plain-text table (milliseconds per unit)."""
-    lines = [
-        f"{'state':>10} {'mode':<11} {'wall ms':>8} {'coord CPU':>10} {'main thr':>9} "
-        f"{'workers CPU':>12} {'wall x':>7} {'coord x':>8}"
-    ]
-    for r in rows:
-        lines.append(
-            f"{_size(r['state_bytes']):>10} {r['mode']:<11} {r['wall_ms']:8.2f} {r['coordinator_cpu_ms']:10.2f} "
-            f"{r['coordinator_main_thread_cpu_ms']:9.2f} {r['workers_cpu_ms']:12.2f} "
-            f"{r['wall_ratio']:7.2f} {r['coordinator_cpu_ratio']:8.2f}"
-        )
-    return lines
+    cells = [[_size(r["state_bytes"]), r["mode"], *(f"{r[k]:.2f}" for k in FIGURES)] for r in rows]
+    return harness.table_lines(COLUMNS, cells)
 
 
 def _size(n: int) -> str:
     return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n / 2**10:g} KiB" if n >= 2**10 else f"{n} B"
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Path | None]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Path]:
+    parser = harness.parser(__doc__, "20 units of 1 B and 64 KiB, once")
     parser.add_argument("--units", type=int, default=300, help="timed units per (size, mode) and repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2, help="Dask worker processes")
@@ -153,14 +155,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Path | N
         default=[1, 128 * 2**10, 2**20],
         help="state sizes in bytes, comma-separated",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke test: 20 units of 1 B and 64 KiB, once")
-    parser.add_argument("--out", type=Path, default=None, help="a folder or a .json file for the JSON")
     settings = parser.parse_args(argv)
     if settings.quick:
         settings.units, settings.repeats, settings.sizes = 20, 1, [1, 64 * 2**10]
     if settings.units < 1 or settings.repeats < 1 or settings.workers < 1 or min(settings.sizes) < 1:
         parser.error("--units, --repeats, --workers and every --sizes entry must be >= 1")
-    return settings, output.results_file(settings.out, settings.quick, RESULTS_PATH)
+    return settings, harness.results_file(settings.out, settings.quick, RESULTS_PATH)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,11 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "benchmark": "roundtrip",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": output.machine(load_before) | {"cpu": output.cpu()},
+        "machine": harness.machine(load_before) | {"cpu": harness.cpu()},
         "settings": {k: v for k, v in vars(settings).items() if k != "out"},
         "rows": rows,
     }
-    output.write_report(out, report, lead="\n")
+    harness.write_report(out, report, lead="\n", config=report["settings"])
     return 0
 
 

@@ -24,7 +24,7 @@ them, reporting the peak memory of the driver and of the workers. ``--big-only``
 adds it to the recorded results (the N and 10N runs already in ``scale.json`` stay as they are).
 
 Output: a table on stdout and every figure in ``benchmarks/results/scale.json`` (``--out`` names
-another folder or file, and a ``--quick`` run writes only there).
+another folder or file, and a ``--quick`` run writes there or into a temporary folder).
 
 Run it from the repository root::
 
@@ -49,7 +49,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from studies import output
+from studies import harness
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -207,12 +207,19 @@ def with_big(result: Mapping[str, Any], big: Mapping[str, Any]) -> dict[str, Any
 
 
 def print_table(result: Mapping[str, Any]) -> None:
-    print(f"\n{'rows':>10} {'wall s':>8} {'task peak MB':>13} {'worker peak MB':>15}  stage peaks (MB)")
-    for run in result["runs"]:
-        stages = ", ".join(f"{k} {v}" for k, v in run["stage_peak_mb"].items())
-        print(
-            f"{run['rows']:>10} {run['wall_s']:>8.1f} {run['task_peak_mb']:>13} {run['worker_peak_mb']:>15}  {stages}"
-        )
+    columns = ["rows", "wall s", "task peak MB", "worker peak MB", "stage peaks (MB)"]
+    cells = [
+        [
+            run["rows"],
+            f"{run['wall_s']:.1f}",
+            run["task_peak_mb"],
+            run["worker_peak_mb"],
+            ", ".join(f"{k} {v}" for k, v in run["stage_peak_mb"].items()),
+        ]
+        for run in result["runs"]
+    ]
+    print()
+    harness.print_table(columns, cells)
     found, verdicts = result["ratios"], result["verdict"]
     factor = result.get("settings", {}).get("factor", 10)
     print(
@@ -229,7 +236,7 @@ def print_table(result: Mapping[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, "N = 1,000 and 2N rows, shards of 500 rows")
     parser.add_argument("--rows", type=int, default=None, help="N (default 100,000)")
     parser.add_argument("--factor", type=int, default=None, help="the larger run's rows / N (default 10)")
     parser.add_argument(
@@ -244,18 +251,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--big-only",
         action="store_true",
-        help="run only the --big part and add it to the results already recorded in --output",
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke test: N = 1,000 and 2N rows, shards of 500 rows"
-    )
-    parser.add_argument(
-        "--out",
-        "--output",
-        dest="output",
-        type=Path,
-        default=None,
-        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
+        help="run only the --big part and add it to the results already recorded in --out",
     )
     args = parser.parse_args(argv)
     quick = {"rows": 1_000, "factor": 2, "rows_per_shard": 500}
@@ -263,25 +259,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.output = results_file(args.output, args.quick)
-    if args.big_only and (args.big <= 0 or args.output is None or not args.output.exists()):
-        parser.error(f"--big-only needs --big ROWS > 0 and recorded results in {args.output}")
+    args.out = results_file(args.out, args.quick)
+    if args.big_only and (args.big <= 0 or args.out is None or not args.out.exists()):
+        parser.error(f"--big-only needs --big ROWS > 0 and recorded results in {args.out}")
     return args
 
 
-def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes (:func:`studies.output.results_file`)."""
-    return output.results_file(out, quick, RESULTS)
+def results_file(out: Path | None, quick: bool) -> Path:
+    """Where the JSON goes (:func:`studies.harness.results_file`)."""
+    return harness.results_file(out, quick, RESULTS)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.big_only:
         with tempfile.TemporaryDirectory(prefix="mopflow-bench-scale-") as tmp:
-            result = with_big(json.loads(args.output.read_text()), big_run(args.big, Path(tmp)))
-        args.output.write_text(json.dumps(output.stamped(result), indent=2) + "\n")
+            result = with_big(json.loads(args.out.read_text()), big_run(args.big, Path(tmp)))
         print_table(result)
-        print(f"wrote {args.output}")
+        harness.write_report(args.out, result, config=result.get("settings"))
         return 0
     with tempfile.TemporaryDirectory(prefix="mopflow-bench-scale-") as tmp:
         work = Path(tmp)
@@ -300,15 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.big:
             result = with_big(result, big_run(args.big, work))
-        elif args.output is not None and args.output.exists():  # not rerun: the recorded big run stays
-            result["big"] = json.loads(args.output.read_text()).get("big")
+        elif args.out is not None and args.out.exists():  # not rerun: the recorded big run stays
+            result["big"] = json.loads(args.out.read_text()).get("big")
     print_table(result)
-    if args.output is None:
-        print("not written (--quick writes its JSON only to --out)")
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(output.stamped(result), indent=2) + "\n")
-    print(f"wrote {args.output}")
+    harness.write_report(args.out, result, config=result["settings"])
     return 0
 
 

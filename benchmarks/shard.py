@@ -47,7 +47,7 @@ What is measured
 
 Output: a plain-text table on stdout and every figure in ``benchmarks/results/shard.json``
 (with the machine's CPU count and the date; ``--out`` names another folder or file, and a
-``--quick`` run writes only there). Nothing is downloaded; MNIST-1D is generated. The exit
+``--quick`` run writes there or into a temporary folder). Nothing is downloaded; MNIST-1D is generated. The exit
 status is 0 when both targets pass (a ``--quick`` run: when it completes).
 
 Run it from the repository root::
@@ -75,7 +75,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from studies import output  # noqa: E402
+from studies import harness  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -443,17 +443,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ]
         for r in rows
     ]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-
-    def line(values: list[str]) -> str:
-        # first column left-aligned, the figures right-aligned
-        padded = [
-            v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))
-        ]
-        return "  ".join(padded)
-
-    lines = [line(headers), line(["-" * w for w in widths])] + [line(c) for c in cells]
-    return "\n".join(lines)
+    return "\n".join(harness.table_lines(headers, cells))
 
 
 SPIN_ITERATIONS = 20_000_000  # about a second of one CPU
@@ -636,22 +626,25 @@ def main_orchestrate(
         "manifest_figures_equal_to_baseline": same_figures,
         "rows_as_requested": rows_ok,
     }
-    if results_path is None:
-        print("not written (--quick writes its JSON only to --out)")
-    else:
-        results_path.parent.mkdir(parents=True, exist_ok=True)
-        results_path.write_text(json.dumps(output.stamped(report), indent=2) + "\n")
-        print(f"wrote {results_path}")
+    config = {
+        "rows": rows,
+        "base_rows": base_rows,
+        "timeout_s": timeout_s,
+        "repeats": repeats,
+        "warmup": warmup,
+        "spin_iterations": spin_iterations,
+    }
+    harness.write_report(results_path, report, config=config)
     return 0 if speedup_ok and memory_ok else 1
 
 
-def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes (:func:`studies.output.results_file`)."""
-    return output.results_file(out, quick, RESULTS_PATH)
+def results_file(out: Path | None, quick: bool) -> Path:
+    """Where the JSON goes (:func:`studies.harness.results_file`)."""
+    return harness.results_file(out, quick, RESULTS_PATH)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = harness.parser(__doc__, "20,000 and 2,000 rows, 1 round, no warm-up, a short machine check")
     parser.add_argument(
         "--rows", type=int, default=None, help="rows for the throughput runs (default 1,000,000)"
     )
@@ -670,19 +663,6 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="untimed runs in the same processes before the timed one (0: time the first, cold run; default 1)",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke test: 20,000 and 2,000 rows, 1 round, no warm-up, a short machine check",
-    )
-    parser.add_argument(
-        "--out",
-        "--results",
-        dest="out",
-        type=Path,
-        default=None,
-        help="folder (or .json file) for the JSON; default benchmarks/results/, nowhere with --quick",
     )
     parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)  # internal: one config
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)  # internal: its result

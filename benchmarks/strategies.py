@@ -132,7 +132,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-from studies import ddp_gangs, output  # noqa: E402
+from studies import ddp_gangs, harness  # noqa: E402
 
 from mopflow.training.compute.workers import cluster_workers  # noqa: E402
 
@@ -325,7 +325,8 @@ def _timed_run(executor: Any, specs: Sequence[Any], epochs: int) -> tuple[dict[s
 
 def _run_sequential(name: str, job: dict[str, Any], specs: list[Any], data: Any, shared: Any) -> Any:
     """One model after another in this process."""
-    from mopflow.training.executors.task import SequentialExecutor
+    from baselines.sequential import SequentialExecutor
+
     from mopflow.training.executors.units import cached_bytes, clear_partitions
 
     _warm_imports()
@@ -345,7 +346,8 @@ def _run_sequential(name: str, job: dict[str, Any], specs: list[Any], data: Any,
 
 def _executor_on_workers(name: str, client: Any, data: Any, shards: list[str]) -> Any:
     """The executor of a strategy whose units run on the Dask workers."""
-    from mopflow.training.executors.averaging import ModelAveragingExecutor
+    from baselines.averaging import ModelAveragingExecutor
+
     from mopflow.training.executors.mop import MopExecutor
     from mopflow.training.executors.task import TaskExecutor
 
@@ -707,25 +709,32 @@ def plot_curves(results: Mapping[str, Mapping[str, Any]], path: Path, title: str
 # Tables and targets
 
 
+TABLE_COLUMNS = (
+    "strategy", "wall_s", "per_epoch_s", "rows_per_s", "footprint_mb", "moved_mb", "val_acc_mean", "gap_pts", "idle",
+)  # fmt: skip
+
+
 def format_table(results: dict[str, dict[str, Any]]) -> str:
-    w = max([11, *(len(name) + 1 for name in results)])
-    header = (
-        f"{'strategy':<{w}}{'wall_s':>9}{'per_epoch_s':>13}{'rows_per_s':>12}{'footprint_mb':>14}"
-        f"{'moved_mb':>11}{'val_acc_mean':>14}{'gap_pts':>9}{'idle':>7}"
-    )
-    lines = [header, "-" * len(header)]
+    cells: list[list[Any]] = []
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"{name:<{w}}FAILED: {r['error']}")
+            cells.append([name, f"FAILED: {r['error']}", *[""] * (len(TABLE_COLUMNS) - 2)])
             continue
         moved = r["moved_bytes"] / MB
-        moved_s = f"~{moved:.1f}" if r.get("moved_is_estimate") else f"{moved:.1f}"
-        lines.append(
-            f"{name:<{w}}{r['wall_s']:>9.1f}{r['per_epoch_s']:>13.1f}{r['rows_per_s']:>12.0f}"
-            f"{r['footprint_bytes'] / MB:>14.1f}{moved_s:>11}{_fmt(r['val_acc_mean'], '.4f'):>14}"
-            f"{_fmt(r.get('gap_points'), '+.2f'):>9}{_fmt(r.get('idle_fraction'), '.1%'):>7}"
+        cells.append(
+            [
+                name,
+                f"{r['wall_s']:.1f}",
+                f"{r['per_epoch_s']:.1f}",
+                f"{r['rows_per_s']:.0f}",
+                f"{r['footprint_bytes'] / MB:.1f}",
+                f"~{moved:.1f}" if r.get("moved_is_estimate") else f"{moved:.1f}",
+                _fmt(r["val_acc_mean"], ".4f"),
+                _fmt(r.get("gap_points"), "+.2f"),
+                _fmt(r.get("idle_fraction"), ".1%"),
+            ]
         )
-    return "\n".join(lines)
+    return "\n".join(harness.table_lines(TABLE_COLUMNS, cells))
 
 
 def format_cpu(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -996,8 +1005,8 @@ def _run(settings: Settings, out_dir: Path, work: Path, shared: dict[int, Any], 
         "printed": [header, table, *curve_lines, *target_lines, *cpu_lines, *per_gpu_lines],
     }
     out = out_dir / f"{settings.stem}.json"
-    out.write_text(json.dumps(output.stamped(report), indent=2) + "\n")
-    print(f"\nwrote {out} and {png}")
+    harness.write_report(out, report, lead="\n", config=settings)
+    print(f"wrote {png}")
     return 0
 
 
@@ -1040,10 +1049,7 @@ def format_trials_per_gpu(per_gpu: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke test: 3000 samples, 2 configs, 2 epochs, one process"
-    )
+    parser = harness.parser(__doc__, "3000 samples, 2 configs, 2 epochs, one process")
     parser.add_argument(
         "--num-samples", type=int, default=None, help="MNIST-1D samples generated (default 142000)"
     )
@@ -1062,13 +1068,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--trials-per-gpu",
         default="",
         help="cuda: comma-separated worker counts per GPU for an extra task sweep (e.g. 1,2,4,8)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder for the JSON and the curves PNG (default benchmarks/results/; --quick: a new temporary "
-        "folder), or the JSON file (NAME.json; the PNG goes beside it as NAME_curves.png)",
     )
     parser.add_argument(
         "--note", default="", help="a remark stored in the JSON and printed (e.g. a shared machine)"
@@ -1122,8 +1121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def output_dir(out: Path | None, quick: bool) -> Path:
-    """Where the results go: ``out`` (default ``benchmarks/results/``); a quick run never writes
-    over the committed results, so without another folder it takes a new temporary one."""
+    """Where the results go: ``out`` (a folder for the JSON and the curves PNG, default
+    ``benchmarks/results/``; ``--out NAME.json`` puts the PNG beside it as ``NAME_curves.png``);
+    a quick run never writes over the committed results, so without another folder it takes a
+    new temporary one."""
     chosen = out or RESULTS_DIR
     if quick and chosen.resolve() == RESULTS_DIR.resolve():
         chosen = Path(tempfile.mkdtemp(prefix="strategies-quick-"))

@@ -61,7 +61,6 @@ Run it from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -76,7 +75,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 import torch  # noqa: E402
-from studies import output  # noqa: E402
+from studies import harness  # noqa: E402
 from studies.growing import GrowingConfig, GrowingResult, Volatility, train_growing  # noqa: E402
 from studies.growing_report import account_prefix, cost_curve  # noqa: E402
 
@@ -147,12 +146,12 @@ def first_at_or_above(result: GrowingResult, target: float) -> tuple[int, int] |
 Data = tuple[torch.Tensor, torch.Tensor]
 
 
-arch_params = output.arch_params
+arch_params = harness.arch_params
 
 
-def results_file(out: Path | None, quick: bool) -> Path | None:
-    """Where the JSON goes (:func:`studies.output.results_file`)."""
-    return output.results_file(out, quick, RESULTS_PATH)
+def results_file(out: Path | None, quick: bool) -> Path:
+    """Where the JSON goes (:func:`studies.harness.results_file`)."""
+    return harness.results_file(out, quick, RESULTS_PATH)
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -235,18 +234,26 @@ def part_a(
         f" lr {BASE_LR}*n_j; prices uniform [{PRICES.low}, {PRICES.high}], planner's one bid {bid:.4f}"
         f" (active {active_fraction:.1%}); target accuracy {target:.4f} (static final - 0.5 pt)"
     )
-    print(
-        f"{'schedule':<12}{'final acc':>10}{'worker-it':>11}{'ratio':>7}{'spot cost':>11}{'ratio':>7}"
-        f"{'idle h':>8}{'it@target':>10}{'w-it@target':>12}{'ratio':>7}{'cost@target':>12}{'ratio':>7}"
-    )
-    for r in rows:
-        print(
-            f"{r['schedule']:<12}{r['final_accuracy']:>10.4f}{r['worker_iterations']:>11d}"
-            f"{r['worker_iterations_ratio']:>7.3f}{r['spot_cost']:>11.3f}{r['spot_cost_ratio']:>7.3f}"
-            f"{r['spot_idle_hours']:>8.2f}{_fmt(r['target_iteration'], 'd'):>10}"
-            f"{_fmt(r['target_worker_iterations'], 'd'):>12}{_fmt(r['target_worker_iterations_ratio'], '.3f'):>7}"
-            f"{_fmt(r['target_spot_cost'], '.3f'):>12}{_fmt(r['target_spot_cost_ratio'], '.3f'):>7}"
-        )
+    columns = ["schedule", "final acc", "worker-it", "ratio", "spot cost", "ratio", "idle h"]
+    columns += ["it@target", "w-it@target", "ratio", "cost@target", "ratio"]
+    cells = [
+        [
+            r["schedule"],
+            f"{r['final_accuracy']:.4f}",
+            r["worker_iterations"],
+            f"{r['worker_iterations_ratio']:.3f}",
+            f"{r['spot_cost']:.3f}",
+            f"{r['spot_cost_ratio']:.3f}",
+            f"{r['spot_idle_hours']:.2f}",
+            _fmt(r["target_iteration"], "d"),
+            _fmt(r["target_worker_iterations"], "d"),
+            _fmt(r["target_worker_iterations_ratio"], ".3f"),
+            _fmt(r["target_spot_cost"], ".3f"),
+            _fmt(r["target_spot_cost_ratio"], ".3f"),
+        ]
+        for r in rows
+    ]
+    harness.print_table(columns, cells)
     dyn = rows[1]
     accuracy_gap = static_final - dyn["final_accuracy"]
     saving = 1.0 - dyn["worker_iterations_ratio"]
@@ -476,30 +483,39 @@ def part_b(
         f" on-demand {ON_DEMAND:g}; plan_spot (error 0.05, deadline {PLAN_CONFIG.deadline_hours:g} h,"
         f" n_max {N_MAX}); {seeds} seeds (means); target accuracy {target:.2f} (evaluated every {B_EVAL_EVERY})"
     )
-    print(
-        f"{'strategy':<10}{'workers':>8}{'bids':>15}{'plan J':>8}{'plan E[cost]':>13}{'reached':>8}"
-        f"{'it@target':>10}{'cost@target':>12}{'ratio':>7}{'wall h':>8}{'active h':>9}{'idle h':>8}"
-        f"{'final acc':>10}{'train s':>8}"
-    )
+    columns = ["strategy", "workers", "bids", "plan J", "plan E[cost]", "reached", "it@target", "cost@target"]
+    columns += ["ratio", "wall h", "active h", "idle h", "final acc", "train s"]
+    cells = []
     for row in rows:
         plan = plans[row["strategy"]]
         workers = f"{plan.high_bid_workers}" + (f"+{plan.low_bid_workers}" if plan.low_bid_workers else "")
         bids = "-" if plan.high_bid is None else f"{plan.high_bid:.4f}"
         if plan.low_bid is not None:
             bids += f"/{plan.low_bid:.4f}"
-        print(
-            f"{row['strategy']:<10}{workers:>8}{bids:>15}{plan.iterations:>8d}{plan.expected_cost:>13.4f}"
-            f"{row['reached']:>6d}/{seeds:<1d}{_fmt(row['iterations_to_target'], '.0f'):>10}"
-            f"{_fmt(row['cost_to_target'], '.4f'):>12}{_fmt(row['cost_to_target_ratio'], '.3f'):>7}"
-            f"{_fmt(row['wall_hours_to_target'], '.2f'):>8}{_fmt(row['active_hours_to_target'], '.2f'):>9}"
-            f"{_fmt(row['idle_hours_to_target'], '.2f'):>8}{row['final_accuracy']:>10.4f}{row['train_seconds']:>8.1f}"
+        cells.append(
+            [
+                row["strategy"],
+                workers,
+                bids,
+                plan.iterations,
+                f"{plan.expected_cost:.4f}",
+                f"{row['reached']}/{seeds}",
+                _fmt(row["iterations_to_target"], ".0f"),
+                _fmt(row["cost_to_target"], ".4f"),
+                _fmt(row["cost_to_target_ratio"], ".3f"),
+                _fmt(row["wall_hours_to_target"], ".2f"),
+                _fmt(row["active_hours_to_target"], ".2f"),
+                _fmt(row["idle_hours_to_target"], ".2f"),
+                f"{row['final_accuracy']:.4f}",
+                f"{row['train_seconds']:.1f}",
+            ]
         )
-    print("mean cost to reach accuracy: " + "  ".join(f"{t:.2f}" for t in targets))
-    for row in rows:
-        print(
-            f"  {row['strategy']:<10}"
-            + "".join(f"{_fmt(row['cost_to'][f'{t:.2f}'], '.4f'):>10}" for t in targets)
-        )
+    harness.print_table(columns, cells)
+    harness.print_table(
+        ["strategy", *(f"{t:.2f}" for t in targets)],
+        [[row["strategy"], *(_fmt(row["cost_to"][f"{t:.2f}"], ".4f") for t in targets)] for row in rows],
+        title="mean cost to reach accuracy",
+    )
     print(
         f"  per seed, cost to {key}: "
         + "; ".join(
@@ -592,26 +608,18 @@ def _compact(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(
+        __doc__,
+        "2,000 samples; (a) 400 it., eta 1.01; (b) 1 seed x 600 it., target 0.25",
+        seeds=5,
+        seeds_help="(b) seeds",
+    )
     parser.add_argument("--samples", type=int, default=10_000, help="MNIST-1D samples (80%% train)")
     parser.add_argument("--iterations", type=int, default=10_000, help="(a) iterations")
     parser.add_argument("--eta", type=float, default=1.0004, help="(a) growth factor")
     parser.add_argument("--eval-every", type=int, default=250, help="(a) evaluation period")
     parser.add_argument("--b-iterations", type=int, default=10_000, help="(b) iterations per run")
-    parser.add_argument("--seeds", type=int, default=5, help="(b) seeds")
     parser.add_argument("--target", type=float, default=0.80, help="(b) target accuracy")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke test: 2,000 samples; (a) 400 it., eta 1.01; (b) 1 seed x 600 it., target 0.25",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder (or .json file) for the JSON and the plot; default benchmarks/results/, "
-        "nowhere with --quick",
-    )
     args = parser.parse_args(argv)
     targets: tuple[float, ...] = (0.70, 0.75, 0.80, 0.85)
     if args.quick:
@@ -631,10 +639,6 @@ def main(argv: list[str] | None = None) -> int:
     result_b = part_b(args.b_iterations, args.seeds, args.target, targets, report, train, test)
     elapsed = time.perf_counter() - began
     print(f"elapsed {elapsed:.0f} s")
-    if results_path is None:
-        print("not written (--quick writes its JSON and plot only to --out)")
-        return 0
-
     results_path.parent.mkdir(parents=True, exist_ok=True)
     plot_path = results_path.parent / PLOT_PATH.name
     plot(result_b, plot_path)
@@ -656,7 +660,9 @@ def main(argv: list[str] | None = None) -> int:
         "criterion_b_met": result_b["criterion_met"],
         "elapsed_seconds": elapsed,
     }
-    results_path.write_text(_compact(json.dumps(output.stamped(payload), indent=2)) + "\n")
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "seeds")}
+    stamped = harness.stamped(payload, config, list(range(args.seeds)))
+    results_path.write_text(_compact(json.dumps(stamped, indent=2)) + "\n")
     print(f"wrote {results_path} and {plot_path}")
     return 0
 

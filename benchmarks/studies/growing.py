@@ -3,7 +3,7 @@
 After Zhang, Wang, Joshi, Joe-Wong, "Machine Learning on Volatile Instances" (INFOCOM 2020): at
 iteration j, ``n_j`` workers (a :class:`~mopflow.training.volatile.workers.WorkerSchedule`) each compute the gradient
 of a mini-batch of ``b`` samples, the parameter server averages them and takes a step whose size is
-scaled with the workers (``linear`` / ``sqrt`` / ``none``, :func:`~mopflow.training.volatile.workers.scaled_step_size`).
+scaled with the workers (``linear`` / ``sqrt`` / ``none``, :func:`studies.schedules.scaled_step_size`).
 
 **Emulation.** The workers are emulated in one process: worker k's gradient is the gradient of the
 mean loss over micro-batch k, and the average of ``y`` such gradients of equal-sized micro-batches is
@@ -39,12 +39,8 @@ from mopflow.training.volatile.cost import account_run
 from mopflow.training.volatile.price_trace import PriceTrace
 from mopflow.training.volatile.prices import PriceError, TraceExhaustedError
 from mopflow.training.volatile.run_account import RunAccount
-from mopflow.training.volatile.workers import (
-    ScalingRule,
-    WorkerSchedule,
-    scaled_step_size,
-    workers_at_iteration,
-)
+from mopflow.training.volatile.workers import WorkerSchedule
+from studies.schedules import ScalingRule, scaled_step_size, workers_at_iteration
 
 Emulation = Literal["concatenated", "per_worker"]
 _ALIGN_TOL = 1e-6  # relative slack when checking that price changes fall on slot boundaries

@@ -15,6 +15,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from studies import harness
+
 BASELINE = "random"
 PLAIN_STRATEGY, PLAIN_BASELINE = "plain", "plain-random"  # plain Optuna + a plain PyTorch loop
 GOAL_ARMS = ("tpe+asha", "tpe+asha+warm")
@@ -256,10 +258,8 @@ def _pass(ok: bool) -> str:
 
 def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
     """The summary as a text table, then one line per verdict."""
-    lines = [
-        f"{'strategy':8} {'arm':16} {'clean/runs':>10} {'reached':>7} {'med s':>7} {'ratio s':>7} {'95% CI':>14} "
-        f"{'med ep':>7} {'ratio ep':>8} {'95% CI':>14} {'util':>6}"
-    ]
+    columns = ["strategy", "arm", "clean/runs", "reached", "med s", "ratio s", "95% CI", "med ep", "ratio ep"]
+    cells = []
     for e in result["summary"]:
         baseline = e["arm"] in (BASELINE, PLAIN_BASELINE)
         ci = (
@@ -269,14 +269,22 @@ def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
             if baseline
             else "(no clean pair)"
         )
-        ep_ci = f"[{e['epochs_ci95'][0]:.2f}, {e['epochs_ci95'][1]:.2f}]" if "epochs_ci95" in e else ""
-        ratio = f"{e['ratio']:7.2f}" if "ratio" in e else f"{'':7}"
-        ep_ratio = f"{e['epochs_ratio']:8.2f}" if "epochs_ratio" in e else f"{'':8}"
-        util = f"{e['utilisation']:6.3f}" if "utilisation" in e else f"{'':6}"
-        lines.append(
-            f"{e['strategy']:8} {e['arm']:16} {e.get('clean_runs', 0):>4}/{e['runs']:<5} {e['reached']:>7} "
-            f"{e['median_s']:7.1f} {ratio} {ci:>14} {e['median_epochs']:7.1f} {ep_ratio} {ep_ci:>14} {util}"
+        cells.append(
+            [
+                e["strategy"],
+                e["arm"],
+                f"{e.get('clean_runs', 0)}/{e['runs']}",
+                e["reached"],
+                f"{e['median_s']:.1f}",
+                f"{e['ratio']:.2f}" if "ratio" in e else "",
+                ci,
+                f"{e['median_epochs']:.1f}",
+                f"{e['epochs_ratio']:.2f}" if "epochs_ratio" in e else "",
+                f"[{e['epochs_ci95'][0]:.2f}, {e['epochs_ci95'][1]:.2f}]" if "epochs_ci95" in e else "",
+                f"{e['utilisation']:.3f}" if "utilisation" in e else "",
+            ]
         )
+    lines = harness.table_lines([*columns, "ep 95% CI", "util"], cells)
     for e in result["summary"]:
         if "per_epoch_s" in e:
             part = e["per_epoch_s"]

@@ -370,8 +370,3 @@ def conf_markdown_table() -> str:
 def _parsed(conf_json: str) -> PipelineConfig:
     """The config of a conf given as canonical JSON, parsed once per process (errors are not kept)."""
     return PipelineConfig._parse(json.loads(conf_json))
-
-
-def validate_conf(conf: Mapping[str, Any] | None) -> PipelineConfig:
-    """Alias used by the DAG tasks and the CLI: validate a flat conf or raise ConfigError."""
-    return PipelineConfig.from_conf(conf)

@@ -1,4 +1,4 @@
-"""Data-parallel training with a growing number of (volatile) workers: training/volatile/growing.py."""
+"""Data-parallel training with a growing number of (volatile) workers: benchmarks/studies/growing.py."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from studies.growing import (
     concatenated_gradient,
     train_growing,
 )
+from studies.schedules import schedule_values
 
 from mopflow.training.models.builtin import ArchSpec, build_model
 from mopflow.training.volatile.cost import account_run
 from mopflow.training.volatile.price_trace import PriceTrace
 from mopflow.training.volatile.prices import SECONDS_PER_HOUR, PriceError, TraceExhaustedError
-from mopflow.training.volatile.workers import WorkerSchedule, schedule_values
+from mopflow.training.volatile.workers import WorkerSchedule
 from tests.benchmarks.growing_helpers import (
     ARCH,
     TRACE,

@@ -224,20 +224,6 @@ def _quick_run(name: str, tmp_path: Path, check: Callable[[Report, Path], None])
     assert_not_written_over(recorded, tmp_path)
 
 
-def test_every_recorded_result_names_the_commit_it_was_measured_at() -> None:
-    for path in sorted(RESULTS_DIR.glob("*.json")):
-        commit = json.loads(path.read_text()).get("commit", "")
-        assert len(commit.removesuffix("+dirty")) == 40, f"{path.name} records no commit"
-
-
-def test_a_report_is_stamped_with_the_commit_first(tmp_path: Path) -> None:
-    from studies import output
-
-    report = output.stamped({"benchmark": "x", "commit": "stale"})
-    assert list(report) == ["commit", "benchmark"] and report["commit"].removesuffix("+dirty") == HEAD
-    assert output.commit(tmp_path) == "unknown"  # outside a git checkout
-
-
 def test_the_quick_runs_are_of_benchmarks_that_exist() -> None:
     assert set(QUICK) | IN_END_TO_END <= {p.stem for p in BENCHMARKS_DIR.glob("*.py")}
 

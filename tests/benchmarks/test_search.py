@@ -153,7 +153,7 @@ def test_added_arms_take_the_recorded_settings_and_replace_only_their_own_runs(t
     args = bench.parse_args([*argv, "--add-to", str(results)])
     assert args.to_run == [(s, "mop", "tpe+asha+warm") for s in range(5)]  # only the new runs
     assert args.arms == ["random", "tpe+asha", "tpe+asha+warm"] and args.strategies == ["task", "mop"]
-    assert (args.epochs, args.seeds, args.output) == (30, 20, results)  # the file's settings hold
+    assert (args.epochs, args.seeds, args.out) == (30, 20, results)  # the file's settings hold
     new = [recorded["rows"][1] | {"epochs_to_target": 7}]
     merged = bench.merge_rows(recorded["rows"], new)
     assert sorted((r["arm"], r["epochs_to_target"]) for r in merged) == [("random", 9), ("tpe+asha", 7)]

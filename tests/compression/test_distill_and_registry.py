@@ -10,7 +10,6 @@ from mopflow.compression.distill.distill import (
     matching_epochs,
     plan_student,
     soft_targets,
-    train_student,
     transfer_set,
 )
 from mopflow.compression.registry.model_registry import decide_promotion
@@ -18,7 +17,7 @@ from mopflow.training.models.builtin import ArchSpec, build_model, count_params
 from mopflow.training.models.bundle import ProbabilityEnsemble
 from mopflow.training.models.bundle import accuracy as student_accuracy
 from mopflow.training.models.families import DataSpec
-from tests.compression.helpers import fit, separable_blobs
+from tests.compression.helpers import fit, separable_blobs, train_student
 
 
 def test_auto_sized_student_is_the_largest_within_budget() -> None:

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from mopflow.pipeline.config import CONF_FIELDS, MAX_CONF_BYTES, conf_json_schema, validate_conf
+from mopflow.pipeline.config import CONF_FIELDS, MAX_CONF_BYTES, PipelineConfig, conf_json_schema
 from mopflow.plugins import trigger_guard
 
 PIPELINE = trigger_guard.GuardedDag(
     "mopflow_sweep",
     frozenset(CONF_FIELDS),
     {key: schema["default"] for key, schema in conf_json_schema().items()},
-    validate_conf,
+    PipelineConfig.from_conf,
 )
 PROMOTE = trigger_guard.GuardedDag(
     "mopflow_promote", frozenset({"action", "name", "version"}), {"action": "promote", "name": "m"}

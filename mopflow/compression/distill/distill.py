@@ -84,41 +84,6 @@ def matching_epochs(epochs: int, transfer_rows: int, train_rows: int) -> int:
     return max(1, round(epochs * transfer_rows / train_rows))
 
 
-def train_student(
-    plan: StudentPlan,
-    cfg: DistillConfig,
-    x_train: np.ndarray,
-    y_train: np.ndarray,
-    x_val: np.ndarray,
-    y_val: np.ndarray,
-    mean: list[float],
-    std: list[float],
-    teacher: nn.Module | None,
-    seed: int,
-    epochs: int | None = None,
-    device: DeviceSpec = CPU,
-) -> tuple[nn.Module, list[dict[str, float]]]:
-    """Train the student on ``device``; with ``teacher=None`` it learns from hard labels alone
-    (the baseline). ``epochs`` overrides ``cfg.epochs`` (the baseline uses :func:`matching_epochs`).
-    The model comes back on the CPU (quantization and the pyfunc run there).
-    """
-    tensors = [torch.from_numpy(x_train), torch.from_numpy(y_train)]
-    if teacher is not None:
-        tensors.append(soft_targets(teacher, x_train, cfg.temperature))
-    return fit_student(
-        plan,
-        cfg,
-        tensors,
-        held_validation(x_val, y_val),
-        mean,
-        std,
-        seed,
-        teacher is not None,
-        epochs,
-        device,
-    )
-
-
 def fit_student(
     plan: StudentPlan,
     cfg: DistillConfig,
@@ -179,11 +144,6 @@ def report_epoch(event: Mapping[str, Any]) -> None:
             event["val_acc"],
             event["elapsed_s"],
         )
-
-
-def held_validation(x_val: np.ndarray, y_val: np.ndarray) -> ValidationShards:
-    """A validation split held in memory, as one shard."""
-    return lambda: [(x_val, y_val)]
 
 
 def _validation_accuracy(unit: Any, validation: ValidationShards) -> float:

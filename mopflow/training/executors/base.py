@@ -275,27 +275,6 @@ class Executor(ABC):
         }
 
 
-class OneModelAtATime(Executor):
-    """An executor that trains models one after another (each finished model frees the one slot
-    for the controller's next)."""
-
-    def _train(
-        self, models: Sequence[ModelSpec], epochs: int, controller: Controller
-    ) -> dict[str, ModelOutcome]:
-        outcomes: dict[str, ModelOutcome] = {}
-        queue = list(models)
-        while queue:
-            spec = queue.pop(0)
-            outcome = outcomes[spec.model_id] = self._train_one(spec, epochs, controller)
-            controller.on_model_done(outcome)
-            queue += controller.new_models(1)
-        return outcomes
-
-    @abstractmethod
-    def _train_one(self, spec: ModelSpec, epochs: int, controller: Controller) -> ModelOutcome:
-        """Train one model for up to ``epochs`` epochs."""
-
-
 def pass_seconds(records: Sequence[Mapping[str, Any]]) -> float | None:
     """Seconds the pass records spent inside their batch loops: training (``loop_s``) and the
     validation that followed (``val_s``); None when no record times its loop (DDP gangs)."""

@@ -1,5 +1,4 @@
-"""Task parallelism on Dask (each model trains on one worker over all the data) and the
-sequential baseline (one model after another, in this process).
+"""Task parallelism on Dask: each model trains on one worker over all the data.
 
 A model's epochs between two decision points of the controller (ASHA's rungs; the end, without a
 pruner) train as one Dask task on one worker, each epoch reported to the coordinator as it ends
@@ -27,11 +26,10 @@ from typing import Any
 from mopflow.base import stopping
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
-from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome, OneModelAtATime
+from mopflow.training.executors.base import Controller, Executor, ModelOutcome
 from mopflow.training.executors.stop_notice import StopNotice
 from mopflow.training.executors.task_host import Admission
 from mopflow.training.executors.task_run import TaskRun, listen, stop_listening
-from mopflow.training.executors.units import evaluate_state, init_state, train_pass
 from mopflow.training.trainable.unit import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -117,30 +115,3 @@ class TaskExecutor(Executor):
             redone,
             self.redone_unit_seconds,
         )
-
-
-class SequentialExecutor(OneModelAtATime):
-    """The baseline: models one after another in this process, each epoch over all shards in order."""
-
-    name = "sequential"
-
-    def __init__(self, data: DataRef, shard_names: Sequence[str], checkpoint_root: str = "") -> None:
-        super().__init__(data, checkpoint_root)
-        self.shards = sorted(shard_names)
-
-    def _train_one(self, spec: ModelSpec, epochs: int, controller: Controller) -> ModelOutcome:
-        outcome = ModelOutcome(spec)
-        state = init_state(spec, self.data)
-        for epoch in range(epochs):
-            state, record = train_pass(spec, state, self.data, self.shards, epoch, epochs, 0)
-            self.records.append(record)
-            report = EpochReport(
-                spec.model_id, epoch, evaluate_state(spec, state, self.data), record["train_loss"]
-            )
-            outcome.history.append(report)
-            if not controller.on_epoch_end(report):
-                outcome.stopped_early = True
-                break
-        outcome.state = state
-        self.save_checkpoint(spec.model_id, state)
-        return outcome

@@ -1,9 +1,7 @@
 """The volatile-worker wing: training on workers that come and go, and what they cost.
 
-- :mod:`~mopflow.training.volatile.workers`: worker schedules ``n_j`` and step-size scaling (pure);
+- :mod:`~mopflow.training.volatile.workers`: worker schedules ``n_j`` (pure);
 - :mod:`~mopflow.training.volatile.preempt`: spot notices (SIGTERM) on a worker: checkpoint and leave;
-- :mod:`~mopflow.training.volatile.growing`: the growing-workers experiment (Zhang et al. 2020);
-- :mod:`~mopflow.training.volatile.growing_report`: a growing run's cost over time and its tracking;
 - :mod:`~mopflow.training.volatile.prices`: spot price distributions and the price errors;
 - :mod:`~mopflow.training.volatile.price_trace`: price traces (CSV, sampled, repeated) and their distribution;
 - :mod:`~mopflow.training.volatile.cost`: accounting a run's work against a price trace and bids;

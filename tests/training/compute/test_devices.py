@@ -225,8 +225,9 @@ def test_gpu_student_trains_on_the_gpu_and_comes_back_on_the_cpu() -> None:
     import numpy as np
 
     from mopflow.compression.config import DistillConfig
-    from mopflow.compression.distill.distill import plan_student, train_student
+    from mopflow.compression.distill.distill import plan_student
     from mopflow.training.models.families import DataSpec
+    from tests.compression.helpers import train_student
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 40)).astype(np.float32)

@@ -9,8 +9,6 @@ import torch
 
 from mopflow.training.data import load_manifest
 from mopflow.training.data.ref import DataRef
-from mopflow.training.executors.mop import MopExecutor
-from mopflow.training.executors.task import SequentialExecutor, TaskExecutor
 from mopflow.training.executors.units import load_eval_split, load_partition
 from mopflow.training.trainable.schedule import steps_per_epoch
 from mopflow.training.trainable.state import StateFormatError
@@ -111,36 +109,3 @@ def test_validation_is_batched_and_matches_whole_split_accuracy(small_manifest: 
     with torch.no_grad():
         whole = float((unit.model.eval()(xv).argmax(dim=1).numpy() == yv).mean())
     assert unit.evaluate(xv, yv) == pytest.approx(whole)
-
-
-@pytest.mark.slow
-def test_sequential_task_and_mop_on_one_partition_train_identical_weights(
-    small_manifest: str, dask_client: Any
-) -> None:
-    """The same configuration and seed trained in this process (the sequential baseline), by the
-    ``task`` executor (an epoch per Dask task) and by MOP over a single partition (units on the
-    Dask workers): one unit, one schedule, one data order, so bit-identical weights."""
-    from safetensors.torch import load
-
-    epochs = 2
-    data = DataRef.open(small_manifest)
-    shards = [e["name"] for e in load_manifest(small_manifest)["splits"]["train"]]
-    spec = ModelSpec("trial-0000", CNN, seed=7)
-    runs = {
-        "sequential": SequentialExecutor(data, shards).run([spec], epochs)["trial-0000"],
-        "task": TaskExecutor(dask_client, data, shards).run([spec], epochs)["trial-0000"],
-        "mop": MopExecutor(dask_client, data, shards, partitions=1, slots=1).run([spec], epochs)[
-            "trial-0000"
-        ],
-    }
-    expected = load(runs["sequential"].state or b"")
-    for name, outcome in runs.items():
-        got = load(outcome.state or b"")
-        assert sorted(got) == sorted(expected), name
-        for key in expected:
-            assert torch.equal(got[key], expected[key]), (name, key)
-        assert [r.val_acc for r in outcome.history] == [r.val_acc for r in runs["sequential"].history]
-    # another seed: another initialisation and batch order, so other weights
-    other = TaskExecutor(dask_client, data, shards).run([ModelSpec("trial-0001", CNN, seed=8)], epochs)
-    got = load(other["trial-0001"].state or b"")
-    assert not all(torch.equal(got[key], expected[key]) for key in expected if not key.startswith("opt."))

@@ -14,9 +14,8 @@ from mopflow.infra.cli import main
 from mopflow.training.volatile.cost import account_run
 from mopflow.training.volatile.price_trace import empirical_prices, sample_price_trace
 from mopflow.training.volatile.prices import GaussianPrices, UniformPrices
-from mopflow.training.volatile.spot_plan import best_on_demand, plan_spot, theorem7_workers_iterations
+from mopflow.training.volatile.spot_plan import plan_spot
 from mopflow.training.volatile.spot_plan_model import (
-    ConvergenceModel,
     Plan,
     PlanError,
     SpotPlanConfig,
@@ -29,24 +28,6 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 # --------------------------------------------------------------------------- on-demand
-
-
-@pytest.mark.parametrize("target", [0.05, 0.03, 0.02, 0.01, 0.005])
-def test_on_demand_enumeration_agrees_with_theorem_7(target: float) -> None:
-    # At a fixed price cost is n J: the paper's closed form and the exact integer enumeration must pick
-    # the same number of workers, the enumeration never needing more worker-iterations.
-    conv = ConvergenceModel()
-    n, j = theorem7_workers_iterations(conv, target)
-    assert conv.error(j, 1 / n) <= target
-    plan = best_on_demand_plan(target)
-    assert plan.workers == n
-    assert plan.workers * plan.iterations <= n * j <= 1.2 * plan.workers * plan.iterations
-
-
-def best_on_demand_plan(target: float) -> Plan:
-    plan = best_on_demand(plan_config(error_target=target, deadline_hours=1000.0, n_max=256))
-    assert plan is not None
-    return plan
 
 
 # --------------------------------------------------------------------------- choices

@@ -1,4 +1,4 @@
-"""The model-averaging baseline: copies trained on each partition from the same start, averaged."""
+"""The model-averaging baseline (``benchmarks/baselines/averaging.py``): copies trained on each partition from the same start, averaged."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import os
 
 import pytest
 import torch
+from baselines.averaging import ModelAveragingExecutor, average_states
 from safetensors.torch import load, save
 
 from mopflow.training.data import load_manifest
-from mopflow.training.executors import DataRef, EpochReport, ModelAveragingExecutor, ModelSpec, TrainAll
-from mopflow.training.executors.averaging import average_states
+from mopflow.training.executors import DataRef, EpochReport, ModelSpec, TrainAll
 from mopflow.training.executors.units import evaluate_state, init_state, train_pass
 from mopflow.training.trainable.state import read_meta
 

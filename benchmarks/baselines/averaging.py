@@ -1,6 +1,6 @@
 """Model averaging (MA, bulk-synchronous parallel): the baseline MOP is measured against.
 
-The data is partitioned once across the workers, as for MOP (``training/executors/mop.py``). Each
+The data is partitioned once across the workers, as for MOP (``mopflow/training/executors/mop.py``). Each
 epoch of a model, one copy of it per partition starts from the same weights and trains one pass
 over its partition, all copies at once, each on the worker that holds its partition; the
 coordinator then averages the copies into the model's next state, which is validated on a worker
@@ -32,9 +32,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from baselines.sequential import OneModelAtATime
 from mopflow.training.compute.workers import joined_worker_addresses
 from mopflow.training.data.ref import DataRef
-from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome, OneModelAtATime
+from mopflow.training.executors.base import Controller, EpochReport, ModelOutcome
 from mopflow.training.executors.units import evaluate_state, init_state, train_pass
 from mopflow.training.trainable.schedule import steps_per_epoch
 from mopflow.training.trainable.state import read_meta
