@@ -55,14 +55,14 @@ def worker_start_settings(gpu_workers: bool) -> dict[str, str]:
 
     Spawned, every worker imports torch and Lightning itself: about 4 s of CPU each, again for
     every worker restarted after a loss. Forked from the server, none does; a tiny ``mopflow run``
-    used 22% less CPU (``docs/development.md``). GPU workers are still spawned: each is given its
-    own ``CUDA_VISIBLE_DEVICES``, which CUDA reads once per process. A start method the user chose
-    in Dask's config (``DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD=spawn``, a YAML file, or
-    ``dask.config.set``) is kept."""
-    chosen = dask.config.get(START_METHOD, default=None, config=dask.config.collect())
-    if gpu_workers or sys.platform != "linux" or chosen or dask.config.get(START_METHOD) != "spawn":
+    used 15% less CPU (``docs/architecture.md``). GPU workers are spawned: each is given its own
+    ``CUDA_VISIBLE_DEVICES``, which CUDA reads once per process. A start method the user set in
+    Dask's config (``DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD=spawn`` or a YAML file) is
+    kept."""
+    if dask.config.get(START_METHOD, default=None, config=dask.config.collect()):
         return {}
-    return {START_METHOD: "forkserver"}
+    forked = not gpu_workers and sys.platform == "linux"
+    return {START_METHOD: "forkserver" if forked else "spawn"}
 
 
 def preload_training_stack() -> None:

@@ -126,6 +126,7 @@ def test_cpu_workers_fork_from_a_server_with_the_training_stack_and_this_process
     """Forked from the server, a worker has torch and Lightning loaded before its first task, and
     sees this process's environment as it is when the cluster starts, not as it was when the
     server started."""
+    before = dask.config.get(START_METHOD)
     with dask_client("", 1):
         pass  # the fork server is running from here on
     monkeypatch.setenv("MOPFLOW_TEST_WORKER_ENV", "set after the server started")
@@ -134,13 +135,13 @@ def test_cpu_workers_fork_from_a_server_with_the_training_stack_and_this_process
     assert seen["parent"] != os.getpid()  # the fork server's child, not this process's
     assert seen["lightning_loaded"] is True
     assert seen["variable"] == "set after the server started"
-    assert dask.config.get(START_METHOD) == "spawn"  # the cluster's setting ends with it
+    assert dask.config.get(START_METHOD) == before  # the cluster's setting ends with it
 
 
 def test_the_start_method_a_user_chose_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     assert worker_start_settings(gpu_workers=False) == {START_METHOD: "forkserver"}
-    assert worker_start_settings(gpu_workers=True) == {}  # each GPU worker's CUDA_VISIBLE_DEVICES
-    with dask.config.set({START_METHOD: "fork"}):
-        assert worker_start_settings(gpu_workers=False) == {}
+    # each GPU worker's CUDA_VISIBLE_DEVICES: spawned, even while a CPU cluster forks its workers
+    with dask.config.set({START_METHOD: "forkserver"}):
+        assert worker_start_settings(gpu_workers=True) == {START_METHOD: "spawn"}
     monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", "spawn")
     assert worker_start_settings(gpu_workers=False) == {}

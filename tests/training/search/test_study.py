@@ -202,7 +202,7 @@ def test_search_adds_unpruned_trials_until_the_ensemble_has_its_members(
 def test_a_study_learns_from_an_earlier_study_of_the_same_data(
     small_manifest: str, tmp_path: Path, dask_client: object
 ) -> None:
-    from mopflow.pipeline.ensemble import load_candidates
+    from mopflow.compression.ensemble_choice import load_candidates
     from mopflow.training.search.warm_history import LEARNED_ATTR, WARM_START_ATTR
 
     storage_url = str(tmp_path / "journal.log")
