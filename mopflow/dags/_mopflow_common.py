@@ -77,12 +77,14 @@ def _call(stage: Callable[..., Any], *args: Any, with_params: bool = True) -> di
     from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
+    from mopflow.dags.connections import connection_settings
     from mopflow.pipeline.context import permanent_errors
     from mopflow.pipeline.records import from_xcom
 
     try:
         records = [from_xcom(arg) if isinstance(arg, Mapping) else arg for arg in args]
-        result = stage(_run_conf(get_current_context()), *records) if with_params else stage(*records)
+        with connection_settings():  # mopflow's Airflow Connections, as the settings' variables
+            result = stage(_run_conf(get_current_context()), *records) if with_params else stage(*records)
         xcom: dict[str, Any] = result.to_xcom()
         return xcom
     except permanent_errors() as exc:
