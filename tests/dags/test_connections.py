@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ from mopflow.dags import _mopflow_common
 from mopflow.dags.connections import connection_env, connection_settings
 from mopflow.pipeline.records import RunContext, ShardRecord
 
+REPO = Path(__file__).resolve().parents[2]
 SECRETS = ("mlflowpw123", "optunapw456", "AKIASECRETID", "s3secretkey789")
 
 
@@ -141,3 +145,63 @@ def test_a_stage_called_by_a_task_sees_the_connections(
     _mopflow_common._call(stage, run.to_xcom())
     assert seen[0].dask_address == "tcp://sched:8786" and seen[0].tracking_uri == "http://mlflow:5000"
     assert os.environ["MOPFLOW_DASK_ADDRESS"] == "tcp://from-env:8786"
+
+
+PROBE_DAG = """
+from airflow.sdk import dag, task
+
+
+@dag(schedule=None)
+def mopflow_connection_probe():
+    @task
+    def probe():
+        import os
+
+        from mopflow.base.settings import Settings
+        from mopflow.dags.connections import connection_settings
+
+        with connection_settings():
+            settings = Settings.from_env()
+        print("PROBE", settings.tracking_uri, settings.dask_address, os.environ["MOPFLOW_TRACKING_URI"])
+
+    probe()
+
+
+probe_dag = mopflow_connection_probe()
+
+if __name__ == "__main__":
+    probe_dag.test()
+"""
+
+
+@pytest.mark.slow
+def test_a_task_run_by_dag_test_reads_the_connections(tmp_path: Path) -> None:
+    """In a real task (dag.test's supervisor answers the lookups), a connection wins, a missing
+    one is not used, and the task's log names the connection without its password."""
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / "probe.py").write_text(PROBE_DAG)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_"))}
+    env.update(
+        PYTHONPATH=str(REPO),
+        AIRFLOW_HOME=str(tmp_path / "airflow"),
+        AIRFLOW__CORE__DAGS_FOLDER=str(dags),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        AIRFLOW_CONN_MOPFLOW_MLFLOW=json.dumps(
+            {"conn_type": "http", "host": "mlflow", "port": 5000, "login": "admin", "password": SECRETS[0]}
+        ),
+        MOPFLOW_TRACKING_URI="http://from-env:5000",
+        MOPFLOW_DASK_ADDRESS="tcp://from-env:8786",
+    )
+    bin_dir = Path(sys.executable).parent
+    subprocess.run(
+        [str(bin_dir / "airflow"), "db", "migrate"], env=env, check=True, capture_output=True, timeout=300
+    )
+    run = subprocess.run(
+        [sys.executable, str(dags / "probe.py")], env=env, capture_output=True, text=True, timeout=300
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert "PROBE http://mlflow:5000 tcp://from-env:8786 http://from-env:5000" in out
+    assert "connection(s) mopflow_mlflow:" in out and "MLFLOW_TRACKING_PASSWORD=***" in out
+    assert SECRETS[0] not in out
