@@ -97,6 +97,11 @@ RUNTIME_ENV: dict[str, str] = {
     "MOPFLOW_SHUFFLE_BUFFER_ROWS": "Rows of the shuffle buffer of a streamed pass (default 65536)",
     "MOPFLOW_MLFLOW_UI_URL": "MLflow UI address the Sweeps page links to",
     "MOPFLOW_OPTUNA_DASHBOARD_URL": "optuna-dashboard address the Sweeps page links to",
+    # mopflow.base.connections: the Airflow Connections a task takes settings from (empty = none)
+    "MOPFLOW_MLFLOW_CONN_ID": "Airflow Connection giving the MLflow tracking URI and user (default mopflow_mlflow)",
+    "MOPFLOW_STORAGE_CONN_ID": "Airflow Connection giving the storage options: S3 keys, endpoint (default mopflow_storage)",
+    "MOPFLOW_OPTUNA_CONN_ID": "Airflow Connection giving the Optuna storage URL (default mopflow_optuna)",
+    "MOPFLOW_DASK_CONN_ID": "Airflow Connection giving the Dask scheduler address (default mopflow_dask)",
 }
 
 # Read only by local tooling (`mopflow run`, `mopflow up`), never inside a deployed container.

@@ -63,20 +63,24 @@ def mopflow_promote() -> None:
     @task(execution_timeout=timedelta(minutes=5), **retry_args())
     def promote(params: dict[str, Any] | None = None) -> str:
         from mopflow.compression.registry.model_registry import RegistryError, promote, registry_client
+        from mopflow.operators.connections import connection_settings
 
         if (params or {}).get("version") is None:
             raise _fail(ValueError("action=promote needs a version (an integer >= 1)"))
         try:
-            return promote(registry_client(), str(params["name"]), str(params["version"]))  # type: ignore[index]
+            with connection_settings():  # the MLflow connection, when there is one
+                return promote(registry_client(), str(params["name"]), str(params["version"]))  # type: ignore[index]
         except RegistryError as exc:
             raise _fail(exc) from exc
 
     @task(execution_timeout=timedelta(minutes=5), **retry_args())
     def rollback(params: dict[str, Any] | None = None) -> str:
         from mopflow.compression.registry.model_registry import RegistryError, registry_client, rollback
+        from mopflow.operators.connections import connection_settings
 
         try:
-            return rollback(registry_client(), str((params or {})["name"]))
+            with connection_settings():
+                return rollback(registry_client(), str((params or {})["name"]))
         except RegistryError as exc:
             raise _fail(exc) from exc
 

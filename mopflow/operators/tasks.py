@@ -1,28 +1,4 @@
-"""mopflow's stages as Airflow TaskFlow tasks, for your own DAGs (and the shipped ones).
-
-Each task makes one call into the stage layer, :mod:`mopflow.pipeline`, through :func:`call_stage`:
-upstream records arrive as XCom and become typed records again, the stage's record leaves as
-XCom (small references only: URIs, ids, a few figures), and an error a retry cannot fix fails
-the task at once. The run's config is the DAG run's Params (:func:`conf_params` makes them from
-mopflow's config model), with the keys an upstream task of yours hands :data:`start` on top::
-
-    from airflow.sdk import dag, task
-    from mopflow.operators import conf_params, pipeline
-
-    @dag(params=conf_params({"n_trials": 8}))
-    def my_pipeline():
-        @task
-        def prepare() -> dict:
-            ...  # write a parquet table under a data root
-            return {"dataset": "/data/prepared/table.parquet", "label_column": "label"}
-
-        pipeline(overrides=prepare())
-
-The tasks are ``start``, ``shard``, ``search``, ``ensemble``, ``distill``, ``register`` and
-``finalize`` (each one can be used alone and changed with ``.override(...)``); :func:`pipeline` wires
-them as ``mopflow_retrain`` and ``mopflow_sweep`` do. The DAG needs the ``mopflow_training`` pool
-(``mopflow up`` and ``mopflow run`` create it) and mopflow's settings in the task's environment.
-"""
+"""The TaskFlow tasks of :mod:`mopflow.operators` and what they share: Params, retries, the stage call."""
 
 from __future__ import annotations
 
@@ -90,15 +66,17 @@ def call_stage(
     from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
+    from mopflow.operators.connections import connection_settings
     from mopflow.pipeline.context import permanent_errors
     from mopflow.pipeline.records import from_xcom
 
     try:
         records = [from_xcom(arg) if isinstance(arg, Mapping) else arg for arg in args]
-        if with_params:
-            result = stage(run_conf(get_current_context(), records), *records, **kwargs)
-        else:
-            result = stage(*records, **kwargs)
+        with connection_settings():  # mopflow's Airflow Connections, as the settings' variables
+            if with_params:
+                result = stage(run_conf(get_current_context(), records), *records, **kwargs)
+            else:
+                result = stage(*records, **kwargs)
         xcom: dict[str, Any] = result.to_xcom()
         return xcom
     except permanent_errors() as exc:
