@@ -82,9 +82,9 @@ from studies.growing_report import account_prefix, cost_curve  # noqa: E402
 from mopflow.training.models.builtin import ArchSpec  # noqa: E402
 from mopflow.training.volatile.price_trace import PriceTrace, sample_price_trace  # noqa: E402
 from mopflow.training.volatile.prices import SECONDS_PER_HOUR, UniformPrices  # noqa: E402
+from mopflow.training.volatile.schedules import WorkerSchedule  # noqa: E402
 from mopflow.training.volatile.spot_plan import plan_spot  # noqa: E402
 from mopflow.training.volatile.spot_plan_model import STRATEGIES, Plan, PlanReport, SpotPlanConfig  # noqa: E402
-from mopflow.training.volatile.workers import WorkerSchedule  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "volatile.json"
 PLOT_PATH = REPO_ROOT / "benchmarks" / "results" / "volatile_cost_accuracy.png"

@@ -1,7 +1,7 @@
 """Data-parallel SGD with a growing number of workers, optionally on volatile (spot) workers.
 
 After Zhang, Wang, Joshi, Joe-Wong, "Machine Learning on Volatile Instances" (INFOCOM 2020): at
-iteration j, ``n_j`` workers (a :class:`~mopflow.training.volatile.workers.WorkerSchedule`) each compute the gradient
+iteration j, ``n_j`` workers (a :class:`~mopflow.training.volatile.schedules.WorkerSchedule`) each compute the gradient
 of a mini-batch of ``b`` samples, the parameter server averages them and takes a step whose size is
 scaled with the workers (``linear`` / ``sqrt`` / ``none``, :func:`studies.schedules.scaled_step_size`).
 
@@ -39,7 +39,7 @@ from mopflow.training.volatile.cost import account_run
 from mopflow.training.volatile.price_trace import PriceTrace
 from mopflow.training.volatile.prices import PriceError, TraceExhaustedError
 from mopflow.training.volatile.run_account import RunAccount
-from mopflow.training.volatile.workers import WorkerSchedule
+from mopflow.training.volatile.schedules import WorkerSchedule
 from studies.schedules import ScalingRule, scaled_step_size, workers_at_iteration
 
 Emulation = Literal["concatenated", "per_worker"]

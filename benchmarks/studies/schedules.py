@@ -1,6 +1,6 @@
 """A worker schedule over a whole run, its worker-hours and the step size that follows the
 workers (linear / sqrt / none): the growing-workers benchmark's arithmetic
-(``benchmarks/volatile.py``, :mod:`studies.growing`) on :class:`~mopflow.training.volatile.workers.WorkerSchedule`.
+(``benchmarks/volatile.py``, :mod:`studies.growing`) on :class:`~mopflow.training.volatile.schedules.WorkerSchedule`.
 :func:`workers_at_iteration` maps an iteration to its epoch when the schedule is per epoch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from mopflow.training.volatile.workers import WorkerSchedule, workers_at
+from mopflow.training.volatile.schedules import WorkerSchedule, workers_at
 
 ScalingRule = Literal["linear", "sqrt", "none"]
 

@@ -4,7 +4,7 @@ Trigger with ``{"action": "promote", "name": "mopflow-student", "version": 3}`` 
 ``{"action": "rollback", "name": "mopflow-student"}``. The Params are validated in the trigger
 form and the REST API (action enum, model-name pattern, version >= 1); the task refuses a
 promotion without a version, an unknown model or version, and a rollback with no previous
-champion, without retrying. Each task body is one call into ``mopflow.compression.registry.model_registry``.
+champion, without retrying. Each task body is one call into ``mopflow.registry.model_registry``.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def mopflow_promote() -> None:
 
     @task(execution_timeout=timedelta(minutes=5), **retry_args())
     def promote(params: dict[str, Any] | None = None) -> str:
-        from mopflow.compression.registry.model_registry import RegistryError, promote, registry_client
         from mopflow.operators.connections import connection_settings
+        from mopflow.registry.model_registry import RegistryError, promote, registry_client
 
         if (params or {}).get("version") is None:
             raise _fail(ValueError("action=promote needs a version (an integer >= 1)"))
@@ -75,8 +75,8 @@ def mopflow_promote() -> None:
 
     @task(execution_timeout=timedelta(minutes=5), **retry_args())
     def rollback(params: dict[str, Any] | None = None) -> str:
-        from mopflow.compression.registry.model_registry import RegistryError, registry_client, rollback
         from mopflow.operators.connections import connection_settings
+        from mopflow.registry.model_registry import RegistryError, registry_client, rollback
 
         try:
             with connection_settings():

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from mopflow.compression.config import AUTO_STUDENT, DistillConfig, EnsembleConfig, RegistryConfig
 from mopflow.training.config import StageConfig
 from mopflow.training.data.config import DataConfig
-from mopflow.training.data.sources.select import known_data_spec
+from mopflow.training.data.sources.kinds import known_data_spec
 from mopflow.training.search.config import SCHEDULE_SPEC_HELP, SearchConfig, format_worker_schedule
 from mopflow.training.search.space import SearchSpace, SpaceError, check_space_fits
 

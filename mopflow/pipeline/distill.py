@@ -43,8 +43,8 @@ def distill_stage(
         train_students,
     )
     from mopflow.compression.ensemble import faster_form
-    from mopflow.compression.registry.inputs import example_input
-    from mopflow.compression.registry.model_registry import log_bundle_model
+    from mopflow.registry.inputs import example_input
+    from mopflow.registry.model_registry import log_bundle_model
     from mopflow.training.compute.cluster import dask_client
     from mopflow.training.compute.devices import device_for_cluster
     from mopflow.training.data import load_manifest

@@ -34,8 +34,8 @@ def ensemble_stage(
     not the data."""
     from mopflow.compression.ensemble import build_ensemble, save_ensemble
     from mopflow.compression.ensemble_choice import choose_on_shards, load_candidates
-    from mopflow.compression.registry.inputs import example_input
-    from mopflow.compression.registry.model_registry import log_bundle_model
+    from mopflow.registry.inputs import example_input
+    from mopflow.registry.model_registry import log_bundle_model
     from mopflow.training.compute.cluster import dask_client
     from mopflow.training.data import load_manifest
 

@@ -23,7 +23,7 @@ from mopflow.pipeline.records import (
 )
 
 if TYPE_CHECKING:
-    from mopflow.compression.registry.model_registry import PromotionDecision
+    from mopflow.registry.model_registry import PromotionDecision
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def register_stage(
 ) -> RegisterRecord:
     """Register both models, apply the promotion gate, and store the run's summary; returns the
     student's new version, the decision, and where the summary is."""
-    from mopflow.compression.registry.model_registry import CHALLENGER, CHAMPION, registry_client
+    from mopflow.registry.model_registry import CHALLENGER, CHAMPION, registry_client
 
     lineage = {MANIFEST_HASH: shard.manifest_hash}
     with stage("register", conf, run, settings, lineage) as st:
@@ -95,7 +95,7 @@ def _register_versions(
 ) -> dict[str, str]:
     """Register the ensemble and the student with ``version_tags`` (the student with its
     accuracy and the best trial's parameters too); their versions, by ``names``' kinds."""
-    from mopflow.compression.registry.model_registry import register_version
+    from mopflow.registry.model_registry import register_version
 
     ens_version = register_version(client, names["ensemble"], ensemble.model_uri, run_key, version_tags)
     student_tags = {
@@ -119,7 +119,7 @@ def _promotion(
 ) -> tuple[PromotionDecision, float | None]:
     """Whether ``version`` of the ``student`` model becomes the champion, and the current
     champion's accuracy it was compared with (None: no champion, or this version already is)."""
-    from mopflow.compression.registry.model_registry import (
+    from mopflow.registry.model_registry import (
         CHAMPION,
         PromotionDecision,
         alias_version,
@@ -152,7 +152,7 @@ def _set_aliases(
 ) -> list[str]:
     """Point the challenger alias (and the champion's, when promoted) of both models at their new
     versions; the aliases set."""
-    from mopflow.compression.registry.model_registry import CHALLENGER, CHAMPION, set_alias
+    from mopflow.registry.model_registry import CHALLENGER, CHAMPION, set_alias
 
     aliases = [CHALLENGER] + ([CHAMPION] if promote else [])
     for alias in aliases:

@@ -36,7 +36,7 @@ TRIAL_STATES = ("COMPLETE", "PRUNED", "FAIL")
 def champion_warm_start(client: Any, cfg: PipelineConfig) -> Any:
     """The current champion student's best-trial configuration as a warm start, or None when
     there is no champion yet or its version does not record the configuration."""
-    from mopflow.compression.registry.model_registry import CHAMPION, alias_version
+    from mopflow.registry.model_registry import CHAMPION, alias_version
     from mopflow.training.search.study import WarmStart
 
     name = f"{cfg.registry.model_name}-student"
@@ -58,7 +58,7 @@ def search_stage(
     settings: Settings | None = None,
 ) -> SearchRecord:
     """Run (or resume) the pipeline run's study; returns its name, trial counts and best trial."""
-    from mopflow.compression.registry.model_registry import registry_client
+    from mopflow.registry.model_registry import registry_client
     from mopflow.training.compute.cluster import dask_client
     from mopflow.training.compute.devices import device_for_cluster
     from mopflow.training.data import load_manifest

@@ -7,7 +7,7 @@ from studies.growing import GrowingConfig
 
 from mopflow.training.models.builtin import ArchSpec
 from mopflow.training.volatile.price_trace import PriceTrace
-from mopflow.training.volatile.workers import WorkerSchedule
+from mopflow.training.volatile.schedules import WorkerSchedule
 
 ARCH = ArchSpec("mlp", {"width": 8, "depth": 1}, 6, 3)
 TRACE = PriceTrace((0.0, 10.0, 20.0, 30.0), (1.0, 3.0, 9.0, 1.0), end=200.0)

@@ -17,7 +17,7 @@ from mopflow.training.models.builtin import ArchSpec, build_model
 from mopflow.training.volatile.cost import account_run
 from mopflow.training.volatile.price_trace import PriceTrace
 from mopflow.training.volatile.prices import SECONDS_PER_HOUR, PriceError, TraceExhaustedError
-from mopflow.training.volatile.workers import WorkerSchedule
+from mopflow.training.volatile.schedules import WorkerSchedule
 from tests.benchmarks.growing_helpers import (
     ARCH,
     TRACE,

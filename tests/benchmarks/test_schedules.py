@@ -13,7 +13,7 @@ from studies.schedules import (
     workers_at_iteration,
 )
 
-from mopflow.training.volatile.workers import WorkerSchedule
+from mopflow.training.volatile.schedules import WorkerSchedule
 
 
 def test_the_paper_schedule_saves_most_worker_iterations() -> None:

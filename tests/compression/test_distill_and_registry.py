@@ -12,7 +12,7 @@ from mopflow.compression.distill.distill import (
     soft_targets,
     transfer_set,
 )
-from mopflow.compression.registry.model_registry import decide_promotion
+from mopflow.registry.model_registry import decide_promotion
 from mopflow.training.models.builtin import ArchSpec, build_model, count_params
 from mopflow.training.models.bundle import ProbabilityEnsemble
 from mopflow.training.models.bundle import accuracy as student_accuracy

@@ -9,7 +9,7 @@ import torch
 from mopflow.compression.distill.munge import munge, munge_chunks, nearest_neighbours
 from mopflow.compression.ensemble import faster_form, greedy_selection
 from mopflow.compression.evaluate import accuracy_of, evaluate, format_table, quantize_int8
-from mopflow.compression.registry.model_registry import decide_promotion
+from mopflow.registry.model_registry import decide_promotion
 from mopflow.training.models.builtin import ArchSpec, build_model
 from mopflow.training.models.bundle import ProbabilityEnsemble, StackedEnsemble, predict_proba
 from mopflow.training.models.families import DataSpec

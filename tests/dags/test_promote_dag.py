@@ -32,7 +32,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 mp.delenv(var, raising=False)
         mp.setenv("MOPFLOW_HOME", str(home))
         mp.setenv("MLFLOW_TRACKING_URI", "")  # restored after MLflow exports its own
-        from mopflow.compression.registry.model_registry import registry_client
+        from mopflow.registry.model_registry import registry_client
 
         client = registry_client()
         source = home / "model"
@@ -60,7 +60,7 @@ def test_branch_follows_the_action(promote_dag: Any) -> None:
 
 
 def test_promote_then_rollback(promote_dag: Any, registry: Any) -> None:
-    from mopflow.compression.registry.model_registry import CHAMPION
+    from mopflow.registry.model_registry import CHAMPION
 
     client, make = registry
     make("t-student")

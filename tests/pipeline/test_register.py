@@ -20,8 +20,6 @@ import torch
 from mlflow import MlflowClient
 
 from mopflow.base.settings import Settings
-from mopflow.compression.registry.inputs import example_input
-from mopflow.compression.registry.model_registry import CHALLENGER, CHAMPION, log_bundle_model
 from mopflow.pipeline.context import stage
 from mopflow.pipeline.records import (
     BestTrial,
@@ -34,6 +32,8 @@ from mopflow.pipeline.records import (
 )
 from mopflow.pipeline.register import register_stage
 from mopflow.pipeline.run import start_pipeline
+from mopflow.registry.inputs import example_input
+from mopflow.registry.model_registry import CHALLENGER, CHAMPION, log_bundle_model
 from mopflow.training.data import load_manifest, load_split
 from mopflow.training.models.builtin import ArchSpec, build_model, count_params
 from mopflow.training.models.bundle import accuracy, load_bundle, save_bundle

@@ -56,7 +56,7 @@ def _registry_client() -> Any:
 
 def _print_registry_change(change: Any, *args: Any) -> int:
     """Run one registry change (promote, rollback) and print what it did; its refusal is a CliError."""
-    from mopflow.compression.registry.model_registry import RegistryError
+    from mopflow.registry.model_registry import RegistryError
 
     try:
         print(change(_registry_client(), *args))
@@ -67,13 +67,13 @@ def _print_registry_change(change: Any, *args: Any) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """Make a registered model version the champion."""
-    from mopflow.compression.registry.model_registry import promote
+    from mopflow.registry.model_registry import promote
 
     return _print_registry_change(promote, args.name, str(args.version))
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     """Bring the previous champion back."""
-    from mopflow.compression.registry.model_registry import rollback
+    from mopflow.registry.model_registry import rollback
 
     return _print_registry_change(rollback, args.name)

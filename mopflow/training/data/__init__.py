@@ -84,7 +84,7 @@ from mopflow.training.data.rules import (
     validate_stats,
 )
 from mopflow.training.data.sharding import shard_dataset
-from mopflow.training.data.sources.select import describe_source, source_partitions
+from mopflow.training.data.sources.kinds import describe_source, source_partitions
 from mopflow.training.data.tables import SourceInfo, read_table, table_fingerprint
 
 __all__ = [

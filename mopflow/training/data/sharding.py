@@ -36,7 +36,7 @@ from mopflow.training.data.rules import (
     validate_stats,
 )
 from mopflow.training.data.sources.arrays import channel_normalization, expand_channels
-from mopflow.training.data.sources.select import (
+from mopflow.training.data.sources.kinds import (
     KINDS_BY_NAME,
     describe_source,
     known_data_spec,

@@ -12,7 +12,7 @@ from mopflow.training.executors.scheduler import MopScheduleName
 from mopflow.training.search.names import PrunerName, SamplerName, StrategyName
 from mopflow.training.search.space import SearchSpace, default_space, parse_space
 from mopflow.training.trainable.augment import parse_spec
-from mopflow.training.volatile.workers import WorkerSchedule
+from mopflow.training.volatile.schedules import WorkerSchedule
 
 _SCHEDULE_ARGS: dict[str, tuple[tuple[str, ...], int]] = {  # kind -> (positional fields, how many required)
     "static": (("n_max",), 1),

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from mopflow.training.compute.workers import worker_addresses
 from mopflow.training.volatile.preempt import register_preemption
-from mopflow.training.volatile.workers import WorkerSchedule, workers_at
+from mopflow.training.volatile.schedules import WorkerSchedule, workers_at
 
 if TYPE_CHECKING:
     from mopflow.base.tracking import Tracker

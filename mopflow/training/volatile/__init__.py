@@ -1,6 +1,6 @@
 """The volatile-worker wing: training on workers that come and go, and what they cost.
 
-- :mod:`~mopflow.training.volatile.workers`: worker schedules ``n_j`` (pure);
+- :mod:`~mopflow.training.volatile.schedules`: worker schedules ``n_j`` (pure);
 - :mod:`~mopflow.training.volatile.preempt`: spot notices (SIGTERM) on a worker: checkpoint and leave;
 - :mod:`~mopflow.training.volatile.prices`: spot price distributions and the price errors;
 - :mod:`~mopflow.training.volatile.price_trace`: price traces (CSV, sampled, repeated) and their distribution;

@@ -46,7 +46,7 @@ def test_mixup_points_stay_nearest_their_own_example() -> None:
 def test_auto_transfer_is_munge_for_a_table_of_columns_and_mixup_for_a_signal_table() -> None:
     from mopflow.compression.config import DistillConfig
     from mopflow.training.data.config import DataConfig
-    from mopflow.training.data.sources.select import known_data_spec
+    from mopflow.training.data.sources.kinds import known_data_spec
     from mopflow.training.models.families import DataSpec
 
     auto = DistillConfig()

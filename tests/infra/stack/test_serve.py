@@ -44,7 +44,7 @@ def _register_two_versions(home: Path, name: str = "served") -> str:
     import mlflow
     from mlflow import MlflowClient
 
-    from mopflow.compression.registry.model_registry import log_bundle_model
+    from mopflow.registry.model_registry import log_bundle_model
     from mopflow.training.models.builtin import ArchSpec, build_model
     from mopflow.training.models.bundle import save_bundle
 

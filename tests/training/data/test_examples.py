@@ -153,7 +153,7 @@ def test_streamed_images_stay_encoded_until_their_batch(tmp_path: Path, dask_cli
 
 
 def test_the_pyfunc_input_takes_base64_images_tensors_and_refuses_others() -> None:
-    from mopflow.compression.registry.inputs import model_rows
+    from mopflow.registry.inputs import model_rows
     from mopflow.training.data.examples import decode_images
 
     rng = np.random.default_rng(3)
@@ -178,7 +178,7 @@ def test_the_pyfunc_input_takes_base64_images_tensors_and_refuses_others() -> No
 def test_served_rows_are_writable_whatever_the_request_shares() -> None:
     """pandas' copy-on-write and a client's read-only array hand out views torch warns about
     (and must not write to): the rows a model gets are its own."""
-    from mopflow.compression.registry.inputs import model_rows
+    from mopflow.registry.inputs import model_rows
 
     frozen = np.arange(12, dtype=np.float32).reshape(3, 4)
     frozen.flags.writeable = False

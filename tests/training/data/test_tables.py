@@ -147,7 +147,7 @@ def test_generated_shards_are_identical_on_one_and_two_workers(tmp_path: Path, d
 def test_a_folder_without_a_readable_table_is_refused_naming_it(
     tmp_path: Path, files: dict[str, bytes], needle: str
 ) -> None:
-    from mopflow.training.data.sources.select import describe_source
+    from mopflow.training.data.sources.kinds import describe_source
 
     root = tmp_path / "data"
     root.mkdir()

@@ -16,7 +16,7 @@ from mopflow.training.search.scaling import (
     log_worker_rounds,
     scaler_for,
 )
-from mopflow.training.volatile.workers import WorkerSchedule
+from mopflow.training.volatile.schedules import WorkerSchedule
 from tests.spaces import fixed_cnn_space
 
 SPACE = fixed_cnn_space(batch_size=64)

@@ -1,246 +1,185 @@
-"""The shard stage's image and array sources (generated ``shapes``, ``.npy`` pairs, image folders,
-tensor columns): what each is (fingerprint, example shape, modality) and its partitions, started on
-the Dask workers (``mopflow.training.data.sources.arrays`` and ``...images`` do the work). The
-registry of kinds is :mod:`mopflow.training.data.sources.select`."""
+"""The kinds of data source, as a registry of small objects: which kind a dataset is, its
+description (:class:`~mopflow.training.data.tables.SourceInfo`), its partitions started on the
+workers, and for a generated dataset the data spec known before any sharding.
+
+A kind matches a config by the dataset's name (generated data) or by what its URL holds; the
+first kind in :data:`SOURCE_KINDS` that matches is the dataset's kind.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from mopflow.base import storage
-from mopflow.training.data.config import DataConfig
-from mopflow.training.data.examples import EXAMPLE_COLUMN, IMAGE, TENSOR, example_layout
+from mopflow.training.data.config import KNOWN_DATASETS, DataConfig
+from mopflow.training.data.partitions import generate_mnist1d_partition, prepare_table_partition
 from mopflow.training.data.rules import (
     PARTITION_SEED_STRIDE,
+    DataValidationError,
+    check_columns,
     even_chunks,
     feature_columns,
 )
-from mopflow.training.data.sources.arrays import (
-    SourceError,
-    SplitSettings,
-    check_npy_pair,
-    npy_header,
-    npy_partition,
-    shapes_data_spec,
-    shapes_partition,
-)
-from mopflow.training.data.sources.images import (
-    image_formats,
-    image_partition,
-    image_shape,
-    list_image_folder,
-    probe_encoded,
-    probe_images,
-    tensor_column,
-    tensor_partition,
-)
-from mopflow.training.data.tables import SourceInfo, table_fingerprint
+from mopflow.training.data.sources import probe
+from mopflow.training.data.sources.arrays import SourceError, is_npy_folder
+from mopflow.training.data.sources.images import is_image_folder
+from mopflow.training.data.tables import SourceInfo, read_table, table_fingerprint
 from mopflow.training.models.families import DataSpec
 
-PROBE_CHUNK = 256  # images whose headers one task reads
-SHAPES_GENERATOR = "shapes-1"
-# in the fingerprint of every source stored as one example column: their shards' address changed
-EXAMPLE_STORAGE = {"storage": "example-column-1"}
+Options = Mapping[str, Any] | None
+MNIST1D_GENERATOR = "mnist1d-0.0.2"
 
 
-def _examples(
-    info: SourceInfo, encoding: str, dtype: str, row_bytes: float, formats: list[str] | None = None
-) -> SourceInfo:
-    """``info`` stored as one example column (images and sequences; tables keep their columns)."""
-    if info.modality == "table":
-        return info
-    layout = example_layout(encoding, info.input_shape, info.modality, dtype, formats or [])
-    return dataclasses.replace(
-        info,
-        fingerprint=info.fingerprint | EXAMPLE_STORAGE,
-        features=[EXAMPLE_COLUMN],
-        example=layout,
-        row_bytes=row_bytes,
-    )
+@dataclass(frozen=True)
+class SourceKind:
+    """One kind of data source.
+
+    ``matches`` tells whether a config's dataset is of this kind; ``describe`` reads what the
+    source is (before anything is written; unusable items refused, naming them); ``partitions``
+    starts its prepared partitions on the workers. A generated dataset (``generated``) is named in
+    the config, and its ``spec`` is known before sharding; with ``own_test_split`` it brings its
+    own test split, and only validation is cut from its training rows."""
+
+    name: str
+    matches: Callable[[DataConfig, Options], bool]
+    describe: Callable[[DataConfig, Options, Any], SourceInfo]
+    partitions: Callable[[DataConfig, SourceInfo, Any], list[Any]]
+    generated: bool = False
+    spec: Callable[[DataConfig], DataSpec] | None = None
+    own_test_split: bool = False
 
 
-def _split(cfg: DataConfig) -> SplitSettings:
-    return SplitSettings(cfg.val_fraction, cfg.test_fraction, cfg.seed, cfg.nan_policy)
+def _named(name: str) -> Callable[[DataConfig, Options], bool]:
+    return lambda cfg, storage_options: cfg.dataset == name
 
 
-def describe_shapes(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> SourceInfo:
-    """The generated ``shapes`` images: 3x16x16, 8 classes."""
-    shape, classes = shapes_data_spec()
+def _describe_mnist1d(cfg: DataConfig, storage_options: Options, client: Any) -> SourceInfo:
     fingerprint = {
-        "dataset": "shapes",
+        "dataset": "mnist1d",
         "num_samples": cfg.num_samples,
         "seed": cfg.seed,
         "partition_rows": cfg.partition_rows,
-        "generator": SHAPES_GENERATOR,
+        "val_fraction": cfg.val_fraction,
+        "generator": MNIST1D_GENERATOR,
     }
-    names = [str(c) for c in range(classes)]
-    info = SourceInfo(fingerprint, feature_columns(math.prod(shape)), None, "image", shape, "shapes", names)
-    return _examples(info, TENSOR, "float32", 4.0 * math.prod(shape))
+    return SourceInfo(fingerprint, feature_columns(40), kind="mnist1d", ordered_features=True)
 
 
-def shapes_spec(cfg: DataConfig) -> DataSpec:
-    """The data spec of the ``shapes`` images, known before sharding."""
-    shape, classes = shapes_data_spec()
-    return DataSpec(math.prod(shape), classes, shape, "image")
+def _mnist1d_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
+    """Functions ``submit(worker)`` that start generating partition ``i`` on ``worker``
+    (``per_partition_as_done`` hands them out as workers free up)."""
+    n_parts = max(1, -(-cfg.num_samples // cfg.partition_rows))
 
-
-def describe_npy(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> SourceInfo:
-    """A folder with ``x.npy`` and ``y.npy``: their headers, checked against each other."""
-
-    headers = (
-        npy_header(storage.join(cfg.dataset, "x.npy"), storage_options),
-        npy_header(storage.join(cfg.dataset, "y.npy"), storage_options),
-    )
-    shape, modality = check_npy_pair(*headers, cfg.dataset)
-    fingerprint = _files_fingerprint(cfg, storage_options) | {"seed": cfg.seed, "shape": list(shape)}
-    info = SourceInfo(
-        fingerprint,
-        feature_columns(math.prod(shape)),
-        None,
-        modality,
-        tuple(shape),
-        "npy",
-        None,
-        headers,
-        storage_options,
-    )
-    return _examples(info, TENSOR, str(headers[0].dtype), headers[0].dtype.itemsize * math.prod(shape))
-
-
-def _files_fingerprint(cfg: DataConfig, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
-
-    fs, path = storage.filesystem(cfg.dataset, storage_options)
-    entries = []
-    for name in ("x.npy", "y.npy"):
-        info = fs.info(f"{path.rstrip('/')}/{name}")
-        stamp = info.get("ETag") or info.get("mtime") or info.get("LastModified") or info.get("created")
-        entries.append({"file": name, "size": info.get("size"), "stamp": str(stamp)})
-    return {"url": cfg.dataset, "files": entries}
-
-
-def describe_images(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> SourceInfo:
-    """An image folder (``root/<class>/*.png|jpg``): every image's header, read on the workers."""
-
-    listing = list_image_folder(cfg.dataset, storage_options)
-    chunks = [listing.files[i : i + PROBE_CHUNK] for i in range(0, len(listing.files), PROBE_CHUNK)]
-    if client is None:
-        probes = [p for chunk in chunks for p in probe_images(chunk, storage_options)]
-    else:
-        futures = [client.submit(probe_images, chunk, storage_options, pure=False) for chunk in chunks]
-        probes = [p for part in client.gather(futures) for p in part]
-    shape = image_shape(listing.files, probes, cfg.image_size, cfg.mixed_channels)
-    fingerprint = listing.fingerprint | {"seed": cfg.seed, "shape": list(shape)}
-    info = SourceInfo(
-        fingerprint,
-        feature_columns(math.prod(shape)),
-        None,
-        "image",
-        shape,
-        "images",
-        listing.classes,
-        listing,
-        storage_options,
-    )
-    return _examples(info, IMAGE, "uint8", listing.mean_bytes, image_formats(listing.files))
-
-
-def describe_tensors(cfg: DataConfig, storage_options: Mapping[str, Any] | None, client: Any) -> SourceInfo:
-    """A parquet table whose ``tensor_column`` holds each example (a tensor, or an encoded image)."""
-
-    assert cfg.tensor_column is not None
-    source = tensor_column(cfg.dataset, cfg.tensor_column, cfg.label_column, storage_options)
-    shape: tuple[int, ...]
-    if source.shape is not None:
-        shape = source.shape
-        modality = {1: "table", 2: "sequence", 3: "image"}.get(len(shape))
-        if modality is None:
-            raise SourceError(
-                f"tensor_column {cfg.tensor_column!r} holds tensors of shape {list(shape)}; expected (features,), "
-                "(steps, features) or (channels, height, width)"
+    def generator(rows: int, seed: int) -> Any:
+        def submit(worker: str | None) -> Any:
+            return client.submit(
+                generate_mnist1d_partition,
+                rows,
+                seed,
+                cfg.val_fraction,
+                pure=False,
+                workers=None if worker is None else [worker],
+                allow_other_workers=True,  # loose: a lost worker's partition runs elsewhere
             )
-    else:  # encoded images: their sizes are read on the workers
-        if client is None:
-            probes = [probe_encoded(f, source, storage_options) for f in source.files]
-        else:
-            probes = client.gather(
-                [client.submit(probe_encoded, f, source, storage_options, pure=False) for f in source.files]
-            )
-        names = [
-            f"{f}#row={i}" for f, part in zip(source.files, probes, strict=True) for i in range(len(part))
-        ]
-        shape = image_shape(names, [p for part in probes for p in part], cfg.image_size, cfg.mixed_channels)
-        modality = "image"
-    fingerprint = table_fingerprint(cfg.dataset, storage_options) | {
-        "tensor_column": cfg.tensor_column,
-        "label": cfg.label_column,
-        "seed": cfg.seed,
-        "shape": list(shape),
-    }
-    info = SourceInfo(
-        fingerprint,
-        feature_columns(math.prod(shape)),
-        None,
-        modality,
-        tuple(shape),
-        "tensors",
-        None,
-        source,
-        storage_options,
-    )
-    if source.shape is None:
-        return _examples(info, IMAGE, "uint8", 4.0 * math.prod(shape) / 8, ["png", "jpeg"])
-    return _examples(info, TENSOR, source.dtype, np.dtype(source.dtype).itemsize * math.prod(shape))
 
+        return submit
 
-def _chunks(n: int, cfg: DataConfig) -> list[tuple[int, int]]:
-    return even_chunks(n, max(1, -(-n // cfg.partition_rows)))
-
-
-def shapes_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
-    """Futures of the generated ``shapes`` partitions, one seed each."""
     return [
-        client.submit(
-            shapes_partition, stop - start, cfg.seed + p * PARTITION_SEED_STRIDE, _split(cfg), pure=False
-        )
-        for p, (start, stop) in enumerate(_chunks(cfg.num_samples, cfg))
+        generator(stop - start, cfg.seed + p * PARTITION_SEED_STRIDE)
+        for p, (start, stop) in enumerate(even_chunks(cfg.num_samples, n_parts))
     ]
 
 
-def image_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
-    """Futures of an image folder's partitions, decoded on the workers."""
-    listing = info.detail
+def _describe_table(cfg: DataConfig, storage_options: Options, client: Any) -> SourceInfo:
+    """A user's parquet or CSV table: its columns validated from metadata."""
+    fingerprint = table_fingerprint(cfg.dataset, storage_options)
+    ddf = read_table(cfg.dataset, storage_options)
+    features = check_columns(dict(ddf.dtypes.items()), cfg.label_column, cfg.feature_columns)
+    fingerprint |= {"label": cfg.label_column, "features": features, "seed": cfg.seed}
+    return SourceInfo(fingerprint, features, ddf)
+
+
+def _table_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
+    raw = client.compute(info.table.to_delayed())
     return [
         client.submit(
-            image_partition,
-            listing.files[start:stop],
-            listing.labels[start:stop],
-            info.input_shape,
-            _split(cfg),
-            info.storage_options,
+            prepare_table_partition,
+            part,
+            info.features,
+            cfg.label_column,
+            cfg.val_fraction,
+            cfg.test_fraction,
+            cfg.seed,
+            cfg.nan_policy,
             pure=False,
         )
-        for start, stop in _chunks(len(listing.files), cfg)
+        for part in raw
     ]
 
 
-def tensor_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
-    """Futures of a tensor column's partitions: one per parquet file."""
-    split, so = _split(cfg), info.storage_options
-    return [
-        client.submit(tensor_partition, url, info.detail, info.input_shape, split, so, pure=False)
-        for url in info.detail.files
-    ]
+SOURCE_KINDS: tuple[SourceKind, ...] = (
+    SourceKind(
+        "mnist1d",
+        _named("mnist1d"),
+        _describe_mnist1d,
+        _mnist1d_partitions,
+        generated=True,
+        spec=lambda cfg: DataSpec(40, 10, ordered=True),  # 40 samples of the signal, 10 classes
+        own_test_split=True,  # the package's published test split
+    ),
+    SourceKind(
+        "shapes", _named("shapes"), probe.describe_shapes, probe.shapes_partitions, True, probe.shapes_spec
+    ),
+    # a location (a path or URL: it has a "/") holding tensors, a .npy pair or an image folder
+    SourceKind(
+        "tensors",
+        lambda cfg, so: "/" in cfg.dataset and cfg.tensor_column is not None,
+        probe.describe_tensors,
+        probe.tensor_partitions,
+    ),
+    SourceKind(
+        "npy",
+        lambda cfg, so: "/" in cfg.dataset and is_npy_folder(cfg.dataset, so),
+        probe.describe_npy,
+        probe.npy_partitions,
+    ),
+    SourceKind(
+        "images",
+        lambda cfg, so: "/" in cfg.dataset and is_image_folder(cfg.dataset, so),
+        probe.describe_images,
+        probe.image_partitions,
+    ),
+    SourceKind("table", lambda cfg, so: True, _describe_table, _table_partitions),
+)
+KINDS_BY_NAME = {kind.name: kind for kind in SOURCE_KINDS}
+# the config's dataset names are exactly the generated kinds (checked once, here)
+if {kind.name for kind in SOURCE_KINDS if kind.generated} != set(KNOWN_DATASETS):
+    raise ImportError("mopflow.training.data.sources.kinds: the generated kinds and KNOWN_DATASETS disagree")
 
 
-def npy_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
-    """Futures of an ``.npy`` pair's partitions, row ranges read on the workers."""
-    split, so = _split(cfg), info.storage_options
-    return [
-        client.submit(npy_partition, cfg.dataset, info.detail, start, stop, split, so, pure=False)
-        for start, stop in _chunks(info.detail[0].shape[0], cfg)
-    ]
+def source_kind(cfg: DataConfig, storage_options: Options) -> SourceKind:
+    """The kind of ``cfg.dataset``: the first in :data:`SOURCE_KINDS` that matches it."""
+    return next(kind for kind in SOURCE_KINDS if kind.matches(cfg, storage_options))
+
+
+def known_data_spec(cfg: DataConfig) -> DataSpec | None:
+    """The :class:`~mopflow.training.models.families.DataSpec` of a generated dataset (known before
+    sharding); None for a user's data, whose shape is known once it is read."""
+    kind = KINDS_BY_NAME.get(cfg.dataset)
+    return kind.spec(cfg) if kind is not None and kind.spec is not None else None
+
+
+def describe_source(cfg: DataConfig, storage_options: Options, client: Any = None) -> SourceInfo:
+    """Fingerprint and columns of the source; a user table's columns are validated here, from
+    metadata (images: their headers, read on the workers of ``client``)."""
+    try:
+        return source_kind(cfg, storage_options).describe(cfg, storage_options, client)
+    except SourceError as exc:
+        raise DataValidationError(str(exc)) from exc
+
+
+def source_partitions(cfg: DataConfig, info: SourceInfo, client: Any) -> list[Any]:
+    """The source's prepared partitions (the rows stay on the workers): futures, or functions
+    ``submit(worker)`` that start one on a worker (generated data)."""
+    return KINDS_BY_NAME[info.kind].partitions(cfg, info, client)

@@ -107,7 +107,7 @@ def test_the_generated_shapes_dataset_shards_as_images(tmp_path: Path, dask_clie
 def test_an_unusable_npy_pair_is_refused_naming_the_file_and_what_it_holds(
     tmp_path: Path, x: np.ndarray | bytes, y: np.ndarray, needle: str
 ) -> None:
-    from mopflow.training.data.sources.select import describe_source
+    from mopflow.training.data.sources.kinds import describe_source
 
     root = tmp_path / "pair"
     root.mkdir()

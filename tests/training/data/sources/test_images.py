@@ -180,7 +180,7 @@ def _tensor_table(path: Path, shape: tuple[int, ...]) -> None:
 def test_an_unusable_tensor_column_is_refused_naming_it(
     tmp_path: Path, name: str, cfg: dict[str, str], needle: str
 ) -> None:
-    from mopflow.training.data.sources.select import describe_source
+    from mopflow.training.data.sources.kinds import describe_source
 
     (tmp_path / "csv-folder").mkdir()
     (tmp_path / "csv-folder" / "t.csv").write_text("example,label\n1,0\n")

@@ -36,7 +36,7 @@ class BundleProbabilities(PythonModel):
     def predict(
         self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
     ) -> pd.DataFrame:
-        from mopflow.compression.registry.inputs import model_rows
+        from mopflow.registry.inputs import model_rows
         from mopflow.training.models.bundle import predict_proba
 
         x = model_rows(model_input, self.bundle.feature_columns, self.bundle.input_shape)

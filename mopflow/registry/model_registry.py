@@ -85,7 +85,7 @@ def log_bundle_model(
     import mlflow
     from mlflow.models import infer_signature
 
-    from mopflow.compression.registry.pyfunc_model import BundleProbabilities
+    from mopflow.registry.pyfunc_model import BundleProbabilities
 
     with tempfile.TemporaryDirectory() as tmp:
         fs, path = filesystem(bundle_uri, storage_options)
@@ -222,7 +222,7 @@ def champion_accuracy(
     (through its pyfunc, as it is served), one test shard in memory at a time."""
     import mlflow
 
-    from mopflow.compression.registry.inputs import served_examples
+    from mopflow.registry.inputs import served_examples
     from mopflow.training.data import read_shard
     from mopflow.training.data.reading import shard_arrays
     from mopflow.training.models.metrics import top1_correct

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from mopflow.compression.registry.model_registry import CHAMPION, RegistryError, promote, rollback, set_alias
+from mopflow.registry.model_registry import CHAMPION, RegistryError, promote, rollback, set_alias
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _client_with_versions(tmp_path: Path, n: int) -> tuple[MlflowClient, str]:

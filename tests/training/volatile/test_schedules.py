@@ -9,7 +9,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from mopflow.training.volatile.workers import WorkerSchedule, workers_at
+from mopflow.training.volatile.schedules import WorkerSchedule, workers_at
 
 
 def test_exponential_schedule_values() -> None:
@@ -46,6 +46,6 @@ def test_bad_schedule_inputs_are_named() -> None:
 
 
 def test_training_volatile_does_not_import_airflow() -> None:
-    code = "import sys, mopflow.training.volatile.workers; print('airflow' in sys.modules)"
+    code = "import sys, mopflow.training.volatile.schedules; print('airflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
