@@ -3,13 +3,22 @@ of Airflow's UI (or of the browser when the page is on its own)."""
 
 from __future__ import annotations
 
+import functools
+import http.server
+import os
 import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from mopflow.plugins import sweeps_html
 from mopflow.plugins.sweeps_page import Links, PageData, Sweep, TrialRow
 from mopflow.training.search.figures import LEARNING_CURVES, OPTIMIZATION_HISTORY
 
+CHROMIUM = os.environ.get("MOPFLOW_CHROMIUM", "/usr/bin/chromium")  # Debian's; never a downloaded one
 EVIL = "<script>alert(1)</script>"
 ESCAPED = "&lt;script&gt;alert(1)&lt;/script&gt;"
 
@@ -88,3 +97,67 @@ def test_the_page_follows_the_colour_mode() -> None:
     script = head.split("<script>")[1]
     assert "window.parent.document.documentElement" in script
     assert 'outer.classList.contains("dark")' in script and "MutationObserver" in script
+
+
+@pytest.fixture()
+def served(tmp_path: Path) -> Iterator[str]:
+    """The page, and a stand-in for Airflow's UI that shows it in an iframe, on one loopback origin
+    (as the api-server serves both): the UI's mode is the class next-themes puts on its <html>."""
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        from tests.conftest import skip_unless_required
+
+        skip_unless_required(f"needs chromium at {CHROMIUM} (apt-get install chromium)")
+    pytest.importorskip("playwright")
+    www = tmp_path / "www"
+    www.mkdir()
+    (www / "sweeps.html").write_text(
+        sweeps_html.render_page(PageData([_evil_sweep()], Links(), "e", ["error"]))
+    )
+    (www / "ui.html").write_text(
+        '<!DOCTYPE html><html class="light"><body><iframe src="sweeps.html"></iframe>'
+    )
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(www)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.slow
+def test_browser_the_page_takes_the_mode_of_airflow_s_ui_else_the_browser_s(
+    served: str, tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    background = "el => getComputedStyle(el.ownerDocument.body).backgroundColor"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page()
+            # On its own: the browser's preference.
+            seen = {}
+            for scheme in ("light", "dark"):
+                page.emulate_media(color_scheme=scheme)
+                page.goto(f"{served}/sweeps.html")
+                seen[scheme] = page.locator("body").evaluate(background)
+                page.screenshot(path=str(tmp_path / f"sweeps-{scheme}.png"), full_page=True)
+            assert seen == {"light": "rgb(255, 255, 255)", "dark": "rgb(24, 24, 27)"}, seen
+            # Inside the UI: the UI's mode wins over the browser's (dark here), and a toggle is followed.
+            page.goto(f"{served}/ui.html")
+            body = page.frame_locator("iframe").locator("body")
+            expect(body).to_have_css("background-color", seen["light"])
+            page.evaluate("document.documentElement.className = 'dark'")
+            expect(body).to_have_css("background-color", seen["dark"])
+            page.emulate_media(color_scheme="light")
+            expect(body).to_have_css("background-color", seen["dark"])
+            # The charts keep their white card in the dark.
+            expect(body.locator("img.gantt")).to_have_css("background-color", "rgb(255, 255, 255)")
+            page.screenshot(path=str(tmp_path / "ui-dark.png"), full_page=True)
+        finally:
+            browser.close()
