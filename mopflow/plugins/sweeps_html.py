@@ -84,7 +84,8 @@ def environment() -> Environment:
 
 def render_params(params: Mapping[str, Any]) -> str:
     """A trial's params as a key/value list (escaped); an item never wraps inside a number."""
-    return str(environment().get_template("parts.html").module.params(params))  # type: ignore[attr-defined]
+    macros: Any = environment().get_template("parts.html").module  # a template's macros are its attributes
+    return str(macros.params(params))
 
 
 def render_page(data: PageData, base: str = "") -> str:
