@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 # What the wheel is built from: the package's real files. The repository's top-level links
 # (training/ -> mopflow/training, ...) stay behind, as on a file system without symbolic links.
 PACKAGE_SOURCES = ("pyproject.toml", "README.md", "mopflow")
+# The Sweeps page's templates: package data the wheel must hold, or the page cannot be rendered.
+PAGE_TEMPLATES = sorted(p.name for p in (REPO / "mopflow" / "plugins" / "templates").iterdir())
 # The smallest run that still goes through every stage (two one-epoch trials, both ensembled),
 # searching the installed family only. At 16 channels or more, any two members leave a budget (0.1 x
 # the ensemble's parameters) of at least 523 parameters: room for the smallest depth-3 TCN student
@@ -186,6 +188,7 @@ def test_the_wheel_holds_one_namespace_with_the_dags_and_the_plugin(installed: d
         "mopflow/dags/promote.py",
         "mopflow/dags/.airflowignore",
         "mopflow/plugins/mopflow_plugin.py",
+        *(f"mopflow/plugins/templates/{name}" for name in PAGE_TEMPLATES),
         "mopflow/training/spaces/default.json",
         "mopflow/infra/configs/demo.yaml",
         "mopflow/py.typed",
@@ -207,7 +210,11 @@ for name in ("training", "infra", "compression", "dags", "plugins"):
         found[name] = True
     except ImportError:
         found[name] = False
-print(json.dumps({"file": mopflow.__file__, "version": mopflow.__version__, "generic": found}))
+from mopflow.plugins.sweeps_html import render_page
+from mopflow.plugins.sweeps_page import Links, PageData
+page = render_page(PageData([], Links(), "m"))  # the templates, read from the installed package
+print(json.dumps({"file": mopflow.__file__, "version": mopflow.__version__, "generic": found,
+                  "page": "<h1>Sweeps</h1>" in page and "prefers-color-scheme: dark" in page}))
 """
     proc = _python(installed, code)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -217,6 +224,7 @@ print(json.dumps({"file": mopflow.__file__, "version": mopflow.__version__, "gen
     ]  # the wheel's, not the checkout's
     assert seen["version"] == installed["wheel"].name.split("-")[1]
     assert seen["generic"] == dict.fromkeys(("training", "infra", "compression", "dags", "plugins"), False)
+    assert seen["page"] is True
 
 
 def test_airflow_finds_the_plugin_the_provider_and_the_packaged_dags(installed: dict[str, Any]) -> None:

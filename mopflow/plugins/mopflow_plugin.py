@@ -3,7 +3,8 @@
 A FastAPI app is mounted at ``/mopflow`` on Airflow's api-server; the nav item "Sweeps" shows
 its page in an iframe. The routes need an authenticated Airflow user (the UI's session cookie or
 a bearer token): Airflow does not protect plugin endpoints by itself. Page logic lives in
-``sweeps_page`` (data -> HTML); the routes here only read settings and call it.
+``sweeps_page`` (the data) and ``sweeps_html`` (its templates); the routes here only read settings
+and call them.
 
 A root middleware (``trigger_guard``) refuses, at trigger time, a run conf of a DAG tagged
 ``mopflow`` that has unknown keys, is larger than ``[mopflow] max_conf_bytes`` or (pipeline DAGs)
@@ -23,7 +24,7 @@ from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, Response
 
-from mopflow.plugins import sweep_figures, sweeps_page, trigger_guard
+from mopflow.plugins import sweep_figures, sweeps_html, sweeps_page, trigger_guard
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def create_app() -> FastAPI:
             errors.append(f"MLflow at {settings.tracking_uri} not readable: {type(exc).__name__}: {exc}")
         found = _with_figures(found, settings.optuna_storage) if study_ids else found
         data = sweeps_page.PageData(found, links, settings.experiment_name, errors)
-        return HTMLResponse(sweeps_page.render_page(data, base=request.scope.get("root_path", "")))
+        return HTMLResponse(sweeps_html.render_page(data, base=request.scope.get("root_path", "")))
 
     @app.get("/sweeps/figures/{study}/{name}", dependencies=[Depends(require_user)])
     def figure(study: str, name: str) -> Response:

@@ -1,4 +1,5 @@
-"""The Sweeps page's pictures of a search, and the script that keeps a running sweep current.
+"""The Sweeps page's pictures of a search (the page's templates show them and keep a running
+sweep current).
 
 No Airflow here (the plugin in ``mopflow_plugin.py`` serves them). The figures are drawn on
 request from the Optuna storage with the functions the search stage logs to MLflow
@@ -11,54 +12,17 @@ kind must be one of three.
 from __future__ import annotations
 
 import functools
-import html
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable
 from typing import Any
 
-from mopflow.training.search.figures import FIGURE_KINDS, TITLES, draw, png, unavailable_reason
+from mopflow.training.search.figures import FIGURE_KINDS, draw, png, unavailable_reason
 
 STUDY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,127}$")  # a model name, '-', a run key
-REFRESH_S = 15  # how often the page fetches a running sweep's section again
+REFRESH_S = 15  # how often the page fetches a running sweep's section again (templates/refresh.js)
 CACHE_SIZE = 64  # PNGs kept, keyed by the study's state: an unchanged study is not drawn again
-
-STYLE = """
-.search-view{display:flex;flex-wrap:wrap;gap:1rem;align-items:flex-start}
-.figures{display:flex;flex-wrap:wrap;gap:.5rem}
-.figures figure{margin:0}
-img.search-figure{width:32rem;max-width:100%;border:1px solid #cbd5e0}
-.figure-skipped{color:#4a5568;font-style:italic}
-"""
-
-# Every REFRESH_S seconds while a section is live (its pipeline run is RUNNING): fetch the page
-# again and swap the section for its new version, figure URLs made unique so they are fetched anew.
-SCRIPT = """
-(function () {
-  async function refresh() {
-    const live = document.querySelectorAll("section.sweep[data-live]");
-    if (!live.length) return 0;
-    const response = await fetch(location.href, {credentials: "same-origin", cache: "no-store"});
-    if (!response.ok) return 0;
-    const fresh = new DOMParser().parseFromString(await response.text(), "text/html");
-    const stamp = String(Date.now());
-    let swapped = 0;
-    for (const old of live) {
-      const next = fresh.getElementById(old.id);
-      if (!next) continue;
-      for (const img of next.querySelectorAll("img.search-figure")) {
-        img.setAttribute("src", img.getAttribute("src") + "?at=" + stamp);
-      }
-      old.replaceWith(document.importNode(next, true));
-      swapped += 1;
-    }
-    return swapped;
-  }
-  window.mopflowRefresh = refresh;
-  setInterval(function () { refresh().catch(function () {}); }, REFRESH_MS);
-})();
-""".replace("REFRESH_MS", str(REFRESH_S * 1000))
 
 
 def check_study(name: str) -> str:
@@ -136,29 +100,3 @@ def figure_png(optuna_storage: Any, study_name: str, kind: str) -> bytes:
         while len(_drawn) > CACHE_SIZE:
             _drawn.popitem(last=False)
     return image
-
-
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def render_figures(study: str | None, status: Mapping[str, str | None], base: str) -> str:
-    """The study's figures (escaped): an image per figure it can give, the reason for the others."""
-    if not study or not status:
-        return ""
-    parts = []
-    for kind in FIGURE_KINDS:
-        if kind not in status:
-            continue
-        reason = status[kind]
-        if reason is None:
-            src = f"{base}/sweeps/figures/{study}/{kind}.png"
-            parts.append(
-                f'<figure><img class="search-figure" data-kind="{_e(kind)}" src="{_e(src)}" '
-                f'alt="{_e(TITLES[kind])} of study {_e(study)}"></figure>'
-            )
-        else:
-            parts.append(
-                f'<p class="figure-skipped" data-kind="{_e(kind)}">{_e(TITLES[kind])}: {_e(reason)}</p>'
-            )
-    return f'<div class="figures">{"".join(parts)}</div>'

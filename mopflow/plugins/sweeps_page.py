@@ -1,22 +1,19 @@
-"""The Sweeps page's data and HTML: recent pipeline runs with their leaderboard, search figures
+"""The Sweeps page's data: recent pipeline runs with their leaderboard, search figures
 (``sweep_figures``) and MOP Gantt charts.
 
 No Airflow here (the plugin in ``mopflow_plugin.py`` mounts it): :func:`load_sweeps` reads the
-runs the pipeline tagged in MLflow through an injected ``MlflowClient``, :func:`render_page`
-turns that data into escaped server-side HTML (a pure function), :func:`ui_links` reads the UI
-addresses from the environment.
+runs the pipeline tagged in MLflow through an injected ``MlflowClient``, :func:`ui_links` reads
+the UI addresses from the environment. ``sweeps_html`` renders the data from templates.
 """
 
 from __future__ import annotations
 
-import html
 import json
 import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -249,147 +246,3 @@ def download_gantt(client: Any, run_id: str, name: str) -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         local = client.download_artifacts(run_id, f"mop/{name}", tmp)
         return Path(local).read_bytes()
-
-
-# --- rendering (pure) ---------------------------------------------------------------------------
-
-STYLE = """
-body{font-family:system-ui,sans-serif;margin:1rem;color:#1a202c}
-table{border-collapse:collapse;margin:.5rem 0 1rem}
-th,td{border:1px solid #cbd5e0;padding:.25rem .5rem;text-align:left;vertical-align:top}
-th{background:#edf2f7}
-ul.params{list-style:none;margin:0;padding:0;font-size:.85em;max-width:48rem}
-ul.params li{display:inline-block;white-space:nowrap;margin-right:1em}
-ul.params code{color:#4a5568}
-section{border-top:2px solid #cbd5e0;padding-top:.5rem;margin-top:1rem}
-.meta{color:#4a5568}
-img.gantt{max-width:100%;border:1px solid #cbd5e0}
-.error{color:#c53030}
-"""
-
-
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _fmt_time(ms: int | None) -> str:
-    if ms is None:
-        return "-"
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def _fmt_acc(value: float | None) -> str:
-    return f"{value:.4f}" if value is not None else "-"
-
-
-def _fmt_param(value: Any) -> str:
-    """A param value as people read it: floats to 4 significant digits, the rest as given."""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, str):
-        try:  # MLflow params come back as text
-            number = float(value)
-        except ValueError:
-            return value
-        return f"{number:.4g}" if any(c in value for c in ".eE") else value
-    return json.dumps(value, default=str) if isinstance(value, dict | list) else str(value)
-
-
-def render_params(params: Mapping[str, Any]) -> str:
-    """A trial's params as a key/value list; an item never wraps inside a number."""
-    items = "".join(
-        f"<li><code>{_e(key)}</code> {_e(_fmt_param(params[key]))}</li>" for key in sorted(params)
-    )
-    return f'<ul class="params">{items}</ul>' if items else "-"
-
-
-def render_promotion(promoted: str | None, reason: str | None) -> str:
-    """The promotion gate's verdict with its reason (text, not yet escaped)."""
-    if promoted is None:
-        return ""
-    verdict = "promoted to champion" if promoted == "true" else "not promoted"
-    return f"{verdict}: {reason}" if reason else verdict
-
-
-def render_leaderboard(rows: Sequence[TrialRow]) -> str:
-    """The leaderboard table (escaped): each trial's model family in its own column, the rest
-    of its params beside it. Epochs count from 1, as the task logs do."""
-    head = (
-        "<tr><th>trial</th><th>state</th><th>validation accuracy</th>"
-        "<th>pruned after epoch</th><th>family</th><th>params</th></tr>"
-    )
-    body = "".join(
-        "<tr>"
-        f"<td>{_e(r.trial)}</td><td>{_e(r.state)}</td><td>{_e(_fmt_acc(r.val_acc))}</td>"
-        f"<td>{_e(r.pruned_epoch + 1 if r.pruned_epoch is not None else '-')}</td>"
-        f'<td class="family">{_e(r.params.get("family", "-"))}</td>'
-        f"<td>{render_params({k: v for k, v in r.params.items() if k != 'family'})}</td>"
-        "</tr>"
-        for r in rows
-    )
-    return f'<table class="leaderboard">{head}{body}</table>'
-
-
-def render_sweep(sweep: Sweep, links: Links, base: str) -> str:
-    """One sweep's section: identity, links, leaderboard beside the search's figures, and the last
-    MOP epoch's Gantt chart. A running sweep's section is live: the page fetches it again."""
-    live = " data-live" if sweep.status == "RUNNING" else ""
-    parts = [
-        f'<section class="sweep" id="run-{_e(sweep.run_id)}"{live}>',
-        f"<h2>{_e(sweep.dag_id)} · {_e(sweep.airflow_run_id)}</h2>",
-        '<p class="meta">'
-        f"status {_e(sweep.status)} · started {_e(_fmt_time(sweep.start_time_ms))}"
-        f" · strategy {_e(sweep.strategy or '-')} · study {_e(sweep.study or '-')}" + "</p>",
-        "<p>"
-        f'<a href="{_e(links.mlflow_run(sweep.experiment_id, sweep.run_id))}" target="_blank" rel="noopener">MLflow run</a>'
-        f' · <a href="{_e(links.optuna_study(sweep.study_id))}" target="_blank" rel="noopener">optuna-dashboard</a>'
-        "</p>",
-    ]
-    promotion = render_promotion(sweep.promoted, sweep.promotion_reason)
-    if promotion:
-        parts.append(f'<p class="promotion">{_e(promotion)}</p>')
-    if sweep.leaderboard:
-        note = (
-            " (from the trial runs; the search is still running)"
-            if sweep.leaderboard_source == "trial runs"
-            else ""
-        )
-        board = f"<div><h3>Leaderboard{_e(note)}</h3>{render_leaderboard(sweep.leaderboard)}</div>"
-    else:
-        board = "<p>No trials yet.</p>"
-    figures = sweep_figures.render_figures(sweep.study, sweep.figures, base)
-    parts.append(f'<div class="search-view">{board}{figures}</div>')
-    if sweep.gantt and sweep.search_run_id:
-        last = sweep.gantt[-1]
-        src = f"{base}/sweeps/gantt/{sweep.search_run_id}/{last}"
-        parts.append(f"<h3>MOP Gantt chart ({_e(last.removesuffix('.png'))})</h3>")
-        parts.append(f'<img class="gantt" src="{_e(src)}" alt="Gantt chart {_e(last)}">')
-        if len(sweep.gantt) > 1:
-            others = " ".join(
-                f'<a href="{_e(f"{base}/sweeps/gantt/{sweep.search_run_id}/{name}")}">{_e(name.removesuffix(".png"))}</a>'
-                for name in sweep.gantt[:-1]
-            )
-            parts.append(f"<p>Other epochs: {others}</p>")
-    parts.append("</section>")
-    return "".join(parts)
-
-
-def render_page(data: PageData, base: str = "") -> str:
-    """The whole page (every value escaped). ``base`` is the path the plugin app is mounted at."""
-    links = data.links
-    header = (
-        "<h1>Sweeps</h1>"
-        f'<p class="meta">MLflow experiment {_e(data.experiment)} · '
-        f'<a href="{_e(links.mlflow_ui)}" target="_blank" rel="noopener">MLflow UI</a> · '
-        f'<a href="{_e(links.optuna_study(None))}" target="_blank" rel="noopener">optuna-dashboard</a></p>'
-    )
-    errors = "".join(f'<p class="error">{_e(err)}</p>' for err in data.errors)
-    if data.sweeps:
-        body = "".join(render_sweep(s, links, base) for s in data.sweeps)
-    else:
-        body = "<p>No sweeps yet. Trigger the <code>mopflow_sweep</code> DAG to start one.</p>"
-    return (
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        f"<title>mopflow sweeps</title><style>{STYLE}{sweep_figures.STYLE}</style></head>"
-        f"<body>{header}{errors}{body}<script>{sweep_figures.SCRIPT}</script></body></html>"
-    )

@@ -537,6 +537,36 @@ def test_browser_sweeps_page_shows_the_leaderboard(running_stack: Stack, airflow
     sizes = {f["path"]: int(f.get("file_size", 0)) for f in listed.get("files", [])}
     assert {f"figures/{kind}.png" for kind in FIGURE_KINDS} <= set(sizes), sizes
     assert all(sizes[f"figures/{kind}.png"] > 10_000 for kind in FIGURE_KINDS), sizes
+    # The page follows Airflow's theme: light and dark, each with its screenshot.
+    backgrounds = _sweeps_page_in_light_and_dark(page, f"{s.airflow}/plugin/mopflow-sweeps")
+    assert backgrounds["light"] != backgrounds["dark"], backgrounds
+
+
+# The colour mode of Airflow's UI: the class next-themes puts on its <html> (none: the system's).
+UI_MODE = "el => ['dark', 'light'].find(m => el.classList.contains(m)) || null"
+
+
+def _sweeps_page_in_light_and_dark(page: Any, url: str) -> dict[str, str]:
+    """The Sweeps page's background colour in each mode, screenshots ``stack-sweeps-<mode>.png``.
+    The browser's preference sets the mode of Airflow's UI (it follows the system's until a user
+    picks one), and the page inside it must take the UI's mode."""
+    from playwright.sync_api import expect
+
+    seen = {}
+    try:
+        for scheme in ("light", "dark"):
+            page.emulate_media(color_scheme=scheme)
+            page.goto(url)
+            frame = page.frame_locator("iframe")
+            expect(frame.get_by_role("heading", name="Sweeps", exact=True)).to_be_visible()
+            ui_mode = page.locator("html").evaluate(UI_MODE)
+            if ui_mode:  # the page reads it from its parent (same origin)
+                expect(frame.locator("html")).to_have_attribute("data-theme", ui_mode)
+            seen[scheme] = frame.locator("body").evaluate("el => getComputedStyle(el).backgroundColor")
+            _screenshot(page, f"sweeps-{scheme}")
+    finally:
+        page.emulate_media(color_scheme="null")  # the later tests see the browser's own preference
+    return seen
 
 
 @pytest.mark.slow

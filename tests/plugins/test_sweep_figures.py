@@ -12,7 +12,8 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from mopflow.plugins import sweep_figures
-from mopflow.plugins.sweeps_page import Links, PageData, Sweep, render_page
+from mopflow.plugins.sweeps_html import render_page
+from mopflow.plugins.sweeps_page import Links, PageData, Sweep
 from mopflow.training.search.figures import LEARNING_CURVES, OPTIMIZATION_HISTORY, PARAM_IMPORTANCES
 
 STUDY = "stack-0123456789ab"

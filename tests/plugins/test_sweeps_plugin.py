@@ -161,14 +161,14 @@ def test_sweeps_page_renders_the_leaderboards(client: Any, store: dict[str, Any]
 
 
 def test_the_gate_s_verdict_is_shown_with_its_reason() -> None:
-    from mopflow.plugins import sweeps_page
+    from mopflow.plugins import sweeps_html
 
     reason = "test accuracy 0.9510 < champion's 0.9670 on the same test set"
-    assert sweeps_page.render_promotion("false", reason) == f"not promoted: {reason}"
-    assert sweeps_page.render_promotion("true", None) == "promoted to champion"
-    assert sweeps_page.render_promotion(None, None) == ""
-    assert sweeps_page.render_params({}) == "-"
-    assert sweeps_page.render_params({"sampler": "tpe", "dropout": "0.30000000000000004"}) == (
+    assert sweeps_html.render_promotion("false", reason) == f"not promoted: {reason}"
+    assert sweeps_html.render_promotion("true", None) == "promoted to champion"
+    assert sweeps_html.render_promotion(None, None) == ""
+    assert sweeps_html.render_params({}) == "-"
+    assert sweeps_html.render_params({"sampler": "tpe", "dropout": "0.30000000000000004"}) == (
         '<ul class="params"><li><code>dropout</code> 0.3</li><li><code>sampler</code> tpe</li></ul>'
     )
 
@@ -176,7 +176,7 @@ def test_the_gate_s_verdict_is_shown_with_its_reason() -> None:
 def test_params_are_escaped(client: Any) -> None:
     page = client.get("/sweeps").text
     assert EVIL not in page
-    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
+    assert "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;" in page
 
 
 def test_filter_by_dag_and_limit(client: Any) -> None:
@@ -211,7 +211,8 @@ def test_page_needs_an_authenticated_user(store: dict[str, Any]) -> None:
 
 
 def test_no_sweeps_yet() -> None:
-    from mopflow.plugins.sweeps_page import Links, PageData, render_page
+    from mopflow.plugins.sweeps_html import render_page
+    from mopflow.plugins.sweeps_page import Links, PageData
 
     page = render_page(PageData([], Links(), "mopflow"))
     assert "No sweeps yet" in page and "mopflow_sweep" in page
