@@ -109,8 +109,12 @@ def test_student_is_registered_as_champion(pipeline_run: tuple[Path, dict]) -> N
 @pytest.mark.slow
 def test_champion_pyfunc_loads_in_a_fresh_process(pipeline_run: tuple[Path, dict]) -> None:
     home, _ = pipeline_run
+    # Loading and predicting with warnings as errors: MLflow's own import-time warnings come first,
+    # and the deprecations SQLAlchemy 2.1 reports from MLflow's SQLite store are not the model's.
     code = f"""
-import json, mlflow, numpy as np, pandas as pd
+import json, warnings, mlflow, mlflow.pyfunc, numpy as np, pandas as pd
+warnings.simplefilter("error")
+warnings.filterwarnings("default", category=DeprecationWarning)
 mlflow.set_tracking_uri("sqlite:///{home / "mlflow" / "mlflow.db"}")
 model = mlflow.pyfunc.load_model("models:/e2e-student@champion")
 cols = [f"x{{i:03d}}" for i in range(40)]
