@@ -654,6 +654,60 @@ def test_bad_conf_is_refused_at_trigger_time_and_creates_no_run(
     assert _run_ids(s, DAG_ID) == before
 
 
+def _airflow_cli(s: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+    """The ``airflow`` command on the stack's host, with the stack's Airflow settings: it reaches
+    the metadata DB directly, not through the api-server and its trigger guard."""
+    from mopflow.base.settings import Settings
+    from mopflow.infra.stack.environment import airflow_env, mopflow_env
+
+    env = _env(s.home)
+    settings = Settings.from_env(env)
+    env |= mopflow_env(settings, s.state.ports) | airflow_env(settings.airflow_home, env, BIN, s.state.ports)
+    return subprocess.run(
+        [str(Path(BIN) / "airflow"), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_a_run_triggered_past_the_api_server_is_refused_its_data_outside_the_roots(
+    running_stack: Stack, tmp_path: Path
+) -> None:
+    """`airflow dags trigger` on the scheduler's host skips the api-server's trigger guard; the
+    shard task still refuses a dataset outside the data roots, at once (no retry), before reading
+    it, and nothing is sharded."""
+    s = running_stack
+    _wait_for_dag(s, DAG_ID)
+    outside = tmp_path / "elsewhere" / "table.csv"  # not under the stack's data root
+    outside.parent.mkdir()
+    outside.write_text("x0,label\n0.5,0\n0.7,1\n")
+    datasets = s.home / "data" / "datasets"
+    before = sorted(datasets.iterdir()) if datasets.exists() else []
+    run_id = f"cli__outside_{time.monotonic_ns()}"
+    conf = {**TINY, "dataset": str(outside), "label_column": "label"}
+    paused = s.api("GET", f"/dags/{DAG_ID}")[1]["is_paused"]  # as other tests of the stack left it
+    assert s.api("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})[0] == 200
+    try:
+        triggered = _airflow_cli(s, "dags", "trigger", DAG_ID, "--run-id", run_id, "--conf", json.dumps(conf))
+        assert triggered.returncode == 0, triggered.stdout[-2000:] + triggered.stderr[-3000:]
+        quoted = urllib.parse.quote(run_id, safe="")
+        deadline = time.monotonic() + 300
+        while True:
+            status, run = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{quoted}")
+            assert status == 200, run
+            if run["state"] in ("success", "failed"):
+                break
+            assert time.monotonic() < deadline, f"run {run_id} still {run['state']}"
+            time.sleep(3)
+    finally:
+        assert s.api("PATCH", f"/dags/{DAG_ID}", {"is_paused": paused})[0] == 200
+    _, tis = s.api("GET", f"/dags/{DAG_ID}/dagRuns/{quoted}/taskInstances")
+    shard = next(t for t in tis["task_instances"] if t["task_id"] == "shard")
+    assert run["state"] == "failed" and shard["state"] == "failed" and shard["try_number"] == 1, shard
+    logged = json.dumps(_task_log_records(s.home, run_id, "shard"))
+    assert "outside the data roots" in logged and str(outside) in logged, logged[-3000:]
+    assert (sorted(datasets.iterdir()) if datasets.exists() else []) == before  # nothing sharded
+
+
 def _post_raw(url: str, body: bytes, token: str | None) -> tuple[int, Any]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
