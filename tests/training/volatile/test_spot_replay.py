@@ -136,7 +136,7 @@ MOP_SPACE = fixed_cnn_space(batch_size=8)
 def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
     tmp_path: Path, small_manifest: str
 ) -> None:
-    """strategy=mop: worker 1 (bid 0.5) is priced out from trace second 60 to 180 (1 s to 3 s at
+    """strategy=mop: worker 1 (bid 0.5) is priced out from trace second 60 to 90 (1 s to 1.5 s at
     60x). Its unit checkpoints on the notice and goes on elsewhere; the worker's process really
     exits and a new one joins under the same name while the sweep runs; every trial completes all
     its epochs and the account is logged."""
@@ -148,11 +148,14 @@ def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
     from mopflow.training.search.scaling import log_volatile
     from mopflow.training.search.sweep import run_search_with_executor
 
+    # Epochs enough that the sweep outlasts the worker's notice, exit and restart: forked from the
+    # fork server, workers need no imports, and three epochs end before the price comes back.
+    epochs = 2 * EPOCHS_MOP
     csv = tmp_path / "prices.csv"
-    csv.write_text("timestamp,price\n0,0.3\n60,0.8\n180,0.3\n100000,0.3\n")
+    csv.write_text("timestamp,price\n0,0.3\n60,0.8\n90,0.3\n100000,0.3\n")
     cfg = SearchConfig(
         n_trials=2,
-        epochs=EPOCHS_MOP,
+        epochs=epochs,
         strategy="mop",
         model_slots=2,
         space=MOP_SPACE,
@@ -175,13 +178,17 @@ def test_mop_sweep_under_a_replayed_trace_survives_a_priced_out_worker(
         after = len(cluster_workers(client))
     assert after == 2, "the replay leaves every worker running"
     assert [r.state for r in outcome.results] == ["COMPLETE"] * 2, [r.error for r in outcome.results]
-    assert all([h["epoch"] for h in r.history] == list(range(EPOCHS_MOP)) for r in outcome.results)
+    assert all([h["epoch"] for h in r.history] == list(range(epochs)) for r in outcome.results)
     # every model still visited both partitions once per epoch
-    assert sorted(len(recs) for recs in outcome.epoch_records.values()) == [4] * EPOCHS_MOP
+    assert sorted(len(recs) for recs in outcome.epoch_records.values()) == [4] * epochs
     report = outcome.spot
     assert report is not None and report.error == ""
     kinds = [e.kind for e in report.events if e.worker == "1" and e.wall <= report.wall_stop]
-    assert kinds[:5] == ["joined", "notice", "exit", "start", "joined"], kinds  # restarted mid-sweep
+    timeline = [(e.worker, e.kind, round(e.wall - report.wall_start, 2)) for e in report.events]
+    assert kinds[:5] == ["joined", "notice", "exit", "start", "joined"], (
+        timeline,
+        report.wall_stop - report.wall_start,
+    )
     assert "notice" not in [e.kind for e in report.events if e.worker == "0"]
     pids, addresses = report.pids("1"), report.addresses("1")
     assert len(set(pids)) >= 2 and len(set(addresses)) >= 2, "a new process at a new address"
