@@ -43,7 +43,9 @@ def four_workers() -> Iterator[Any]:
     from mopflow.training.volatile.preempt import register_preemption
 
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"}), dask_client("", 4) as client:
-        register_preemption(client)
+        # Every rank stops at one batch before the noticed worker leaves; on a slow, loaded 2-core
+        # host that took longer than the default 30 s grace, and the rank was recorded as lost.
+        register_preemption(client, {"MOPFLOW_PREEMPT_GRACE_S": "120"})
         yield client
 
 
