@@ -67,6 +67,20 @@ class ConnectionFields:
     password: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, conn_id: str, conn: Any) -> ConnectionFields:
+        """The plain fields of a connection object (Airflow's ``Connection``, read by attribute)."""
+        return cls(
+            conn_id=conn_id,
+            conn_type=conn.conn_type or "",
+            host=conn.host or "",
+            port=conn.port,
+            schema=conn.schema or "",
+            login=conn.login or "",
+            password=conn.password or "",
+            extra=conn.extra_dejson,
+        )
+
 
 def conn_ids(environ: Mapping[str, str]) -> dict[ConnectionKind, str]:
     """The connection id of each kind: its variable, else the default; kinds turned off (the

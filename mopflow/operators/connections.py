@@ -31,16 +31,7 @@ def lookup(conn_id: str) -> ConnectionFields | None:
         conn = Connection.get(conn_id)
     except AirflowNotFoundException:
         return None
-    return ConnectionFields(
-        conn_id=conn_id,
-        conn_type=conn.conn_type or "",
-        host=conn.host or "",
-        port=conn.port,
-        schema=conn.schema or "",
-        login=conn.login or "",
-        password=conn.password or "",
-        extra=conn.extra_dejson,
-    )
+    return ConnectionFields.of(conn_id, conn)
 
 
 def connection_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -29,17 +29,7 @@ class MopflowConnectionHook(BaseHook):
     def get_conn(self) -> dict[str, str]:
         """The environment values (``MOPFLOW_*``) the connection gives, secrets included."""
         conn = self.get_connection(self.conn_id)
-        fields = ConnectionFields(
-            conn_id=self.conn_id,
-            conn_type=conn.conn_type or "",
-            host=conn.host or "",
-            port=conn.port,
-            schema=conn.schema or "",
-            login=conn.login or "",
-            password=conn.password or "",
-            extra=conn.extra_dejson,
-        )
-        return settings_env({self.kind: fields}, os.environ)
+        return settings_env({self.kind: ConnectionFields.of(self.conn_id, conn)}, os.environ)
 
 
 class MlflowConnectionHook(MopflowConnectionHook):
