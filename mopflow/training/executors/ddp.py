@@ -89,6 +89,9 @@ class DDPExecutor(Executor):
         self.max_restarts = max_restarts
         self.max_trials = max_trials  # None: as many at once as gangs fit
         self.rank_pids: dict[str, list[int]] = {}  # model -> the process of each rank (last attempt)
+        # model -> the network interface each rank's collectives used (last attempt; "": the
+        # backend's own pick, from the hostname)
+        self.rank_interfaces: dict[str, list[str]] = {}
         self.allreduce_bytes: dict[str, int] = {}  # model -> gradient bytes its ranks all-reduced
         self._gangs: WorkerGangs | None = None
 

@@ -65,6 +65,7 @@ class DDPJobHost(RunBookkeeping, Protocol):
     epoch_timeout_s: float
     collective_timeout_s: float
     rank_pids: dict[str, list[int]]
+    rank_interfaces: dict[str, list[str]]
     allreduce_bytes: dict[str, int]
 
 
@@ -209,6 +210,7 @@ class DDPJob:
         results = sorted((f.result() for f in ranks.futures), key=lambda r: r["rank"])
         executor, model_id = self.executor, self.spec.model_id
         executor.rank_pids[model_id] = [int(r["pid"]) for r in results]
+        executor.rank_interfaces[model_id] = [str(r.get("interface", "")) for r in results]
         executor.allreduce_bytes[model_id] = executor.allreduce_bytes.get(model_id, 0) + int(
             sum(r["allreduce_bytes"] for r in results)
         )

@@ -98,23 +98,33 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
     import torch
     from pytorch_lightning.strategies import DDPStrategy
 
+    from mopflow.training.compute.interfaces import use_worker_interface
     from mopflow.training.trainable.lit import quiet_lightning
     from mopflow.training.trainable.unit import PassInterrupted
 
     torch.set_num_threads(1)
     quiet_lightning()
+    # before any process group: left alone, gloo and nccl take the address the hostname resolves
+    # to, a loopback one on Debian, which peers on other hosts cannot reach
+    interfaces = use_worker_interface()
     world, epochs = int(job["world_size"]), int(job["epochs"])
     unit, tensors, data = _rank_unit(job)
     rank0 = _RankZero(job, unit, data) if rank == 0 else None  # validates, checkpoints, reports
     comm = _CommHook(bool(job.get("bf16_compress")))
     timeout = timedelta(seconds=float(job.get("collective_timeout_s", 120)))
-    result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "preempted": 0}
+    backend = unit.spec.device.ddp_backend()  # nccl between GPUs, gloo on CPU
+    result: dict[str, Any] = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "preempted": 0,
+        "interface": interfaces.get(f"{backend.upper()}_SOCKET_IFNAME", ""),  # "": the backend's own pick
+    }
     epoch = start = int(job.get("start_epoch", 0))
     try:
         for epoch in range(start, epochs):
             strategy = DDPStrategy(
                 cluster_environment=DaskRankEnvironment(address, port, rank, world),
-                process_group_backend=unit.spec.device.ddp_backend(),  # nccl between GPUs, gloo on CPU
+                process_group_backend=backend,
                 timeout=timeout,
             )
             unit.meta["epoch"] = epoch - 1  # a state taken mid-pass continues this epoch

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from mopflow.training.compute.interfaces import host_interfaces, interface_for
 from mopflow.training.executors import DataRef, ModelSpec
 from mopflow.training.executors.ddp import DDPExecutor
 
@@ -27,6 +28,9 @@ def test_ddp_ranks_run_in_the_dask_worker_processes(small_manifest: str, dask_cl
     worker_pids = set(dask_client.run(os.getpid).values())
     assert set(executor.rank_pids["d"]) == worker_pids and os.getpid() not in worker_pids
     assert len(executor.rank_pids["d"]) == 2  # one rank per worker process
+    # the workers are at 127.0.0.1: gloo went through the loopback interface, not the hostname's
+    loopback = interface_for("127.0.0.1", host_interfaces())
+    assert loopback is not None and executor.rank_interfaces["d"] == [loopback, loopback]
 
 
 def test_more_ranks_than_workers_is_refused_naming_both(small_manifest: str, dask_client: Any) -> None:
