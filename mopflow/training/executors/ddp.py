@@ -10,9 +10,11 @@ once. The caller hears each epoch's report as rank 0 sends it, and the ranks wai
 decision before they train on (``training/executors/ddp_job.py``): a pruned trial ends at the
 epoch it was judged on. A rank whose worker dies fails its job within the collective timeout;
 the job alone starts again from its last checkpoint (weights, optimizer moments and schedule
-position), once per lost rank up to ``max_restarts``. A spot notice on any rank (or a stop of
-the run) stops all of the job's ranks at the same batch with a checkpoint there; the job goes on
-from that batch on a gang without the leaving worker.
+position), once per lost rank up to ``max_restarts``, on a gang without the failed attempt's
+workers where one is free within ``SHUN_WAIT_S`` (without the worker that left, when the error
+names it): a cut link between two of them would otherwise fail every restart. A spot notice on
+any rank (or a stop of the run) stops all of the job's ranks at the same batch with a checkpoint
+there; the job goes on from that batch on a gang without the leaving worker.
 """
 
 from __future__ import annotations
@@ -38,8 +40,19 @@ log = logging.getLogger(__name__)
 WORKER_WAIT_S = 120.0  # how long a job waits for a gang of workers (a killed one being restarted)
 MAX_NOTICES = 20  # spot notices one trial may take before it is failed (the cluster keeps leaving)
 MAX_PORT_CHOICES = 3  # rendezvous ports found taken before the trial fails (each costs no training)
+# How long a job that lost a rank waits for a gang without the workers it blames before it takes
+# them again: a freed gang may come along, but a cluster of exactly one gang would wait in vain
+# (that case is seen at once and not waited for).
+SHUN_WAIT_S = 30.0
 
 __all__ = ["DDPExecutor", "PlacementError", "RankLost"]
+
+
+def shunned_after_loss(gang: Sequence[str], lost: RankLost) -> list[str]:
+    """The workers the next attempt prefers not to take after ``gang`` lost a rank: those the
+    error blames, else the whole gang (a link cut between two of its workers is not told apart
+    from a peer that died, and would fail the next attempt on the same workers too)."""
+    return list(lost.workers) or list(gang)
 
 
 class _Serialized:
@@ -163,10 +176,11 @@ class DDPExecutor(Executor):
         started = time.time()
         lost = notices = taken_ports = 0
         leaving: list[str] = []  # workers of a preempted attempt: they are about to go
+        shunned: list[str] = []  # workers of the last attempt that lost a rank
         while True:
             gangs = self.gangs(spec)
             try:
-                gang = gangs.take(WORKER_WAIT_S, avoid=leaving)
+                gang = gangs.take(WORKER_WAIT_S, avoid=leaving, prefer_not=shunned, prefer_wait_s=SHUN_WAIT_S)
             except PlacementError as exc:
                 outcome.error = f"PlacementError: {exc}"
                 break
@@ -197,7 +211,13 @@ class DDPExecutor(Executor):
                     outcome.error = f"RankLost: {exc}"
                     log.warning("ddp: %s failed: %s", spec.model_id, exc)
                     break
-                log.warning("ddp: %s: %s; starting again from its last checkpoint", spec.model_id, exc)
+                shunned = shunned_after_loss(gang, exc)
+                log.warning(
+                    "ddp: %s: %s; starting again from its last checkpoint, preferably without %s",
+                    spec.model_id,
+                    exc,
+                    ", ".join(shunned),
+                )
             except Exception as exc:
                 outcome.error = f"{type(exc).__name__}: {exc}"
                 log.warning("ddp: %s failed: %s", spec.model_id, outcome.error)

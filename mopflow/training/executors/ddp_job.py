@@ -32,7 +32,15 @@ CHECK_S = 0.5
 
 
 class RankLost(RuntimeError):
-    """A rank's worker left the cluster or its task failed: the job cannot go on."""
+    """A rank's worker left the cluster or its task failed: the job cannot go on.
+
+    ``workers``: the workers known to be at fault (one that left the cluster); empty when the
+    error does not tell (a rank that lost its peers names itself, the one that noticed, not the
+    peer or the link that failed)."""
+
+    def __init__(self, message: str, workers: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.workers = tuple(workers)
 
 
 class MasterPortTaken(RuntimeError):
@@ -247,7 +255,7 @@ class DDPJob:
         alive = set(cluster_workers(self.client))
         for future, (rank, worker) in futures.items():
             if worker not in alive:
-                raise RankLost(f"rank {rank}'s worker {worker} left the cluster")
+                raise RankLost(f"rank {rank}'s worker {worker} left the cluster", workers=[worker])
             if future in done and future.status == "error":
                 error = future.exception()
                 if rank == 0 and port_was_taken(error):

@@ -5,7 +5,8 @@ A trial of world size ``w`` needs ``w`` Dask workers that hold the resources it 
 device twice over. Workers started with ``trials_per_gpu > 1`` share a GPU (the same
 ``CUDA_VISIBLE_DEVICES``), so a gang takes at most one of them per GPU. With ``W`` such workers,
 ``floor(W / w)`` trials train at once; a trial whose gang lost a worker gives the rest back and
-waits for a whole new gang, so the other trials go on undisturbed.
+waits for a whole new gang, preferably one without the workers it blames, so the other trials
+go on undisturbed.
 
 :func:`choose_gang` is the pure choice; :class:`WorkerGangs` keeps which workers are taken,
 under a lock, for the executor's threads (one per trial in flight).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from mopflow.training.compute.workers import cluster_workers
@@ -28,18 +29,29 @@ class PlacementError(RuntimeError):
     """The cluster can never hold a trial's ranks (too few workers, or too few devices)."""
 
 
-def choose_gang(free: Mapping[str, str], world_size: int) -> list[str] | None:
+def choose_gang(
+    free: Mapping[str, str], world_size: int, prefer_not: Collection[str] = ()
+) -> list[str] | None:
     """``world_size`` workers of ``free`` (address -> the device it sees) on distinct devices,
-    in address order (rank 0 first); None when ``free`` has too few distinct devices."""
+    in address order (rank 0 first); None when ``free`` has too few distinct devices.
+
+    Workers in ``prefer_not`` (those of a gang that lost a rank) come after all others, rank 0
+    included: they are taken only where the others do not make up a gang."""
     gang: list[str] = []
     devices: set[str] = set()
-    for address in sorted(free):
+    for address in sorted(free, key=lambda a: (a in prefer_not, a)):
         if free[address] not in devices:
             gang.append(address)
             devices.add(free[address])
         if len(gang) == world_size:
             return gang
     return None
+
+
+def avoidable(devices: Mapping[str, str], world_size: int, shunned: Collection[str]) -> bool:
+    """Whether the workers (address -> device) but ``shunned`` make up a gang at all, free or
+    taken: if not, waiting for one to be freed is in vain."""
+    return choose_gang({a: d for a, d in devices.items() if a not in shunned}, world_size) is not None
 
 
 def concurrent_trials(devices: Mapping[str, str], world_size: int) -> int:
@@ -110,16 +122,30 @@ class WorkerGangs:
             raise PlacementError(placement_problem(self.devices(), self.world_size, self.needed))
         return n
 
-    def take(self, wait_s: float, avoid: Sequence[str] = ()) -> list[str]:
+    def take(
+        self,
+        wait_s: float,
+        avoid: Sequence[str] = (),
+        prefer_not: Collection[str] = (),
+        prefer_wait_s: float = 0.0,
+    ) -> list[str]:
         """A whole gang of free workers (rank 0 first), taken; waits up to ``wait_s`` for one.
-        ``avoid``: workers known to be leaving (a spot notice)."""
-        deadline = time.monotonic() + wait_s
+        ``avoid``: workers known to be leaving (a spot notice). ``prefer_not``: workers of a gang
+        that lost a rank (a cut link between them would fail the next attempt too), taken only
+        when no gang without them is free within ``prefer_wait_s``, or none can ever be formed."""
+        start = time.monotonic()
+        deadline = start + wait_s
         while True:
             devices = self.devices()
             with self._lock:
                 free = {a: d for a, d in devices.items() if a not in self._taken and a not in avoid}
-                gang = choose_gang(free, self.world_size)
-                if gang is not None:
+                gang = choose_gang(free, self.world_size, prefer_not)
+                if gang is not None and (
+                    not prefer_not
+                    or not set(gang) & set(prefer_not)
+                    or time.monotonic() - start >= prefer_wait_s
+                    or not avoidable(devices, self.world_size, [*avoid, *prefer_not])
+                ):
                     self._taken.update(gang)
                     return gang
             if time.monotonic() > deadline:
