@@ -116,6 +116,19 @@ def bf16_supported() -> bool:
         return False
 
 
+def cuda_uuid() -> str | None:
+    """The UUID of the CUDA device this process trains on (``torch.device("cuda")``, the first
+    it sees), unique across hosts; None where torch sees no CUDA device."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) or None
+    except Exception:  # a broken driver: no identity, not a crash
+        return None
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """One LocalCluster worker process: its environment and its Dask resources."""

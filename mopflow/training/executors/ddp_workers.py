@@ -2,11 +2,11 @@
 
 A trial of world size ``w`` needs ``w`` Dask workers that hold the resources it asks for
 (``GPU``, or a CPU slot) and see *different* devices: two ranks sharing a GPU would train one
-device twice over. Workers started with ``trials_per_gpu > 1`` share a GPU (the same
-``CUDA_VISIBLE_DEVICES``), so a gang takes at most one of them per GPU. With ``W`` such workers,
-``floor(W / w)`` trials train at once; a trial whose gang lost a worker gives the rest back and
-waits for a whole new gang, preferably one without the workers it blames, so the other trials
-go on undisturbed.
+device twice over. Workers started with ``trials_per_gpu > 1`` share a GPU (the same GPU UUID,
+or the same ``CUDA_VISIBLE_DEVICES`` on the same host), so a gang takes at most one of them per
+GPU. With ``W`` such workers, ``floor(W / w)`` trials train at once; a trial whose gang lost a
+worker gives the rest back and waits for a whole new gang, preferably one without the workers
+it blames, so the other trials go on undisturbed.
 
 :func:`choose_gang` is the pure choice; :class:`WorkerGangs` keeps which workers are taken,
 under a lock, for the executor's threads (one per trial in flight).
@@ -15,11 +15,13 @@ under a lock, for the executor's threads (one per trial in flight).
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from mopflow.training.compute.devices import GPU_RESOURCE, cuda_uuid
 from mopflow.training.compute.workers import cluster_workers
 
 WAIT_POLL_S = 0.2
@@ -82,11 +84,30 @@ def placement_problem(devices: Mapping[str, str], world_size: int, needed: Mappi
     )
 
 
-def worker_device(dask_worker: Any) -> str:
-    """The device a worker process trains on (``client.run`` hands it ``dask_worker``): its
-    visible GPU(s), else its own CPU slot."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return f"cuda:{visible}" if visible else f"cpu:{dask_worker.address}"
+def device_identity(gpu: bool, worker_address: str, host: str, visible: str, uuid: str | None) -> str:
+    """What tells the device a worker trains on from every other one in the cluster.
+
+    On the CPU (``gpu`` False) each worker is its own slot. A GPU is named by its UUID where
+    torch sees it (unique across hosts), else by the worker's host and ``CUDA_VISIBLE_DEVICES``
+    (``visible``): device 0 on two hosts is two devices, while two workers of one host that see
+    the same GPU (``trials_per_gpu`` > 1) are one."""
+    if not gpu:
+        return f"cpu:{worker_address}"
+    if uuid:
+        return f"cuda:{uuid}"
+    return f"cuda:{host}:{visible or 'default'}"
+
+
+def worker_device(dask_worker: Any, gpu: bool = False) -> str:
+    """The device a worker process trains on (``client.run`` hands it ``dask_worker``), as
+    :func:`device_identity` names it; ``gpu``: whether the ranks train on its GPU."""
+    return device_identity(
+        gpu,
+        dask_worker.address,
+        socket.gethostname(),
+        os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        cuda_uuid() if gpu else None,  # a CPU rank does not touch CUDA
+    )
 
 
 class WorkerGangs:
@@ -109,7 +130,9 @@ class WorkerGangs:
         with self._lock:  # the trials' threads ask at once; each new worker is asked once
             new = [a for a in fit if a not in self._known]
             if new:
-                self._known |= self.client.run(worker_device, workers=new, on_error="ignore")
+                self._known |= self.client.run(
+                    worker_device, workers=new, on_error="ignore", gpu=GPU_RESOURCE in self.needed
+                )
             return {a: self._known[a] for a in fit if a in self._known}
 
     def slots(self, wait_s: float) -> int:

@@ -206,6 +206,20 @@ def test_gpu_ddp_trial_over_nccl(small_manifest: str) -> None:
     assert outcome.error is None and [r.epoch for r in outcome.history] == [0, 1]
 
 
+@pytest.mark.gpu
+def test_workers_sharing_a_gpu_name_it_by_its_uuid() -> None:
+    """trials_per_gpu=2: the two workers of each GPU name one device, by the GPU's UUID."""
+    import torch
+
+    from mopflow.training.executors.ddp_workers import worker_device
+
+    with dask_client("", 1, accelerator="gpu", trials_per_gpu=2) as client:
+        named = client.run(worker_device, gpu=True)
+    uuids = {str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())}
+    assert {d.removeprefix("cuda:") for d in named.values()} == uuids
+    assert len(named) == 2 * len(uuids)
+
+
 def test_the_student_s_device_resolves_in_its_own_process() -> None:
     import torch
 

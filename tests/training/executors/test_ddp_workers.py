@@ -1,5 +1,5 @@
-"""Gangs of workers for DDP trials: a job that lost a rank goes on without the workers it blames
-where it can."""
+"""Gangs of workers for DDP trials across hosts: a device is told apart by its host (or its GPU's
+UUID), and a job that lost a rank goes on without the workers it blames where it can."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from mopflow.training.executors.ddp_workers import (
     WorkerGangs,
     avoidable,
     choose_gang,
+    concurrent_trials,
+    device_identity,
+    worker_device,
 )
 
 
@@ -46,6 +49,40 @@ def test_the_workers_blamed_for_a_lost_rank_are_the_named_ones_else_the_whole_ga
     assert shunned_after_loss(gang, left) == [gang[1]]
     # a rank that lost its peers names itself: the link or the peer is unknown
     assert shunned_after_loss(gang, RankLost(f"rank 0 on {gang[0]} lost its peers")) == gang
+
+
+def test_one_gpu_number_on_two_hosts_is_two_devices_and_one_gpu_shared_on_a_host_is_one() -> None:
+    # trials_per_gpu=2 on two hosts that each expose CUDA device 0
+    ids = {
+        "tcp://10.0.0.1:1": device_identity(True, "tcp://10.0.0.1:1", "node1", "0", None),
+        "tcp://10.0.0.1:2": device_identity(True, "tcp://10.0.0.1:2", "node1", "0", None),
+        "tcp://10.0.0.2:1": device_identity(True, "tcp://10.0.0.2:1", "node2", "0", None),
+        "tcp://10.0.0.2:2": device_identity(True, "tcp://10.0.0.2:2", "node2", "0", None),
+    }
+    assert len(set(ids.values())) == 2
+    assert concurrent_trials(ids, 2) == 2
+    assert choose_gang(ids, 2) == ["tcp://10.0.0.1:1", "tcp://10.0.0.2:1"]
+    # the GPU's UUID, where torch sees it, names it on any host, whatever CUDA_VISIBLE_DEVICES says
+    assert device_identity(True, "a", "node1", "0", "GPU-1234") == device_identity(
+        True, "b", "node2", "3", "GPU-1234"
+    )
+    assert device_identity(True, "a", "node1", "0", "GPU-1234") != device_identity(
+        True, "a", "node1", "0", "GPU-5678"
+    )
+    # on the CPU every worker is its own slot, whatever GPU it could see
+    assert device_identity(False, "a", "node1", "0", "GPU-1234") != device_identity(
+        False, "b", "node1", "0", "GPU-1234"
+    )
+
+
+def test_real_workers_name_their_device_per_worker_on_cpu_and_per_host_gpu_for_gpu(
+    dask_client: Any,
+) -> None:
+    on_cpu = dask_client.run(worker_device)
+    on_gpu = dask_client.run(worker_device, gpu=True)
+    assert len(set(on_cpu.values())) == 2  # the LocalCluster's two workers
+    # one host, the same (no) CUDA_VISIBLE_DEVICES: the GPU they would train on is one
+    assert len(set(on_gpu.values())) == 1
 
 
 def test_a_retry_waits_for_a_gang_without_the_blamed_workers_then_takes_them(dask_client: Any) -> None:
