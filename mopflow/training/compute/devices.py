@@ -8,7 +8,7 @@ submitted with the Dask resource ``GPU`` so that it only lands on a worker that 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -129,6 +129,13 @@ def cuda_uuid() -> str | None:
         return None
 
 
+def all_bf16(answers: Mapping[str, object]) -> bool:
+    """Whether every worker that answered (address -> its :func:`bf16_supported`) computes in
+    bfloat16: only a True counts (an error in its place does not); no worker at all (no GPU
+    worker) is the CPU's answer, True."""
+    return all(answer is True for answer in answers.values())
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """One LocalCluster worker process: its environment and its Dask resources."""
@@ -150,10 +157,26 @@ def gpu_worker_plan(gpus: Sequence[str], trials_per_gpu: int) -> list[WorkerSpec
     ]
 
 
+def gpu_worker_addresses(client: Any) -> list[str]:
+    """The workers of a running cluster that declare the GPU resource, sorted."""
+    workers = cluster_workers(client)
+    return sorted(a for a, w in workers.items() if float((w.get("resources") or {}).get(GPU_RESOURCE, 0)) > 0)
+
+
 def gpu_workers(client: Any) -> int:
     """How many workers of a running cluster declare the GPU resource."""
-    workers = cluster_workers(client)
-    return sum(1 for w in workers.values() if float((w.get("resources") or {}).get(GPU_RESOURCE, 0)) > 0)
+    return len(gpu_worker_addresses(client))
+
+
+def gpu_workers_bf16(
+    client: Any, workers: Sequence[str], probe: Callable[..., bool] = bf16_supported
+) -> bool:
+    """Whether every one of ``workers`` computes in bfloat16, asked of each (``probe`` runs in
+    the worker's process, on the GPU its trials get, as ``client.run`` calls it); True for no
+    workers."""
+    if not workers:
+        return True
+    return all_bf16(client.run(probe, workers=list(workers), on_error="return"))
 
 
 def local_device(accelerator: Accelerator, precision: Precision) -> DeviceSpec:
@@ -163,5 +186,11 @@ def local_device(accelerator: Accelerator, precision: Precision) -> DeviceSpec:
 
 
 def device_for_cluster(client: Any, accelerator: Accelerator, precision: Precision) -> DeviceSpec:
-    """Resolve the accelerator against the cluster the training runs on."""
-    return resolve_device(accelerator, precision, gpu_workers(client), bf16_supported())
+    """Resolve the accelerator against the cluster the training runs on: bfloat16 is asked of
+    the GPU workers, where the training runs, not of this process's host (which may have no
+    GPU, or another one); only when ``bf16-mixed`` on a GPU is in question."""
+    gpus = gpu_worker_addresses(client)
+    device = resolve_device(accelerator, precision, len(gpus))
+    if device.is_gpu and precision == "bf16-mixed":  # asked only then: a worker sets CUDA up to answer
+        device = resolve_device(accelerator, precision, len(gpus), gpu_workers_bf16(client, gpus))
+    return device

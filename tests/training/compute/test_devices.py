@@ -16,9 +16,12 @@ from mopflow.training.compute.devices import (
     CPU,
     DeviceError,
     DeviceSpec,
+    all_bf16,
     device_for_cluster,
+    gpu_worker_addresses,
     gpu_worker_plan,
     gpu_workers,
+    gpu_workers_bf16,
     resolve_device,
     visible_gpus,
 )
@@ -102,6 +105,43 @@ def test_a_cpu_cluster_has_no_gpu_workers(dask_client: Any) -> None:
     assert device_for_cluster(dask_client, "auto", "32") == CPU
     with pytest.raises(DeviceError, match="no GPU worker"):
         device_for_cluster(dask_client, "gpu", "32")
+
+
+def test_bf16_needs_every_gpu_worker_to_say_so_and_no_gpu_worker_is_the_cpu_s_yes() -> None:
+    assert all_bf16({}) is True
+    assert all_bf16({"tcp://a:1": True, "tcp://b:1": True}) is True
+    assert all_bf16({"tcp://a:1": True, "tcp://b:1": False}) is False
+    assert all_bf16({"tcp://a:1": True, "tcp://b:1": OSError("worker gone")}) is False
+
+
+def _bf16_unless_the_cpu_worker(dask_worker: Any) -> bool:
+    return bool(dask_worker.name != "cpu")
+
+
+def _no_bf16() -> bool:
+    return False
+
+
+def test_bf16_is_asked_of_the_gpu_workers_only() -> None:
+    """One worker that declares the GPU resource and one that does not, in this process: the
+    probe runs on the GPU worker alone, and its answer is the cluster's."""
+    import torch
+    from distributed import Client, Scheduler, SpecCluster, Worker
+
+    workers = {
+        "gpu": {"cls": Worker, "options": {"nthreads": 1, "resources": {"GPU": 1}}},
+        "cpu": {"cls": Worker, "options": {"nthreads": 1}},
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
+        gpus = gpu_worker_addresses(client)
+        assert [cluster_workers(client)[a]["name"] for a in gpus] == ["gpu"]
+        assert gpu_workers_bf16(client, gpus, probe=_bf16_unless_the_cpu_worker) is True
+        assert gpu_workers_bf16(client, gpus, probe=_no_bf16) is False
+        assert gpu_workers_bf16(client, [], probe=_no_bf16) is True
+        # CPU torch (or a GPU with bfloat16) on the GPU worker: bf16-mixed on the GPU is allowed
+        if not torch.cuda.is_available() or torch.cuda.is_bf16_supported():
+            assert device_for_cluster(client, "auto", "bf16-mixed") == DeviceSpec("gpu", "bf16-mixed")
 
 
 @pytest.mark.parametrize(
