@@ -64,6 +64,7 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "search_space": ("search", "space"),
     "strategy": ("search", "strategy"),
     "ddp_world_size": ("search", "ddp_world_size"),
+    "ddp_collective_timeout_s": ("search", "ddp_collective_timeout_s"),
     "bf16_compress": ("search", "bf16_compress"),
     "model_slots": ("search", "model_slots"),
     "mop_schedule": ("search", "mop_schedule"),

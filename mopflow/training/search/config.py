@@ -97,6 +97,13 @@ class SearchConfig(StageConfig):
         "task", description="task: a trial per worker; ddp: each trial on W DDP processes; mop: model hopper"
     )
     ddp_world_size: int = Field(2, ge=1, le=64, description="DDP processes per trial (strategy=ddp)")
+    ddp_collective_timeout_s: float = Field(
+        120.0,
+        ge=5,
+        le=3600,
+        description="strategy=ddp: seconds a collective waits for a rank before the trial restarts from its "
+        "checkpoint on another gang (a rank's host lost, or the link between ranks cut)",
+    )
     bf16_compress: bool = Field(False, description="bf16 gradient compression hook under DDP")
     model_slots: int = Field(4, ge=1, le=256, description="Models training at once under strategy=mop")
     mop_schedule: MopScheduleName = Field(

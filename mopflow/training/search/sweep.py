@@ -371,7 +371,12 @@ def _ddp_executor(s: ExecutorSetting) -> Executor:
 
     register_preemption(s.client)  # spot notices: every rank of a job checkpoints at the same batch
     return DDPExecutor(
-        s.client, s.data, s.cfg.ddp_world_size, s.checkpoint_root, bf16_compress=s.cfg.bf16_compress
+        s.client,
+        s.data,
+        s.cfg.ddp_world_size,
+        s.checkpoint_root,
+        bf16_compress=s.cfg.bf16_compress,
+        collective_timeout_s=s.cfg.ddp_collective_timeout_s,
     )
 
 
