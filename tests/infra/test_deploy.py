@@ -60,7 +60,7 @@ DAG_LEVEL_ENV = {
     "MOPFLOW_RETRY_DELAY_S",
     "MOPFLOW_TRAINING_POOL_SLOTS",
 }
-CODE_DIRS = ("training", "compression", "infra", "dags", "plugins")
+CODE_DIRS = ("training", "compression", "infra", "dags", "plugins", "mopflow/base")
 SECRET_NAME = re.compile(r"(PASSWORD|SECRET|SECRET_KEY|FERNET_KEY|ACCESS_KEY|ACCESS_KEY_ID)$")
 
 

@@ -13,29 +13,28 @@ from mopflow.training.models.families import DataSpec
 @dataclass(frozen=True)
 class DataRef:
     """Where the shards are and what the data is (passed to workers; small). Made from the
-    manifest once (:meth:`open`); what is known of the data travels with it."""
+    manifest once (:meth:`open`); what is known of the data travels with it. Nothing of the
+    coordinator's host travels: each worker caches shards in its own folder
+    (:func:`mopflow.base.hosts.shard_cache_here`)."""
 
     manifest_uri: str
     spec: DataSpec
     storage_options: dict[str, Any] = field(default_factory=dict)
-    cache_dir: str = ""
     augment: str = "none"  # the training batches' augmentation spec (training.trainable.augment)
 
     @classmethod
-    def open(
-        cls, manifest_uri: str, storage_options: Mapping[str, Any] | None = None, cache_dir: str = ""
-    ) -> DataRef:
+    def open(cls, manifest_uri: str, storage_options: Mapping[str, Any] | None = None) -> DataRef:
         """The ref of the shards of ``manifest_uri``, with the data spec its manifest gives."""
         manifest = load_manifest(manifest_uri, storage_options)
-        return cls(manifest_uri, DataSpec.from_manifest(manifest), dict(storage_options or {}), cache_dir)
+        return cls(manifest_uri, DataSpec.from_manifest(manifest), dict(storage_options or {}))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DataRef:
-        """The ref as ``dataclasses.asdict`` wrote it (a DDP job's JSON)."""
+        """The ref as ``dataclasses.asdict`` wrote it (a DDP job's JSON). A ``cache_dir`` entry,
+        which refs once carried (the coordinator's cache folder), is ignored."""
         return cls(
             str(data["manifest_uri"]),
             DataSpec(**data["spec"]),
             dict(data["storage_options"]),
-            str(data["cache_dir"]),
             str(data.get("augment", "none")),
         )

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from mopflow.base.hosts import shard_cache_here
 from mopflow.training.data.ref import DataRef
 from mopflow.training.trainable.augment import augmenter
 from mopflow.training.trainable.schedule import steps_per_epoch
@@ -77,7 +78,7 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
             len(names),
         )
         options = dict(data.storage_options)
-        local = cache_shards(data.manifest_uri, manifest, names, options, data.cache_dir)  # remote ones
+        local = cache_shards(data.manifest_uri, manifest, names, options, shard_cache_here())  # remote ones
         _STREAMED[(data.manifest_uri, names)] = StreamedRows(
             shard_blocks(data.manifest_uri, manifest, names, options),
             block_reader(data.manifest_uri, manifest, options, local),
@@ -104,7 +105,7 @@ def load_partition(data: DataRef, shard_names: Sequence[str], device: str = "cpu
                 "train",
                 data.storage_options,
                 shard_names=list(names),
-                cache_dir=data.cache_dir or None,
+                cache_dir=shard_cache_here(),
             )
             host = (torch.from_numpy(x), torch.from_numpy(y))
         _PARTITIONS[key] = (host[0].to(device), host[1].to(device))
@@ -135,7 +136,7 @@ def load_eval_split(data: DataRef, split: str) -> tuple[Any, Any]:
 
     key = (data.manifest_uri, split)
     if key not in _EVAL_SPLITS:
-        x, y = load_split(data.manifest_uri, split, data.storage_options, cache_dir=data.cache_dir or None)
+        x, y = load_split(data.manifest_uri, split, data.storage_options, cache_dir=shard_cache_here())
         _EVAL_SPLITS[key] = (torch.from_numpy(x), y)
     return _EVAL_SPLITS[key]
 
