@@ -117,6 +117,17 @@ LOCAL_ENV: frozenset[str] = frozenset(
 )
 
 
+def parse_storage_options(raw: str) -> dict[str, Any]:
+    """The fsspec storage options a ``MOPFLOW_STORAGE_OPTIONS`` value gives (empty: none)."""
+    try:
+        options = json.loads(raw or "{}")
+    except json.JSONDecodeError as exc:
+        raise SettingsError(f"MOPFLOW_STORAGE_OPTIONS is not valid JSON: {exc}") from exc
+    if not isinstance(options, dict):
+        raise SettingsError("MOPFLOW_STORAGE_OPTIONS must be a JSON object")
+    return options
+
+
 def _default_mlflow_artifacts(tracking_uri: str, home: Path) -> str:
     """A local folder for a local tracking store; none for a tracking server, whose own artifact
     destination (proxied ``mlflow-artifacts:``) is then used: a client's local path would not be
@@ -158,13 +169,7 @@ class Settings:
             raise SettingsError(f"MOPFLOW_DASK_WORKERS={workers_raw!r} is not an integer") from exc
         if not 1 <= workers <= 256:
             raise SettingsError(f"MOPFLOW_DASK_WORKERS={workers} must be between 1 and 256")
-        raw_options = env.get("MOPFLOW_STORAGE_OPTIONS", "") or "{}"
-        try:
-            options = json.loads(raw_options)
-        except json.JSONDecodeError as exc:
-            raise SettingsError(f"MOPFLOW_STORAGE_OPTIONS is not valid JSON: {exc}") from exc
-        if not isinstance(options, dict):
-            raise SettingsError("MOPFLOW_STORAGE_OPTIONS must be a JSON object")
+        options = parse_storage_options(env.get("MOPFLOW_STORAGE_OPTIONS", ""))
         accelerator = (env.get("MOPFLOW_ACCELERATOR", "") or "auto").strip().lower()
         if accelerator not in ACCELERATORS:
             raise SettingsError(f"MOPFLOW_ACCELERATOR={accelerator!r} is not one of {list(ACCELERATORS)}")

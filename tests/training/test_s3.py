@@ -4,6 +4,7 @@ driver and by the Dask worker processes through s3fs — nothing is patched."""
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -228,3 +229,33 @@ def test_a_worker_caches_shards_in_its_own_folder_not_the_coordinators(
         f"{e['sha256']}.parquet" for e in manifest["splits"]["train"]
     )
     assert not coordinator_cache.exists()
+
+
+@pytest.mark.parametrize("memory_mb", ["2048", "0.001"], ids=["held", "streamed"])
+def test_a_worker_with_storage_options_of_its_own_reads_through_them(
+    s3_options: dict, dask_client: Any, tmp_path: Path, memory_mb: str
+) -> None:
+    """The coordinator's endpoint is one the worker cannot reach (a closed port, as a loopback
+    endpoint seen from another host): a worker that sets its own MOPFLOW_STORAGE_OPTIONS reads the
+    manifest and the shards (held or streamed) through its own."""
+    from mopflow.training.models.families import DataSpec
+
+    result = shard_dataset(
+        DataConfig(num_samples=500, n_shards=2), "s3://mopflow-test/own-options", dask_client, s3_options
+    )
+    manifest = load_manifest(result.manifest_uri, s3_options)
+    names = [e["name"] for e in manifest["splits"]["train"]]
+    unreachable = {
+        **s3_options,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"},
+    }
+    sent = DataRef(result.manifest_uri, DataSpec.from_manifest(manifest), unreachable)
+    worker_env = {
+        "MOPFLOW_STORAGE_OPTIONS": json.dumps(s3_options),
+        "MOPFLOW_SHARD_CACHE": str(tmp_path / "cache"),
+        "MOPFLOW_TRAIN_MEMORY_MB": memory_mb,
+    }
+    out = dask_client.submit(_rows_on_a_worker, sent, names, worker_env, pure=False).result(timeout=120)
+    x, _ = load_split(result.manifest_uri, "train", s3_options)
+    assert out["pid"] != os.getpid() and out["streamed"] == (memory_mb != "2048")
+    assert np.array_equal(np.sort(out["x"], axis=0), np.sort(x, axis=0))

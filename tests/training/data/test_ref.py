@@ -6,6 +6,8 @@ import json
 import pickle
 from dataclasses import asdict, fields
 
+import pytest
+
 from mopflow.training.data.ref import DataRef
 from mopflow.training.models.families import DataSpec
 
@@ -34,3 +36,13 @@ def test_a_ddp_job_written_with_a_cache_folder_is_still_read() -> None:
     assert DataRef.from_dict(json.loads(json.dumps(older))) == REF
     without_augment = {k: v for k, v in asdict(REF).items() if k != "augment"}
     assert DataRef.from_dict(without_augment).augment == "none"
+
+
+def test_a_ref_is_read_with_this_workers_own_storage_options_when_it_sets_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MOPFLOW_STORAGE_OPTIONS", raising=False)
+    assert REF.options_here() == REF.storage_options
+    monkeypatch.setenv("MOPFLOW_STORAGE_OPTIONS", '{"endpoint_url": "http://10.0.0.7:9000"}')
+    assert REF.options_here() == {"endpoint_url": "http://10.0.0.7:9000"}
+    assert REF.storage_options == {"client_kwargs": {"endpoint_url": "http://minio:9000"}}  # as sent
