@@ -73,7 +73,7 @@ SETTING_ENV: dict[str, tuple[str, str]] = {
     ),
     "storage_options": (
         "MOPFLOW_STORAGE_OPTIONS",
-        "JSON object of fsspec storage options (e.g. s3 endpoint)",
+        "JSON object of fsspec storage options (e.g. s3 endpoint); a Dask worker that sets its own uses those",
     ),
     "airflow_home": ("MOPFLOW_AIRFLOW_HOME", "AIRFLOW_HOME used by `mopflow run` (default <home>/airflow)"),
 }
@@ -91,7 +91,7 @@ RUNTIME_ENV: dict[str, str] = {
     "MOPFLOW_TRAINING_POOL_SLOTS": "Slots of the Airflow pool mopflow_training (default 1)",
     "MOPFLOW_MODEL_MODULES": "Comma-separated modules of a local project defining MODEL_FAMILIES (extra model families)",
     "MOPFLOW_PREEMPT_GRACE_S": "Seconds a worker given a spot notice (SIGTERM) has to checkpoint and leave (default 30)",
-    "MOPFLOW_SHARD_CACHE": "Local folder where workers cache remote shards (default a temp folder)",
+    "MOPFLOW_SHARD_CACHE": "Local folder where a worker caches remote shards: the worker's own (default its temp folder)",
     "MOPFLOW_TRAIN_MEMORY_MB": "Training rows a worker process holds in memory; a larger partition streams (default 2048)",
     "MOPFLOW_DISTILL_MEMORY_MB": "Training rows a worker training a distillation student holds in memory; more streams (default 256)",
     "MOPFLOW_SHUFFLE_BUFFER_ROWS": "Rows of the shuffle buffer of a streamed pass (default 65536)",
