@@ -73,7 +73,7 @@ SETTING_ENV: dict[str, tuple[str, str]] = {
     ),
     "storage_options": (
         "MOPFLOW_STORAGE_OPTIONS",
-        "JSON object of fsspec storage options (e.g. s3 endpoint)",
+        "JSON object of fsspec storage options (e.g. s3 endpoint); a Dask worker that sets its own uses those",
     ),
     "airflow_home": ("MOPFLOW_AIRFLOW_HOME", "AIRFLOW_HOME used by `mopflow run` (default <home>/airflow)"),
 }
@@ -91,7 +91,7 @@ RUNTIME_ENV: dict[str, str] = {
     "MOPFLOW_TRAINING_POOL_SLOTS": "Slots of the Airflow pool mopflow_training (default 1)",
     "MOPFLOW_MODEL_MODULES": "Comma-separated modules of a local project defining MODEL_FAMILIES (extra model families)",
     "MOPFLOW_PREEMPT_GRACE_S": "Seconds a worker given a spot notice (SIGTERM) has to checkpoint and leave (default 30)",
-    "MOPFLOW_SHARD_CACHE": "Local folder where workers cache remote shards (default a temp folder)",
+    "MOPFLOW_SHARD_CACHE": "Local folder where a worker caches remote shards: the worker's own (default its temp folder)",
     "MOPFLOW_TRAIN_MEMORY_MB": "Training rows a worker process holds in memory; a larger partition streams (default 2048)",
     "MOPFLOW_DISTILL_MEMORY_MB": "Training rows a worker training a distillation student holds in memory; more streams (default 256)",
     "MOPFLOW_SHUFFLE_BUFFER_ROWS": "Rows of the shuffle buffer of a streamed pass (default 65536)",
@@ -115,6 +115,17 @@ LOCAL_ENV: frozenset[str] = frozenset(
         "MOPFLOW_PORT_RANGE",  # where free ports are drawn on one host (mopflow/base/ports.py; the test suite's workers)
     }
 )
+
+
+def parse_storage_options(raw: str) -> dict[str, Any]:
+    """The fsspec storage options a ``MOPFLOW_STORAGE_OPTIONS`` value gives (empty: none)."""
+    try:
+        options = json.loads(raw or "{}")
+    except json.JSONDecodeError as exc:
+        raise SettingsError(f"MOPFLOW_STORAGE_OPTIONS is not valid JSON: {exc}") from exc
+    if not isinstance(options, dict):
+        raise SettingsError("MOPFLOW_STORAGE_OPTIONS must be a JSON object")
+    return options
 
 
 def _default_mlflow_artifacts(tracking_uri: str, home: Path) -> str:
@@ -158,13 +169,7 @@ class Settings:
             raise SettingsError(f"MOPFLOW_DASK_WORKERS={workers_raw!r} is not an integer") from exc
         if not 1 <= workers <= 256:
             raise SettingsError(f"MOPFLOW_DASK_WORKERS={workers} must be between 1 and 256")
-        raw_options = env.get("MOPFLOW_STORAGE_OPTIONS", "") or "{}"
-        try:
-            options = json.loads(raw_options)
-        except json.JSONDecodeError as exc:
-            raise SettingsError(f"MOPFLOW_STORAGE_OPTIONS is not valid JSON: {exc}") from exc
-        if not isinstance(options, dict):
-            raise SettingsError("MOPFLOW_STORAGE_OPTIONS must be a JSON object")
+        options = parse_storage_options(env.get("MOPFLOW_STORAGE_OPTIONS", ""))
         accelerator = (env.get("MOPFLOW_ACCELERATOR", "") or "auto").strip().lower()
         if accelerator not in ACCELERATORS:
             raise SettingsError(f"MOPFLOW_ACCELERATOR={accelerator!r} is not one of {list(ACCELERATORS)}")

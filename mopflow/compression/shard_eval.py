@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from mopflow.base import storage
+from mopflow.base.hosts import storage_options_here
 from mopflow.base.storage import canonical_hash
 
 
@@ -53,6 +54,7 @@ def predict_shard(
 ) -> str:
     """On a worker: every bundle's class probabilities on one shard, saved (with the labels) at
     ``out_uri``; an existing file is reused. Returns ``out_uri``."""
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     if storage.exists(out_uri, storage_options):
         return out_uri
     from mopflow.training.data import load_split
@@ -91,6 +93,7 @@ def selection_counts(
     of the average of the ``chosen`` models (repeats count twice) with that candidate added."""
     from mopflow.training.models.metrics import top1_correct
 
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     probs, labels = read_probabilities(uri, storage_options)
     rows = np.arange(len(labels))
     running = probs[list(chosen)].sum(axis=0, dtype=np.float64) if chosen else np.zeros(probs.shape[1:])
@@ -109,6 +112,7 @@ def weighted_counts(
     (a weighting names a weight per model; a one-hot weighting is a single model)."""
     from mopflow.training.models.metrics import top1_correct
 
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     probs, labels = read_probabilities(uri, storage_options)
     correct = []
     for weights in weightings:

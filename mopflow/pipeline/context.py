@@ -31,6 +31,7 @@ class PipelineFailed(RuntimeError):
 
 def permanent_errors() -> tuple[type[BaseException], ...]:
     """Errors that a retry cannot fix (bad config, bad data): the task fails at once."""
+    from mopflow.base.hosts import AcrossHostsError
     from mopflow.base.optuna_storage import StorageConfigError
     from mopflow.compression.distill.distill import StudentBudgetError
     from mopflow.training.data import DataValidationError, ShardIntegrityError
@@ -46,6 +47,7 @@ def permanent_errors() -> tuple[type[BaseException], ...]:
         StudentBudgetError,
         StorageConfigError,
         RecordError,
+        AcrossHostsError,
     )
 
 

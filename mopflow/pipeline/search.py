@@ -24,6 +24,7 @@ from mopflow.base.tag_names import (
 from mopflow.base.tracking import Tracker
 from mopflow.pipeline.config import ConfigError, PipelineConfig
 from mopflow.pipeline.context import Stage, lineage_tags, stage, study_name_for
+from mopflow.pipeline.hosts import check_cluster_hosts
 from mopflow.pipeline.paths import FIGURES_FOLDER, LEADERBOARD_ARTIFACT, MOP_FOLDER, SEARCH_SPACE_ARTIFACT
 from mopflow.pipeline.records import RunContext, SearchRecord, ShardRecord
 from mopflow.training.models.families import DataSpec
@@ -90,6 +91,7 @@ def search_stage(
         with dask_client(
             settings.dask_address, settings.dask_workers, settings.accelerator, settings.trials_per_gpu
         ) as client:
+            check_cluster_hosts(client, settings)  # before any training: a cluster across hosts
             device = device_for_cluster(client, settings.accelerator, settings.precision)
             log.info("search: training on %s (precision %s)", device.accelerator, device.precision)
             st.tracker.log_params(

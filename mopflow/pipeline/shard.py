@@ -10,6 +10,7 @@ from mopflow.base.settings import Settings
 from mopflow.base.tag_names import MANIFEST_HASH
 from mopflow.pipeline.conf_input import check_data_roots
 from mopflow.pipeline.context import stage
+from mopflow.pipeline.hosts import check_cluster_hosts
 from mopflow.pipeline.paths import MANIFEST_ARTIFACT
 from mopflow.pipeline.records import RunContext, ShardRecord
 
@@ -29,6 +30,8 @@ def shard_stage(
         storage.check_output_location(settings.data_root, st.storage_options, "MOPFLOW_DATA_ROOT")
         storage.check_output_location(settings.artifact_root, st.storage_options, "MOPFLOW_ARTIFACT_ROOT")
         with dask_client(settings.dask_address, settings.dask_workers) as client:
+            # Workers on other hosts cannot reach this host's disk or loopback: refused at once.
+            check_cluster_hosts(client, settings)
             result = shard_dataset(st.cfg.data, settings.data_root, client, st.storage_options)
         manifest = storage.read_json(result.manifest_uri, st.storage_options)
         st.tag_lineage({MANIFEST_HASH: result.manifest_hash})

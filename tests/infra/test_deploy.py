@@ -27,6 +27,7 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
+from mopflow.base.hosts import WorkerHost, across_hosts_problems, endpoints, is_loopback
 from mopflow.base.settings import LOCAL_ENV, RUNTIME_ENV, SETTING_ENV, TRAINING_POOL, Settings
 from mopflow.infra import stack
 
@@ -60,7 +61,7 @@ DAG_LEVEL_ENV = {
     "MOPFLOW_RETRY_DELAY_S",
     "MOPFLOW_TRAINING_POOL_SLOTS",
 }
-CODE_DIRS = ("training", "compression", "infra", "dags", "plugins")
+CODE_DIRS = ("training", "compression", "infra", "dags", "plugins", "mopflow/base")
 SECRET_NAME = re.compile(r"(PASSWORD|SECRET|SECRET_KEY|FERNET_KEY|ACCESS_KEY|ACCESS_KEY_ID)$")
 
 
@@ -870,6 +871,26 @@ def test_k8s_storage_endpoint_is_the_same_for_mopflow_and_mlflow() -> None:
     argv = [_K8S_REF.sub(lambda m: env[m.group(1)], a) for a in container_argv(main_container("mlflow"))]
     assert urlsplit(_flag(argv, "--artifacts-destination")).scheme == "s3"
     assert _url_host_port(env["MLFLOW_BACKEND_STORE_URI"]) == ("postgres", 5432)
+
+
+@pytest.mark.parametrize("deployment", ["compose", "k8s"])
+def test_the_deployments_work_with_dask_workers_on_other_hosts(deployment: str) -> None:
+    """Airflow's tasks and the Dask workers run in containers of their own (other host names): the
+    settings pass the stages' check of a cluster across hosts even for a worker without storage
+    options of its own (shared roots, an endpoint off loopback), a worker's own options are off
+    loopback too, and each worker caches shards in a folder of its container."""
+    if deployment == "compose":
+        services = compose()["services"]
+        tasks, worker = service_env(services["airflow-scheduler"]), service_env(services["dask-worker"])
+    else:
+        tasks, worker = (
+            container_env(main_container("airflow-scheduler")),
+            container_env(main_container("dask-worker")),
+        )
+    workers = {"tcp://dask-worker:40000": WorkerHost("dask-worker-1", own_storage_options=False)}
+    assert across_hosts_problems(Settings.from_env(tasks), "airflow-scheduler", workers) == []
+    assert not [e for e in endpoints(Settings.from_env(worker).storage_options) if is_loopback(e)]
+    assert worker["MOPFLOW_SHARD_CACHE"] == "/var/cache/mopflow/shards"
 
 
 def test_k8s_log_servers_are_reachable_by_hostname() -> None:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -207,6 +208,33 @@ def test_a_dataset_outside_the_data_roots_is_refused_by_the_shard_stage_before_a
     assert f"dataset={str(outside)!r} outside the data roots" in message and settings.data_root in message
     assert not (Path(settings.data_root) / "datasets").exists()
     assert outside.stat().st_atime_ns == before  # never opened
+
+
+def test_a_local_data_root_with_workers_on_other_hosts_is_refused_before_any_shard(
+    tmp_path: Path, dask_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault: MOPFLOW_DASK_ADDRESS names a scheduler whose workers run on other hosts (here: the
+    coordinator's host name differs from the workers') while MOPFLOW_DATA_ROOT is a local folder.
+    Expected: the shard stage refuses it (a permanent error naming the setting, its value and what
+    is expected) before any work; no shard is written."""
+    import socket
+
+    from mopflow.base.hosts import AcrossHostsError
+    from mopflow.pipeline.context import permanent_errors
+
+    settings = Settings.from_env(
+        {"MOPFLOW_HOME": str(tmp_path / "home"), "MOPFLOW_DASK_ADDRESS": dask_client.scheduler.address}
+    )
+    ctx = start_pipeline(CONF, "mopflow_retrain", "manual__across_hosts", settings)
+    monkeypatch.setattr("mopflow.pipeline.hosts.gethostname", lambda: "coordinator-elsewhere")
+    with pytest.raises(AcrossHostsError) as refused:
+        shard_stage(CONF, ctx, settings)
+    assert isinstance(refused.value, permanent_errors())  # not retried
+    message = str(refused.value)
+    assert f"({socket.gethostname()}) than this one (coordinator-elsewhere)" in message
+    assert f"MOPFLOW_DATA_ROOT={settings.data_root!r} is on this host only" in message
+    assert "expected an s3:// (or another shared) URL" in message
+    assert not (Path(settings.data_root) / "datasets").exists()
 
 
 @pytest.fixture()

@@ -4,6 +4,7 @@ driver and by the Dask worker processes through s3fs — nothing is patched."""
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from mopflow.training.data import (
     verify_manifest,
 )
 from mopflow.training.data.config import DataConfig
+from mopflow.training.data.ref import DataRef
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,6 @@ def test_shards_round_trip_through_s3(s3_options: dict, dask_client: object, tmp
 def test_a_partition_over_the_budget_streams_from_its_local_copies(
     s3_options: dict, dask_client: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mopflow.training.data.ref import DataRef
     from mopflow.training.data.streaming import StreamedRows
     from mopflow.training.executors.units import clear_partitions, training_rows
 
@@ -91,8 +92,9 @@ def test_a_partition_over_the_budget_streams_from_its_local_copies(
     manifest = load_manifest(result.manifest_uri, s3_options)
     names = [e["name"] for e in manifest["splits"]["train"]]
     monkeypatch.setenv("MOPFLOW_TRAIN_MEMORY_MB", "0.01")
+    monkeypatch.setenv("MOPFLOW_SHARD_CACHE", str(tmp_path / "cache"))
     clear_partitions()
-    rows = training_rows(DataRef.open(result.manifest_uri, s3_options, str(tmp_path / "cache")), names)
+    rows = training_rows(DataRef.open(result.manifest_uri, s3_options), names)
     assert isinstance(rows, StreamedRows)
     copies = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert copies == sorted(f"{e['sha256']}.parquet" for e in manifest["splits"]["train"])
@@ -117,21 +119,19 @@ def test_user_csv_on_s3(s3_options: dict, dask_client: object) -> None:
     assert sum(e["rows"] for s in manifest["splits"].values() for e in s) == 300
 
 
-def _rows_on_a_worker(
-    manifest_uri: str, options: dict, cache_dir: str, names: list[str], memory_mb: str | None
-) -> dict[str, Any]:
-    """In a Dask worker process: the training rows of ``names`` as training reads them, held
-    (``memory_mb`` None) or streamed under that budget, and what they decoded to."""
-    from mopflow.training.data.ref import DataRef
+def _rows_on_a_worker(data: Any, names: list[str], worker_env: dict[str, str]) -> dict[str, Any]:
+    """In a Dask worker process, with ``worker_env`` set in its environment for the call: the
+    training rows of ``names`` of the ``DataRef`` ``data`` (made by the coordinator) as training
+    reads them (held, or streamed under a small ``MOPFLOW_TRAIN_MEMORY_MB``), and what they
+    decoded to."""
     from mopflow.training.data.streaming import StreamedRows
     from mopflow.training.executors.units import clear_partitions, training_rows
 
-    before = os.environ.get("MOPFLOW_TRAIN_MEMORY_MB")
-    if memory_mb is not None:
-        os.environ["MOPFLOW_TRAIN_MEMORY_MB"] = memory_mb
+    before = {name: os.environ.get(name) for name in worker_env}
+    os.environ.update(worker_env)
     clear_partitions()
     try:
-        rows = training_rows(DataRef.open(manifest_uri, options, cache_dir), names)
+        rows = training_rows(data, names)
         if isinstance(rows, StreamedRows):
             batches = list(rows.batches(0, 0, 0, 8))
             x = np.concatenate([b[0].numpy() for b in batches])
@@ -141,10 +141,11 @@ def _rows_on_a_worker(
         return {"streamed": isinstance(rows, StreamedRows), "pid": os.getpid(), "x": x, "y": y}
     finally:
         clear_partitions()
-        if before is None:
-            os.environ.pop("MOPFLOW_TRAIN_MEMORY_MB", None)
-        else:
-            os.environ["MOPFLOW_TRAIN_MEMORY_MB"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def test_an_image_folder_on_s3_is_sharded_and_read_back_on_the_workers(
@@ -177,11 +178,16 @@ def test_an_image_folder_on_s3_is_sharded_and_read_back_on_the_workers(
     n_train = sum(e["rows"] for e in manifest["splits"]["train"])
     cache = str(tmp_path / "cache")
 
+    data = DataRef.open(result.manifest_uri, s3_options)
     held = dask_client.submit(
-        _rows_on_a_worker, result.manifest_uri, s3_options, cache, names, None, pure=False
+        _rows_on_a_worker, data, names, {"MOPFLOW_SHARD_CACHE": cache}, pure=False
     ).result(timeout=60)
     streamed = dask_client.submit(
-        _rows_on_a_worker, result.manifest_uri, s3_options, cache, names, "0.001", pure=False
+        _rows_on_a_worker,
+        data,
+        names,
+        {"MOPFLOW_SHARD_CACHE": cache, "MOPFLOW_TRAIN_MEMORY_MB": "0.001"},
+        pure=False,
     ).result(timeout=60)
     assert held["pid"] != os.getpid() and streamed["pid"] != os.getpid()
     assert not held["streamed"] and streamed["streamed"]
@@ -195,3 +201,61 @@ def test_an_image_folder_on_s3_is_sharded_and_read_back_on_the_workers(
     assert np.array_equal(np.sort(streamed["x"], axis=0), np.sort(x, axis=0))  # the same rows, reordered
     assert np.array_equal(np.sort(streamed["y"]), np.sort(y))
     assert shard_dataset(cfg, "s3://mopflow-test/image-out", dask_client, s3_options).reused
+
+
+@pytest.mark.parametrize("memory_mb", ["2048", "0.001"], ids=["held", "streamed"])
+def test_a_worker_caches_shards_in_its_own_folder_not_the_coordinators(
+    s3_options: dict, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory_mb: str
+) -> None:
+    """The coordinator's MOPFLOW_SHARD_CACHE names a folder of its own host: a worker process with
+    its own variable caches the shards it reads (held or streamed) in its folder, and the
+    coordinator's folder is never made."""
+    result = shard_dataset(
+        DataConfig(num_samples=500, n_shards=2), "s3://mopflow-test/own-cache", dask_client, s3_options
+    )
+    manifest = load_manifest(result.manifest_uri, s3_options)
+    names = [e["name"] for e in manifest["splits"]["train"]]
+    coordinator_cache, worker_cache = tmp_path / "coordinator-cache", tmp_path / "worker-cache"
+    monkeypatch.setenv("MOPFLOW_SHARD_CACHE", str(coordinator_cache))
+    out = dask_client.submit(
+        _rows_on_a_worker,
+        DataRef.open(result.manifest_uri, s3_options),
+        names,
+        {"MOPFLOW_SHARD_CACHE": str(worker_cache), "MOPFLOW_TRAIN_MEMORY_MB": memory_mb},
+        pure=False,
+    ).result(timeout=60)
+    assert out["pid"] != os.getpid() and out["streamed"] == (memory_mb != "2048")
+    assert sorted(p.name for p in worker_cache.iterdir()) == sorted(
+        f"{e['sha256']}.parquet" for e in manifest["splits"]["train"]
+    )
+    assert not coordinator_cache.exists()
+
+
+@pytest.mark.parametrize("memory_mb", ["2048", "0.001"], ids=["held", "streamed"])
+def test_a_worker_with_storage_options_of_its_own_reads_through_them(
+    s3_options: dict, dask_client: Any, tmp_path: Path, memory_mb: str
+) -> None:
+    """The coordinator's endpoint is one the worker cannot reach (a closed port, as a loopback
+    endpoint seen from another host): a worker that sets its own MOPFLOW_STORAGE_OPTIONS reads the
+    manifest and the shards (held or streamed) through its own."""
+    from mopflow.training.models.families import DataSpec
+
+    result = shard_dataset(
+        DataConfig(num_samples=500, n_shards=2), "s3://mopflow-test/own-options", dask_client, s3_options
+    )
+    manifest = load_manifest(result.manifest_uri, s3_options)
+    names = [e["name"] for e in manifest["splits"]["train"]]
+    unreachable = {
+        **s3_options,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"},
+    }
+    sent = DataRef(result.manifest_uri, DataSpec.from_manifest(manifest), unreachable)
+    worker_env = {
+        "MOPFLOW_STORAGE_OPTIONS": json.dumps(s3_options),
+        "MOPFLOW_SHARD_CACHE": str(tmp_path / "cache"),
+        "MOPFLOW_TRAIN_MEMORY_MB": memory_mb,
+    }
+    out = dask_client.submit(_rows_on_a_worker, sent, names, worker_env, pure=False).result(timeout=120)
+    x, _ = load_split(result.manifest_uri, "train", s3_options)
+    assert out["pid"] != os.getpid() and out["streamed"] == (memory_mb != "2048")
+    assert np.array_equal(np.sort(out["x"], axis=0), np.sort(x, axis=0))

@@ -62,12 +62,13 @@ def train_student_job(
     import torch
 
     from mopflow.base import storage
+    from mopflow.base.hosts import storage_options_here
     from mopflow.compression.distill.distill import fit_student
     from mopflow.compression.distill.transfer_shards import student_rows, train_split_rows
     from mopflow.training.data import load_manifest, split_shards
     from mopflow.training.models.bundle import SPEC_NAME, load_bundle, save_bundle
 
-    so = dict(job.storage_options)
+    so = storage_options_here(job.storage_options)  # this worker's own, when it sets them
     if storage.exists(storage.join(out_uri, SPEC_NAME), so):
         saved = load_bundle(out_uri, so).spec["extra"]
         return TrainedStudent(out_uri, list(saved["history"]))

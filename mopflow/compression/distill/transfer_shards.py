@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from mopflow.base import storage
+from mopflow.base.hosts import storage_options_here
 from mopflow.base.storage import canonical_hash
 from mopflow.training.data.examples import batch_decoder, decoded_row_bytes, stored_row_bytes
 from mopflow.training.data.streaming import Block
@@ -83,6 +84,7 @@ def transfer_shard(
     from mopflow.training.data import load_manifest, load_split
     from mopflow.training.models.families import DataSpec
 
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     index_uri = f"{out_prefix}.json"
     if storage.exists(index_uri, storage_options):
         return [tuple(b) for b in storage.read_json(index_uri, storage_options)]  # type: ignore[misc]

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from mopflow.base.hosts import SAME_HOST_WORKER_ENV
 from mopflow.base.optuna_storage import journal_path, storage_kind
 from mopflow.base.settings import Settings
 from mopflow.infra.stack.airflow_services import airflow_executor, airflow_specs
@@ -209,7 +210,9 @@ def _dask_specs(bin_dir: str, config: StackConfig, folder: Path, common: dict[st
                 "--local-directory",
                 str(folder / "dask-worker-space"),
             ),
-            env=common,
+            # On the stack's host the options a task sends are right (an Airflow connection's
+            # included, which the workers never see): the workers set none of their own.
+            env={**common, **SAME_HOST_WORKER_ENV},
             url=f"{dask_http}/json/counts.json",
             checks=(
                 HealthCheck(

@@ -22,6 +22,7 @@ from typing import Any
 import dask
 from distributed import Client, LocalCluster
 
+from mopflow.base.hosts import SAME_HOST_WORKER_ENV
 from mopflow.training.compute.devices import DeviceError, WorkerSpec, gpu_worker_plan, visible_gpus
 from mopflow.training.compute.workers import cluster_workers
 
@@ -229,8 +230,9 @@ def _start(n_workers: int, plan: Sequence[WorkerSpec], trials_per_gpu: int) -> _
                 host="127.0.0.1",
                 silence_logs=logging.WARNING,
                 # A forked worker starts with the fork server's environment: give it this
-                # process's, as a spawned worker has it.
-                env=dict(os.environ),
+                # process's, as a spawned worker has it; but no storage options of its own (on
+                # this host, what a stage sends is right, an Airflow connection's included).
+                env={**os.environ, **SAME_HOST_WORKER_ENV},
             )
         )
         # Closed, not exited: a client's exit resets a context variable, and a kept cluster's
@@ -288,7 +290,8 @@ def _add_workers(cluster: LocalCluster, client: Client, plan: Sequence[WorkerSpe
     and resources, and wait until all have joined."""
     for worker in plan:
         spec = dict(cluster.new_spec)
-        spec["options"] = {**spec["options"], "env": dict(worker.env), "resources": dict(worker.resources)}
+        env = {**worker.env, **SAME_HOST_WORKER_ENV}
+        spec["options"] = {**spec["options"], "env": env, "resources": dict(worker.resources)}
         cluster.worker_spec[worker.name] = spec
     cluster.sync(cluster._correct_state)
     client.wait_for_workers(len(plan), timeout=120)

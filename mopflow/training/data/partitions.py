@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from mopflow.base import storage
+from mopflow.base.hosts import storage_options_here
 from mopflow.training.data.examples import EXAMPLE_COLUMN, STAT_PREFIXES, arrow_examples, row_group_rows
 from mopflow.training.data.manifest import LABEL_COLUMN, PARQUET_WRITE_OPTIONS, SPLITS
 from mopflow.training.data.rules import (
@@ -179,6 +180,7 @@ def write_shard(
     """Write one parquet shard from its pieces (in order; rows ``start:stop`` of each piece
     when ``bounds`` is given); return its stats. With an example ``layout`` the pieces' statistics
     columns give the sums and are not written."""
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     if bounds is not None:
         pieces = [piece.iloc[start:stop] for piece, (start, stop) in zip(pieces, bounds, strict=True)]
     part = pieces[0].reset_index(drop=True) if len(pieces) == 1 else pd.concat(pieces, ignore_index=True)

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mopflow.base import storage
+from mopflow.base.hosts import storage_options_here
 from mopflow.training.data.examples import decode_examples
 from mopflow.training.data.manifest import MANIFEST_VERSION, SPLITS, ShardIntegrityError
 from mopflow.training.data.rules import manifest_hash
@@ -173,6 +174,7 @@ def shard_problem(
     it takes does not grow with the shard."""
     import pyarrow.parquet as pq
 
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     url = storage.join(_manifest_dir(manifest_uri), str(entry["name"]))
     try:
         digest = storage.sha256_url(url, storage_options)

@@ -49,7 +49,7 @@ def train_chain(
     from distributed import get_worker
 
     worker = get_worker()
-    options = data.storage_options
+    options = data.options_here()  # this worker's, when it sets its own
     recovered: list[dict[str, Any]] = []
     resumed_from = None
     if staged_folder:

@@ -199,7 +199,7 @@ def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
     # a rank's batches are its share of the trial's batch (the global batch stays batch_size)
     spec = replace(spec, params={**spec.params, "batch_size": int(job["batch_per_rank"])})
     data = DataRef.from_dict(job["data"])
-    manifest = load_manifest(data.manifest_uri, data.storage_options)
+    manifest = load_manifest(data.manifest_uri, data.options_here())
     tensors = training_rows(data, [e["name"] for e in manifest["splits"]["train"]])
     streamed = not isinstance(tensors, tuple)
     n_rows = len(tensors) if streamed else len(tensors[0])
@@ -212,7 +212,7 @@ def _rank_unit(job: dict[str, Any]) -> tuple[TrainableUnit, Any, DataRef]:
     unit = TrainableUnit.build(spec, manifest, epochs * epoch_steps)
     unit.augment = augmenter(data.augment, data.spec.modality, data.spec.input_shape)  # as every unit
     if job.get("resume_uri"):  # safetensors: nothing unpickled
-        unit.import_state(storage.read_bytes(job["resume_uri"], data.storage_options))
+        unit.import_state(storage.read_bytes(job["resume_uri"], data.options_here()))
     return unit, tensors, data
 
 
@@ -230,7 +230,7 @@ class _RankZero:
         from mopflow.base import storage
 
         if self.job.get("checkpoint_uri"):
-            storage.write_bytes_atomic(self.job["checkpoint_uri"], state, self.data.storage_options)
+            storage.write_bytes_atomic(self.job["checkpoint_uri"], state, self.data.options_here())
 
     def end_epoch(self, epoch: int, train_loss: float, lr: float) -> bool:
         """Report ``epoch`` (its loss over every rank); True when the coordinator says stop."""

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from mopflow.base.hosts import shard_cache_here
 from mopflow.training.data.ref import DataRef
 from mopflow.training.trainable.augment import augmenter
 from mopflow.training.trainable.schedule import steps_per_epoch
@@ -76,8 +77,8 @@ def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu"
             budget / 2**20,
             len(names),
         )
-        options = dict(data.storage_options)
-        local = cache_shards(data.manifest_uri, manifest, names, options, data.cache_dir)  # remote ones
+        options = data.options_here()
+        local = cache_shards(data.manifest_uri, manifest, names, options, shard_cache_here())  # remote ones
         _STREAMED[(data.manifest_uri, names)] = StreamedRows(
             shard_blocks(data.manifest_uri, manifest, names, options),
             block_reader(data.manifest_uri, manifest, options, local),
@@ -102,9 +103,9 @@ def load_partition(data: DataRef, shard_names: Sequence[str], device: str = "cpu
             x, y = load_split(
                 data.manifest_uri,
                 "train",
-                data.storage_options,
+                data.options_here(),
                 shard_names=list(names),
-                cache_dir=data.cache_dir or None,
+                cache_dir=shard_cache_here(),
             )
             host = (torch.from_numpy(x), torch.from_numpy(y))
         _PARTITIONS[key] = (host[0].to(device), host[1].to(device))
@@ -135,7 +136,7 @@ def load_eval_split(data: DataRef, split: str) -> tuple[Any, Any]:
 
     key = (data.manifest_uri, split)
     if key not in _EVAL_SPLITS:
-        x, y = load_split(data.manifest_uri, split, data.storage_options, cache_dir=data.cache_dir or None)
+        x, y = load_split(data.manifest_uri, split, data.options_here(), cache_dir=shard_cache_here())
         _EVAL_SPLITS[key] = (torch.from_numpy(x), y)
     return _EVAL_SPLITS[key]
 
@@ -146,7 +147,7 @@ def _manifest(data: DataRef) -> dict[str, Any]:
     from mopflow.training.data import load_manifest
 
     if data.manifest_uri not in _MANIFESTS:
-        _MANIFESTS[data.manifest_uri] = load_manifest(data.manifest_uri, data.storage_options)
+        _MANIFESTS[data.manifest_uri] = load_manifest(data.manifest_uri, data.options_here())
     return _MANIFESTS[data.manifest_uri]
 
 
@@ -391,5 +392,5 @@ def state_to_bundle(spec: ModelSpec, state: bytes, data: DataRef, url: str) -> s
         [unit.arch],
         manifest["feature_columns"],
         extra={"model_id": spec.model_id, "params": spec.params, "manifest_hash": manifest["manifest_hash"]},
-        storage_options=data.storage_options,
+        storage_options=data.storage_options,  # written by the coordinator (the sweep): its options
     )

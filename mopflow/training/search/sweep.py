@@ -31,7 +31,7 @@ from mopflow.training.search.study import (
     result_detail,
     tell_result,
 )
-from mopflow.training.search.trial import TrialResult, shard_cache_dir
+from mopflow.training.search.trial import TrialResult
 from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import register_preemption
 
@@ -104,13 +104,7 @@ def _search(
     budget = max(cfg.n_trials - len(already), 0)
     progress.publish("search", total=cfg.n_trials, finished=len(already))
     manifest = load_manifest(manifest_uri, storage_options)
-    data = DataRef(
-        manifest_uri,
-        DataSpec.from_manifest(manifest),
-        dict(storage_options or {}),
-        shard_cache_dir(),
-        cfg.augment,
-    )
+    data = DataRef(manifest_uri, DataSpec.from_manifest(manifest), dict(storage_options or {}), cfg.augment)
     shards = [e["name"] for e in manifest["splits"]["train"]]
     scaling = round_scaling(cfg, client)  # worker_schedule: n_j workers per round
     executor = strategy_executor(ExecutorSetting(cfg, client, data, shards, checkpoint_root, scaling))

@@ -1,4 +1,4 @@
-"""A trial's record and where its workers cache shards.
+"""A trial's record.
 
 Trials train through the strategy's executor (``training/executors``) and are told to Optuna
 by the coordinator (``training/search/sweep.py``); a :class:`TrialResult` is what the
@@ -8,17 +8,10 @@ coordinator keeps of each.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
-
-
-def shard_cache_dir() -> str:
-    """Where a worker caches remote shards on its local disk (``MOPFLOW_SHARD_CACHE``)."""
-    return os.environ.get("MOPFLOW_SHARD_CACHE") or os.path.join(tempfile.gettempdir(), "mopflow-shard-cache")
 
 
 @dataclass

@@ -87,3 +87,13 @@ def test_mlflow_auth_wires_the_server_and_its_clients(tmp_path: Path) -> None:
         assert specs[name].env["MLFLOW_TRACKING_PASSWORD"] == auth.password.get_secret_value()
     plain = {s.name: s for s in build_specs(settings_at(tmp_path), stack_config(), BIN, {})}
     assert "--app-name" not in plain["mlflow"].argv and "MLFLOW_TRACKING_PASSWORD" not in plain["airflow"].env
+
+
+def test_the_stacks_workers_use_the_storage_options_a_task_sends(tmp_path: Path) -> None:
+    """The stack's Dask workers share its host: they set no storage options of their own, so a
+    task's (an Airflow connection's included, which they never see) are the ones they use."""
+    options = '{"endpoint_url": "http://127.0.0.1:9000"}'
+    settings = settings_at(tmp_path, MOPFLOW_STORAGE_OPTIONS=options)
+    specs = {s.name: s for s in build_specs(settings, stack_config(), BIN, {})}
+    assert specs["airflow"].env["MOPFLOW_STORAGE_OPTIONS"] == options
+    assert specs["dask-workers"].env["MOPFLOW_STORAGE_OPTIONS"] == ""

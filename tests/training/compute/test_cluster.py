@@ -46,6 +46,21 @@ def test_local_workers_keep_background_work_low() -> None:
     assert scheduler_ms["monitor"] == 2000
 
 
+def _host_settings() -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in ("MOPFLOW_STORAGE_OPTIONS", "MOPFLOW_SHARD_CACHE")}
+
+
+def test_local_workers_use_the_storage_options_a_stage_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LocalCluster's workers are on this host: they set no storage options of their own (a
+    stage's, which may come from an Airflow connection set after the cluster started, are the
+    right ones here), and keep this process's other settings, its shard cache among them."""
+    monkeypatch.setenv("MOPFLOW_STORAGE_OPTIONS", '{"endpoint_url": "http://127.0.0.1:9000"}')
+    monkeypatch.setenv("MOPFLOW_SHARD_CACHE", "/var/cache/mopflow/shards")
+    with dask_client("", 1) as client:
+        (settings,) = client.run(_host_settings).values()
+    assert settings == {"MOPFLOW_STORAGE_OPTIONS": "", "MOPFLOW_SHARD_CACHE": "/var/cache/mopflow/shards"}
+
+
 def _pid() -> int:
     return os.getpid()
 

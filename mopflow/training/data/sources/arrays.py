@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from mopflow.base import storage
+from mopflow.base.hosts import storage_options_here
 from mopflow.training.data.examples import (
     content_hash,
     example_stats,
@@ -248,6 +249,7 @@ def npy_partition(
     storage_options: Mapping[str, Any] | None,
 ) -> pd.DataFrame:
     """Rows ``start:stop`` of an ``x.npy``/``y.npy`` pair, split by content hash."""
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     x = read_npy_rows(storage.join(folder, "x.npy"), headers[0], start, stop, storage_options)
     y = read_npy_rows(storage.join(folder, "y.npy"), headers[1], start, stop, storage_options).astype(
         np.int64

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from mopflow.base import storage
+from mopflow.base.hosts import storage_options_here
 from mopflow.training.data.examples import ExampleError, decode_image, example_stats, image_values
 from mopflow.training.data.sources.arrays import (
     SourceError,
@@ -123,6 +124,7 @@ def probe_images(
 ) -> list[tuple[int, int, int]]:
     """(channels, height, width) of each image (runs on a worker); an undecodable one is refused
     naming its path."""
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     return [probe(decode(storage.read_bytes(url, storage_options), url), url) for url in files]
 
 
@@ -252,6 +254,7 @@ def probe_encoded(
     url: str, source: TensorColumn, storage_options: Mapping[str, Any] | None
 ) -> list[tuple[int, int, int]]:
     """(channels, height, width) of each encoded image of one parquet file (runs on a worker)."""
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     table = _read_columns(url, [source.column], storage_options)
     return [
         probe(decode(blob, f"{url}#row={i}"), f"{url}#row={i}")
@@ -271,6 +274,7 @@ def image_partition(
     storage_options: Mapping[str, Any] | None,
 ) -> pd.DataFrame:
     """One partition of an image folder: the files' bytes as they are, split by content hash."""
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     blobs = [storage.read_bytes(url, storage_options) for url in files]
     return encoded_examples(blobs, files, shape, np.asarray(labels, dtype=np.int64), split)
 
@@ -284,6 +288,7 @@ def tensor_partition(
 ) -> pd.DataFrame:
     """One parquet file's tensors (kept in their dtype) or encoded images (kept encoded), split
     by content hash."""
+    storage_options = storage_options_here(storage_options)  # a worker's own, when it sets them
     table = _read_columns(url, [source.column, source.label], storage_options)
     labels = table.column(source.label).to_numpy()
     values = table.column(source.column).combine_chunks()
