@@ -243,6 +243,12 @@ class HostCluster:
                 )
             self.hosts[name] = Host(name, addrs, netns, links, init)
 
+    def add_name(self, host: str, name: str, address: str) -> None:
+        """Let ``host`` (only) resolve ``name`` to ``address``: a name the other hosts do not know,
+        as a split-horizon DNS gives."""
+        with open(self.root / "etc" / f"hosts.{host}", "a") as hosts_file:  # the same file, bind-mounted
+            hosts_file.write(f"{address} {name}\n")
+
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]
 

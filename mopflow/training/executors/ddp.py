@@ -44,6 +44,7 @@ MAX_PORT_CHOICES = 3  # rendezvous ports found taken before the trial fails (eac
 # them again: a freed gang may come along, but a cluster of exactly one gang would wait in vain
 # (that case is seen at once and not waited for).
 SHUN_WAIT_S = 30.0
+SUSPECT_S = 600.0  # how long later trials, too, prefer other workers than those that lost a rank
 
 __all__ = ["DDPExecutor", "PlacementError", "RankLost"]
 
@@ -106,6 +107,9 @@ class DDPExecutor(Executor):
         # backend's own pick, from the hostname)
         self.rank_interfaces: dict[str, list[str]] = {}
         self.allreduce_bytes: dict[str, int] = {}  # model -> gradient bytes its ranks all-reduced
+        # worker -> when a job of it last lost a rank: later trials prefer other workers too, so a
+        # cut link between two workers does not fail every trial that starts there first
+        self.suspects: dict[str, float] = {}
         self._gangs: WorkerGangs | None = None
 
     def gangs(self, spec: ModelSpec) -> WorkerGangs:
@@ -113,6 +117,11 @@ class DDPExecutor(Executor):
         if self._gangs is None:
             self._gangs = WorkerGangs(self.client, self.world_size, spec.device.resources())
         return self._gangs
+
+    def recent_suspects(self, now: float | None = None) -> list[str]:
+        """Workers whose jobs lost a rank within the last ``SUSPECT_S`` seconds."""
+        since = (time.monotonic() if now is None else now) - SUSPECT_S
+        return sorted(w for w, at in self.suspects.items() if at >= since)
 
     def rank_workers(self, spec: ModelSpec, wait_s: float = WORKER_WAIT_S) -> list[str]:
         """A gang of workers that can run ``spec``'s ranks, rank 0 first (not taken: a preview);
@@ -176,11 +185,16 @@ class DDPExecutor(Executor):
         started = time.time()
         lost = notices = taken_ports = 0
         leaving: list[str] = []  # workers of a preempted attempt: they are about to go
-        shunned: list[str] = []  # workers of the last attempt that lost a rank
+        shunned = self.recent_suspects()  # workers whose jobs lately lost a rank
         while True:
             gangs = self.gangs(spec)
             try:
-                gang = gangs.take(WORKER_WAIT_S, avoid=leaving, prefer_not=shunned, prefer_wait_s=SHUN_WAIT_S)
+                gang = gangs.take(
+                    WORKER_WAIT_S,
+                    avoid=leaving,
+                    prefer_not=shunned,
+                    prefer_wait_s=SHUN_WAIT_S if lost else 0.0,  # a new trial takes what is free
+                )
             except PlacementError as exc:
                 outcome.error = f"PlacementError: {exc}"
                 break
@@ -211,7 +225,9 @@ class DDPExecutor(Executor):
                     outcome.error = f"RankLost: {exc}"
                     log.warning("ddp: %s failed: %s", spec.model_id, exc)
                     break
-                shunned = shunned_after_loss(gang, exc)
+                blamed = shunned_after_loss(gang, exc)
+                self.suspects |= dict.fromkeys(blamed, time.monotonic())
+                shunned = sorted(set(blamed) | set(self.recent_suspects()))
                 log.warning(
                     "ddp: %s: %s; starting again from its last checkpoint, preferably without %s",
                     spec.model_id,
