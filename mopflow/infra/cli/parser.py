@@ -187,7 +187,13 @@ def _port_flags() -> dict[str, tuple[str, int]]:
 def _add_stack_parsers(sub: Any) -> None:
     """``up``, ``down`` and ``status`` of the local stack."""
     up = sub.add_parser(
-        "up", help="start the local stack: Airflow, MLflow, optuna-dashboard, Dask (127.0.0.1)"
+        "up", help="start the local stack: Airflow, MLflow, optuna-dashboard, Dask (127.0.0.1 or --host)"
+    )
+    up.add_argument(
+        "--host",
+        metavar="ADDR",
+        help="address every service binds and advertises, this host's own for workers on other hosts "
+        "(env MOPFLOW_STACK_HOST, default 127.0.0.1; not 0.0.0.0)",
     )
     for name, (var, default) in _port_flags().items():
         up.add_argument(

@@ -32,15 +32,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Start the local stack with the ports and knobs of the flags and the environment."""
     from mopflow.base.settings import Settings
     from mopflow.infra import stack
+    from mopflow.infra.stack.config import stack_host
 
     def start() -> object:
         settings = Settings.from_env()
         requested = {name: getattr(args, f"{name}_port") for name in stack.PORT_ENV}
         workers = args.dask_workers or settings.dask_workers
+        host = stack_host(os.environ, args.host)  # free ports are those free on the stack's address
 
         def choose_config() -> Any:
             config = stack.config_from_env(
-                os.environ, requested, args.free_ports, workers, stack.free_port, mlflow_auth=args.auth
+                os.environ,
+                requested,
+                args.free_ports,
+                workers,
+                lambda: stack.free_port(host),
+                mlflow_auth=args.auth,
+                host=args.host,
             )
             if args.timeout is not None:
                 config = config.model_copy(update={"timeout_s": args.timeout})
@@ -62,8 +70,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 
     def stop() -> object:
         grace = args.grace
-        if grace is None:
-            grace = stack.config_from_env(os.environ, {}, True, 1, stack.free_port).grace_s
+        if grace is None:  # the address is no concern of `down`: it stops what the state records
+            config = stack.config_from_env(os.environ, {}, True, 1, stack.free_port, host=stack.DEFAULT_HOST)
+            grace = config.grace_s
         return stack.down(_stack_home(), grace)
 
     _stack_call(stop)

@@ -35,6 +35,7 @@ tested without starting anything:
 """
 
 from mopflow.infra.stack.config import (
+    DEFAULT_HOST,
     PORT_ENV,
     STACK_ENV,
     StackConfig,
@@ -56,6 +57,7 @@ from mopflow.infra.stack.state import StackState, read_state, state_path
 
 __all__ = [
     "CELERY_SERVICES",
+    "DEFAULT_HOST",
     "PORT_ENV",
     "SERVICE_ORDER",
     "STACK_ENV",

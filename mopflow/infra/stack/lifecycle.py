@@ -106,8 +106,8 @@ def up(
             )
         auth = prepare_mlflow_auth(home) if config.mlflow_auth else None
         specs = build_specs(settings, config, bin_dir, environ, auth=auth)
-        _refuse_taken_ports(specs)
-        _prepare_stores(settings, environ)
+        _refuse_taken_ports(specs, config.host)
+        _prepare_stores(settings, environ, config.host)
         state = _new_state(settings, config, _airflow_spec(specs), auth, has_module("bokeh", bin_dir))
         state = _start(specs, state, path, config, bin_dir, say)
         say(format_up_summary(state))
@@ -162,13 +162,13 @@ def _already_running(path: Path, say: Callable[[str], None]) -> StackState | Non
     return None
 
 
-def _refuse_taken_ports(specs: Sequence[ServiceSpec]) -> None:
-    """Fail before anything starts when a port of the stack is in use."""
+def _refuse_taken_ports(specs: Sequence[ServiceSpec], host: str) -> None:
+    """Fail before anything starts when a port of the stack is in use on its address ``host``."""
     taken = [
         f"{spec.name} port {port}"
         for spec in specs
         for port in spec.ports
-        if port_answers(port) or not port_bindable(port)
+        if port_answers(port, host) or not port_bindable(port, host)
     ]
     if taken:
         raise StackError(
@@ -177,9 +177,9 @@ def _refuse_taken_ports(specs: Sequence[ServiceSpec]) -> None:
         )
 
 
-def _prepare_stores(settings: Settings, environ: Mapping[str, str]) -> None:
+def _prepare_stores(settings: Settings, environ: Mapping[str, str], host: str) -> None:
     """The local folders the servers write to, and Optuna's tables in an RDB storage."""
-    for folder in (settings.airflow_home, mlflow_server_stores(settings, environ)[1]):
+    for folder in (settings.airflow_home, mlflow_server_stores(settings, environ, host)[1]):
         if "://" not in folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
     if storage_kind(settings.optuna_storage) == "journal":
@@ -200,8 +200,9 @@ def _new_state(
         home=str(Path(settings.home)),
         started_at=datetime.now(UTC).isoformat(timespec="seconds"),
         ports=config.ports,
+        host=config.host,
         airflow_password_file=airflow_password_file(settings.airflow_home, airflow.env),
-        dask_dashboard=dask_dashboard_url(config.ports.dask_dashboard, has_bokeh),
+        dask_dashboard=dask_dashboard_url(config.ports.dask_dashboard, has_bokeh, config.host),
         mlflow_password_file=auth.password_file if auth else "",
         logs=str(stack_dir(settings.home) / "logs"),
     )
@@ -253,7 +254,7 @@ def down(home: str | Path, grace_s: float, say: Callable[[str], None] = print) -
         known = (*SERVICE_ORDER, *CELERY_SERVICES)
         order = sorted(state.services, key=lambda r: -known.index(r.name) if r.name in known else 0)
         stopped = stop_services(order, grace_s, say)
-        busy = [f"{r.name}:{p}" for r in state.services for p in r.ports if port_answers(p)]
+        busy = [f"{r.name}:{p}" for r in state.services for p in r.ports if port_answers(p, state.host)]
         path.unlink(missing_ok=True)
         say(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
         if busy:
