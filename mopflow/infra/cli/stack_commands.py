@@ -1,9 +1,10 @@
-"""``mopflow up``, ``down`` and ``status``: the local stack (:mod:`mopflow.infra.stack`) from the command
-line, its errors printed as the CLI's."""
+"""``mopflow up``, ``down``, ``status`` and ``worker-env``: the local stack (:mod:`mopflow.infra.stack`)
+from the command line, its errors printed as the CLI's."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -85,3 +86,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     healthy = _stack_call(stack.status, _stack_home(), print, args.format == "json")
     return 0 if healthy else 1
+
+
+def cmd_worker_env(args: argparse.Namespace) -> int:
+    """Print the settings an Airflow worker on another host needs to join the stack (the file
+    ``mopflow up`` wrote, or its variables as one JSON object)."""
+    from mopflow.infra.stack.worker_env import read_worker_env
+
+    text, env = _stack_call(read_worker_env, _stack_home())
+    print(json.dumps(env, indent=2) if args.format == "json" else text.rstrip("\n"))
+    return 0

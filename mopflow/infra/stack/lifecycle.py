@@ -15,7 +15,13 @@ from mopflow.base.optuna_storage import journal_path, storage_kind
 from mopflow.base.ports import port_was_taken
 from mopflow.base.settings import TRAINING_POOL, Settings
 from mopflow.infra.stack.airflow_services import set_training_pool
-from mopflow.infra.stack.auth import MlflowAuth, airflow_password_file, owner_only, prepare_mlflow_auth
+from mopflow.infra.stack.auth import (
+    MlflowAuth,
+    airflow_password_file,
+    owner_only,
+    prepare_airflow_secrets,
+    prepare_mlflow_auth,
+)
 from mopflow.infra.stack.config import StackConfig, StackError
 from mopflow.infra.stack.probes import port_answers, port_bindable, probe_all
 from mopflow.infra.stack.processes import is_running, spawn, stop_services, wait_healthy
@@ -32,6 +38,7 @@ from mopflow.infra.stack.state import (
     state_path,
     write_state,
 )
+from mopflow.infra.stack.worker_env import worker_env_path, write_worker_env
 
 
 def _has_module(name: str, bin_dir: str) -> bool:
@@ -105,10 +112,15 @@ def up(
                 f"install it into the environment of {bin_dir} (pip install 'mopflow[auth]')"
             )
         auth = prepare_mlflow_auth(home) if config.mlflow_auth else None
-        specs = build_specs(settings, config, bin_dir, environ, auth=auth)
+        # On loopback every Airflow component shares the one airflow.cfg; on an address other
+        # hosts reach, their components need the same secrets as the stack's.
+        shared = None if config.loopback else prepare_airflow_secrets(home, settings.airflow_home, environ)
+        specs = build_specs(settings, config, bin_dir, environ, auth=auth, airflow_secrets=shared)
         _refuse_taken_ports(specs, config.host)
         _prepare_stores(settings, environ, config.host)
+        worker_env_file = _worker_env_file(home, config, _airflow_spec(specs), say)
         state = _new_state(settings, config, _airflow_spec(specs), auth, has_module("bokeh", bin_dir))
+        state = state.model_copy(update={"worker_env_file": worker_env_file})
         state = _start(specs, state, path, config, bin_dir, say)
         say(format_up_summary(state))
         return state
@@ -190,6 +202,21 @@ def _prepare_stores(settings: Settings, environ: Mapping[str, str], host: str) -
 
 def _airflow_spec(specs: Sequence[ServiceSpec]) -> ServiceSpec:
     return next(s for s in specs if s.name == "airflow")
+
+
+def _worker_env_file(
+    home: Path, config: StackConfig, airflow: ServiceSpec, say: Callable[[str], None]
+) -> str:
+    """The worker hosts' settings, written when other hosts reach the stack (what cannot work
+    from another host said); on loopback, none: an earlier stack's file is removed, as no
+    worker elsewhere could use its address now."""
+    if config.loopback:
+        worker_env_path(home).unlink(missing_ok=True)
+        return ""
+    path, warnings = write_worker_env(home, airflow.env)
+    for warning in warnings:
+        say(f"  warning for worker hosts: {warning}")
+    return str(path)
 
 
 def _new_state(

@@ -77,13 +77,16 @@ def build_specs(
     bin_dir: str,
     environ: Mapping[str, str],
     auth: MlflowAuth | None = None,
+    airflow_secrets: Mapping[str, str] | None = None,
 ) -> list[ServiceSpec]:
     """The services' command lines, environments and health checks (nothing is started), in
     start order (``SERVICE_ORDER``, then the Celery components if any), every server bound to and
     advertised on ``config.host``.
 
     With ``auth`` the MLflow server runs its basic-auth app and every client (tasks, workers, the
-    Airflow plugin) gets the admin's credentials through ``MLFLOW_TRACKING_USERNAME/PASSWORD``."""
+    Airflow plugin) gets the admin's credentials through ``MLFLOW_TRACKING_USERNAME/PASSWORD``.
+    ``airflow_secrets`` (:func:`~mopflow.infra.stack.auth.prepare_airflow_secrets`) go to every
+    Airflow component, so that components on other hosts can share them."""
     if config.mlflow_auth and auth is None:
         raise StackError("the stack config asks for MLflow auth but no credentials were prepared")
     host = config.host
@@ -96,7 +99,11 @@ def build_specs(
     executor = airflow_executor(environ)
     p = config.ports
     common = _common_env(settings, p, host, bin_dir, environ, auth)
-    airflow = {**common, **airflow_env(settings.airflow_home, environ, bin_dir, p, host)}
+    airflow = {
+        **common,
+        **airflow_env(settings.airflow_home, environ, bin_dir, p, host),
+        **(airflow_secrets or {}),
+    }
     return [
         _mlflow_spec(bin_dir, p, host, stores, common, environ, auth),
         *_dask_specs(bin_dir, config, stack_dir(settings.home), common),

@@ -40,6 +40,7 @@ class StackState(BaseModel):
     logs: str = ""
     dask_dashboard: str = ""
     mlflow_password_file: str = ""  # set when MLflow's basic-auth app is on
+    worker_env_file: str = ""  # set when the stack is on an address other hosts reach
 
 
 def stack_dir(home: str | Path) -> Path:
@@ -128,6 +129,11 @@ def format_up_summary(state: StackState) -> str:
         f"Optuna dashboard      : {urls.get('optuna-dashboard', '')}",
         f"champion server       : {urls.get('serve', '')}/invocations   (MLflow scoring protocol)",
         f"Dask scheduler        : tcp://{url_host(state.host)}:{p.dask_scheduler}   dashboard {state.dask_dashboard}",
+        *(
+            [f"Celery worker hosts   : the settings in {state.worker_env_file} (mopflow worker-env)"]
+            if state.worker_env_file
+            else []
+        ),
         f"logs                  : {state.logs}",
         "stop with             : mopflow down    (status: mopflow status)",
     ]

@@ -156,3 +156,17 @@ def test_a_server_setting_on_the_stacks_own_address_names_the_stack(tmp_path: Pa
         StackError, match=r"'tcp://10.0.0.6:8786'.*its own on 10.0.0.5: unset it or point it at 10.0.0.5"
     ):
         build_specs(settings_at(tmp_path, **elsewhere), config, BIN, {})
+
+
+def test_shared_airflow_secrets_go_to_every_airflow_component_only(tmp_path: Path) -> None:
+    secrets = {
+        "AIRFLOW__CORE__FERNET_KEY": "f",
+        "AIRFLOW__API__SECRET_KEY": "s",
+        "AIRFLOW__API_AUTH__JWT_SECRET": "j",
+    }
+    specs = build_specs(
+        settings_at(tmp_path), stack_config(host="10.0.0.5"), BIN, CELERY, airflow_secrets=secrets
+    )
+    for spec in specs:
+        given = {k: spec.env.get(k) for k in secrets}
+        assert given == (secrets if spec.name.startswith("airflow") else dict.fromkeys(secrets)), spec.name
