@@ -10,6 +10,7 @@ import contextlib
 import os
 import secrets
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, SecretStr
@@ -92,17 +93,18 @@ def prepare_mlflow_auth(home: str | Path) -> MlflowAuth:
     )
 
 
-# The Airflow settings every host that runs an Airflow component must share, each generated once
-# under <home>/stack: the api-server's key, which signs the tokens a log fetch shows the log server
-# of the worker that ran the task; the JWT secret of the Execution API tokens the scheduler gives
-# each task; the Fernet key of the connections and variables in the metadata database. A host that
+# The Airflow settings every host that runs an Airflow component must share, each kept under
+# <home>/stack: the api-server's key, which signs the tokens a log fetch shows the log server of the
+# worker that ran the task; the JWT secret of the Execution API tokens the scheduler gives each
+# task; the Fernet key of the connections and variables in the metadata database. A host that
 # makes its own refuses the others' tokens and cannot read their connections.
-# variable -> (file under <home>/stack, airflow.cfg section, option)
-AIRFLOW_SECRETS: dict[str, tuple[str, str, str]] = {
-    "AIRFLOW__API__SECRET_KEY": ("airflow_api_secret_key", "api", "secret_key"),
-    "AIRFLOW__API_AUTH__JWT_SECRET": ("airflow_jwt_secret", "api_auth", "jwt_secret"),
-    "AIRFLOW__CORE__FERNET_KEY": ("airflow_fernet_key", "core", "fernet_key"),
+# variable -> file under <home>/stack
+AIRFLOW_SECRETS: dict[str, str] = {
+    "AIRFLOW__API__SECRET_KEY": "airflow_api_secret_key",
+    "AIRFLOW__API_AUTH__JWT_SECRET": "airflow_jwt_secret",
+    "AIRFLOW__CORE__FERNET_KEY": "airflow_fernet_key",
 }
+FERNET_KEY_ENV = "AIRFLOW__CORE__FERNET_KEY"
 
 
 def set_in_environment(var: str, environ: Mapping[str, str]) -> bool:
@@ -111,39 +113,43 @@ def set_in_environment(var: str, environ: Mapping[str, str]) -> bool:
     return any(environ.get(var + suffix, "").strip() for suffix in ("", "_CMD", "_SECRET"))
 
 
-def _airflow_cfg_value(airflow_home: str, environ: Mapping[str, str], section: str, option: str) -> str:
-    """An option of the ``airflow.cfg`` Airflow wrote in its home (empty when there is none): the
-    stack's Airflow may already have encrypted connections with its Fernet key."""
+def _airflow_cfg_fernet_key(airflow_home: str, environ: Mapping[str, str]) -> str:
+    """The Fernet key in the ``airflow.cfg`` Airflow wrote in its home (empty when there is none)."""
     parser = configparser.ConfigParser(interpolation=None, strict=False)
     path = environ.get("AIRFLOW_CONFIG") or os.path.join(airflow_home, "airflow.cfg")
     try:
         parser.read(path)
     except configparser.Error:  # not a config Airflow could read either: nothing to keep
         return ""
-    return parser.get(section, option, fallback="").strip()
+    return parser.get("core", "fernet_key", fallback="").strip()
 
 
-def _fernet_key() -> str:
-    """A Fernet key: 32 random bytes, URL-safe base64 (as ``Fernet.generate_key``)."""
-    return base64.urlsafe_b64encode(os.urandom(32)).decode()
+def _new_secret(var: str, airflow_home: str, environ: Mapping[str, str]) -> str:
+    """A first value for one of :data:`AIRFLOW_SECRETS`. The Fernet key Airflow already wrote in
+    its ``airflow.cfg`` is kept: connections may be encrypted with it. Else a Fernet key (32 random
+    bytes, URL-safe base64, as ``Fernet.generate_key``), or 64 random bytes for the keys that sign
+    Airflow's HS512 tokens (shorter keys are below what RFC 7518 asks for)."""
+    if var == FERNET_KEY_ENV:
+        return (
+            _airflow_cfg_fernet_key(airflow_home, environ)
+            or base64.urlsafe_b64encode(os.urandom(32)).decode()
+        )
+    return secrets.token_urlsafe(64)
 
 
 def prepare_airflow_secrets(
-    home: str | Path, airflow_home: str, environ: Mapping[str, str]
+    home: str | Path, airflow_home: str, environ: Mapping[str, str], generate: bool = True
 ) -> dict[str, str]:
     """The :data:`AIRFLOW_SECRETS` the environment does not set, as variables for every Airflow
-    component: each kept in a 0600 file under ``<home>/stack``, made the first time from the value
-    Airflow already wrote in its ``airflow.cfg`` (its connections stay readable, its sessions
-    valid), else generated, and the same on every later call."""
+    component: each kept in a 0600 file under ``<home>/stack`` and the same on every later call.
+
+    With ``generate`` a missing one is made (:func:`_new_secret`); without it (a stack on loopback,
+    where every component reads the one ``airflow.cfg``) only those an earlier stack kept are
+    returned: what was encrypted with their Fernet key stays readable."""
     folder = stack_dir(home)
     chosen: dict[str, str] = {}
-    for var, (name, section, option) in AIRFLOW_SECRETS.items():
-        if set_in_environment(var, environ):
+    for var, name in AIRFLOW_SECRETS.items():
+        if set_in_environment(var, environ) or not (generate or (folder / name).exists()):
             continue
-
-        def make(section: str = section, option: str = option) -> str:
-            kept = _airflow_cfg_value(airflow_home, environ, section, option)
-            return kept or (_fernet_key() if option == "fernet_key" else secrets.token_urlsafe(32))
-
-        chosen[var] = _stored_secret(folder / name, make)
+        chosen[var] = _stored_secret(folder / name, partial(_new_secret, var, airflow_home, environ))
     return chosen

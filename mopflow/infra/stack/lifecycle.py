@@ -112,9 +112,10 @@ def up(
                 f"install it into the environment of {bin_dir} (pip install 'mopflow[auth]')"
             )
         auth = prepare_mlflow_auth(home) if config.mlflow_auth else None
-        # On loopback every Airflow component shares the one airflow.cfg; on an address other
-        # hosts reach, their components need the same secrets as the stack's.
-        shared = None if config.loopback else prepare_airflow_secrets(home, settings.airflow_home, environ)
+        # On an address other hosts reach, their Airflow components need the stack's secrets. On
+        # loopback every component reads the one airflow.cfg, but secrets an earlier stack kept
+        # stay in force: connections may be encrypted with their Fernet key.
+        shared = prepare_airflow_secrets(home, settings.airflow_home, environ, generate=not config.loopback)
         specs = build_specs(settings, config, bin_dir, environ, auth=auth, airflow_secrets=shared)
         _refuse_taken_ports(specs, config.host)
         _prepare_stores(settings, environ, config.host)

@@ -67,8 +67,9 @@ def worker_env(airflow: Mapping[str, str]) -> dict[str, str]:
         *(var for var in mopflow if var not in _HOST_OWN),
         *_MLFLOW_VARS,
     ]
-    env = {var: airflow[var] for var in dict.fromkeys(wanted) if airflow.get(var, "") != ""}
-    env.setdefault("AIRFLOW__CORE__EXECUTOR", "LocalExecutor")  # Airflow's default, said
+    # Airflow's default executor, said: under it no Celery worker takes tasks.
+    env = {"AIRFLOW__CORE__EXECUTOR": airflow.get("AIRFLOW__CORE__EXECUTOR") or "LocalExecutor"}
+    env |= {var: airflow[var] for var in dict.fromkeys(wanted) if airflow.get(var, "") != ""}
     return env
 
 
@@ -90,6 +91,12 @@ def across_hosts_warnings(env: Mapping[str, str]) -> list[str]:
         for var in ("MOPFLOW_DATA_ROOT", "MOPFLOW_ARTIFACT_ROOT")
         if env.get(var) and is_host_local(env[var])
     ]
+    journal = env.get("MOPFLOW_OPTUNA_STORAGE", "")
+    if journal and "://" not in journal:  # a journal file: each host would keep studies of its own
+        warnings.append(
+            f"MOPFLOW_OPTUNA_STORAGE={journal!r} is a journal file on the stack's host; use a database "
+            "server every host reaches"
+        )
     try:
         options = parse_storage_options(env.get("MOPFLOW_STORAGE_OPTIONS", ""))
     except SettingsError:  # already refused by the settings; nothing more to say here

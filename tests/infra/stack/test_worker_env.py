@@ -64,8 +64,9 @@ def test_a_worker_host_gets_what_joins_it_to_the_stack_and_not_the_hosts_own(tmp
     assert env["MOPFLOW_DASK_ADDRESS"].startswith("tcp://10.0.0.5:")
     for own in ("MOPFLOW_HOME", "MOPFLOW_AIRFLOW_HOME", "AIRFLOW_HOME", "PATH", "AIRFLOW__API__HOST"):
         assert own not in env, own  # each host's own, or the api-server's alone
+    assert next(iter(env)) == "AIRFLOW__CORE__EXECUTOR"  # the first line says which executor
     # Under the LocalExecutor, said as such: no Celery worker takes tasks.
-    assert worker_env({})["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+    assert worker_env({}) == {"AIRFLOW__CORE__EXECUTOR": "LocalExecutor"}
 
 
 def test_the_file_is_private_read_back_whole_and_sourced_by_a_shell(tmp_path: Path) -> None:
@@ -93,9 +94,10 @@ def test_what_cannot_work_from_another_host_is_said_in_the_file(tmp_path: Path) 
         "AIRFLOW__CELERY__BROKER_URL": "redis://127.0.0.1:6379/0",
         "MOPFLOW_STORAGE_OPTIONS": '{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}',
         "MOPFLOW_DATA_ROOT": str(tmp_path / "data"),
+        "MOPFLOW_OPTUNA_STORAGE": str(tmp_path / "journal.log"),
     }
     path, warnings = write_worker_env(tmp_path / "home", _airflow_env(tmp_path / "home", loopback))
-    assert len(warnings) == 3
+    assert len(warnings) == 4
     text = path.read_text()
     assert (
         "# warning: AIRFLOW__CELERY__BROKER_URL='redis://127.0.0.1:6379/0' is on the stack host's loopback"
@@ -103,6 +105,7 @@ def test_what_cannot_work_from_another_host_is_said_in_the_file(tmp_path: Path) 
     )
     assert "endpoint 'http://127.0.0.1:9000', on loopback" in text
     assert f"MOPFLOW_DATA_ROOT='{tmp_path / 'data'}' is on the stack's host only" in text
+    assert "MOPFLOW_OPTUNA_STORAGE=" in text and "is a journal file on the stack's host" in text
 
 
 def test_without_a_file_the_command_says_how_to_get_one(
@@ -133,7 +136,7 @@ def test_up_on_a_reachable_address_shares_its_secrets_and_writes_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``up`` on this host's own address: the Airflow components get the shared secrets, the same
-    on a second start, and the worker hosts' file; back on loopback, neither."""
+    on a second start, and the worker hosts' file."""
     address = _local_address()
     if address is None:
         pytest.skip("this host has no address but loopback")
@@ -152,6 +155,13 @@ def test_up_on_a_reachable_address_shares_its_secrets_and_writes_the_file(
     first, second = (specs["airflow"].env for specs in started)
     assert {k: first[k] for k in AIRFLOW_SECRETS} == {k: second[k] for k in AIRFLOW_SECRETS}
     assert read_worker_env(home)[1]["AIRFLOW__API__SECRET_KEY"] == second["AIRFLOW__API__SECRET_KEY"]
+    # Back on loopback: no worker hosts' file, but the secrets made stay in force.
     state = lifecycle.up(settings_at(home), stack_config(), {}, lambda _: None, BIN, has)
     assert state.worker_env_file == "" and not worker_env_path(home).exists()
+    assert {k: started[-1]["airflow"].env[k] for k in AIRFLOW_SECRETS} == {
+        k: first[k] for k in AIRFLOW_SECRETS
+    }
+    # A stack that never left loopback gets none: its components read Airflow's own airflow.cfg.
+    fresh = tmp_path / "fresh"
+    lifecycle.up(settings_at(fresh), stack_config(), {}, lambda _: None, BIN, has)
     assert not any(var in started[-1]["airflow"].env for var in AIRFLOW_SECRETS)
