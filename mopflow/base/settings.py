@@ -85,7 +85,7 @@ SETTING_ENV: dict[str, tuple[str, str]] = {
 # PORT_ENV / STACK_ENV), or when a deployment file does not pass one of the first two through.
 RUNTIME_ENV: dict[str, str] = {
     "MOPFLOW_RETRAIN_SCHEDULE": "Timetable of mopflow_retrain (default @weekly; none = only on new shards)",
-    "MOPFLOW_RETRAIN_CONFIG": "YAML file of config keys: the defaults of mopflow_retrain's Params (validated at parse)",
+    "MOPFLOW_RETRAIN_CONFIG": "YAML file of config keys (a path on every host, or an fsspec URL): the defaults of mopflow_retrain's Params (validated at parse)",
     "MOPFLOW_TASK_RETRIES": "Retries of every pipeline task (default 2)",
     "MOPFLOW_RETRY_DELAY_S": "First retry delay in seconds, doubling per retry up to 10 min (default 30)",
     "MOPFLOW_TRAINING_POOL_SLOTS": "Slots of the Airflow pool mopflow_training (default 1)",

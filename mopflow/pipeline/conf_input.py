@@ -4,7 +4,9 @@ data roots a triggered run may read from."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from mopflow.pipeline.config import (
@@ -75,10 +77,32 @@ def validate_trigger_conf(conf: Mapping[str, Any] | None, roots: Sequence[str]) 
     return cfg
 
 
+RETRAIN_CONFIG_ENV = "MOPFLOW_RETRAIN_CONFIG"
+
+
 def retrain_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     """mopflow_retrain's Param defaults: :data:`RETRAIN_DEFAULTS` and the keys of the YAML file
-    ``MOPFLOW_RETRAIN_CONFIG`` names (validated; :class:`ConfigError` names what is wrong)."""
+    ``MOPFLOW_RETRAIN_CONFIG`` names (validated; :class:`ConfigError` names what is wrong).
+
+    Every host that parses the DAG files reads it (the dag-processor's, and each Celery worker's
+    before it runs a task), so it is a local path present on each of them, or an fsspec URL
+    (``s3://bucket/retrain.yaml``) on shared storage, read with ``MOPFLOW_STORAGE_OPTIONS``."""
+    from mopflow.base.settings import SettingsError, parse_storage_options
     from mopflow.pipeline.data_events import read_conf_file
 
-    path = environ.get("MOPFLOW_RETRAIN_CONFIG", "").strip()
-    return {**RETRAIN_DEFAULTS, **(read_conf_file(path) if path else {})}
+    location = environ.get(RETRAIN_CONFIG_ENV, "").strip()
+    if not location:
+        return dict(RETRAIN_DEFAULTS)
+    if "://" in location:
+        try:
+            options = parse_storage_options(environ.get("MOPFLOW_STORAGE_OPTIONS", ""))
+        except SettingsError as exc:
+            raise ConfigError(f"{RETRAIN_CONFIG_ENV}={location!r}: {exc}") from exc
+        return {**RETRAIN_DEFAULTS, **read_conf_file(location, options)}
+    if not Path(location).is_file():
+        raise ConfigError(
+            f"{RETRAIN_CONFIG_ENV}={location!r}: no such file on host {socket.gethostname()!r}; every host "
+            "that parses the DAG files (the dag-processor's, each Celery worker's) reads it: put it on "
+            "shared storage (an fsspec URL such as s3://bucket/retrain.yaml) or at this path on every host"
+        )
+    return {**RETRAIN_DEFAULTS, **read_conf_file(location)}

@@ -51,13 +51,27 @@ def conf_with_data_events(conf: Mapping[str, Any], extras: Sequence[Mapping[str,
     return merged
 
 
-def read_conf_file(path: str | Path) -> dict[str, Any]:
-    """A flat YAML (or JSON) pipeline conf from ``path``, validated; :class:`ConfigError` names what is wrong."""
-    file = Path(path)
+def _read_text(location: str, storage_options: Mapping[str, Any] | None) -> str:
+    """The text at a local path or an fsspec URL."""
+    if "://" not in location:
+        return Path(location).read_text()
+    from mopflow.base.storage import read_bytes
+
+    return read_bytes(location, storage_options).decode()
+
+
+def read_conf_file(path: str | Path, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A flat YAML (or JSON) pipeline conf from ``path``, validated; :class:`ConfigError` names what
+    is wrong. ``path`` is a local path, or an fsspec URL (``s3://bucket/retrain.yaml``) read with
+    ``storage_options``."""
+    file = str(path)
     try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except OSError as exc:
+        text = _read_text(file, storage_options)
+    # A store's client raises errors of its own (credentials, endpoint, bucket): all "cannot read".
+    except Exception as exc:
         raise ConfigError(f"cannot read config file {file}: {exc}") from exc
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {file} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):

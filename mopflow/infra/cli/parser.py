@@ -20,7 +20,7 @@ from mopflow.infra.cli.local_runs import RunEnded
 from mopflow.infra.cli.registry import cmd_promote, cmd_rollback, cmd_serve
 from mopflow.infra.cli.run import cmd_run, cmd_runs
 from mopflow.infra.cli.spot import cmd_plan_spot
-from mopflow.infra.cli.stack_commands import cmd_down, cmd_status, cmd_up
+from mopflow.infra.cli.stack_commands import cmd_down, cmd_status, cmd_up, cmd_worker_env
 
 log = logging.getLogger("mopflow")
 
@@ -185,9 +185,15 @@ def _port_flags() -> dict[str, tuple[str, int]]:
 
 
 def _add_stack_parsers(sub: Any) -> None:
-    """``up``, ``down`` and ``status`` of the local stack."""
+    """``up``, ``down``, ``status`` and ``worker-env`` of the local stack."""
     up = sub.add_parser(
-        "up", help="start the local stack: Airflow, MLflow, optuna-dashboard, Dask (127.0.0.1)"
+        "up", help="start the local stack: Airflow, MLflow, optuna-dashboard, Dask (127.0.0.1 or --host)"
+    )
+    up.add_argument(
+        "--host",
+        metavar="ADDR",
+        help="address every service binds and advertises, this host's own for workers on other hosts "
+        "(env MOPFLOW_STACK_HOST, default 127.0.0.1; not 0.0.0.0)",
     )
     for name, (var, default) in _port_flags().items():
         up.add_argument(
@@ -217,6 +223,12 @@ def _add_stack_parsers(sub: Any) -> None:
     stat = sub.add_parser("status", help="show which services of the local stack run and answer")
     _add_format_flag(stat)
     stat.set_defaults(func=cmd_status)
+    wenv = sub.add_parser(
+        "worker-env",
+        help="print the settings an Airflow worker on another host needs to join the stack (<home>/stack/worker.env)",
+    )
+    _add_format_flag(wenv)
+    wenv.set_defaults(func=cmd_worker_env)
 
 
 def _add_format_flag(command: argparse.ArgumentParser) -> None:

@@ -1,6 +1,7 @@
 """The local stack behind ``mopflow up`` / ``down`` / ``status``.
 
-Five services on 127.0.0.1, wired to one another and to the same MOPFLOW_HOME:
+Five services on 127.0.0.1 (or the address ``MOPFLOW_STACK_HOST`` / ``up --host`` names), wired
+to one another and to the same MOPFLOW_HOME:
 
 - ``mlflow``: an MLflow tracking server on the settings' backend store, serving artifacts;
 - ``dask-scheduler`` (with its HTTP dashboard) and ``dask-workers`` (one nanny process);
@@ -16,8 +17,10 @@ Five services on 127.0.0.1, wired to one another and to the same MOPFLOW_HOME:
 The backends follow the settings (e.g. ``MOPFLOW_PROFILE=scale-out``): Airflow's metadata on
 ``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN``, MLflow's on ``MOPFLOW_MLFLOW_BACKEND_STORE`` with its
 artifacts at ``MOPFLOW_MLFLOW_ARTIFACTS_DESTINATION``, Optuna's on ``MOPFLOW_OPTUNA_STORAGE``. A
-tracking URI or Dask address on 127.0.0.1 names the server the stack itself serves; one on
-another host is refused (the stack would not be the one the tasks use).
+tracking URI or Dask address on loopback or on the stack's address names the server the stack
+itself serves; one on another host is refused (the stack would not be the one the tasks use). On
+an address other hosts reach, every Airflow component gets the secrets Airflow hosts must share,
+and ``<home>/stack/worker.env`` holds what a Celery worker on another host needs.
 
 Every service runs in its own process group with its log under ``<home>/stack/logs``; pids,
 ports, URLs and health checks are recorded in ``<home>/stack/state.json`` so that ``status``
@@ -28,13 +31,15 @@ tested without starting anything:
 - :mod:`~mopflow.infra.stack.services`: what a service is (spec, health check, record);
 - :mod:`~mopflow.infra.stack.environment`: the services' environments, Airflow's shared with ``mopflow run``;
 - :mod:`~mopflow.infra.stack.specs` and :mod:`~mopflow.infra.stack.airflow_services`: the command lines;
-- :mod:`~mopflow.infra.stack.auth`: MLflow's basic-auth files and Airflow's password file;
+- :mod:`~mopflow.infra.stack.auth`: MLflow's basic-auth files, Airflow's password file and shared secrets;
+- :mod:`~mopflow.infra.stack.worker_env`: the settings of a worker host (``worker.env``);
 - :mod:`~mopflow.infra.stack.state`: the state file, its lock and how a state is printed;
 - the edges: :mod:`~mopflow.infra.stack.probes` (ports, health checks), :mod:`~mopflow.infra.stack.processes`
   (spawn, stop, wait) and :mod:`~mopflow.infra.stack.lifecycle` (``up``, ``down``, ``status``).
 """
 
 from mopflow.infra.stack.config import (
+    DEFAULT_HOST,
     PORT_ENV,
     STACK_ENV,
     StackConfig,
@@ -56,6 +61,7 @@ from mopflow.infra.stack.state import StackState, read_state, state_path
 
 __all__ = [
     "CELERY_SERVICES",
+    "DEFAULT_HOST",
     "PORT_ENV",
     "SERVICE_ORDER",
     "STACK_ENV",

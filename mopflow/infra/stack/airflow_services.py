@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mopflow.base.settings import TRAINING_POOL
-from mopflow.infra.stack.config import HOST, StackError, StackPorts
+from mopflow.infra.stack.config import DEFAULT_HOST, StackError, StackPorts, url_host
 from mopflow.infra.stack.services import HealthCheck, ServiceSpec
 
 
@@ -38,12 +38,15 @@ def airflow_executor(environ: Mapping[str, str]) -> str:
     return name
 
 
-def airflow_specs(executor: str, env: dict[str, str], p: StackPorts, bin_dir: str) -> list[ServiceSpec]:
+def airflow_specs(
+    executor: str, env: dict[str, str], p: StackPorts, bin_dir: str, host: str = DEFAULT_HOST
+) -> list[ServiceSpec]:
     """Airflow: ``airflow standalone`` for the LocalExecutor; for the CeleryExecutor (which
     standalone replaces by the LocalExecutor) the api-server as ``airflow`` and each other
-    component, the Celery worker included, as a service of its own."""
+    component, the Celery worker included, as a service of its own; checked on ``host``."""
     airflow = str(Path(bin_dir) / "airflow")
-    url = f"http://{HOST}:{p.airflow}"
+    where = url_host(host)
+    url = f"http://{where}:{p.airflow}"
     health = HealthCheck(kind="airflow", url=f"{url}/api/v2/monitor/health")  # metadata DB + scheduler
     if executor != "CeleryExecutor":
         return [
@@ -56,8 +59,8 @@ def airflow_specs(executor: str, env: dict[str, str], p: StackPorts, bin_dir: st
                 ports=(p.airflow, p.airflow_worker_logs, p.airflow_trigger_logs),
             )
         ]
-    worker_logs = f"tcp://{HOST}:{p.airflow_worker_logs}"
-    trigger_logs = f"tcp://{HOST}:{p.airflow_trigger_logs}"
+    worker_logs = f"tcp://{where}:{p.airflow_worker_logs}"
+    trigger_logs = f"tcp://{where}:{p.airflow_trigger_logs}"
     return [
         ServiceSpec(
             name="airflow",

@@ -3,11 +3,20 @@ environment, validated before anything starts."""
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Callable, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-HOST = "127.0.0.1"  # every server binds loopback (but Airflow's log servers: hard-coded to all)
+# The address every server binds and advertises unless MOPFLOW_STACK_HOST (`up --host`) names
+# another: loopback, so that nothing is reachable from other hosts by default (but Airflow's log
+# servers, which Airflow binds to all interfaces).
+DEFAULT_HOST = "127.0.0.1"
+HOST_ENV = "MOPFLOW_STACK_HOST"
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
 
 # port name -> (environment variable, default). Defaults keep optuna-dashboard off Airflow's 8080.
 PORT_ENV: dict[str, tuple[str, int]] = {
@@ -23,6 +32,11 @@ PORT_ENV: dict[str, tuple[str, int]] = {
 }
 # Other knobs of the stack, documented in docs/operations/local-stack.md.
 STACK_ENV: dict[str, tuple[str, str]] = {
+    "host": (
+        HOST_ENV,
+        "address every server binds and advertises (default 127.0.0.1); another host's workers reach the "
+        "stack there (not 0.0.0.0: this host's own address)",
+    ),
     "free_ports": (
         "MOPFLOW_STACK_FREE_PORTS",
         "1 = pick free ports instead of the defaults (tests, shared hosts)",
@@ -49,6 +63,42 @@ STACK_ENV: dict[str, tuple[str, str]] = {
 
 class StackError(RuntimeError):
     """The stack cannot be started, stopped or inspected as asked; the message says why."""
+
+
+def check_host(host: str) -> str:
+    """``host`` if it is an address the stack can bind and advertise: an IP address or a host
+    name, not an unspecified address (``0.0.0.0``, ``::``), which binds every interface but names
+    no host a client could connect to. Raises ``ValueError`` naming :data:`HOST_ENV`."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.match(host):
+            raise ValueError(
+                f"{HOST_ENV} (--host) {host!r} is neither an IP address nor a host name"
+            ) from None
+        return host.lower()  # names compare without case (as urlsplit reports them)
+    if address.is_unspecified:
+        raise ValueError(
+            f"{HOST_ENV} (--host) {host!r} binds every interface but cannot be advertised: tasks and "
+            "workers would connect to it; give this host's own address (e.g. 10.0.0.5) or name"
+        )
+    return str(address)
+
+
+def host_is_loopback(host: str) -> bool:
+    """Whether the stack's address is this host's loopback (``localhost``, 127.0.0.0/8, ``::1``):
+    then no other host can reach it."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes into a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 class StackPorts(BaseModel):
@@ -83,6 +133,7 @@ class StackConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     ports: StackPorts
+    host: str = DEFAULT_HOST  # MOPFLOW_STACK_HOST, or `mopflow up --host`: bound and advertised
     dask_workers: int = Field(ge=1, le=256)  # MOPFLOW_DASK_WORKERS, or `mopflow up --dask-workers`
     pool_slots: int = Field(1, ge=1, le=1024)
     timeout_s: float = Field(300.0, gt=0, le=3600)
@@ -90,6 +141,16 @@ class StackConfig(BaseModel):
     mlflow_auth: bool = False
     free_ports: bool = False  # the ports were chosen free (--free-ports), not given by the user
     serve_model: str = Field("mopflow-student", min_length=1, max_length=256, pattern=r"^[\w.-]+$")
+
+    @field_validator("host")
+    @classmethod
+    def _bindable_and_advertised(cls, host: str) -> str:
+        return check_host(host)
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the stack is on loopback only (:func:`host_is_loopback`): no other host reaches it."""
+        return host_is_loopback(self.host)
 
 
 def validation_message(exc: ValidationError) -> str:
@@ -152,16 +213,23 @@ def config_from_env(
     dask_workers: int,
     pick_free: Callable[[], int],
     mlflow_auth: bool | None = None,
+    host: str | None = None,
 ) -> StackConfig:
-    """The stack config from flags (ports, ``--free-ports``, ``--auth``) and the ``MOPFLOW_*`` environment."""
+    """The stack config from flags (ports, ``--free-ports``, ``--auth``, ``--host``) and the
+    ``MOPFLOW_*`` environment."""
     auth = mlflow_auth if mlflow_auth is not None else environ.get("MOPFLOW_STACK_AUTH", "") in {"1", "true"}
     free = (
         free_ports if free_ports is not None else environ.get("MOPFLOW_STACK_FREE_PORTS", "") in {"1", "true"}
     )
+    try:  # before any port is picked on it
+        address = check_host(stack_host(environ, host))
+    except ValueError as exc:
+        raise StackError(str(exc)) from exc
     ports = choose_ports(requested_ports, environ, free, pick_free)
     try:
         return StackConfig(
             ports=ports,
+            host=address,
             dask_workers=dask_workers,
             pool_slots=int(_env_number(environ, "MOPFLOW_TRAINING_POOL_SLOTS", int, 1)),
             timeout_s=_env_number(environ, "MOPFLOW_STACK_TIMEOUT_S", float, 300.0),
@@ -172,3 +240,9 @@ def config_from_env(
         )
     except ValidationError as exc:
         raise StackError(validation_message(exc)) from exc
+
+
+def stack_host(environ: Mapping[str, str], flag: str | None = None) -> str:
+    """The stack's address as given: the ``--host`` flag, else :data:`HOST_ENV`, else
+    :data:`DEFAULT_HOST` (validated by :class:`StackConfig`)."""
+    return (flag or "").strip() or environ.get(HOST_ENV, "").strip() or DEFAULT_HOST

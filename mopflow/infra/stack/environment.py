@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from mopflow.base.airflow_home import embedded_airflow_env
 from mopflow.base.settings import Settings
-from mopflow.infra.stack.config import HOST, StackPorts
+from mopflow.infra.stack.config import DEFAULT_HOST, StackPorts, url_host
 
 # MLflow client variables that say where runs go (``set_tracking_uri`` exports some of them): a stale
 # one would send a server's or a task's writes elsewhere. Others (``MLFLOW_S3_ENDPOINT_URL``) are kept.
@@ -33,9 +33,10 @@ def base_env(environ: Mapping[str, str], bin_dir: str) -> dict[str, str]:
     return env
 
 
-def mopflow_env(settings: Settings, ports: StackPorts) -> dict[str, str]:
+def mopflow_env(settings: Settings, ports: StackPorts, host: str = DEFAULT_HOST) -> dict[str, str]:
     """The ``MOPFLOW_*`` settings every task and worker sees: the same home, data, artifacts and
-    study storage as the CLI, with tracking and compute pointed at the stack's servers."""
+    study storage as the CLI, with tracking and compute pointed at the stack's servers on ``host``."""
+    where = url_host(host)
     return {
         "MOPFLOW_HOME": settings.home,
         "MOPFLOW_DATA_ROOT": settings.data_root,
@@ -45,8 +46,8 @@ def mopflow_env(settings: Settings, ports: StackPorts) -> dict[str, str]:
         "MOPFLOW_OPTUNA_STORAGE": settings.optuna_storage,
         "MOPFLOW_STORAGE_OPTIONS": json.dumps(dict(settings.storage_options)),
         "MOPFLOW_AIRFLOW_HOME": settings.airflow_home,
-        "MOPFLOW_TRACKING_URI": f"http://{HOST}:{ports.mlflow}",
-        "MOPFLOW_DASK_ADDRESS": f"tcp://{HOST}:{ports.dask_scheduler}",
+        "MOPFLOW_TRACKING_URI": f"http://{where}:{ports.mlflow}",
+        "MOPFLOW_DASK_ADDRESS": f"tcp://{where}:{ports.dask_scheduler}",
         "MOPFLOW_DASK_WORKERS": str(settings.dask_workers),
     }
 
@@ -56,22 +57,23 @@ def airflow_env(
     environ: Mapping[str, str],
     bin_dir: str,
     ports: StackPorts | None = None,
+    host: str = DEFAULT_HOST,
 ) -> dict[str, str]:
     """Airflow's settings for an Airflow mopflow runs: its home (SQLite metadata there unless the
     environment names a database), its DAGs and plugins folders, the venv's ``bin`` on PATH.
 
     ``mopflow run``'s embedded Airflow needs no more. The stack's (``ports`` given) also serves
-    the api-server, and the Execution API the tasks call, on the stack's port, its log servers on
-    the stack's ports, and tunables the environment may override."""
+    the api-server, and the Execution API the tasks call, on ``host`` and the stack's port, its log
+    servers on the stack's ports, and tunables the environment may override."""
     env = {
         **embedded_airflow_env(airflow_home, environ),
         "PATH": bin_first_on_path(environ.get("PATH", ""), bin_dir),
     }
     if ports is None:
         return env
-    api = f"http://{HOST}:{ports.airflow}"
+    api = f"http://{url_host(host)}:{ports.airflow}"
     env |= {
-        "AIRFLOW__API__HOST": HOST,
+        "AIRFLOW__API__HOST": host,
         "AIRFLOW__API__PORT": str(ports.airflow),
         # Without these, every task tries the Execution API on localhost:8080 and fails.
         "AIRFLOW__API__BASE_URL": api,

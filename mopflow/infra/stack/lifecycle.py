@@ -15,7 +15,13 @@ from mopflow.base.optuna_storage import journal_path, storage_kind
 from mopflow.base.ports import port_was_taken
 from mopflow.base.settings import TRAINING_POOL, Settings
 from mopflow.infra.stack.airflow_services import set_training_pool
-from mopflow.infra.stack.auth import MlflowAuth, airflow_password_file, owner_only, prepare_mlflow_auth
+from mopflow.infra.stack.auth import (
+    MlflowAuth,
+    airflow_password_file,
+    owner_only,
+    prepare_airflow_secrets,
+    prepare_mlflow_auth,
+)
 from mopflow.infra.stack.config import StackConfig, StackError
 from mopflow.infra.stack.probes import port_answers, port_bindable, probe_all
 from mopflow.infra.stack.processes import is_running, spawn, stop_services, wait_healthy
@@ -32,6 +38,7 @@ from mopflow.infra.stack.state import (
     state_path,
     write_state,
 )
+from mopflow.infra.stack.worker_env import worker_env_path, write_worker_env
 
 
 def _has_module(name: str, bin_dir: str) -> bool:
@@ -105,10 +112,16 @@ def up(
                 f"install it into the environment of {bin_dir} (pip install 'mopflow[auth]')"
             )
         auth = prepare_mlflow_auth(home) if config.mlflow_auth else None
-        specs = build_specs(settings, config, bin_dir, environ, auth=auth)
-        _refuse_taken_ports(specs)
-        _prepare_stores(settings, environ)
+        # On an address other hosts reach, their Airflow components need the stack's secrets. On
+        # loopback every component reads the one airflow.cfg, but secrets an earlier stack kept
+        # stay in force: connections may be encrypted with their Fernet key.
+        shared = prepare_airflow_secrets(home, settings.airflow_home, environ, generate=not config.loopback)
+        specs = build_specs(settings, config, bin_dir, environ, auth=auth, airflow_secrets=shared)
+        _refuse_taken_ports(specs, config.host)
+        _prepare_stores(settings, environ, config.host)
+        worker_env_file = _worker_env_file(home, config, _airflow_spec(specs), say)
         state = _new_state(settings, config, _airflow_spec(specs), auth, has_module("bokeh", bin_dir))
+        state = state.model_copy(update={"worker_env_file": worker_env_file})
         state = _start(specs, state, path, config, bin_dir, say)
         say(format_up_summary(state))
         return state
@@ -162,13 +175,13 @@ def _already_running(path: Path, say: Callable[[str], None]) -> StackState | Non
     return None
 
 
-def _refuse_taken_ports(specs: Sequence[ServiceSpec]) -> None:
-    """Fail before anything starts when a port of the stack is in use."""
+def _refuse_taken_ports(specs: Sequence[ServiceSpec], host: str) -> None:
+    """Fail before anything starts when a port of the stack is in use on its address ``host``."""
     taken = [
         f"{spec.name} port {port}"
         for spec in specs
         for port in spec.ports
-        if port_answers(port) or not port_bindable(port)
+        if port_answers(port, host) or not port_bindable(port, host)
     ]
     if taken:
         raise StackError(
@@ -177,9 +190,9 @@ def _refuse_taken_ports(specs: Sequence[ServiceSpec]) -> None:
         )
 
 
-def _prepare_stores(settings: Settings, environ: Mapping[str, str]) -> None:
+def _prepare_stores(settings: Settings, environ: Mapping[str, str], host: str) -> None:
     """The local folders the servers write to, and Optuna's tables in an RDB storage."""
-    for folder in (settings.airflow_home, mlflow_server_stores(settings, environ)[1]):
+    for folder in (settings.airflow_home, mlflow_server_stores(settings, environ, host)[1]):
         if "://" not in folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
     if storage_kind(settings.optuna_storage) == "journal":
@@ -192,6 +205,21 @@ def _airflow_spec(specs: Sequence[ServiceSpec]) -> ServiceSpec:
     return next(s for s in specs if s.name == "airflow")
 
 
+def _worker_env_file(
+    home: Path, config: StackConfig, airflow: ServiceSpec, say: Callable[[str], None]
+) -> str:
+    """The worker hosts' settings, written when other hosts reach the stack (what cannot work
+    from another host said); on loopback, none: an earlier stack's file is removed, as no
+    worker elsewhere could use its address now."""
+    if config.loopback:
+        worker_env_path(home).unlink(missing_ok=True)
+        return ""
+    path, warnings = write_worker_env(home, airflow.env)
+    for warning in warnings:
+        say(f"  warning for worker hosts: {warning}")
+    return str(path)
+
+
 def _new_state(
     settings: Settings, config: StackConfig, airflow: ServiceSpec, auth: MlflowAuth | None, has_bokeh: bool
 ) -> StackState:
@@ -200,8 +228,9 @@ def _new_state(
         home=str(Path(settings.home)),
         started_at=datetime.now(UTC).isoformat(timespec="seconds"),
         ports=config.ports,
+        host=config.host,
         airflow_password_file=airflow_password_file(settings.airflow_home, airflow.env),
-        dask_dashboard=dask_dashboard_url(config.ports.dask_dashboard, has_bokeh),
+        dask_dashboard=dask_dashboard_url(config.ports.dask_dashboard, has_bokeh, config.host),
         mlflow_password_file=auth.password_file if auth else "",
         logs=str(stack_dir(settings.home) / "logs"),
     )
@@ -253,7 +282,7 @@ def down(home: str | Path, grace_s: float, say: Callable[[str], None] = print) -
         known = (*SERVICE_ORDER, *CELERY_SERVICES)
         order = sorted(state.services, key=lambda r: -known.index(r.name) if r.name in known else 0)
         stopped = stop_services(order, grace_s, say)
-        busy = [f"{r.name}:{p}" for r in state.services for p in r.ports if port_answers(p)]
+        busy = [f"{r.name}:{p}" for r in state.services for p in r.ports if port_answers(p, state.host)]
         path.unlink(missing_ok=True)
         say(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
         if busy:

@@ -10,17 +10,17 @@ import urllib.request
 from collections.abc import Sequence
 
 from mopflow.base import ports
-from mopflow.infra.stack.config import HOST
+from mopflow.infra.stack.config import DEFAULT_HOST
 from mopflow.infra.stack.services import HealthCheck
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, outside the range the kernel gives to port-0 binds
-    (``mopflow.base.ports``): no other process takes it before the service binds it."""
-    return ports.free_port(HOST)
+def free_port(host: str = DEFAULT_HOST) -> int:
+    """A TCP port free on ``host`` (the stack's address) now, outside the range the kernel gives to
+    port-0 binds (``mopflow.base.ports``): no other process takes it before the service binds it."""
+    return ports.free_port(host)
 
 
-def port_answers(port: int, host: str = HOST, timeout: float = 1.0) -> bool:
+def port_answers(port: int, host: str = DEFAULT_HOST, timeout: float = 1.0) -> bool:
     """Whether something accepts TCP connections on host:port."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -29,7 +29,7 @@ def port_answers(port: int, host: str = HOST, timeout: float = 1.0) -> bool:
         return False
 
 
-def port_bindable(port: int, host: str = HOST) -> bool:
+def port_bindable(port: int, host: str = DEFAULT_HOST) -> bool:
     """Whether this process could listen on host:port."""
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -42,7 +42,7 @@ def port_bindable(port: int, host: str = HOST) -> bool:
 
 def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - our own loopback URLs
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - the stack's own URLs
             return int(response.status), response.read()
     except urllib.error.HTTPError as exc:
         return int(exc.code), exc.read()
@@ -54,7 +54,7 @@ def probe(check: HealthCheck, timeout: float = 3.0) -> tuple[bool, str]:
     try:
         if check.kind == "tcp":
             host, _, port = check.url.removeprefix("tcp://").rpartition(":")
-            ok = port_answers(int(port), host, timeout)
+            ok = port_answers(int(port), host.strip("[]"), timeout)  # an IPv6 address is bracketed
             return ok, "" if ok else f"nothing listens on {check.url}"
         status, body = _http_get(check.url, timeout)
         if status != 200:

@@ -12,7 +12,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from mopflow.infra.stack.config import HOST, StackError, StackPorts, validation_message
+from mopflow.infra.stack.config import (
+    DEFAULT_HOST,
+    StackError,
+    StackPorts,
+    host_is_loopback,
+    url_host,
+    validation_message,
+)
 from mopflow.infra.stack.services import ServiceRecord
 
 STATE_VERSION = 1
@@ -27,11 +34,13 @@ class StackState(BaseModel):
     home: str
     started_at: str
     ports: StackPorts
+    host: str = DEFAULT_HOST  # what every server binds and advertises
     services: tuple[ServiceRecord, ...] = ()
     airflow_password_file: str = ""
     logs: str = ""
     dask_dashboard: str = ""
     mlflow_password_file: str = ""  # set when MLflow's basic-auth app is on
+    worker_env_file: str = ""  # set when the stack is on an address other hosts reach
 
 
 def stack_dir(home: str | Path) -> Path:
@@ -85,10 +94,10 @@ def stack_lock(home: str | Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def dask_dashboard_url(port: int, has_bokeh: bool) -> str:
-    """The Dask page to open: the Bokeh dashboard, or, without bokeh (it is optional), the scheduler's
-    plain HTML pages on workers and tasks."""
-    base = f"http://{HOST}:{port}"
+def dask_dashboard_url(port: int, has_bokeh: bool, host: str = DEFAULT_HOST) -> str:
+    """The Dask page to open on ``host``: the Bokeh dashboard, or, without bokeh (it is optional),
+    the scheduler's plain HTML pages on workers and tasks."""
+    base = f"http://{url_host(host)}:{port}"
     if has_bokeh:
         return f"{base}/status"
     return f"{base}/info/main/workers.html (install bokeh>=3.1 for the graphical dashboard at /status)"
@@ -98,10 +107,15 @@ def format_up_summary(state: StackState) -> str:
     """What ``mopflow up`` prints once everything answers: URLs, the admin password's file, logs."""
     urls = {s.name: s.url for s in state.services}
     p = state.ports
+    title = (
+        f"mopflow stack is up ({state.host} only)"
+        if host_is_loopback(state.host)
+        else f"mopflow stack is up on {state.host}"
+    )
     lines = [
         "",
-        "mopflow stack is up (127.0.0.1 only)",
-        "====================================",
+        title,
+        "=" * len(title),
         f"Airflow UI / REST API : {urls.get('airflow', '')}   (user admin)",
         f"  admin password in   : {state.airflow_password_file}",
         f"  REST token          : POST {urls.get('airflow', '')}/auth/token "
@@ -114,7 +128,12 @@ def format_up_summary(state: StackState) -> str:
         ),
         f"Optuna dashboard      : {urls.get('optuna-dashboard', '')}",
         f"champion server       : {urls.get('serve', '')}/invocations   (MLflow scoring protocol)",
-        f"Dask scheduler        : tcp://{HOST}:{p.dask_scheduler}   dashboard {state.dask_dashboard}",
+        f"Dask scheduler        : tcp://{url_host(state.host)}:{p.dask_scheduler}   dashboard {state.dask_dashboard}",
+        *(
+            [f"Celery worker hosts   : the settings in {state.worker_env_file} (mopflow worker-env)"]
+            if state.worker_env_file
+            else []
+        ),
         f"logs                  : {state.logs}",
         "stop with             : mopflow down    (status: mopflow status)",
     ]

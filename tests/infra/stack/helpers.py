@@ -31,9 +31,9 @@ def settings_at(home: Path, **env: str) -> Settings:
     return Settings.from_env({"MOPFLOW_HOME": str(home), **env})
 
 
-def stack_config(**ports: int) -> StackConfig:
-    """Free (made-up) ports but for those given, two Dask workers."""
-    return config_from_env({}, dict(ports), True, 2, counter())
+def stack_config(host: str | None = None, **ports: int) -> StackConfig:
+    """Free (made-up) ports but for those given, two Dask workers, on ``host`` (default loopback)."""
+    return config_from_env({}, dict(ports), True, 2, counter(), host=host)
 
 
 def sample_state(home: Path) -> StackState:

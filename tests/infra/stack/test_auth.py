@@ -1,5 +1,6 @@
 """The stack's secrets: Airflow's password file where Airflow puts it, MLflow's basic-auth
-files private and reused, and a server with auth on refusing anonymous clients."""
+files and the Airflow secrets shared across hosts private and reused, and a server with auth on
+refusing anonymous clients."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from mopflow.infra.stack.auth import airflow_password_file, owner_only, prepare_mlflow_auth
+from mopflow.infra.stack.auth import (
+    AIRFLOW_SECRETS,
+    airflow_password_file,
+    owner_only,
+    prepare_airflow_secrets,
+    prepare_mlflow_auth,
+)
 from mopflow.infra.stack.config import config_from_env
 from mopflow.infra.stack.probes import free_port
 from mopflow.infra.stack.processes import spawn, stop_services, wait_healthy
 from mopflow.infra.stack.specs import build_specs
+from mopflow.infra.stack.state import stack_dir
 from tests.infra.stack.helpers import BIN, settings_at
 from tests.rest import request_json
 
@@ -67,3 +75,47 @@ def test_mlflow_with_auth_refuses_anonymous_clients(tmp_path: Path) -> None:
             assert response.status == 200
     finally:
         stop_services([rec], grace_s=10)
+
+
+def test_shared_airflow_secrets_are_generated_once_private_and_reused(tmp_path: Path) -> None:
+    from cryptography.fernet import Fernet
+
+    home, airflow_home = tmp_path / "home", str(tmp_path / "airflow")
+    first = prepare_airflow_secrets(home, airflow_home, {})
+    assert set(first) == set(AIRFLOW_SECRETS)
+    assert len(set(first.values())) == 3
+    # The keys of Airflow's HS512 tokens: 64 random bytes, as RFC 7518 asks for.
+    for var in ("AIRFLOW__API__SECRET_KEY", "AIRFLOW__API_AUTH__JWT_SECRET"):
+        assert len(first[var]) == 86  # 64 bytes in URL-safe base64
+    Fernet(first["AIRFLOW__CORE__FERNET_KEY"].encode())  # a key Airflow can use
+    for name in AIRFLOW_SECRETS.values():
+        assert os.stat(stack_dir(home) / name).st_mode & 0o777 == 0o600
+    assert prepare_airflow_secrets(home, airflow_home, {}) == first  # the same on every later start
+    assert prepare_airflow_secrets(tmp_path / "other", airflow_home, {}) != first  # another stack's own
+
+
+def test_shared_airflow_secrets_keep_airflows_fernet_key_and_yield_to_the_environment(tmp_path: Path) -> None:
+    """Airflow's airflow.cfg holds the Fernet key its connections were encrypted with: it is kept.
+    A secret the environment sets (or has a command for) is the user's: not generated."""
+    airflow_home = tmp_path / "airflow"
+    airflow_home.mkdir()
+    (airflow_home / "airflow.cfg").write_text("[core]\nfernet_key = kept%fernet\n[api]\nsecret_key = short\n")
+    environ = {"AIRFLOW__API_AUTH__JWT_SECRET_CMD": "cat /run/jwt"}
+    chosen = prepare_airflow_secrets(tmp_path / "home", str(airflow_home), environ)
+    assert set(chosen) == {"AIRFLOW__CORE__FERNET_KEY", "AIRFLOW__API__SECRET_KEY"}
+    assert chosen["AIRFLOW__CORE__FERNET_KEY"] == "kept%fernet"
+    assert chosen["AIRFLOW__API__SECRET_KEY"] != "short"  # a signing key is made long enough
+    assert not (stack_dir(tmp_path / "home") / "airflow_jwt_secret").exists()
+    later = prepare_airflow_secrets(tmp_path / "home", str(airflow_home), {"AIRFLOW__API__SECRET_KEY": "x"})
+    assert set(later) == {"AIRFLOW__CORE__FERNET_KEY", "AIRFLOW__API_AUTH__JWT_SECRET"}  # the JWT's made now
+    assert later["AIRFLOW__CORE__FERNET_KEY"] == "kept%fernet"
+
+
+def test_without_generating_only_the_secrets_an_earlier_stack_kept_are_given(tmp_path: Path) -> None:
+    """A stack on loopback makes none, but keeps in force those an earlier stack on another
+    address made: connections may be encrypted with their Fernet key."""
+    home, airflow_home = tmp_path / "home", str(tmp_path / "airflow")
+    assert prepare_airflow_secrets(home, airflow_home, {}, generate=False) == {}
+    assert not stack_dir(home).exists()
+    made = prepare_airflow_secrets(home, airflow_home, {})
+    assert prepare_airflow_secrets(home, airflow_home, {}, generate=False) == made

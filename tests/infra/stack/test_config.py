@@ -4,8 +4,9 @@ values refused by name."""
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from mopflow.infra.stack.config import PORT_ENV, StackError, choose_ports, config_from_env
+from mopflow.infra.stack.config import PORT_ENV, StackConfig, StackError, choose_ports, config_from_env
 from tests.infra.stack.helpers import counter
 
 
@@ -63,3 +64,35 @@ def test_bad_stack_settings_are_refused_by_name(env: dict[str, str], needle: str
 def test_pool_slots_come_from_the_environment() -> None:
     assert config_from_env({"MOPFLOW_TRAINING_POOL_SLOTS": "3"}, {}, True, 2, counter()).pool_slots == 3
     assert config_from_env({}, {}, True, 2, counter()).pool_slots == 1
+
+
+def test_the_stacks_address_takes_the_flag_then_the_environment_then_loopback() -> None:
+    default = config_from_env({}, {}, True, 2, counter())
+    assert default.host == "127.0.0.1" and default.loopback
+    env = {"MOPFLOW_STACK_HOST": "10.0.0.5"}
+    assert config_from_env(env, {}, True, 2, counter()).host == "10.0.0.5"
+    flagged = config_from_env(env, {}, True, 2, counter(), host="Node-1.Example")
+    assert flagged.host == "node-1.example" and not flagged.loopback  # a name, compared without case
+    assert config_from_env({"MOPFLOW_STACK_HOST": "fd00::2"}, {}, True, 2, counter()).host == "fd00::2"
+    assert config_from_env({}, {}, True, 2, counter(), host="localhost").loopback
+
+
+@pytest.mark.parametrize(
+    ("host", "needle"),
+    [
+        (
+            "0.0.0.0",
+            r"MOPFLOW_STACK_HOST \(--host\) '0.0.0.0' binds every interface but cannot be advertised"
+            r".*give this host's own address",
+        ),
+        ("::", r"MOPFLOW_STACK_HOST \(--host\) '::' binds every interface"),
+        ("no host!", r"MOPFLOW_STACK_HOST \(--host\) 'no host!' is neither an IP address nor a host name"),
+    ],
+)
+def test_an_address_that_cannot_be_advertised_is_refused_naming_the_setting(host: str, needle: str) -> None:
+    with pytest.raises(StackError, match=needle):
+        config_from_env({"MOPFLOW_STACK_HOST": host}, {}, True, 2, counter())
+    with pytest.raises(StackError, match=needle):  # the flag's value is refused alike
+        config_from_env({}, {}, True, 2, counter(), host=host)
+    with pytest.raises(ValidationError, match="MOPFLOW_STACK_HOST"):  # a config built directly, too
+        StackConfig(ports=config_from_env({}, {}, True, 2, counter()).ports, dask_workers=1, host=host)

@@ -97,3 +97,76 @@ def test_the_stacks_workers_use_the_storage_options_a_task_sends(tmp_path: Path)
     specs = {s.name: s for s in build_specs(settings, stack_config(), BIN, {})}
     assert specs["airflow"].env["MOPFLOW_STORAGE_OPTIONS"] == options
     assert specs["dask-workers"].env["MOPFLOW_STORAGE_OPTIONS"] == ""
+
+
+CELERY = {
+    "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql+psycopg2://postgres@10.0.0.5:5432/mopflow_airflow",
+    "AIRFLOW__CELERY__BROKER_URL": "redis://10.0.0.5:6379/0",
+}
+
+
+@pytest.mark.parametrize("environ", [{}, CELERY], ids=["standalone", "celery"])
+def test_every_server_binds_and_advertises_the_stacks_address(
+    tmp_path: Path, environ: dict[str, str]
+) -> None:
+    config = stack_config(host="10.0.0.5")
+    p = config.ports
+    specs = {s.name: s for s in build_specs(settings_at(tmp_path), config, BIN, environ)}
+    for name, flag in [("mlflow", "--host"), ("optuna-dashboard", "--host"), ("serve", "--host")]:
+        argv = specs[name].argv
+        assert argv[argv.index(flag) + 1] == "10.0.0.5", name
+    scheduler = specs["dask-scheduler"].argv
+    assert scheduler[scheduler.index("--host") + 1] == "10.0.0.5"
+    assert scheduler[scheduler.index("--dashboard-address") + 1] == f"10.0.0.5:{p.dask_dashboard}"
+    workers = specs["dask-workers"].argv
+    assert (
+        f"tcp://10.0.0.5:{p.dask_scheduler}" in workers and workers[workers.index("--host") + 1] == "10.0.0.5"
+    )
+    airflow = specs["airflow"].env
+    assert airflow["AIRFLOW__API__HOST"] == "10.0.0.5"
+    assert airflow["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == f"http://10.0.0.5:{p.airflow}/execution/"
+    for spec in specs.values():  # tasks, workers and servers find one another there
+        assert spec.env["MOPFLOW_TRACKING_URI"] == f"http://10.0.0.5:{p.mlflow}"
+        assert spec.env["MOPFLOW_DASK_ADDRESS"] == f"tcp://10.0.0.5:{p.dask_scheduler}"
+        assert spec.env["MOPFLOW_MLFLOW_UI_URL"] == f"http://10.0.0.5:{p.mlflow}"
+        # and the health checks look for them there
+        where = [spec.url, *(c.url for c in spec.checks)]
+        assert all("127.0.0.1" not in url for url in where), (spec.name, where)
+        assert "127.0.0.1" not in " ".join(spec.argv)
+
+
+def test_a_server_setting_on_the_stacks_own_address_names_the_stack(tmp_path: Path) -> None:
+    """The profile's loopback URIs and URIs on the stack's address (a setting shared by every host)
+    name the stack's servers; another host's is refused, naming the stack's address."""
+    backend = {"MOPFLOW_MLFLOW_BACKEND_STORE": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    on_host = {"MOPFLOW_TRACKING_URI": "http://10.0.0.5:5000", "MOPFLOW_DASK_ADDRESS": "tcp://10.0.0.5:8786"}
+    config = stack_config(host="10.0.0.5")
+    specs = {s.name: s for s in build_specs(settings_at(tmp_path, **on_host), config, BIN, backend)}
+    assert specs["airflow"].env["MOPFLOW_TRACKING_URI"] == f"http://10.0.0.5:{config.ports.mlflow}"
+    loopback = {
+        "MOPFLOW_TRACKING_URI": "http://127.0.0.1:5000",
+        "MOPFLOW_DASK_ADDRESS": "tcp://localhost:8786",
+    }
+    build_specs(settings_at(tmp_path, **loopback), config, BIN, backend)
+    with pytest.raises(StackError, match=r"MOPFLOW_TRACKING_URI='http://10.0.0.5:5000'.*on 127.0.0.1"):
+        build_specs(settings_at(tmp_path, **on_host), stack_config(), BIN, backend)
+    elsewhere = {"MOPFLOW_DASK_ADDRESS": "tcp://10.0.0.6:8786"}
+    with pytest.raises(
+        StackError, match=r"'tcp://10.0.0.6:8786'.*its own on 10.0.0.5: unset it or point it at 10.0.0.5"
+    ):
+        build_specs(settings_at(tmp_path, **elsewhere), config, BIN, {})
+
+
+def test_shared_airflow_secrets_go_to_every_airflow_component_only(tmp_path: Path) -> None:
+    secrets = {
+        "AIRFLOW__CORE__FERNET_KEY": "f",
+        "AIRFLOW__API__SECRET_KEY": "s",
+        "AIRFLOW__API_AUTH__JWT_SECRET": "j",
+    }
+    specs = build_specs(
+        settings_at(tmp_path), stack_config(host="10.0.0.5"), BIN, CELERY, airflow_secrets=secrets
+    )
+    for spec in specs:
+        given = {k: spec.env.get(k) for k in secrets}
+        assert given == (secrets if spec.name.startswith("airflow") else dict.fromkeys(secrets)), spec.name

@@ -65,3 +65,21 @@ def test_status_table_says_healthy_unhealthy_or_stopped(tmp_path: Path) -> None:
     assert "healthy" in row["serve"].split() and row["serve"].endswith("(m-student v2)")  # what it serves
     assert "unhealthy" in row["airflow"] and "scheduler unhealthy" in row["airflow"]
     assert "stopped" in row["optuna-dashboard"]
+
+
+def test_up_summary_on_a_reachable_address_names_it_and_the_worker_hosts_file(tmp_path: Path) -> None:
+    loopback = format_up_summary(sample_state(tmp_path))
+    assert "mopflow stack is up (127.0.0.1 only)\n====================================\n" in loopback
+    assert "worker-env" not in loopback
+    state = sample_state(tmp_path).model_copy(update={"host": "10.0.0.5", "worker_env_file": "/h/worker.env"})
+    text = format_up_summary(state)
+    assert "mopflow stack is up on 10.0.0.5\n" in text and "127.0.0.1 only" not in text
+    assert f"tcp://10.0.0.5:{state.ports.dask_scheduler}" in text
+    assert "Celery worker hosts   : the settings in /h/worker.env (mopflow worker-env)" in text
+    assert dask_dashboard_url(8787, True, "fd00::2") == "http://[fd00::2]:8787/status"
+    # A state file written before the stack had an address is read as loopback.
+    legacy = json.loads(sample_state(tmp_path).model_dump_json())
+    del legacy["host"], legacy["worker_env_file"]
+    state_path(tmp_path).parent.mkdir(parents=True, exist_ok=True)
+    state_path(tmp_path).write_text(json.dumps(legacy))
+    assert read_state(state_path(tmp_path)) == sample_state(tmp_path)
