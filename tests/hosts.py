@@ -274,6 +274,8 @@ class HostCluster:
             with contextlib.suppress(Exception):
                 host.mend()
             host.stop()
+        for host in self.hosts.values():  # what was started there by other means (daemons)
+            _kill_namespace(host.netns)
         for forwarder in self._forwarders:
             forwarder.close()
         self._cleanup.close()
@@ -299,6 +301,14 @@ def remove_abandoned_clusters() -> None:
         for bridge in (f"mfb{tag}", f"mfb{tag}x"):
             subprocess.run(["ip", "link", "del", bridge], capture_output=True)
         owner.unlink(missing_ok=True)
+
+
+def _kill_namespace(netns: str) -> None:
+    """SIGKILL every process in network namespace ``netns``."""
+    pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def _end(proc: subprocess.Popen[bytes]) -> None:

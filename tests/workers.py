@@ -14,6 +14,7 @@ from xdist.scheduler import LoadFileScheduling
 # stale figure costs balance, never a test.
 FILE_SECONDS: Mapping[str, float] = {
     "tests/infra/test_across_hosts.py": 600,
+    "tests/infra/test_airflow_across_hosts.py": 460,
     "tests/infra/test_airflow_executors.py": 560,
     "tests/infra/cli/test_local_runs.py": 420,
     "tests/benchmarks/test_quick.py": 400,

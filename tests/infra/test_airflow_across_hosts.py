@@ -1,0 +1,197 @@
+"""Airflow's Celery workers on other hosts than the stack (test hosts: ``tests/hosts.py``).
+
+``control`` runs ``mopflow up`` in the scale-out profile with the CeleryExecutor on its own
+address (``MOPFLOW_STACK_HOST``); its own Celery worker is stopped, so every task must run on
+``w1`` or ``w2``, where ``airflow celery worker`` runs with the settings ``mopflow worker-env``
+prints: the shared secrets, the Execution API's address, the broker, the databases. A sweep runs
+through to success, and a task's log, kept on the worker host, is read through the stack's REST
+API (the api-server fetches it from that host, signed with the shared secret key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import PG, PORT_RANGE_ENV, pg_admin_sql, require_service, skip_unless_required
+from tests.hosts import HostCluster, namespaces_problem
+from tests.rest import request_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.services]
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+REDIS_PORT = 6379
+DAG_ID = "mopflow_sweep"
+CELERY_HOSTS = ("w1", "w2")
+TINY = {
+    "num_samples": 600,
+    "n_shards": 2,
+    "n_trials": 2,
+    "epochs": 1,
+    "min_resource": 1,
+    "top_k": 1,
+    "distill_epochs": 1,
+    "munge_multiplier": 0,
+    "max_gap_to_ensemble": 100,
+    "model_name": "celery-hosts",
+}
+
+
+class Stack:
+    """`mopflow up` on the control host and its REST API, seen from this machine."""
+
+    def __init__(self, hosts: HostCluster, env: dict[str, str]) -> None:
+        self.hosts, self.env, self.control = hosts, env, hosts["control"]
+        self.home = hosts.private_home  # the control host's own MOPFLOW_HOME
+        self.token = ""
+        self.airflow = f"http://{self.control.address}:8080"
+
+    def mopflow(self, *args: str, timeout: float = 600) -> Any:
+        return self.control.run(
+            [sys.executable, "-m", "mopflow.infra.cli", *args], self.hosts.env(self.env), timeout=timeout
+        )
+
+    def read(self, path: Path | str) -> str:
+        """A file on the control host's own disk."""
+        done = self.control.run(["cat", str(path)], {})
+        assert done.returncode == 0, done.stderr
+        return str(done.stdout)
+
+    def connect(self) -> dict[str, Any]:
+        state = json.loads(self.read(self.home / "stack" / "state.json"))
+        password = json.loads(self.read(state["airflow_password_file"]))["admin"]
+        status, answer = request_json(
+            "POST", f"{self.airflow}/auth/token", {"username": "admin", "password": password}
+        )
+        assert status == 201, answer
+        self.token = answer["access_token"]
+        return dict(state)
+
+    def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        return request_json(method, f"{self.airflow}/api/v2{path}", body, self.token)
+
+
+@pytest.fixture(scope="module")
+def stack_and_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    require_service("PostgreSQL", *PG)
+    require_service("Redis", "127.0.0.1", REDIS_PORT)
+    if problem := namespaces_problem():
+        skip_unless_required(problem)
+    import boto3
+    import redis
+    from moto.server import ThreadedMotoServer
+
+    root = tmp_path_factory.mktemp("airflow-hosts")
+    suffix = uuid.uuid4().hex[:8]
+    dbs = {part: f"mopflow_ah_{part}_{suffix}" for part in ("airflow", "mlflow", "optuna")}
+    queue = f"mopflow_hosts_{suffix}"  # a queue of this test's own on the shared Redis
+    with contextlib.ExitStack() as cleanup:
+        hosts = HostCluster(["control", *CELERY_HOSTS], root)
+        cleanup.callback(hosts.close)
+        for db in dbs.values():
+            pg_admin_sql(f"CREATE DATABASE {db}")
+            cleanup.callback(pg_admin_sql, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+        gateway, _ = hosts.forward(PG[1])
+        hosts.forward(REDIS_PORT)
+        broker = redis.Redis(host="127.0.0.1", port=REDIS_PORT, db=0)
+        cleanup.callback(broker.close)
+        cleanup.callback(broker.delete, queue, f"_kombu.binding.{queue}")
+        s3 = ThreadedMotoServer(ip_address=gateway, port=0)
+        s3.start()
+        cleanup.callback(s3.stop)
+        endpoint = f"http://{gateway}:{s3.get_host_and_port()[1]}"
+        creds = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="t",
+            aws_secret_access_key="t",
+        ).create_bucket(Bucket="mopflow")
+        pg = f"postgresql+psycopg2://postgres@{gateway}:{PG[1]}"
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
+        }
+        base |= creds | {"PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": str(REPO)}
+        control = hosts["control"]
+        env = base | {
+            "MOPFLOW_PROFILE": "scale-out",
+            "MOPFLOW_STACK_HOST": control.address,
+            "MOPFLOW_STACK_GRACE_S": "15",
+            "MOPFLOW_RETRY_DELAY_S": "1",
+            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+            "AIRFLOW__OPERATORS__DEFAULT_QUEUE": queue,
+            "AIRFLOW__CELERY__BROKER_URL": f"redis://{gateway}:{REDIS_PORT}/0",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"{pg}/{dbs['airflow']}",
+            "MOPFLOW_MLFLOW_BACKEND_STORE": f"{pg}/{dbs['mlflow']}",
+            "MOPFLOW_OPTUNA_STORAGE": f"{pg}/{dbs['optuna']}",
+            "MOPFLOW_STORAGE_OPTIONS": json.dumps({"client_kwargs": {"endpoint_url": endpoint}}),
+            "MLFLOW_S3_ENDPOINT_URL": endpoint,
+        }
+        stack = Stack(hosts, env)
+        up = stack.mopflow("up")
+        assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
+        cleanup.callback(stack.mopflow, "down", timeout=180)
+        state = stack.connect()
+        # The stack's own Celery worker goes: every task must now run on another host.
+        local_worker = next(s for s in state["services"] if s["name"] == "airflow-celery-worker")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(local_worker["pid"]), signal.SIGTERM)
+        worker_env = stack.mopflow("worker-env", "--format", "json")
+        assert worker_env.returncode == 0, worker_env.stderr
+        shared = json.loads(worker_env.stdout)
+        assert not any(
+            line.startswith("# warning") for line in stack.mopflow("worker-env").stdout.splitlines()
+        )
+        for name in CELERY_HOSTS:
+            worker = hosts[name]
+            worker.start(
+                [str(BIN / "airflow"), "celery", "worker", "--concurrency", "2"],
+                hosts.env(base | shared) | {"AIRFLOW_HOME": str(hosts.private_home / "airflow")},
+                root / "logs" / f"celery-{name}.log",
+            )
+        yield stack
+
+
+def test_celery_workers_on_other_hosts_run_a_sweep_and_serve_its_logs(stack_and_workers: Stack) -> None:
+    s = stack_and_workers
+    deadline = time.monotonic() + 180
+    while (found := s.api("GET", f"/dags/{DAG_ID}"))[0] != 200:
+        assert time.monotonic() < deadline, f"{DAG_ID} never appeared: {found}"
+        time.sleep(2)
+    assert s.api("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})[0] == 200
+    status, run = s.api("POST", f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": TINY})
+    assert status == 200, run
+    run_path = f"/dags/{DAG_ID}/dagRuns/{urllib.parse.quote(str(run['dag_run_id']), safe='')}"
+    deadline = time.monotonic() + 900
+    while (state := s.api("GET", run_path)[1]["state"]) not in ("success", "failed"):
+        assert time.monotonic() < deadline, f"the run is still {state}"
+        time.sleep(3)
+    status, answer = s.api("GET", f"{run_path}/taskInstances")
+    assert status == 200, answer
+    tis = answer["task_instances"]
+    assert state == "success", {t["task_id"]: t["state"] for t in tis}
+    assert {t["hostname"] for t in tis} <= set(CELERY_HOSTS), {t["task_id"]: t["hostname"] for t in tis}
+    search = next(t for t in tis if t["task_id"] == "search")
+    status, log = s.api("GET", f"{run_path}/taskInstances/search/logs/{search['try_number']}")
+    assert status == 200, log
+    text = json.dumps(log)
+    assert "search: study" in text, text[-2000:]  # the stage's own lines, read from the worker host
