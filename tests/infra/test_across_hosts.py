@@ -409,7 +409,7 @@ def test_a_cut_link_between_ddp_ranks_resumes_the_trial_on_a_gang_without_the_lo
     deployment.ask_scheduler(
         "c.run(lambda: __import__('os').environ.update(GLOO_SOCKET_IFNAME='eth1')) and 1"
     )
-    name, timeout_s = "xh-cut-ranks", 15.0
+    name, timeout_s = "xh-cut-ranks", 45.0  # a rank starved by a busy machine is not lost
     lost = None
     try:
         run = deployment.start_run(
