@@ -120,6 +120,7 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
         "interface": interfaces.get(f"{backend.upper()}_SOCKET_IFNAME", ""),  # "": the backend's own pick
     }
     epoch = start = int(job.get("start_epoch", 0))
+    forget_failed_groups()
     try:
         for epoch in range(start, epochs):
             strategy = DDPStrategy(
@@ -161,6 +162,22 @@ def run_rank(job: dict[str, Any], rank: int, address: str, port: int) -> dict[st
         "reports": rank0.reports if rank0 else [],
         "allreduce_bytes": comm.bytes,
     }
+
+
+def forget_failed_groups() -> None:
+    """Name this process's next process group as a fresh process would.
+
+    torch names an unnamed process group by a per-process counter, taken before the rendezvous
+    and reset only when a group is destroyed. An ``init_process_group`` that failed (a rendezvous
+    port taken, a peer lost before it joined) leaves the counter raised, so the next trial's
+    ranks in that worker would prefix their keys with another name than their peers' and wait
+    for each other until the collective timeout, attempt after attempt."""
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.group_count = 0
 
 
 class _AgreedNotice:

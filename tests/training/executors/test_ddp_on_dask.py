@@ -4,6 +4,7 @@ again from its last epoch checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -31,6 +32,40 @@ def test_ddp_ranks_run_in_the_dask_worker_processes(small_manifest: str, dask_cl
     # the workers are at 127.0.0.1: gloo went through the loopback interface, not the hostname's
     loopback = interface_for("127.0.0.1", host_interfaces())
     assert loopback is not None and executor.rank_interfaces["d"] == [loopback, loopback]
+
+
+def test_a_failed_rendezvous_in_a_worker_does_not_hold_up_its_next_trials(
+    small_manifest: str, dask_client: Any
+) -> None:
+    """torch names a process group by a per-process counter that a failed rendezvous raises: a
+    rank in that worker must still meet its peers under the same name on the next trial."""
+
+    def fail_a_rendezvous() -> int:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from mopflow.training.executors.ddp_rank import free_port
+
+        address, port = free_port()
+        with contextlib.suppress(Exception):  # rank 0 of two, whose peer never comes: DistStoreError
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://{address}:{port}",
+                rank=0,
+                world_size=2,
+                timeout=timedelta(seconds=1),
+            )
+        assert not dist.is_initialized()
+        return dist.distributed_c10d._world.group_count
+
+    worker = sorted(dask_client.scheduler_info()["workers"])[0]
+    raised = dask_client.submit(fail_a_rendezvous, workers=[worker], allow_other_workers=False, pure=False)
+    assert raised.result() >= 1  # the counter this test is about was raised in one worker only
+    executor = DDPExecutor(dask_client, DataRef.open(small_manifest), world_size=2, collective_timeout_s=20)
+    outcome = executor.run([ModelSpec("f", CNN, seed=0)], epochs=1)["f"]
+    assert outcome.error is None, outcome.error
+    assert [i["kind"] for i in executor.interruptions] == []
 
 
 def test_more_ranks_than_workers_is_refused_naming_both(small_manifest: str, dask_client: Any) -> None:
