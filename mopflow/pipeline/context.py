@@ -31,6 +31,7 @@ class PipelineFailed(RuntimeError):
 
 def permanent_errors() -> tuple[type[BaseException], ...]:
     """Errors that a retry cannot fix (bad config, bad data): the task fails at once."""
+    from mopflow.base.fencing import Superseded
     from mopflow.base.hosts import AcrossHostsError
     from mopflow.base.optuna_storage import StorageConfigError
     from mopflow.compression.distill.distill import StudentBudgetError
@@ -40,6 +41,7 @@ def permanent_errors() -> tuple[type[BaseException], ...]:
     return (
         PipelineStopped,
         PipelineFailed,
+        Superseded,
         ConfigError,
         SpaceError,
         ShardIntegrityError,

@@ -301,3 +301,11 @@ def import_modules(modules: Sequence[str]) -> None:
     """Import ``modules`` (in a worker: its first task, so that a trial's imports are done)."""
     for name in modules:
         importlib.import_module(name)
+
+
+def forward_worker_logs(client: Any) -> None:
+    """Show the workers' per-epoch progress (``mopflow.training``'s log) in this process's log."""
+    try:
+        client.forward_logging("mopflow.training", level=logging.INFO)
+    except Exception:  # an older scheduler without log forwarding still trains
+        log.debug("worker log forwarding unavailable")

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from mopflow.base import stopping, storage
+from mopflow.base.fencing import Fence, unfenced
 from mopflow.training.data.ref import DataRef
 from mopflow.training.trainable.unit import ModelSpec
 
@@ -152,6 +153,8 @@ class Executor(ABC):
         self.redone_unit_seconds = 0.0  # work lost with interrupted units, to be done again
         # per model: where it went on from a checkpoint (epoch done, optimizer step, after a notice)
         self.resumed: dict[str, dict[str, Any]] = {}
+        # checked before a checkpoint or history is written: a superseded attempt writes none
+        self.fence: Fence = unfenced
 
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
@@ -206,6 +209,7 @@ class Executor(ABC):
         if not self.checkpoint_root:
             return None
         uri = self.checkpoint_uri(model_id)
+        self.fence()
         storage.write_bytes_atomic(uri, state, self.data.storage_options)
         return uri
 
@@ -219,6 +223,7 @@ class Executor(ABC):
         if not self.checkpoint_root:
             return
         staged = storage.join(self.staged_folder(model_id), STAGED_FILE.format(epoch=epoch))
+        self.fence()
         try:
             storage.move(staged, self.checkpoint_uri(model_id), self.data.storage_options)
         except FileNotFoundError:
@@ -237,6 +242,7 @@ class Executor(ABC):
             return
         uri = storage.join(self.checkpoint_root, model_id, "history.json")
         body = json.dumps([asdict(r) for r in history]).encode()
+        self.fence()
         storage.write_bytes_atomic(uri, body, self.data.storage_options)
 
     def load_history(self, model_id: str, through_epoch: int) -> list[EpochReport]:

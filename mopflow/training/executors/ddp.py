@@ -27,6 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from mopflow.base import stopping
+from mopflow.base.fencing import Superseded
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome
@@ -234,6 +235,8 @@ class DDPExecutor(Executor):
                     exc,
                     ", ".join(shunned),
                 )
+            except Superseded:  # a later attempt drives the study: nothing more is written
+                raise
             except Exception as exc:
                 outcome.error = f"{type(exc).__name__}: {exc}"
                 log.warning("ddp: %s failed: %s", spec.model_id, outcome.error)

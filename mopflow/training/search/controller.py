@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from mopflow.base import progress
+from mopflow.base.fencing import Fence, unfenced
 from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.search.algorithms import REDUCTION_FACTOR, decision_epochs, keeps_waiting_rungs
 from mopflow.training.search.config import SearchConfig
@@ -52,8 +53,9 @@ class SearchController:
         on_done: Callable[[SearchController, ModelOutcome], None] | None = None,
         respect_deadline: bool = True,
         device: DeviceSpec = CPU,
+        fence: Fence = unfenced,
     ) -> None:
-        self.device = device
+        self.device, self.fence = device, fence
         self.study, self.space, self.cfg, self.budget = study, space, cfg, budget
         self.prune = prune and cfg.pruner != "none"
         self.on_done = on_done
@@ -103,6 +105,7 @@ class SearchController:
         specs = self._promotions(count)
         count -= len(specs)
         while count > 0 and self.started < self.budget:
+            self.fence()
             trial = self.study.ask()
             params = sample_params(self.space, trial)
             model_id = str(trial.user_attrs.get(MODEL_ATTR) or f"trial-{trial.number:04d}")
@@ -131,6 +134,7 @@ class SearchController:
             return []
         specs = []
         for model_id in ready:
+            self.fence()
             spec = self.waiting.pop(model_id)
             earlier = self.trials[model_id] if model_id in self.trials else self.waited_before.pop(model_id)
             attrs = {MODEL_ATTR: model_id, PROMOTED_ATTR: earlier.number}
@@ -189,6 +193,7 @@ class SearchController:
         trial = self.trials[report.model_id]
         reported = self.reported.setdefault(trial.number, set())
         if report.epoch not in reported:  # an epoch trained again after a lost worker: told once
+            self.fence()
             trial.report(report.val_acc, report.epoch)
             reported.add(report.epoch)
         trained = self.trained.setdefault(report.model_id, set())
@@ -231,6 +236,7 @@ class SearchController:
             and model_id not in self.waiting
         ):
             self.waiting[model_id] = outcome.spec
+            self.fence()
             try:  # recorded on the trial, so that a restarted coordinator finds it waiting
                 self.trials[model_id].set_user_attr(WAITS_ATTR, outcome.checkpoint_uri)
             except optuna.exceptions.UpdateFinishedTrialError:

@@ -20,6 +20,7 @@ from mopflow.base.optuna_storage import make_storage, quiet_optuna
 from mopflow.training.data import verify_manifest
 from mopflow.training.search.algorithms import enqueues_grid, make_pruner, make_sampler
 from mopflow.training.search.config import SearchConfig
+from mopflow.training.search.lease import StudyLease
 from mopflow.training.search.rungs import current
 from mopflow.training.search.scaling import RoundScale
 from mopflow.training.search.space import SearchSpace, SpaceError, optuna_params_for, params_from_optuna
@@ -332,11 +333,12 @@ def open_study(
     warm_start: WarmStart | None = None,
     client: Any = None,
     attrs: Mapping[str, Any] | None = None,
-) -> tuple[optuna.Study, Any, list[optuna.trial.FrozenTrial], list[TrialResult]]:
+) -> tuple[optuna.Study, Any, list[optuna.trial.FrozenTrial], list[TrialResult], StudyLease]:
     """Verify the shards (on the Dask workers of ``client`` when given), then create or resume the
     study (a new one learns from earlier studies of the same data when ``cfg.warm_start_studies``;
-    stale trials retried); return it, the space, the trials that already count towards the budget
-    and their results. The study's objective is named (:data:`METRIC_NAME`) and ``attrs`` become
+    stale trials retried); return it, the space, the trials that already count towards the budget,
+    their results and this attempt's lease on the study (taken before anything else is written:
+    an earlier attempt still running somewhere writes nothing more). The study's objective is named (:data:`METRIC_NAME`) and ``attrs`` become
     its user attributes (the run it belongs to)."""
     from mopflow.training.models.families import DataSpec
     from mopflow.training.search.space import check_space_fits
@@ -356,6 +358,7 @@ def open_study(
         pruner=make_pruner(cfg.pruner, cfg.first_rung, cfg.epochs),
         load_if_exists=True,
     )
+    lease = StudyLease.take(study)
     describe_study(study, attrs or {})
     key = search_key(dataset_identity(manifest), space, cfg.epochs)
     learn_from_earlier(study, storage, key, cfg.warm_start_studies)
@@ -368,4 +371,4 @@ def open_study(
     retried = {n for t in trials if (n := retried_trial(t)) is not None}  # superseded by their retry
     # current: not superseded by the trial that continued their model from its rung either
     already = [t for t in current(trials) if _counted(t) and t.number not in retried]
-    return study, space, already, [result_from_frozen(t) for t in already]
+    return study, space, already, [result_from_frozen(t) for t in already], lease

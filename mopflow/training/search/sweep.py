@@ -16,6 +16,8 @@ from typing import Any, TypedDict, Unpack, get_args
 import optuna
 
 from mopflow.base import progress, storage
+from mopflow.base.fencing import Fence
+from mopflow.training.compute.cluster import forward_worker_logs
 from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
@@ -97,7 +99,7 @@ def _search(
     from mopflow.training.data import load_manifest
     from mopflow.training.models.families import DataSpec
 
-    study, space, already, results = open_study(
+    study, space, already, results, lease = open_study(
         cfg, manifest_uri, study_name, storage_url, storage_options, opts["warm_start"], client,
         opts.get("study_attrs"),
     )  # fmt: skip
@@ -108,8 +110,9 @@ def _search(
     shards = [e["name"] for e in manifest["splits"]["train"]]
     scaling = round_scaling(cfg, client)  # worker_schedule: n_j workers per round
     executor = strategy_executor(ExecutorSetting(cfg, client, data, shards, checkpoint_root, scaling))
-    _forward_worker_logs(client)
-    sweep = _Sweep(cfg, study, space, executor, artifact_root, study_name, opts, results)
+    executor.fence = lease.check  # no checkpoint moves into place once a later attempt took over
+    forward_worker_logs(client)
+    sweep = _Sweep(cfg, study, space, executor, artifact_root, study_name, opts, results, lease.check)
     workers = len(cluster_workers(client))
     started = time.monotonic()
     sweep.run(budget, opts["min_complete"])
@@ -156,14 +159,6 @@ def run_strategy_search(
     )  # fmt: skip
 
 
-def _forward_worker_logs(client: Any) -> None:
-    """Show the workers' per-epoch progress in this (task) log."""
-    try:
-        client.forward_logging("mopflow.training", level=logging.INFO)
-    except Exception:  # an older scheduler without log forwarding still trains
-        log.debug("worker log forwarding unavailable")
-
-
 @dataclass
 class _Sweep:
     """One search in progress: trials asked in batches, each told to Optuna as its model is done."""
@@ -176,6 +171,7 @@ class _Sweep:
     study_name: str
     options: SearchOptions
     results: list[TrialResult]  # every finished trial that counts (those of earlier attempts first)
+    fence: Fence  # raises Superseded once a later attempt drives the study
     told: set[int] = field(default_factory=set)  # numbers of the trials told
     extra_trials: int = 0  # trials run past the budget for the ensemble (counted in the total)
 
@@ -216,6 +212,7 @@ class _Sweep:
             on_done=self.finish,
             respect_deadline=respect_deadline,
             device=self.options["device"],
+            fence=self.fence,
         )
         first = controller.ask(STRATEGIES[self.cfg.strategy].first_models(self.cfg))
         outcomes = self.executor.run(first, self.cfg.epochs, controller)
@@ -229,6 +226,7 @@ class _Sweep:
             return
         self.told.add(trial.number)
         result = self.result_of(controller, outcome)
+        self.fence()
         if not tell_result(self.study, trial, result):
             return
         earlier = controller.promoted_from.get(trial.number)  # its model's trial before, superseded
