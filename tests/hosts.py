@@ -115,10 +115,12 @@ class Host:
             _ip("link", "set", link, "up")
 
     def kill_all(self) -> None:
-        """SIGKILL every process started on this host (a host that dies)."""
+        """SIGKILL every process on this host (a host that dies): those started here, and what
+        they started in process groups of their own (Airflow's task supervisors)."""
         for proc in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        _kill_namespace(self.netns, spare=self.init.pid)  # the host itself stays
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
@@ -303,12 +305,13 @@ def remove_abandoned_clusters() -> None:
         owner.unlink(missing_ok=True)
 
 
-def _kill_namespace(netns: str) -> None:
-    """SIGKILL every process in network namespace ``netns``."""
+def _kill_namespace(netns: str, spare: int | None = None) -> None:
+    """SIGKILL every process in network namespace ``netns`` but ``spare``."""
     pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
+            if int(pid) != spare:
+                os.kill(int(pid), signal.SIGKILL)
 
 
 def _end(proc: subprocess.Popen[bytes]) -> None:

@@ -11,7 +11,24 @@ from typing import Any
 def request_json(
     method: str, url: str, body: Any = None, token: str | None = None, headers: dict[str, str] | None = None
 ) -> tuple[int, Any]:
-    """(status, decoded JSON body or text) of one request; HTTP errors are returned, not raised."""
+    """(status, decoded JSON body or text) of one request; HTTP errors are returned, not raised.
+
+    An idempotent request (GET, PATCH) that times out or loses its connection is sent again, up to
+    three times in all: an api-server on a machine busy with other tests' servers answers late
+    now and then, and a poll must not fail on one late answer."""
+    attempts = 3 if method in ("GET", "PATCH") else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            return _request_once(method, url, body, token, headers)
+        except (TimeoutError, ConnectionError, urllib.error.URLError):
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _request_once(
+    method: str, url: str, body: Any, token: str | None, headers: dict[str, str] | None
+) -> tuple[int, Any]:
     headers = {"Content-Type": "application/json", **(headers or {})}
     if token:
         headers["Authorization"] = f"Bearer {token}"

@@ -152,7 +152,12 @@ class Deployment:
     def finish(self, proc: Any, name: str, timeout: float = 900) -> dict[str, Any]:
         """The summary of a run started by :meth:`start_run`, once it ends."""
         returncode = proc.wait(timeout=timeout)
-        assert returncode == 0, (self.logs / f"run-{name}.log").read_text()[-6000:]
+        if returncode != 0:  # the run's own lines, then its full log, kept on the control host's disk
+            printed = (self.logs / f"run-{name}.log").read_text()
+            full = re.search(r"full log: (\S+)", printed)
+            kept = self.control.run(["cat", full.group(1)], {}).stdout if full else ""
+            (self.logs / f"run-{name}-full.log").write_text(kept)
+            raise AssertionError(printed[-3000:] + "\n--- full log ---\n" + kept[-12000:])
         return dict(json.loads((self.shared / f"{name}-summary.json").read_text()))
 
     def run(self, conf: dict[str, Any], name: str) -> dict[str, Any]:
@@ -410,20 +415,23 @@ def test_a_cut_link_between_ddp_ranks_resumes_the_trial_on_a_gang_without_the_lo
         "c.run(lambda: __import__('os').environ.update(GLOO_SOCKET_IFNAME='eth1')) and 1"
     )
     name, timeout_s = "xh-cut-ranks", 45.0  # a rank starved by a busy machine is not lost
+    names = {address: worker for worker, address in deployment.dask_workers().items()}
     lost = None
     try:
         run = deployment.start_run(
             {
                 "strategy": "ddp",
                 "n_trials": 1,
-                "epochs": 5,
+                "epochs": 8,
                 "pruner": "none",
                 "ddp_collective_timeout_s": timeout_s,
             },
             name,
         )
-        first = _wait(lambda: _ranks(deployment.processing()), "the trial's ranks training", 300)
-        _wait(lambda: _epochs_told(deployment, name) >= 1 or None, "the trial's first epoch", 120)
+        # Probes that take milliseconds (the run's log, the study), not a client process on the
+        # control host: on a busy machine that takes seconds, and the trial would end before the cut.
+        _wait(lambda: _epochs_told(deployment, name) >= 1 or None, "the trial's first epoch", 300)
+        first = _wait(lambda: _first_gang(deployment, name, names), "the trial's ranks in its log", 60)
         lost = deployment.hosts[first[1]]
         lost.cut("eth1")
         cut_at = time.time()
@@ -436,7 +444,6 @@ def test_a_cut_link_between_ddp_ranks_resumes_the_trial_on_a_gang_without_the_lo
         )
     _trials_agree(deployment, summary, name)
     log = deployment.run_log(summary)
-    names = {address: worker for worker, address in deployment.dask_workers().items()}
     starts = [
         (datetime.fromisoformat(at).timestamp(), {names.get(a, a), names.get(b, b)})
         for at, a, b in re.findall(r"^(\S+) .*trial-0000 starts on 2 ranks \((\S+), (\S+)\)", log, re.M)
@@ -464,7 +471,14 @@ def _epochs_told(deployment: Deployment, name: str) -> int:
     return len(trials[0].intermediate_values) if trials else 0
 
 
-def _ranks(processing: dict[str, list[str]]) -> tuple[str, str] | None:
-    """The workers that train rank 0 and rank 1 of a DDP trial now (task keys ``...-r<rank>-...``)."""
-    by_rank = {r: w for w, keys in processing.items() for r in (0, 1) if any(f"-r{r}-" in k for k in keys)}
-    return (by_rank[0], by_rank[1]) if len(by_rank) == 2 else None
+def _first_gang(deployment: Deployment, name: str, names: dict[str, str]) -> tuple[str, str] | None:
+    """The workers of rank 0 and rank 1 of run ``name``'s first trial, from the run's full log on
+    the control host (None before its gang started)."""
+    found = re.search(r"full log: (\S+)", (deployment.logs / f"run-{name}.log").read_text())
+    if found is None:
+        return None
+    log = deployment.control.run(["cat", found.group(1)], {}).stdout
+    gang = re.search(r"trial-0000 starts on 2 ranks \((\S+), (\S+)\)", log)
+    return (
+        (names.get(gang.group(1), gang.group(1)), names.get(gang.group(2), gang.group(2))) if gang else None
+    )

@@ -52,8 +52,9 @@ TINY = {
 class Stack:
     """`mopflow up` on the control host and its REST API, seen from this machine."""
 
-    def __init__(self, hosts: HostCluster, env: dict[str, str]) -> None:
+    def __init__(self, hosts: HostCluster, env: dict[str, str], optuna_url: str = "") -> None:
         self.hosts, self.env, self.control = hosts, env, hosts["control"]
+        self.optuna_url = optuna_url  # the study's storage, as this machine reaches it
         self.home = hosts.private_home  # the control host's own MOPFLOW_HOME
         self.token = ""
         self.airflow = f"http://{self.control.address}:8080"
@@ -137,6 +138,8 @@ def stack_and_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
             "MOPFLOW_STACK_HOST": control.address,
             "MOPFLOW_STACK_GRACE_S": "15",
             "MOPFLOW_RETRY_DELAY_S": "1",
+            # the profile's 60 s, shortened: a dead worker host's task is retried sooner
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "20",
             "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
             "AIRFLOW__OPERATORS__DEFAULT_QUEUE": queue,
             "AIRFLOW__CELERY__BROKER_URL": f"redis://{gateway}:{REDIS_PORT}/0",
@@ -146,7 +149,7 @@ def stack_and_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
             "MOPFLOW_STORAGE_OPTIONS": json.dumps({"client_kwargs": {"endpoint_url": endpoint}}),
             "MLFLOW_S3_ENDPOINT_URL": endpoint,
         }
-        stack = Stack(hosts, env)
+        stack = Stack(hosts, env, f"postgresql+psycopg2://postgres@127.0.0.1:{PG[1]}/{dbs['optuna']}")
         up = stack.mopflow("up")
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
         cleanup.callback(stack.mopflow, "down", timeout=180)
@@ -171,27 +174,90 @@ def stack_and_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
         yield stack
 
 
-def test_celery_workers_on_other_hosts_run_a_sweep_and_serve_its_logs(stack_and_workers: Stack) -> None:
-    s = stack_and_workers
+def _trigger(s: Stack, conf: dict[str, Any]) -> str:
+    """Trigger a sweep of ``conf``; the REST path of its DAG run."""
     deadline = time.monotonic() + 180
     while (found := s.api("GET", f"/dags/{DAG_ID}"))[0] != 200:
         assert time.monotonic() < deadline, f"{DAG_ID} never appeared: {found}"
         time.sleep(2)
     assert s.api("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})[0] == 200
-    status, run = s.api("POST", f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": TINY})
+    status, run = s.api("POST", f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
     assert status == 200, run
-    run_path = f"/dags/{DAG_ID}/dagRuns/{urllib.parse.quote(str(run['dag_run_id']), safe='')}"
-    deadline = time.monotonic() + 900
+    return f"/dags/{DAG_ID}/dagRuns/{urllib.parse.quote(str(run['dag_run_id']), safe='')}"
+
+
+def _finish(s: Stack, run_path: str, timeout_s: float = 900) -> list[dict[str, Any]]:
+    """Wait for the run to end; its task instances, once it succeeded."""
+    deadline = time.monotonic() + timeout_s
     while (state := s.api("GET", run_path)[1]["state"]) not in ("success", "failed"):
         assert time.monotonic() < deadline, f"the run is still {state}"
         time.sleep(3)
     status, answer = s.api("GET", f"{run_path}/taskInstances")
     assert status == 200, answer
-    tis = answer["task_instances"]
-    assert state == "success", {t["task_id"]: t["state"] for t in tis}
+    tis: list[dict[str, Any]] = answer["task_instances"]
+    assert state == "success", {t["task_id"]: (t["state"], t["hostname"], t["try_number"]) for t in tis}
+    return tis
+
+
+def test_celery_workers_on_other_hosts_run_a_sweep_and_serve_its_logs(stack_and_workers: Stack) -> None:
+    s = stack_and_workers
+    run_path = _trigger(s, TINY)
+    tis = _finish(s, run_path)
     assert {t["hostname"] for t in tis} <= set(CELERY_HOSTS), {t["task_id"]: t["hostname"] for t in tis}
     search = next(t for t in tis if t["task_id"] == "search")
     status, log = s.api("GET", f"{run_path}/taskInstances/search/logs/{search['try_number']}")
     assert status == 200, log
     text = json.dumps(log)
     assert "search: study" in text, text[-2000:]  # the stage's own lines, read from the worker host
+
+
+def test_a_celery_worker_host_killed_during_the_search_is_retried_on_the_other_from_its_checkpoints(
+    stack_and_workers: Stack,
+) -> None:
+    """Fault (b): every process of the host running the search task dies. Airflow notices the
+    missing heartbeats, and the retry, on the other host, takes the study's lease and resumes the
+    trials from their checkpoints in S3: every trial COMPLETE or PRUNED, a champion registered."""
+    import optuna
+
+    from mopflow.training.search.lease import lease_of
+    from mopflow.training.search.study import MODEL_ATTR, STALE_ATTR
+
+    s = stack_and_workers
+    conf = TINY | {"n_trials": 3, "epochs": 4, "pruner": "none", "model_name": "celery-hosts-killed"}
+    earlier = set(optuna.get_all_study_names(s.optuna_url))
+    run_path = _trigger(s, conf)
+    deadline, victim, study = time.monotonic() + 600, "", ""
+    while not victim:  # the search task runs, and its first epoch was told to the study
+        assert time.monotonic() < deadline, s.api("GET", f"{run_path}/taskInstances/search")
+        time.sleep(0.5)
+        search = s.api("GET", f"{run_path}/taskInstances/search")[1]
+        if search.get("state") != "running":
+            continue
+        names = [n for n in optuna.get_all_study_names(s.optuna_url) if n not in earlier]
+        if names and any(
+            t.intermediate_values
+            for t in optuna.load_study(study_name=names[-1], storage=s.optuna_url).trials
+        ):
+            victim, study = search["hostname"], names[-1]
+    assert victim in CELERY_HOSTS
+    s.hosts[victim].kill_all()
+    killed_at = time.monotonic()
+    tis = _finish(s, run_path)
+    search = next(t for t in tis if t["task_id"] == "search")
+    survivor = next(h for h in CELERY_HOSTS if h != victim)
+    assert (search["try_number"], search["hostname"]) == (2, survivor), search
+    assert {t["hostname"] for t in tis if t["task_id"] in ("ensemble", "distill", "register")} == {survivor}
+    trials = optuna.load_study(study_name=study, storage=s.optuna_url).trials
+    counted = [t for t in trials if not t.user_attrs.get(STALE_ATTR)]
+    assert sorted(t.state.name for t in counted) == ["COMPLETE"] * 3, [
+        (t.number, t.state.name) for t in trials
+    ]
+    assert any(t.user_attrs.get(STALE_ATTR) for t in trials)  # the dead try's trials, failed and retried
+    assert any("resumed_from_epoch" in t.user_attrs for t in counted)  # from its checkpoint in S3
+    for trial in counted:  # each model's epochs told once, in order, whichever try trained them
+        assert sorted(trial.intermediate_values) == list(range(4)), (trial.number, trial.intermediate_values)
+    assert len({t.user_attrs[MODEL_ATTR] for t in counted}) == 3
+    assert lease_of(optuna.load_study(study_name=study, storage=s.optuna_url))["generation"] == 2
+    print(
+        f"search retried on {survivor} and the run done {time.monotonic() - killed_at:.1f} s after the kill"
+    )

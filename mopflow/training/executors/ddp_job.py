@@ -203,6 +203,9 @@ class DDPJob:
                 last_progress = now
             done = {f for f in ranks.futures if f.done()}
             if len(done) == len(ranks.futures):
+                # ranks that failed together (a cut link times out both at once) are judged here
+                # too: a lost peer restarts the job, never fails the trial as its own error would
+                self._check_ranks(ranks.futures, done)
                 return
             if done or now - last_check >= CHECK_S:
                 self._check_ranks(ranks.futures, done)
