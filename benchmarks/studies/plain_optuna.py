@@ -25,8 +25,10 @@ epochs were trained over all trials (a shared counter), fewer than ``trials`` we
 epoch reported ``val_acc >= target`` (a shared event). Trials running then train on to their last
 epoch (or until pruned), as mopflow's do: at most ``budget - 1 + workers x epochs`` epochs in all.
 ``busy_s``: seconds in the training and validation batch loops, summed over processes. The clock
-starts once every process has started, imported torch and loaded its data and the study, as
-mopflow's searches are timed on a running cluster; ``start_s`` is that start-up, apart.
+starts once every process has started, imported torch (and what its first optimizer imports,
+``torch._dynamo``) and loaded its data and the study, as mopflow's searches are timed on a running
+cluster, and stops when the last process has told its last trial, as a mopflow search's stops with
+its sweep; ``start_s`` is that start-up and ``stop_s`` the processes' exits, apart.
 """
 
 from __future__ import annotations
@@ -252,6 +254,9 @@ def _worker(index: int, job: dict[str, Any], study_name: str, journal: str, shar
         pruner=make_pruner(pruner_kind, job["min_resource"]),
     )
     trainer = Trainer(job, shared)
+    # torch's first optimizer imports torch._dynamo (1-1.4 s): before the clock, as
+    # mopflow's workers import it with Lightning before a search's clock starts
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     shared.ready.release()
     shared.go.wait()
     while claim_trial(shared, job):
@@ -265,7 +270,8 @@ def _worker(index: int, job: dict[str, Any], study_name: str, journal: str, shar
             study.tell(trial, value)
         else:
             study.tell(trial, state=getattr(optuna.trial.TrialState, state))
-    Path(out).write_text(json.dumps({"reports": trainer.reports, "busy_s": trainer.busy_s}))
+    done = {"reports": trainer.reports, "busy_s": trainer.busy_s, "finished": time.monotonic()}
+    Path(out).write_text(json.dumps(done))
 
 
 def packaged_space() -> dict[str, Any]:
@@ -314,16 +320,19 @@ def run_plain_search(job: dict[str, Any]) -> dict[str, Any]:
     shared.go.set()
     for proc in procs:
         proc.join()
-    total = time.monotonic() - started
+    joined = time.monotonic()
     failed = [i for i, proc in enumerate(procs) if proc.exitcode != 0]
     if failed:
         raise RuntimeError(f"plain search {name}: worker process(es) {failed} failed")
     results = [json.loads(out.read_text()) for out in outs]
+    # the clock stops when the last process has told its last trial, as a mopflow search's stops
+    # with its sweep (its cluster stays up); the processes' exits are ``stop_s``, apart
+    total = max(float(r["finished"]) for r in results) - started
     reports = sorted((t - started, acc) for r in results for t, acc in r["reports"])
     trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
     busy = sum(r["busy_s"] for r in results)
     row = search_row(job, "plain", reports, total, busy, [t.state.name for t in trials])
-    return row | {"start_s": round(started - spawned, 2)}
+    return row | {"start_s": round(started - spawned, 2), "stop_s": round(joined - started - total, 2)}
 
 
 def _wait_ready(shared: Shared, procs: Sequence[Any]) -> None:

@@ -18,7 +18,7 @@ from tests.benchmarks.loader import load_benchmark
 SPACE = load_benchmark("search").SPACE
 ROW_KEYS = {
     "strategy", "arm", "seed", "reached", "epochs_to_target", "seconds_to_target", "epochs_trained",
-    "total_s", "best_val_acc", "trials", "busy_s", "utilisation", "start_s",
+    "total_s", "best_val_acc", "trials", "busy_s", "utilisation", "start_s", "stop_s",
 }  # fmt: skip
 
 
@@ -155,6 +155,7 @@ def test_a_reachable_target_is_reached_and_stops_new_trials(manifest: str, tmp_p
     assert 0 < row["utilisation"] <= 1
     assert row["busy_s"] <= 2 * row["total_s"]
     assert row["start_s"] > 0  # spawning and importing, before the clock
+    assert row["stop_s"] >= 0  # the processes' exits, after it
     # each trial trained the configuration mopflow's random search gives the trial of that number
     journal = tmp_path / "plain" / "bench-plain-random-0" / "journal.log"
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
