@@ -178,6 +178,37 @@ def check_roundtrip(report: Report, out: Path) -> None:
     assert floor["wall_ratio"] == floor["coordinator_cpu_ratio"] == 1.0
 
 
+def check_small_units(report: Report, out: Path) -> None:
+    rows = {r["arm"]: r for r in report["rows"]}
+    assert list(rows) == ["task", "task-chain", "mop", "plain"]
+    settings = report["settings"]
+    epochs = settings["trials"] * settings["epochs"]
+    # the same work in every arm: every trial trains every epoch (none stops before its last)
+    assert all(r["epochs_trained"] == epochs for r in rows.values())
+    assert [rows[a]["units"] for a in rows] == [epochs, epochs, 2 * epochs, epochs]  # mop: 2 partitions
+    # task: a Dask task per epoch with a decision after each, per trial without; mop: per unit
+    assert [rows[a]["dask_tasks"] for a in ("task", "task-chain", "mop")] == [
+        epochs,
+        settings["trials"],
+        2 * epochs,
+    ]
+    assert rows["plain"]["wall_ratio"] == 1.0 and 0 < rows["plain"]["utilisation"] <= 1
+    for arm in ("task", "task-chain", "mop"):
+        row = rows[arm]
+        assert 0 < row["utilisation"] <= 1 and row["pass_ms"] > 0
+        assert row["fixed_ms_median"] > 0 and row["fixed_ms_mean"] > 0
+        # the parts are inside the fixed cost; the Dask tasks hold the records' spans
+        assert row["setup_ms"] + row["lightning_ms"] + row["pack_ms"] <= row["fixed_ms_mean"] + 0.01
+        assert row["unrecorded_ms"] > -0.1
+        assert 0 < row["coordinator_main_thread_cpu_ms"] <= row["coordinator_cpu_ms"]
+        assert row["workers_cpu_ms"] > 0
+        assert set(report["targets"]["status"][arm]) == {
+            "fixed_ms_median",
+            "coordinator_cpu_ms",
+            "utilisation",
+        }
+
+
 QUICK: dict[str, Callable[[Report, Path], None]] = {
     "distill": check_distill,
     "mop_bound": check_mop_bound,
@@ -187,6 +218,7 @@ QUICK: dict[str, Callable[[Report, Path], None]] = {
     "scale": check_scale,  # two whole `mopflow run`s, of 1,000 and 2,000 rows
     "search": check_search,
     "shard": check_shard,
+    "small_units": check_small_units,
     "volatile": check_volatile,
 }
 # The quick runs of the two demo benchmarks are the pipeline runs of tests/dags/test_end_to_end*.py
