@@ -10,6 +10,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,6 +24,21 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FILE = "last.safetensors"  # a model's latest state (training/trainable/unit.py's export)
 # a state a worker wrote inside a chain of epochs (``task``), the checkpoint once its epoch is told
 STAGED_FILE = "staged-e{epoch:04d}.safetensors"
+# Why Dask cancels every future of a client whose connection to the scheduler broke
+SCHEDULER_CONNECTION_LOST = "scheduler-connection-lost"
+
+
+class ClusterLost(RuntimeError):
+    """The coordinator lost its connection to the Dask scheduler (its host was cut off), and Dask
+    cancelled every future it held. Nothing is wrong with the trials: the attempt ends without
+    telling the study anything about them, and its retry resumes them from their checkpoints."""
+
+
+def raise_if_cluster_lost(exc: BaseException) -> None:
+    """Raise :class:`ClusterLost` from ``exc`` when it is a future cancelled because the client
+    lost the scheduler; otherwise return (the caller judges ``exc`` as the unit's own error)."""
+    if isinstance(exc, CancelledError) and getattr(exc, "reason", None) == SCHEDULER_CONNECTION_LOST:
+        raise ClusterLost(f"the connection to the Dask scheduler was lost: {exc}") from exc
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,13 @@ from mopflow.base import stopping
 from mopflow.base.fencing import Superseded
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
-from mopflow.training.executors.base import Controller, EpochReport, Executor, ModelOutcome
+from mopflow.training.executors.base import (
+    Controller,
+    EpochReport,
+    Executor,
+    ModelOutcome,
+    raise_if_cluster_lost,
+)
 from mopflow.training.executors.ddp_job import DDPJob, JobPreempted, MasterPortTaken, RankLost
 from mopflow.training.executors.ddp_workers import PlacementError, WorkerGangs
 from mopflow.training.executors.stop_notice import StopNotice
@@ -238,6 +244,7 @@ class DDPExecutor(Executor):
             except Superseded:  # a later attempt drives the study: nothing more is written
                 raise
             except Exception as exc:
+                raise_if_cluster_lost(exc)  # the cluster's loss, not the trial's: it stays unfinished
                 outcome.error = f"{type(exc).__name__}: {exc}"
                 log.warning("ddp: %s failed: %s", spec.model_id, outcome.error)
                 break

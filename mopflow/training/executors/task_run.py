@@ -32,6 +32,7 @@ from mopflow.training.executors.base import (
     EpochReport,
     ModelOutcome,
     epochs_before_decision,
+    raise_if_cluster_lost,
 )
 from mopflow.training.executors.chains import EPOCH_TOPIC, train_chain
 from mopflow.training.executors.task_host import TaskHost
@@ -255,6 +256,7 @@ class TaskRun:
             self._preempted(mid, epoch, exc)
             return
         except Exception as exc:
+            raise_if_cluster_lost(exc)  # the cluster's loss, not the model's: no trial fails for it
             log.warning("task: %s failed at epoch %d: %s", mid, self.told.get(mid, -1) + 2, exc)
             self.fail(mid, f"{type(exc).__name__}: {exc}")
             return
