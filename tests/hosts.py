@@ -102,6 +102,20 @@ class Host:
         )
         return [line for line in done.stdout.splitlines() if line]
 
+    def processes(self) -> dict[int, str]:
+        """Every process on this host (in its network namespace) but its init: pid -> command line."""
+        pids = subprocess.run(
+            ["ip", "netns", "pids", self.netns], capture_output=True, text=True
+        ).stdout.split()
+        found = {}
+        for pid in pids:
+            with contextlib.suppress(OSError, ValueError):
+                if int(pid) != self.init.pid:
+                    found[int(pid)] = (
+                        Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                    )
+        return found
+
     def cut(self, interface: str | None = None) -> None:
         """Take this host's link (one interface's, or all) down: its packets are lost, and no
         reset reaches anyone."""

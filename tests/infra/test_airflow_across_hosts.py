@@ -35,6 +35,7 @@ BIN = Path(sys.executable).parent
 REDIS_PORT = 6379
 DAG_ID = "mopflow_sweep"
 CELERY_HOSTS = ("w1", "w2")
+CELERY_READY = " ready."  # the line a Celery worker logs once it takes tasks ("celery@w1 ready.")
 TINY = {
     "num_samples": 600,
     "n_shards": 2,
@@ -55,8 +56,11 @@ class Stack:
     def __init__(self, hosts: HostCluster, env: dict[str, str], optuna_url: str = "") -> None:
         self.hosts, self.env, self.control = hosts, env, hosts["control"]
         self.optuna_url = optuna_url  # the study's storage, as this machine reaches it
+        self.s3_endpoint = ""  # the S3 server, as this machine reaches it
         self.home = hosts.private_home  # the control host's own MOPFLOW_HOME
         self.token = ""
+        self.worker_env: dict[str, str] = {}  # a Celery worker host's environment (worker-env's settings)
+        self.logs = Path()  # where this machine keeps the Celery workers' output
         self.airflow = f"http://{self.control.address}:8080"
 
     def mopflow(self, *args: str, timeout: float = 600) -> Any:
@@ -82,6 +86,29 @@ class Stack:
 
     def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         return request_json(method, f"{self.airflow}/api/v2{path}", body, self.token)
+
+    def ensure_celery_workers(self) -> None:
+        """Start ``airflow celery worker`` on each worker host where none runs (its host was
+        killed, or it was never started), with the settings ``mopflow worker-env`` printed, and
+        wait until each started one is ready."""
+        started = []
+        for name in CELERY_HOSTS:
+            host = self.hosts[name]
+            if all(proc.poll() is not None for proc in host.procs):
+                log = self.logs / f"celery-{name}.log"
+                ready = log.read_text().count(CELERY_READY) if log.exists() else 0
+                host.start(
+                    [str(BIN / "airflow"), "celery", "worker", "--concurrency", "2"],
+                    self.hosts.env(self.worker_env)
+                    | {"AIRFLOW_HOME": str(self.hosts.private_home / "airflow")},
+                    log,
+                )
+                started.append((log, ready))
+        deadline = time.monotonic() + 120
+        for log, ready in started:
+            while log.read_text().count(CELERY_READY) <= ready:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +177,7 @@ def stack_and_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
             "MLFLOW_S3_ENDPOINT_URL": endpoint,
         }
         stack = Stack(hosts, env, f"postgresql+psycopg2://postgres@127.0.0.1:{PG[1]}/{dbs['optuna']}")
+        stack.s3_endpoint = endpoint
         up = stack.mopflow("up")
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
         cleanup.callback(stack.mopflow, "down", timeout=180)
@@ -164,13 +192,8 @@ def stack_and_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
         assert not any(
             line.startswith("# warning") for line in stack.mopflow("worker-env").stdout.splitlines()
         )
-        for name in CELERY_HOSTS:
-            worker = hosts[name]
-            worker.start(
-                [str(BIN / "airflow"), "celery", "worker", "--concurrency", "2"],
-                hosts.env(base | shared) | {"AIRFLOW_HOME": str(hosts.private_home / "airflow")},
-                root / "logs" / f"celery-{name}.log",
-            )
+        stack.worker_env, stack.logs = base | shared, root / "logs"
+        stack.ensure_celery_workers()
         yield stack
 
 
@@ -211,19 +234,24 @@ def test_celery_workers_on_other_hosts_run_a_sweep_and_serve_its_logs(stack_and_
     assert "search: study" in text, text[-2000:]  # the stage's own lines, read from the worker host
 
 
-def test_a_celery_worker_host_killed_during_the_search_is_retried_on_the_other_from_its_checkpoints(
-    stack_and_workers: Stack,
+@pytest.mark.parametrize("fault", ["killed", "cut"])
+def test_a_celery_worker_host_lost_during_the_search_is_retried_on_the_other_from_its_checkpoints(
+    stack_and_workers: Stack, fault: str
 ) -> None:
-    """Fault (b): every process of the host running the search task dies. Airflow notices the
-    missing heartbeats, and the retry, on the other host, takes the study's lease and resumes the
-    trials from their checkpoints in S3: every trial COMPLETE or PRUNED, a champion registered."""
+    """Fault (b): the host running the search task is lost. ``killed``: every process on it dies.
+    ``cut``: its link goes down, its processes live on, and it comes back once the retry runs.
+    Airflow notices the missing heartbeats, and the retry, on the other host, takes the study's
+    lease and resumes the trials from their checkpoints in S3: every trial COMPLETE, each epoch
+    told once, a champion registered. A cut-off try that comes back writes nothing after the
+    retry took over: the study and every object in S3 are as the retry left them once it ended."""
     import optuna
 
     from mopflow.training.search.lease import lease_of
     from mopflow.training.search.study import MODEL_ATTR, STALE_ATTR
 
     s = stack_and_workers
-    conf = TINY | {"n_trials": 3, "epochs": 4, "pruner": "none", "model_name": "celery-hosts-killed"}
+    s.ensure_celery_workers()  # a host killed by an earlier test is back
+    conf = TINY | {"n_trials": 3, "epochs": 4, "pruner": "none", "model_name": f"celery-hosts-{fault}"}
     earlier = set(optuna.get_all_study_names(s.optuna_url))
     run_path = _trigger(s, conf)
     deadline, victim, study = time.monotonic() + 600, "", ""
@@ -240,24 +268,93 @@ def test_a_celery_worker_host_killed_during_the_search_is_retried_on_the_other_f
         ):
             victim, study = search["hostname"], names[-1]
     assert victim in CELERY_HOSTS
-    s.hosts[victim].kill_all()
-    killed_at = time.monotonic()
+    survivor = next(h for h in CELERY_HOSTS if h != victim)
+    lost_at = time.monotonic()
+    if fault == "killed":
+        s.hosts[victim].kill_all()
+    else:
+        s.hosts[victim].cut()
+        try:  # the retry starts on the other host while this one is still cut off
+            while (search := s.api("GET", f"{run_path}/taskInstances/search")[1]).get("try_number") != 2 or (
+                search.get("state") != "running"
+            ):
+                assert time.monotonic() < lost_at + 300, search
+                time.sleep(1)
+            print(
+                f"the search's retry runs on {search['hostname']} {time.monotonic() - lost_at:.1f} s after the cut"
+            )
+        finally:
+            s.hosts[victim].mend()
     tis = _finish(s, run_path)
     search = next(t for t in tis if t["task_id"] == "search")
-    survivor = next(h for h in CELERY_HOSTS if h != victim)
     assert (search["try_number"], search["hostname"]) == (2, survivor), search
-    assert {t["hostname"] for t in tis if t["task_id"] in ("ensemble", "distill", "register")} == {survivor}
+    if fault == "killed":  # the cut-off host comes back, and may take later tasks
+        assert {t["hostname"] for t in tis if t["task_id"] in ("ensemble", "distill", "register")} == {
+            survivor
+        }
     trials = optuna.load_study(study_name=study, storage=s.optuna_url).trials
     counted = [t for t in trials if not t.user_attrs.get(STALE_ATTR)]
     assert sorted(t.state.name for t in counted) == ["COMPLETE"] * 3, [
         (t.number, t.state.name) for t in trials
     ]
-    assert any(t.user_attrs.get(STALE_ATTR) for t in trials)  # the dead try's trials, failed and retried
+    assert any(t.user_attrs.get(STALE_ATTR) for t in trials)  # the lost try's trials, failed and retried
     assert any("resumed_from_epoch" in t.user_attrs for t in counted)  # from its checkpoint in S3
     for trial in counted:  # each model's epochs told once, in order, whichever try trained them
         assert sorted(trial.intermediate_values) == list(range(4)), (trial.number, trial.intermediate_values)
     assert len({t.user_attrs[MODEL_ATTR] for t in counted}) == 3
     assert lease_of(optuna.load_study(study_name=study, storage=s.optuna_url))["generation"] == 2
     print(
-        f"search retried on {survivor} and the run done {time.monotonic() - killed_at:.1f} s after the kill"
+        f"search retried on {survivor} and the run done {time.monotonic() - lost_at:.1f} s after the host was {fault}"
     )
+    if fault == "cut":
+        _the_cut_off_try_ends_writing_nothing(s, victim, study)
+
+
+def _the_cut_off_try_ends_writing_nothing(s: Stack, victim: str, study: str) -> None:
+    """Wait for the first try's processes on ``victim`` to end; nothing it could reach (the study,
+    the objects in S3) changed meanwhile."""
+    before = _written(s, study)
+    mended_at = time.monotonic()
+    while tasks := [c for c in s.hosts[victim].processes().values() if c.startswith(TASK_PROCESSES)]:
+        assert time.monotonic() < mended_at + 300, tasks
+        time.sleep(2)
+    ended_s = time.monotonic() - mended_at
+    assert _written(s, study) == before
+    found = (
+        s.hosts[victim]
+        .run(["grep", "-rhoE", "|".join(ENDINGS), str(s.hosts.private_home / "airflow" / "logs")], {})
+        .stdout
+    )
+    print(
+        f"the cut-off try ended {ended_s:.1f} s after the run, writing nothing: {sorted(set(found.split(chr(10))) - {''})}"
+    )
+
+
+# The processes of an Airflow task on a Celery worker: its supervisor and the task itself.
+TASK_PROCESSES = ("airflow task supervisor", "airflow worker --")
+# How a cut-off try can end: its lease taken (mopflow), or its supervisor told or giving up (Airflow).
+ENDINGS = ("Superseded", "shouldn't be running anymore", "Too many failed heartbeats")
+
+
+def _written(s: Stack, study: str) -> dict[str, Any]:
+    """What a sweep can write: the study's trials, and every object in S3 with its ETag and time."""
+    import boto3
+    import optuna
+
+    trials = optuna.load_study(study_name=study, storage=s.optuna_url).trials
+    bucket = boto3.client(
+        "s3",
+        endpoint_url=s.s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    objects = {
+        o["Key"]: (o["ETag"], o["LastModified"])
+        for page in bucket.get_paginator("list_objects_v2").paginate(Bucket="mopflow")
+        for o in page.get("Contents", [])
+    }
+    return {
+        "trials": [(t.number, t.state.name, t.intermediate_values, t.user_attrs) for t in trials],
+        "objects": objects,
+    }
