@@ -29,8 +29,8 @@ trial told) and their ratio to the plain loop's; utilisation, the seconds inside
 validation passes summed over the workers over workers x wall; the units run (a ``mop`` unit is a
 pass over one partition; a ``task`` or plain unit is an epoch, a pass over every partition) and
 the Dask tasks. Per unit, in milliseconds: the pass (mean); the worker's fixed cost, the unit's
-span on the worker outside its passes (median and mean, from the executor's records, kept by
-wrapping the sweep's ``strategy_executor``; :mod:`studies.unit_costs`), its parts, and what the
+span on the worker outside its passes (median and mean, from the executor's records, which the
+search's outcome keeps; :mod:`studies.unit_costs`), its parts, and what the
 Dask tasks spent outside the records (the scheduler's task stream); the CPU of this process, the
 coordinator with Dask's client and scheduler (``time.process_time`` over the search), and of its
 main thread alone (``time.thread_time``: the sweep, Optuna, checkpoints and bundles); the workers'
@@ -60,10 +60,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,24 +123,16 @@ def run_search(
         strategy=strategy,  # type: ignore[arg-type]
         space=SPACE,
     )
-    executors: list[Any] = []
-    make: Callable[[Any], Any] = sweep.strategy_executor
-
-    def keep(setting: Any) -> Any:  # the executor, for its records; nothing else changes
-        executors.append(make(setting))
-        return executors[-1]
-
     study = f"small-{arm}-{work.name}"
     index = client.run_on_scheduler(stream_index)
     workers_before = _workers_cpu(client)
-    with mock.patch.object(sweep, "strategy_executor", keep):
-        wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
-        outcome = sweep.run_strategy_search(
-            cfg, manifest, study, str(work / f"{study}.log"), str(work / study), client, min_complete=0
-        )
-        wall, cpu, main = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - main
+    wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
+    outcome = sweep.run_strategy_search(
+        cfg, manifest, study, str(work / f"{study}.log"), str(work / study), client, min_complete=0
+    )
+    wall, cpu, main = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - main
     workers_cpu = _workers_cpu(client) - workers_before
-    records = executors[0].records
+    records = outcome.unit_records
     figures = unit_figures(records)
     units = max(int(figures["units"]), 1)
     figures |= dask_figures(client.run_on_scheduler(stream_since, index), TASK_PREFIX[strategy], records)

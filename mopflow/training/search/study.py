@@ -63,6 +63,9 @@ class SearchOutcome:
     task_parts: dict[str, float] = field(default_factory=dict)  # task seconds around the loops, by part
     wall_s: float = 0.0  # the executor's run, start to end
     workers: int = 0  # Dask workers when it started
+    # The executor's record of each unit it ran (its span, loops, set-up and packing seconds):
+    # what the figures above sum, kept for per-unit costs (benchmarks/small_units.py)
+    unit_records: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
     def utilisation(self) -> float | None:

@@ -129,6 +129,7 @@ def _search(
         task_parts=task_parts(executor.records),
         wall_s=wall,
         workers=workers if busy is not None else 0,  # untimed passes: no utilisation
+        unit_records=list(executor.records),
     )
     busy_share = outcome.utilisation
     log.info(
