@@ -13,7 +13,7 @@ from xdist.scheduler import LoadFileScheduling
 # over about a minute; any other file weighs less than each of them. Only their order matters: a
 # stale figure costs balance, never a test.
 FILE_SECONDS: Mapping[str, float] = {
-    "tests/infra/test_across_hosts.py": 1330,  # with test_airflow_across_hosts.py (SAME_WORKER)
+    "tests/infra/test_across_hosts.py": 670,  # with test_airflow_across_hosts.py (SAME_WORKER), 2026-11-30
     "tests/infra/test_airflow_executors.py": 560,
     "tests/infra/cli/test_local_runs.py": 420,
     "tests/benchmarks/test_quick.py": 400,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import socket
 import sys
@@ -31,14 +30,13 @@ from typing import Any
 import pytest
 
 from mopflow.infra.stack.profile import apply_profile
-from tests.conftest import PG, PORT_RANGE_ENV, pg_admin_sql, require_service, skip_unless_required
+from tests.conftest import PG, pg_admin_sql, require_service, skip_unless_required
 from tests.dags.test_end_to_end import TINY
 from tests.hosts import HostCluster, namespaces_problem
+from tests.scale_out_env import BIN, child_env, start_s3
 
 pytestmark = [pytest.mark.slow, pytest.mark.services]
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 WORKER_HOSTS = ("w1", "w2", "w3")
 LOCAL_FOLDERS = ("data", "artifacts", "optuna", "mlflow")  # under a host's MOPFLOW_HOME
 # The smallest sweep that still ensembles and distils: a trial or two of two epochs.
@@ -50,11 +48,6 @@ SWEEP = {
     "distill_epochs": 1,
     "warm_start": False,  # each study its own: Optuna and MLflow then hold the same trials
     "warm_start_studies": 0,
-}
-CREDS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
 }
 
 
@@ -188,8 +181,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     require_service("PostgreSQL", *PG)
     if problem := namespaces_problem():
         skip_unless_required(problem)
-    from moto.server import ThreadedMotoServer
-
     root = tmp_path_factory.mktemp("hosts")
     suffix = uuid.uuid4().hex[:8]
     dbs = {part: f"mopflow_xh_{part}_{suffix}" for part in ("airflow", "mlflow", "optuna")}
@@ -201,25 +192,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             cleanup.callback(pg_admin_sql, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
         pg_host, pg_port = hosts.forward(PG[1])
         pg = f"postgresql+psycopg2://postgres@{pg_host}:{pg_port}"
-        s3 = ThreadedMotoServer(ip_address=hosts.gateway, port=0)  # binds port 0, reports it
-        s3.start()
-        cleanup.callback(s3.stop)
-        s3_port = s3.get_host_and_port()[1]
-        import boto3
-
-        boto3.client("s3", endpoint_url=f"http://{hosts.gateway}:{s3_port}", **_boto_creds()).create_bucket(
-            Bucket="mopflow"
-        )
+        s3_port = start_s3(hosts.gateway, cleanup).rsplit(":", 1)[1]
         # The control host reaches S3 by a name only it resolves; the workers by their own setting.
         hosts.add_name("control", "objects", hosts.gateway)
         endpoint = f"http://objects:{s3_port}"
         control = hosts["control"]
-        base = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
-        }
-        base |= CREDS | {"PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": str(REPO)}
+        base = child_env()
         env = base | {
             "MOPFLOW_PROFILE": "scale-out",
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"{pg}/{dbs['airflow']}",
@@ -279,10 +257,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             lambda: len(deployment.dask_workers()) == len(WORKER_HOSTS) or None, "three Dask workers joined"
         )
         yield deployment
-
-
-def _boto_creds() -> dict[str, str]:
-    return {"region_name": "us-east-1", "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 
 
 def _trials_agree(deployment: Deployment, summary: dict[str, Any], name: str) -> None:

@@ -24,14 +24,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import PG, PORT_RANGE_ENV, pg_admin_sql, require_service, skip_unless_required
+from tests.conftest import PG, pg_admin_sql, require_service, skip_unless_required
 from tests.hosts import HostCluster, namespaces_problem
 from tests.rest import request_json
+from tests.scale_out_env import BIN, child_env, s3_client, start_s3
 
 pytestmark = [pytest.mark.slow, pytest.mark.services]
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 REDIS_PORT = 6379
 DAG_ID = "mopflow_sweep"
 CELERY_HOSTS = ("w1", "w2")
@@ -117,9 +116,7 @@ def stack_and_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
     require_service("Redis", "127.0.0.1", REDIS_PORT)
     if problem := namespaces_problem():
         skip_unless_required(problem)
-    import boto3
     import redis
-    from moto.server import ThreadedMotoServer
 
     root = tmp_path_factory.mktemp("airflow-hosts")
     suffix = uuid.uuid4().hex[:8]
@@ -136,29 +133,9 @@ def stack_and_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
         broker = redis.Redis(host="127.0.0.1", port=REDIS_PORT, db=0)
         cleanup.callback(broker.close)
         cleanup.callback(broker.delete, queue, f"_kombu.binding.{queue}")
-        s3 = ThreadedMotoServer(ip_address=gateway, port=0)
-        s3.start()
-        cleanup.callback(s3.stop)
-        endpoint = f"http://{gateway}:{s3.get_host_and_port()[1]}"
-        creds = {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="t",
-            aws_secret_access_key="t",
-        ).create_bucket(Bucket="mopflow")
+        endpoint = start_s3(gateway, cleanup)
         pg = f"postgresql+psycopg2://postgres@{gateway}:{PG[1]}"
-        base = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
-        }
-        base |= creds | {"PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": str(REPO)}
+        base = child_env()
         control = hosts["control"]
         env = base | {
             "MOPFLOW_PROFILE": "scale-out",
@@ -338,17 +315,10 @@ ENDINGS = ("Superseded", "shouldn't be running anymore", "Too many failed heartb
 
 def _written(s: Stack, study: str) -> dict[str, Any]:
     """What a sweep can write: the study's trials, and every object in S3 with its ETag and time."""
-    import boto3
     import optuna
 
     trials = optuna.load_study(study_name=study, storage=s.optuna_url).trials
-    bucket = boto3.client(
-        "s3",
-        endpoint_url=s.s3_endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
+    bucket = s3_client(s.s3_endpoint)
     objects = {
         o["Key"]: (o["ETag"], o["LastModified"])
         for page in bucket.get_paginator("list_objects_v2").paginate(Bucket="mopflow")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import subprocess
 import sys
 import time
@@ -32,8 +31,9 @@ import pytest
 from mopflow.base.settings import Settings
 from mopflow.infra import stack
 from mopflow.infra.stack.profile import apply_profile, read_profile
-from tests.conftest import PG, PORT_RANGE_ENV, pg_admin_sql, require_service
+from tests.conftest import PG, pg_admin_sql, require_service
 from tests.rest import request_json
+from tests.scale_out_env import child_env, start_s3
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = str(Path(sys.executable).parent)
@@ -163,12 +163,7 @@ class ScaleOutStack:
 
     def __init__(self, root: Path, overrides: dict[str, str]) -> None:
         self.root, self.home = root, root / "home"
-        self.env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
-        }
-        self.env.update(overrides, PATH=BIN + os.pathsep + self.env.get("PATH", ""))
+        self.env = child_env() | overrides
         self.airflow = self.token = self.airflow_db = ""
 
     def mopflow(self, *args: str, timeout: int = 420) -> subprocess.CompletedProcess[str]:
@@ -259,8 +254,6 @@ def scale_out_stack(root: Path, **extra: str) -> Iterator[ScaleOutStack]:
     """Fresh databases, an S3 server with the bucket, `mopflow up` in the scale-out profile; all
     undone at the end (`mopflow down`, the S3 server stopped, the databases dropped)."""
     require_service("PostgreSQL", *PG)
-    import boto3
-    from moto.server import ThreadedMotoServer
 
     suffix = uuid.uuid4().hex[:8]
     dbs = {part: f"mopflow_ex_{part}_{suffix}" for part in ("airflow", "mlflow", "optuna")}
@@ -269,18 +262,7 @@ def scale_out_stack(root: Path, **extra: str) -> Iterator[ScaleOutStack]:
         for db in dbs.values():
             _admin_sql(f"CREATE DATABASE {db}")
             cleanup.callback(_admin_sql, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-        s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0)  # it binds port 0 and reports its port
-        s3.start()
-        _, s3_port = s3.get_host_and_port()
-        cleanup.callback(s3.stop)
-        endpoint = f"http://127.0.0.1:{s3_port}"
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="t",
-            aws_secret_access_key="t",
-        ).create_bucket(Bucket="mopflow")
+        endpoint = start_s3("127.0.0.1", cleanup)
         # What differs from infra/profiles/scale-out.env: this test's ports, databases and S3 endpoint.
         s = ScaleOutStack(
             root,
@@ -295,9 +277,6 @@ def scale_out_stack(root: Path, **extra: str) -> Iterator[ScaleOutStack]:
                 "MOPFLOW_OPTUNA_STORAGE": f"{pg}/{dbs['optuna']}",
                 "MOPFLOW_STORAGE_OPTIONS": json.dumps({"client_kwargs": {"endpoint_url": endpoint}}),
                 "MLFLOW_S3_ENDPOINT_URL": endpoint,
-                "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing",
-                "AWS_DEFAULT_REGION": "us-east-1",
                 **extra,
             },
         )

@@ -26,11 +26,9 @@ import pytest
 
 from mopflow.infra.stack import free_port  # the stack's own: a TCP port free on 127.0.0.1
 from mopflow.infra.stack.profile import apply_profile, parse_profile, read_profile
-from tests.conftest import PG, PORT_RANGE_ENV, pg_admin_sql, require_service
+from tests.conftest import PG, pg_admin_sql, require_service
 from tests.dags.test_end_to_end import TINY
-
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
+from tests.scale_out_env import BIN, REPO, child_env, start_s3
 
 
 def test_scale_out_profile_moves_every_part_and_the_environment_wins() -> None:
@@ -121,8 +119,6 @@ class Services:
 def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """Start PostgreSQL databases, S3, an MLflow server and a Dask cluster; run the pipeline once."""
     require_service("PostgreSQL", *PG)
-    import boto3
-    from moto.server import ThreadedMotoServer
 
     root = tmp_path_factory.mktemp("scaleout")
     suffix = uuid.uuid4().hex[:8]
@@ -137,30 +133,8 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             cleanup.callback(admin_sql, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
         pg = f"postgresql+psycopg2://postgres@{PG[0]}:{PG[1]}"
 
-        s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0)  # it binds port 0 and reports its port
-        s3.start()
-        _, s3_port = s3.get_host_and_port()
-        cleanup.callback(s3.stop)
-        endpoint = f"http://127.0.0.1:{s3_port}"
-        creds = {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        ).create_bucket(Bucket="mopflow")
-
-        base = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("MOPFLOW_", "AIRFLOW", "MLFLOW_")) or k == PORT_RANGE_ENV
-        }
-        base |= creds | {"PATH": f"{BIN}{os.pathsep}{base.get('PATH', '')}", "PYTHONPATH": str(REPO)}
+        endpoint = start_s3("127.0.0.1", cleanup)
+        base = child_env()
         mlflow_port = free_port()  # from this worker's range: `mlflow server` cannot report a port 0 bind
         # What differs from the profile's defaults: this test's ports and database names.
         overrides = {
