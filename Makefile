@@ -28,7 +28,7 @@ demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mopflow run --summary-json "$${MOPFLOW_HOME:-$$HOME/.mopflow}/demo-summary.json"
 
 # Two pytest-xdist workers (TEST_WORKERS=0: one process); each takes whole test files, and the
-# files of the local PostgreSQL and Redis servers run on one (tests/conftest.py).
+# files that hold the local PostgreSQL server's connections run on one, one after the other (tests/workers.py).
 TEST_WORKERS ?= 2
 test: $(STAMP) chromium
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
