@@ -74,6 +74,7 @@ class Deployment:
     ) -> None:
         self.hosts, self.env, self.worker_env, self.logs, self.dbs = hosts, env, worker_env, logs, dbs
         self.control = hosts["control"]
+        self.client: Any = None  # a Dask client in this process (processing), made at its first use
         self.shared = logs.parent / "shared"  # config files and summaries the test reads
         self.shared.mkdir(exist_ok=True)
 
@@ -118,13 +119,16 @@ class Deployment:
         )
 
     def processing(self) -> dict[str, list[str]]:
-        """Worker name -> the keys of the tasks it runs now."""
-        return dict(
-            self.ask_scheduler(
-                "{w['name']: [str(k) for k in c.processing().get(a, ())] "
-                "for a, w in c.scheduler_info(n_workers=-1)['workers'].items()}"
-            )
-        )
+        """Worker name -> the keys of the tasks it runs now, asked by a client in this process: a
+        client process started on the control host for each look takes seconds on a busy machine,
+        and a short trial would train between two looks."""
+        if self.client is None:
+            import distributed
+
+            self.client = distributed.Client(self.env["MOPFLOW_DASK_ADDRESS"], timeout=20)
+        running = self.client.processing()
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        return {w["name"]: [str(k) for k in running.get(a, ())] for a, w in workers.items()}
 
     def ensure_workers(self) -> None:
         """Start again a Dask worker whose process ended (its host was cut off), and wait for all."""
@@ -218,6 +222,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             )
         }
         deployment = Deployment(hosts, env, worker_env, root / "logs", dbs)
+        cleanup.callback(lambda: deployment.client and deployment.client.close(timeout=10))
         control.start(
             [
                 str(BIN / "mlflow"),
