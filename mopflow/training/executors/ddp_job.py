@@ -257,7 +257,9 @@ class DDPJob:
         or a failed rank's own error (e.g. a non-finite loss: the trial fails, not started again)."""
         alive = set(cluster_workers(self.client))
         for future, (rank, worker) in futures.items():
-            if worker not in alive:
+            # a rank that returned before its worker left is not lost: a worker leaving on a spot
+            # notice hands its results to another worker first (only a lost result counts)
+            if worker not in alive and future.status != "finished":
                 raise RankLost(f"rank {rank}'s worker {worker} left the cluster", workers=[worker])
             if future in done and future.status == "error":
                 error = future.exception()

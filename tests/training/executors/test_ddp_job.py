@@ -35,3 +35,30 @@ def test_ranks_that_failed_together_on_a_collective_are_a_lost_rank(dask_client:
     ranks = SimpleNamespace(futures=futures, reports=SimpleNamespace(qsize=lambda: 0))
     with pytest.raises(RankLost, match="lost its peers"):
         DDPJob._follow(job, ranks)  # type: ignore[arg-type]
+
+
+def _rank_result() -> dict[str, int]:
+    return {"rank": 1, "preempted": 3}
+
+
+def test_a_rank_that_returned_before_its_worker_left_is_not_lost(dask_client: object) -> None:
+    """A worker leaving on a spot notice hands its finished rank's result to another worker and
+    goes: the job must read that rank's result, not count a lost rank (it did under load, when the
+    other rank's result came in after the worker had left). A rank still running there is lost."""
+    from distributed import Event, wait
+
+    client = dask_client
+    worker = worker_addresses(client)[0]
+    gone = "tcp://192.0.2.1:4000"  # a worker no longer in the cluster
+    finished = client.submit(_rank_result, workers=[worker], pure=False)  # type: ignore[attr-defined]
+    wait([finished])
+    job = SimpleNamespace(client=client)
+    DDPJob._check_ranks(job, {finished: (1, gone)}, {finished})  # type: ignore[arg-type]
+    release = Event(client=client)  # type: ignore[arg-type]
+    running = client.submit(release.wait, 60, workers=[worker], pure=False)  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(RankLost, match="left the cluster"):
+            DDPJob._check_ranks(job, {finished: (1, gone), running: (0, gone)}, {finished})  # type: ignore[arg-type]
+    finally:
+        release.set()
+        wait([running])
