@@ -89,7 +89,7 @@ def epoch_split(
 ) -> dict[str, float] | None:
     """Each trained epoch's worker-seconds in three parts: ``pass`` (inside the training and
     validation loops), ``around`` (inside the tasks, around the loops: the model built, the
-    Trainer set up, the state unpacked, packed and staged) and ``between`` (no task running: a
+    pass set up (a Trainer where one is built), the state unpacked, packed and staged) and ``between`` (no task running: a
     task's dispatch and result, and waits for the coordinator or for a model busy elsewhere).
     ``parts`` (seconds by part of ``around``, ``training.executors.base.task_parts``) adds
     ``around_<part>`` for each."""
@@ -293,9 +293,9 @@ def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
                 f"{part['pass']:.3f} in passes, {part['around']:.3f} around them in the task"
                 + (
                     f" ({part['around_setup']:.3f} before the pass: rows, model, state; "
-                    f"{part['around_lightning']:.3f} Lightning's set-up and teardown; "
+                    f"{part['around_fit']:.3f} around the loop in the pass; "
                     f"{part['around_pack']:.3f} packing the state)"
-                    if all(f"around_{k}" in part for k in ("setup", "lightning", "pack"))
+                    if all(f"around_{k}" in part for k in ("setup", "fit", "pack"))
                     else ""
                 )
                 + f", {part['between']:.3f} between tasks"

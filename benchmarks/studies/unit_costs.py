@@ -38,8 +38,8 @@ def unit_fixed_s(record: Mapping[str, Any]) -> float:
 
 def unit_figures(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Per unit (milliseconds): the pass (mean), the worker's fixed cost outside it (median and
-    mean) and its parts (means: ``setup`` before the pass, ``lightning`` the Trainer's set-up and
-    teardown, ``pack`` the state packed); the units and their seconds in passes (``busy_s``)."""
+    mean) and its parts (means: ``setup`` before the pass, ``fit`` the pass less its loop (a
+    Trainer's set-up and teardown where one is built), ``pack`` the state packed); the units and their seconds in passes (``busy_s``)."""
     timed = [r for r in records if "loop_s" in r and "start" in r and "end" in r]
     if not timed:
         return {"units": 0}

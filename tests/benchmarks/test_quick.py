@@ -198,7 +198,7 @@ def check_small_units(report: Report, out: Path) -> None:
         assert 0 < row["utilisation"] <= 1 and row["pass_ms"] > 0
         assert row["fixed_ms_median"] > 0 and row["fixed_ms_mean"] > 0
         # the parts are inside the fixed cost; the Dask tasks hold the records' spans
-        assert row["setup_ms"] + row["lightning_ms"] + row["pack_ms"] <= row["fixed_ms_mean"] + 0.01
+        assert row["setup_ms"] + row["fit_ms"] + row["pack_ms"] <= row["fixed_ms_mean"] + 0.01
         assert row["unrecorded_ms"] > -0.1
         assert 0 < row["coordinator_main_thread_cpu_ms"] <= row["coordinator_cpu_ms"]
         assert row["workers_cpu_ms"] > 0

@@ -185,10 +185,10 @@ def test_each_trained_epoch_is_split_into_passes_what_surrounds_them_and_idle_ti
     row = summary.search_row(job, "task", reports, 10.0, busy_s=12.0, states=["COMPLETE"], task_s=16.0)
     assert row["per_epoch_s"] == {"pass": 3.0, "around": 1.0, "between": 1.0}  # 20 worker-s / 4 epochs
     assert row["utilisation"] == 0.6
-    parts = {"setup": 2.0, "lightning": 1.0, "pack": 0.5}
+    parts = {"setup": 2.0, "fit": 1.0, "pack": 0.5}
     split = summary.search_row(job, "task", reports, 10.0, 12.0, ["COMPLETE"], 16.0, parts)["per_epoch_s"]
-    assert split == row["per_epoch_s"] | {"around_setup": 0.5, "around_lightning": 0.25, "around_pack": 0.125}
-    assert "0.250 Lightning's set-up" in "\n".join(
+    assert split == row["per_epoch_s"] | {"around_setup": 0.5, "around_fit": 0.25, "around_pack": 0.125}
+    assert "0.250 around the loop in the pass" in "\n".join(
         summary.table_lines(
             {
                 "summary": [{**summary.summarize([row], ["task"], ["random"], 10)[0], "per_epoch_s": split}],

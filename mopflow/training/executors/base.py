@@ -319,13 +319,14 @@ def task_seconds(records: Sequence[Mapping[str, Any]]) -> float | None:
 def task_parts(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """The records' task seconds around their loops, by part: ``setup`` (before the pass: the rows
     loaded, the model built and its state unpacked, or a chain's previous epoch staged),
-    ``lightning`` (the Trainer built, the fit set up and torn down: the pass less its loop) and
+    ``fit`` (the pass less its loop: the optimizer made and the moments captured, and a Trainer's
+    set-up and teardown where the pass fits one) and
     ``pack`` (the state packed at the end); empty when no record times them."""
     timed = [r for r in records if "fit_s" in r and "loop_s" in r]
     if not timed:
         return {}
     return {
         "setup": float(sum(float(r.get("setup_s", 0.0)) for r in timed)),
-        "lightning": float(sum(max(0.0, float(r["fit_s"]) - float(r["loop_s"])) for r in timed)),
+        "fit": float(sum(max(0.0, float(r["fit_s"]) - float(r["loop_s"])) for r in timed)),
         "pack": float(sum(float(r.get("pack_s", 0.0)) for r in timed)),
     }

@@ -84,7 +84,7 @@ class Classifier(pl.LightningModule):
         # per step avoided
         self._epoch_loss = [0.0, 0]
         self.automatic_optimization = False
-        self._fast: _FastStep | None = None  # set at the start of each fit when the fast path applies
+        self._fast: FastStep | None = None  # set at the start of each fit when the fast path applies
         # Lightning's logging of the epoch's loss (loggers, callbacks that monitor it); a caller
         # that reads last_train_loss itself turns it off: it costs a fit about a millisecond
         self.log_train_loss = True
@@ -143,7 +143,7 @@ class Classifier(pl.LightningModule):
             raise NonFiniteLossError(
                 f"training loss became {value} at epoch "
                 f"{self.current_epoch if self.epoch_label is None else self.epoch_label}, "
-                f"step {self.start_step + self.global_step}"
+                f"step {self.start_step + self._steps_taken()}"
             )
         fast = self._fast
         if fast is not None:
@@ -168,6 +168,12 @@ class Classifier(pl.LightningModule):
         epoch_loss = self._epoch_loss
         epoch_loss[0] += value
         epoch_loss[1] += 1
+
+    def _steps_taken(self) -> int:
+        """Optimizer steps of this fit (or plain pass) so far."""
+        fast = self._fast
+        count = getattr(fast.progress, "count", None) if fast is not None else None
+        return int(count()) if callable(count) else int(self.global_step)
 
     def on_train_start(self) -> None:
         self._fast = _fast_step(self)
@@ -272,7 +278,7 @@ Classifier.training_step.__signature__ = inspect.signature(Classifier.training_s
 
 
 @dataclass(frozen=True)
-class _FastStep:
+class FastStep:
     """What the fast path steps: the bare optimizer, its scheduler, and the loop's step counter."""
 
     optimizer: torch.optim.Optimizer
@@ -284,7 +290,7 @@ class _FastStep:
 _STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
 
-def _fast_step(module: Classifier) -> _FastStep | None:
+def _fast_step(module: Classifier) -> FastStep | None:
     """The fast path's parts, or None when Lightning's own path is needed (see ``Classifier``)."""
     from pytorch_lightning.plugins.precision import Precision
     from pytorch_lightning.profilers import PassThroughProfiler
@@ -315,7 +321,7 @@ def _fast_step(module: Classifier) -> _FastStep | None:
     schedulers = module.lr_schedulers()
     if isinstance(schedulers, list):
         return None
-    return _FastStep(optimizers, schedulers, progress)
+    return FastStep(optimizers, schedulers, progress)
 
 
 CALLBACK_FACTORY_GROUP = "pytorch_lightning.callbacks_factory"

@@ -26,6 +26,7 @@ from mopflow.training.compute.devices import CPU, DeviceSpec
 from mopflow.training.models.families import DataSpec
 from mopflow.training.trainable.augment import AugmentedBatches
 from mopflow.training.trainable.batches import Batches, pass_order, rank_share
+from mopflow.training.trainable.loop import StepCount, TrainerSteps, plain_pass, trainer_pass
 from mopflow.training.trainable.state import load_moments, moments_of, state_metadata
 
 EVAL_BATCH = 4096  # rows per evaluation batch: a split need not fit on the device at once
@@ -143,18 +144,6 @@ class TrainableUnit:
         its start to a multiple of ``world``, as DDP's sampler does) and ``trainer_kwargs`` adds to
         the Trainer's settings (a DDP strategy and its node count).
         """
-        import pytorch_lightning as pl
-
-        from mopflow.training.trainable.lit import (
-            BATCH_RUN,
-            BatchRuns,
-            cache_callback_factories,
-            fit_quietly,
-            quiet_trainer_kwargs,
-        )
-
-        cache_callback_factories()
-
         from mopflow.training.data.streaming import StreamedRows
 
         batch_size = int(self.spec.params["batch_size"])
@@ -165,16 +154,14 @@ class TrainableUnit:
             order = rank_share(pass_order(self.spec.seed, epoch, pass_index, len(tensors[0])), *shard)
             n_rows = len(order)
         plan = self._start_pass(epoch, pass_index, part, n_rows, batch_size)
-        holder: dict[str, Any] = {}  # the pass's optimizer, once Lightning made it
+        holder: dict[str, Any] = {}  # the pass's optimizer, once made
         module = self._module(plan, holder)
+        plain = self.trains_without_trainer(callbacks, trainer_kwargs)
+        steps_done = StepCount() if plain else None
         if stop is not None:
-            module.after_batch = self._stop_watch(stop, plan, holder, module)
-        trainer = pl.Trainer(
-            max_epochs=1,
-            limit_val_batches=0,
-            callbacks=list(callbacks),
-            **{**quiet_trainer_kwargs(self.spec.device), **dict(trainer_kwargs or {})},
-        )
+            module.after_batch = self._stop_watch(
+                stop, plan, holder, (steps_done or TrainerSteps(module)).count
+            )
         batches: Any
         if streamed is not None:
             device = str(self.spec.device.torch_device())
@@ -187,12 +174,12 @@ class TrainableUnit:
             )
         if self.augment:  # on the worker, each batch seeded by its place in the pass
             batches = AugmentedBatches(batches, self.augment, self.spec.seed, epoch, pass_index, plan.skip)
-        # Runs on one device, of rows held in memory: DDP's reducer expects one backward per
-        # forward, and a run of streamed batches would hold 8 (and the fetcher 8 more) at once.
-        if streamed is None and shard[1] == 1 and not trainer_kwargs:
-            batches = BatchRuns(batches, BATCH_RUN)
-        fit_quietly(trainer, module, batches)
-        steps = int(trainer.global_step)
+        if steps_done is not None:
+            plain_pass(module, batches, steps_done, self.spec.device.torch_device())
+            steps = steps_done.completed
+        else:
+            in_runs = streamed is None and shard[1] == 1
+            steps = trainer_pass(module, batches, self.spec.device, callbacks, trainer_kwargs, in_runs)
         self.capture(holder["optimizer"], self.global_step + steps)
         self._on_host()
         return PassRecord(
@@ -203,6 +190,14 @@ class TrainableUnit:
             resumed_at_batch=plan.skip,
             loop_s=float(holder.get("loop_s", 0.0)),
         )
+
+    def trains_without_trainer(
+        self, callbacks: Sequence[Any] = (), trainer_kwargs: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Whether a pass trains in the plain loop (:func:`~mopflow.training.trainable.lit.plain_pass`):
+        on one device in 32-bit precision, with no Lightning callback and no Trainer setting of
+        the caller's (DDP's strategy). Everything else fits a Lightning Trainer."""
+        return not callbacks and not trainer_kwargs and self.spec.device.precision == "32"
 
     def _start_pass(self, epoch: int, pass_index: int, part: str, n_rows: int, batch_size: int) -> _PassPlan:
         """Where the pass starts: at the batch a state stopped in this same (epoch, pass, part)
@@ -263,15 +258,17 @@ class TrainableUnit:
             total_steps=self.total_steps,
             start_step=self.global_step,
         )
+        holder["module"] = module
         module.epoch_label = plan.epoch
         module.log_train_loss = False  # the pass record carries it (DDP ranks reduce it themselves)
         return module
 
     def _stop_watch(
-        self, stop: Callable[[], bool], plan: _PassPlan, holder: dict[str, Any], module: Any
+        self, stop: Callable[[], bool], plan: _PassPlan, holder: dict[str, Any], steps: Callable[[], int]
     ) -> Callable[[int], None]:
-        """What ``module`` calls after every batch: it asks ``stop`` and, when that says so before
-        the last batch, keeps the unit's position there and raises :class:`PassInterrupted`."""
+        """What the pass's module calls after every batch: it asks ``stop`` and, when that says so
+        before the last batch, keeps the unit's position there (``steps()``: the pass's optimizer
+        steps so far) and raises :class:`PassInterrupted`."""
         import torch
 
         unit = self
@@ -282,13 +279,13 @@ class TrainableUnit:
             batches = plan.skip + done
             if batches >= plan.n_batches:  # the pass is done anyway
                 return
-            unit.capture(holder["optimizer"], unit.global_step + module.trainer.global_step)
+            unit.capture(holder["optimizer"], unit.global_step + steps())
             unit._partial = {
                 "epoch": plan.epoch,
                 "pass_index": plan.pass_index,
                 "part": plan.part,
                 "batches": batches,
-                "loss_so_far": list(module._epoch_loss),
+                "loss_so_far": list(holder["module"]._epoch_loss),
             }
             unit._rng = torch.get_rng_state()
             raise PassInterrupted(unit.export_state(), batches, plan.n_batches)

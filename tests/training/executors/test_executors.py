@@ -329,5 +329,5 @@ def test_task_parts_split_the_seconds_around_the_loops() -> None:
         {"loop_s": 2.0, "fit_s": 2.5, "setup_s": 0.0},  # a chain's epoch before its last: not packed
         {"loop_s": 3.0},  # recorded before the parts were timed: left out
     ]
-    assert task_parts(records) == {"setup": 0.5, "lightning": 0.75, "pack": 0.25}
+    assert task_parts(records) == {"setup": 0.5, "fit": 0.75, "pack": 0.25}
     assert task_parts([{"loop_s": 1.0}]) == {}

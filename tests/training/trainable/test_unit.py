@@ -81,18 +81,21 @@ def test_a_pass_stopped_at_a_batch_goes_on_from_that_batch(small_manifest: str) 
 def test_batches_handed_to_lightning_in_runs_train_exactly_like_one_at_a_time(
     small_manifest: str, monkeypatch: pytest.MonkeyPatch, run: int
 ) -> None:
-    """A pass whose batches reach Lightning in runs (the last one shorter, or one run for the
-    whole pass) ends with the weights, moments, steps, loss and learning rate of one batch at a
-    time."""
+    """A pass fitted by a Lightning Trainer (a callback asks for one) whose batches reach it in
+    runs (the last one shorter, or one run for the whole pass) ends with the weights, moments,
+    steps, loss and learning rate of one batch at a time."""
+    import pytorch_lightning as pl
+
     from mopflow.training.trainable import lit
 
     monkeypatch.setattr(lit, "BATCH_RUN", 1)
     single, x, y = _unit(small_manifest, epochs=2)
-    expected = [single.train_pass((x, y), epoch) for epoch in range(2)]
+    assert not single.trains_without_trainer([pl.Callback()])
+    expected = [single.train_pass((x, y), epoch, callbacks=[pl.Callback()]) for epoch in range(2)]
     assert expected[0].steps % run != 0 or run > expected[0].steps  # a short last run is covered
     monkeypatch.setattr(lit, "BATCH_RUN", run)
     runs, _, _ = _unit(small_manifest, epochs=2)
-    assert [runs.train_pass((x, y), epoch) for epoch in range(2)] == expected
+    assert [runs.train_pass((x, y), epoch, callbacks=[pl.Callback()]) for epoch in range(2)] == expected
     _assert_same_state(runs.export_state(), single.export_state())
 
 
