@@ -19,3 +19,6 @@ PROMOTED = "mopflow.promoted"
 PROMOTION_REASON = "mopflow.promotion_reason"
 # on a registered student: its best trial's parameters, what a warm-started sweep tries first
 BEST_PARAMS = "mopflow.best_trial_params"
+# a student version's serving latency (p95 ms a request, one CPU thread) and the budget it met
+LATENCY_P95 = "mopflow.latency_p95_ms"
+STUDENT_BUDGET_MS = "mopflow.student_budget_ms"

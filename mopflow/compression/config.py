@@ -40,6 +40,29 @@ class DistillConfig(StageConfig):
     )
     depth: int = Field(3, ge=1, le=8, description="Student depth (families with a depth parameter)")
     max_param_ratio: float = Field(0.1, gt=0, le=1.0, description="Student params <= ratio x ensemble params")
+    max_params: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000_000,
+        description="Student params <= this (a size to ship); set, it replaces max_param_ratio",
+    )
+    budget_ms: float | None = Field(
+        None,
+        gt=0,
+        le=60_000,
+        description="Serving budget: p95 milliseconds per request of student_batch rows, served on one "
+        "CPU thread; the student is the widest within it (None = no latency budget)",
+    )
+    trials: int = Field(
+        0,
+        ge=0,
+        le=200,
+        description="Student search: candidates (family, depth, width) distilled and weighed on accuracy "
+        "and serving cost (p95 latency under student_budget_ms, else parameters); 0 = off",
+    )
+    request_rows: int = Field(
+        256, ge=1, le=65_536, description="Rows per request when the student's serving latency is timed"
+    )
     temperature: float = Field(4.0, gt=0, le=100, description="Softmax temperature of the soft targets")
     alpha: float = Field(
         0.9, ge=0, le=1, description="Weight of the soft-target loss (1 - alpha on hard labels)"

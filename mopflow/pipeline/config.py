@@ -82,6 +82,10 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "student_width": ("distill", "width"),
     "student_depth": ("distill", "depth"),
     "student_max_param_ratio": ("distill", "max_param_ratio"),
+    "student_max_params": ("distill", "max_params"),
+    "student_budget_ms": ("distill", "budget_ms"),
+    "student_batch": ("distill", "request_rows"),
+    "student_trials": ("distill", "trials"),
     "temperature": ("distill", "temperature"),
     "alpha": ("distill", "alpha"),
     "distill_epochs": ("distill", "epochs"),
@@ -189,7 +193,7 @@ class PipelineConfig(BaseModel):
     def check_fits_data(self, data: Any) -> None:
         """Refuse (ValueError) a config whose search space, student family or student width
         cannot take data of ``data``'s modality and shape (a DataSpec)."""
-        from mopflow.training.models.builtin import ArchSpec, count_params
+        from mopflow.training.models.builtin import ArchSpec, count_params, largest_size_within
         from mopflow.training.models.families import get_family
         from mopflow.training.trainable.augment import resolve
 
@@ -203,18 +207,33 @@ class PipelineConfig(BaseModel):
                 f"student_family={student_family.name!r} takes {sorted(student_family.modalities)} data; "
                 f"the dataset is {data.modality!r} (student_family='auto' picks {AUTO_STUDENT[data.modality]!r})"
             )
+        max_params = self.distill.max_params
         if self.distill.width is None:
+            if (
+                max_params is not None
+                and largest_size_within(distill.family, distill.student_params(), data, max_params) is None
+            ):
+                raise ValueError(
+                    f"student_max_params={max_params}: no {distill.family} student of depth "
+                    f"{distill.depth} has so few parameters"
+                )
             return
         try:
             student = count_params(ArchSpec.of(distill.family, distill.student_params(), data))
         except ValueError as exc:
             raise ValueError(f"student_width={self.distill.width} does not fit the student: {exc}") from exc
-        ceiling = int(self.distill.max_param_ratio * self.ensemble.top_k * max_member_params(space, data))
+        if max_params is not None:
+            ceiling, budget = max_params, f"student_max_params={max_params}"
+        else:
+            ceiling = int(self.distill.max_param_ratio * self.ensemble.top_k * max_member_params(space, data))
+            budget = (
+                f"student_max_param_ratio={self.distill.max_param_ratio} x the largest possible "
+                f"ensemble ({self.ensemble.top_k} members)"
+            )
         if student > ceiling:
             raise ValueError(
                 f"student_width={self.distill.width} gives a student of {student} parameters, larger than the "
-                f"budget: student_max_param_ratio={self.distill.max_param_ratio} x the largest possible "
-                f"ensemble ({self.ensemble.top_k} members) allows at most {ceiling}"
+                f"budget: {budget} allows at most {ceiling}"
             )
 
     @classmethod
@@ -263,7 +282,9 @@ class PipelineConfig(BaseModel):
 def unknown_key_message(key: str) -> str:
     """What to tell about an unknown config key: the known keys it resembles, if any."""
     close = difflib.get_close_matches(key, list(CONF_FIELDS), n=3, cutoff=0.6)
-    if close:
+    if close:  # the nearest, and others only as near (n_trails: n_trials, not student_trials)
+        ratio = {c: difflib.SequenceMatcher(None, key, c).ratio() for c in close}
+        close = [c for c in close if ratio[c] >= ratio[close[0]] - 0.1]
         return f"unknown config key {key!r}; did you mean {' or '.join(repr(c) for c in close)}?"
     return f"unknown config key {key!r} (`mopflow config-keys` lists them all)"
 

@@ -43,7 +43,9 @@ def distill_stage(
         train_students,
     )
     from mopflow.compression.ensemble import faster_form
-    from mopflow.registry.inputs import example_input
+    from mopflow.pipeline.student_search import log_student_search, student_search_setup
+    from mopflow.registry.inputs import example_input, serving_request
+    from mopflow.registry.latency import logged_model_latency
     from mopflow.registry.model_registry import log_bundle_model
     from mopflow.training.compute.cluster import dask_client
     from mopflow.training.compute.devices import device_for_cluster
@@ -62,12 +64,30 @@ def distill_stage(
         module, form_ms = faster_form(teacher_bundle.module, len(manifest["feature_columns"]))
         teacher = Teacher(ensemble.bundle_uri, module, teacher_bundle.num_params())
         paths = st.paths
-        outputs = StudentOutputs(paths.transfer, paths.student, paths.hard_label_student)
+        outputs = StudentOutputs(
+            paths.transfer, paths.student, paths.hard_label_student, paths.student_candidates
+        )
+        search = student_search_setup(st, dcfg) if dcfg.trials else None
+        request = serving_request(manifest_uri, manifest, so, dcfg.request_rows)
+        latency = _latency_of_architectures(dcfg, manifest, request)
         with dask_client(st.settings.dask_address, st.settings.dask_workers) as client:
             device = device_for_cluster(client, st.settings.accelerator, st.settings.precision)
             students = train_students(
-                client, device, dcfg, manifest_uri, manifest, data, teacher, st.cfg.search.seed, outputs, so
+                client,
+                device,
+                dcfg,
+                manifest_uri,
+                manifest,
+                data,
+                teacher,
+                st.cfg.search.seed,
+                outputs,
+                so,
+                latency,
+                search,
             )
+        if students.search is not None:
+            log_student_search(st, students.search)
         best_trial = (ensemble.best_trial.number, ensemble.best_trial_bundle)
         report, table = evaluation_report(
             best_trial, teacher, teacher_bundle, students, manifest_uri, manifest, so
@@ -78,6 +98,15 @@ def distill_stage(
         bundle_uri = students.kept_trained.bundle_uri
         example = example_input(manifest_uri, manifest, so)
         model_uri = log_bundle_model(st.run_id, "student", bundle_uri, example, so)
+        served = logged_model_latency(model_uri, request, dcfg.request_rows)
+        st.tracker.log_metrics(st.run_id, {"latency_p50_ms": served.p50_ms, "latency_p95_ms": served.p95_ms})
+        log.info(
+            "distill: the student serves %d rows in p50 %.2f ms, p95 %.2f ms (one CPU thread)%s",
+            served.rows,
+            served.p50_ms,
+            served.p95_ms,
+            "" if dcfg.budget_ms is None else f"; budget {dcfg.budget_ms:g} ms",
+        )
     log.info(
         "distill: kept the %s student, test_acc=%.4f (distilled %.4f, hard-label %.4f, int8 %.4f) with %d params (%.1f%% of the ensemble)",
         students.kept.student.replace("_", "-"),
@@ -107,7 +136,22 @@ def distill_stage(
         int8_test_acc=figures["int8_test_acc"],
         int8_static_test_acc=figures.get("int8_static_test_acc"),
         recovered_gain=figures["recovered_gain"],
+        latency_p50_ms=served.p50_ms,
+        latency_p95_ms=served.p95_ms,
+        latency_rows=served.rows,
+        budget_ms=dcfg.budget_ms,
     )
+
+
+def _latency_of_architectures(dcfg: Any, manifest: Mapping[str, Any], request: Any) -> Any:
+    """Under a serving budget, what measures a candidate student's latency before it trains (an
+    untrained model of the architecture, served as the registered one will be); else None."""
+    from mopflow.registry.latency import architecture_latency
+
+    if dcfg.budget_ms is None:
+        return None
+    columns, norm, rows = manifest["feature_columns"], manifest["normalization"], dcfg.request_rows
+    return lambda arch: architecture_latency(arch, columns, norm, request, rows)
 
 
 def _log_report(st: Stage, report: list[dict[str, Any]], table: str, students: Students) -> None:

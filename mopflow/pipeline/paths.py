@@ -69,6 +69,11 @@ class RunPaths:
         return self._at("student")
 
     @property
+    def student_candidates(self) -> str:
+        """A student search's candidates, one bundle folder each."""
+        return self._at("student-candidates")
+
+    @property
     def hard_label_student(self) -> str:
         """The same student trained on the hard labels alone (the baseline)."""
         return self._at("hard-label-student")

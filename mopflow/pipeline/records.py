@@ -134,6 +134,11 @@ class DistillRecord(Record):
     int8_test_acc: float | None
     int8_static_test_acc: float | None = None  # only the quantizable families have it
     recovered_gain: float | None = None  # None when the ensemble gained nothing to recover
+    # the kept student served by its logged pyfunc on one CPU thread, requests of latency_rows rows
+    latency_p50_ms: float | None = None
+    latency_p95_ms: float | None = None
+    latency_rows: int | None = None
+    budget_ms: float | None = None  # student_budget_ms it was sized for (None: none given)
 
 
 class RegisterRecord(Record):

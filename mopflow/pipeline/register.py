@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from mopflow.base import storage
 from mopflow.base.settings import Settings
-from mopflow.base.tag_names import BEST_PARAMS, MANIFEST_HASH, PROMOTED, PROMOTION_REASON, STUDY
+from mopflow.base.tag_names import (
+    BEST_PARAMS,
+    LATENCY_P95,
+    MANIFEST_HASH,
+    PROMOTED,
+    PROMOTION_REASON,
+    STUDENT_BUDGET_MS,
+    STUDY,
+)
 from mopflow.pipeline.context import Stage, stage
 from mopflow.pipeline.paths import SUMMARY_FILE
 from mopflow.pipeline.records import (
@@ -104,6 +112,10 @@ def _register_versions(
         # what a warm-started retraining sweep tries first
         BEST_PARAMS: json.dumps(ensemble.best_trial.params, sort_keys=True),
     }
+    if distill.latency_p95_ms is not None:
+        student_tags[LATENCY_P95] = f"{distill.latency_p95_ms:.3f}"
+    if distill.budget_ms is not None:
+        student_tags[STUDENT_BUDGET_MS] = f"{distill.budget_ms:g}"
     student_version = register_version(client, names["student"], distill.model_uri, run_key, student_tags)
     return {"student": str(student_version.version), "ensemble": str(ens_version.version)}
 
@@ -144,7 +156,15 @@ def _promotion(
     )
     if already:
         decision = PromotionDecision(True, "this version is already the champion")
+    if distill.latency_p95_ms is not None:
+        decision = PromotionDecision(decision.promote, f"{decision.reason}; {serving_line(distill)}")
     return decision, champion_acc
+
+
+def serving_line(distill: DistillRecord) -> str:
+    """The student's serving latency, and the budget it was sized for, in words."""
+    line = f"serves {distill.latency_rows} rows in p95 {distill.latency_p95_ms:.2f} ms on one CPU thread"
+    return line if distill.budget_ms is None else f"{line} (budget {distill.budget_ms:g} ms)"
 
 
 def _set_aliases(
@@ -200,6 +220,12 @@ def run_summary(
             "num_params": int(distill.num_params),
             "param_ratio": distill.param_ratio,
             "kept": distill.kept,  # the distilled or the hard-label student, and why
+            "latency": {
+                "p50_ms": distill.latency_p50_ms,
+                "p95_ms": distill.latency_p95_ms,
+                "rows": distill.latency_rows,
+                "budget_ms": distill.budget_ms,
+            },
         },
         "registered": {
             "name": registered.name,

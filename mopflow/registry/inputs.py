@@ -83,3 +83,21 @@ def example_input(manifest_uri: str, manifest: Mapping[str, Any], storage_option
     frame = read_shard(manifest_uri, manifest, first, storage_options).iloc[:5]
     x, _ = shard_arrays(frame, manifest)
     return served_examples(frame, x, manifest)
+
+
+def serving_request(
+    manifest_uri: str, manifest: Mapping[str, Any], storage_options: Mapping[str, Any], rows: int
+) -> Any:
+    """A request of ``rows`` validation rows as a client sends them (:func:`served_examples`), the
+    first validation shard's rows repeated when it has fewer: what a latency is timed on."""
+    from mopflow.training.data import read_shard
+    from mopflow.training.data.reading import shard_arrays
+
+    first = manifest["splits"]["validation"][0]
+    frame = read_shard(manifest_uri, manifest, first, storage_options)
+    if frame.empty:
+        raise ValueError(f"the validation shard {first['name']!r} has no rows to time a request on")
+    picked = np.arange(rows) % len(frame)
+    frame = frame.iloc[picked].reset_index(drop=True)
+    x, _ = shard_arrays(frame, manifest)
+    return served_examples(frame, x, manifest)

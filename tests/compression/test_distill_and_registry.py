@@ -12,6 +12,7 @@ from mopflow.compression.distill.distill import (
     soft_targets,
     transfer_set,
 )
+from mopflow.registry.latency import Latency
 from mopflow.registry.model_registry import decide_promotion
 from mopflow.training.models.builtin import ArchSpec, build_model, count_params
 from mopflow.training.models.bundle import ProbabilityEnsemble
@@ -30,6 +31,49 @@ def test_auto_sized_student_is_the_largest_within_budget() -> None:
 def test_configured_student_over_budget_is_refused() -> None:
     with pytest.raises(StudentBudgetError, match="student_width=64"):
         plan_student(DistillConfig(width=64), ensemble_params=20_000, data=DataSpec(40, 10))
+
+
+def test_student_max_params_replaces_the_ratio() -> None:
+    plan = plan_student(DistillConfig(max_params=3_000), ensemble_params=100_000, data=DataSpec(40, 10))
+    assert plan.budget == 3_000 and plan.num_params <= 3_000
+    with pytest.raises(StudentBudgetError, match="student_max_params=10"):
+        plan_student(DistillConfig(max_params=10), ensemble_params=100_000, data=DataSpec(40, 10))
+
+
+class _WidthLatency:
+    """A stand-in latency: p95 of ``ms_per_width`` x width; the widths asked are kept."""
+
+    def __init__(self, ms_per_width: float) -> None:
+        self.ms_per_width, self.asked = ms_per_width, []  # type: list[int]
+
+    def __call__(self, arch: ArchSpec) -> Latency:
+        self.asked.append(int(arch.params["width"]))
+        ms = self.ms_per_width * arch.params["width"]
+        return Latency(ms / 2, ms, 256, 40)
+
+
+def test_under_a_serving_budget_the_student_is_the_widest_that_serves_within_it() -> None:
+    data = DataSpec(40, 10)
+    widest = plan_student(DistillConfig(), 100_000, data).arch.params["width"]
+    latency = _WidthLatency(0.1)
+    plan = plan_student(DistillConfig(budget_ms=1.0), 100_000, data, latency)
+    assert plan.arch.params["width"] == 10 < widest  # 10 x 0.1 ms fits, 11 does not
+    assert plan.latency.p95_ms == pytest.approx(1.0) and plan.budget_ms == 1.0
+    assert len(latency.asked) <= 2 + widest.bit_length()  # a bisection, not every width
+    roomy = plan_student(DistillConfig(budget_ms=1e4), 100_000, data, _WidthLatency(0.1))
+    assert roomy.arch.params["width"] == widest  # the parameter budget binds first
+
+
+def test_a_serving_budget_no_student_meets_fails_naming_it_and_the_fastest() -> None:
+    data = DataSpec(40, 10)
+    with pytest.raises(
+        StudentBudgetError, match=r"student_budget_ms=0.05: .* fastest, width 1, takes p95 0.10 ms"
+    ):
+        plan_student(DistillConfig(budget_ms=0.05), 100_000, data, _WidthLatency(0.1))
+    with pytest.raises(StudentBudgetError, match=r"fastest, width 8, takes p95 0.80 ms"):
+        plan_student(DistillConfig(width=8, budget_ms=0.5), 100_000, data, _WidthLatency(0.1))
+    with pytest.raises(ValueError, match="no way to measure"):
+        plan_student(DistillConfig(budget_ms=1.0), 100_000, data)
 
 
 def test_soft_targets_are_distributions_that_flatten_with_temperature() -> None:

@@ -11,11 +11,12 @@ from mlflow import MlflowClient
 
 from mopflow.base.optuna_storage import make_storage
 from mopflow.base.settings import Settings
-from mopflow.base.tag_names import BEST_PARAMS
+from mopflow.base.tag_names import BEST_PARAMS, LATENCY_P95, STUDENT_BUDGET_MS
 from mopflow.pipeline.config import PipelineConfig
 from mopflow.pipeline.context import make_run_key, tracker_for
 from mopflow.pipeline.distill import distill_stage
 from mopflow.pipeline.ensemble import ensemble_stage
+from mopflow.pipeline.records import DistillRecord, RegisterRecord
 from mopflow.pipeline.register import register_stage
 from mopflow.pipeline.run import finalize_pipeline, start_pipeline
 from mopflow.pipeline.search import champion_warm_start, search_stage
@@ -25,7 +26,14 @@ from mopflow.training.search.study import WARM_START_ATTR
 from tests.pipeline.confs import SMALL_CONF
 
 # "always": the warm-start test below needs a champion, whatever the accuracies
-CONF = SMALL_CONF | {"model_name": "idem", "promotion": "always"}
+# a serving budget every student meets, and a student search of 3 candidates: the student is
+# chosen, timed and recorded as under a tight budget
+CONF = SMALL_CONF | {
+    "model_name": "idem",
+    "promotion": "always",
+    "student_budget_ms": 1000,
+    "student_trials": 3,
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +51,8 @@ def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
     ens = ensemble_stage(CONF, ctx, shard, search, settings)
     student = distill_stage(CONF, ctx, shard, ens, settings)
     first = register_stage(CONF, ctx, shard, search, ens, student, settings)
+    _assert_latency_recorded(settings, student, first)
+    _assert_student_searched(settings, student)
 
     # The same run again, stage by stage (an Airflow "clear and rerun").
     shard2 = shard_stage(CONF, ctx, settings)
@@ -78,6 +88,49 @@ def test_rerunning_stages_creates_no_duplicates(settings: Settings) -> None:
     finalize_pipeline(ctx, settings)
     assert client.get_run(dangling).info.status == "FAILED"
     assert client.get_run(ctx.parent_run_id).info.status == "FINISHED"
+
+
+def _assert_latency_recorded(settings: Settings, student: DistillRecord, registered: RegisterRecord) -> None:
+    """The student's serving latency and its budget: on the distill run, the registered version,
+    the promotion reason and the run's summary."""
+    client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
+    p95 = student.latency_p95_ms
+    assert p95 is not None and 0 < (student.latency_p50_ms or 0) <= p95 <= 1000
+    assert client.get_run(student.run_id).data.metrics["latency_p95_ms"] == pytest.approx(p95)
+    version = client.get_model_version(registered.name, registered.version)
+    assert float(version.tags[LATENCY_P95]) == pytest.approx(p95, abs=1e-3)
+    assert version.tags[STUDENT_BUDGET_MS] == "1000"
+    assert f"serves 256 rows in p95 {p95:.2f} ms on one CPU thread (budget 1000 ms)" in registered.reason
+    summary = json.loads(Path(registered.summary_uri).read_text())
+    assert summary["student"]["latency"] == {
+        "p50_ms": student.latency_p50_ms,
+        "p95_ms": p95,
+        "rows": 256,
+        "budget_ms": 1000.0,
+    }
+
+
+def _assert_student_searched(settings: Settings, student: DistillRecord) -> None:
+    """The registered student is the search's choice, on its Pareto front and within the budget;
+    each candidate is a nested run of the distill run."""
+    client = MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
+    found = client.download_artifacts(student.run_id, "student_search/candidates.json")
+    search = json.loads(Path(found).read_text())
+    assert len(search["candidates"]) == 3 and search["cost"] == "latency_p95_ms"
+    chosen = next(c for c in search["candidates"] if c["number"] == search["chosen"])
+    assert search["chosen"] in search["front"] and chosen["latency_p95_ms"] <= 1000
+    assert {"family": chosen["family"], "params": chosen["params"]} == {
+        "family": student.arch["family"],
+        "params": student.arch["params"],
+    }
+    nested = client.search_runs(
+        [client.get_run(student.run_id).info.experiment_id],
+        f"tags.`mlflow.parentRunId` = '{student.run_id}'",
+    )
+    assert sorted(r.data.tags["mopflow.candidate"] for r in nested) == ["0", "1", "2"]
+    assert "student_search/pareto_front.png" in [
+        a.path for a in client.list_artifacts(student.run_id, "student_search")
+    ]
 
 
 @pytest.mark.slow

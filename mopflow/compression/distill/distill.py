@@ -26,39 +26,98 @@ ValidationShards = Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]
 
 
 class StudentBudgetError(ValueError):
-    """The student does not fit the parameter budget."""
+    """The student does not fit its budget (parameters or serving latency)."""
+
+
+# The serving latency of a student of an architecture (registry.latency.architecture_latency,
+# with the request bound): injected, so planning stays free of serving and storage.
+LatencyOf = Callable[[ArchSpec], Any]
 
 
 @dataclass(frozen=True)
 class StudentPlan:
-    """The student's architecture and the budget it was sized against."""
+    """The student's architecture, the parameter budget it was sized against and, under a serving
+    budget (``budget_ms``), its measured latency (a :class:`~mopflow.registry.latency.Latency`)."""
 
     arch: ArchSpec
     num_params: int
     budget: int
+    budget_ms: float | None = None
+    latency: Any = None
 
 
-def plan_student(cfg: DistillConfig, ensemble_params: int, data: DataSpec) -> StudentPlan:
-    """Size the student: the configured size, or the largest size within ``ratio x ensemble``
-    (the family's size parameter; its other parameters at their defaults, ``depth`` as set)."""
+def parameter_budget(cfg: DistillConfig, ensemble_params: int) -> tuple[int, str]:
+    """The student's most parameters and where that comes from (for messages)."""
+    if cfg.max_params is not None:
+        return cfg.max_params, f"student_max_params={cfg.max_params}"
+    return int(
+        cfg.max_param_ratio * ensemble_params
+    ), f"{cfg.max_param_ratio} x the ensemble's {ensemble_params}"
+
+
+def plan_student(
+    cfg: DistillConfig, ensemble_params: int, data: DataSpec, latency: LatencyOf | None = None
+) -> StudentPlan:
+    """Size the student: the configured size, or the largest size within the parameter budget
+    (``student_max_params``, else ``ratio x ensemble``; the family's size parameter, its other
+    parameters at their defaults, ``depth`` as set). Under a serving budget (``budget_ms``,
+    ``latency`` measures a candidate) the largest size whose p95 fits it too."""
     cfg = cfg.resolved(data.modality, data.ordered)
-    budget = int(cfg.max_param_ratio * ensemble_params)
+    budget, source = parameter_budget(cfg, ensemble_params)
     width = cfg.width
     if width is None:
         width = largest_size_within(cfg.family, cfg.student_params(), data, budget)
         if width is None:
             raise StudentBudgetError(
-                f"no {cfg.family} student of depth {cfg.depth} fits in {budget} parameters "
-                f"({cfg.max_param_ratio} x ensemble's {ensemble_params})"
+                f"no {cfg.family} student of depth {cfg.depth} fits in {budget} parameters ({source})"
             )
     arch = ArchSpec.of(cfg.family, cfg.student_params(width), data)
     n = count_params(arch)
     if n > budget:
         raise StudentBudgetError(
-            f"student_width={width} gives {n} parameters; the budget is {budget} "
-            f"({cfg.max_param_ratio} x the ensemble's {ensemble_params})"
+            f"student_width={width} gives {n} parameters; the budget is {budget} ({source})"
         )
-    return StudentPlan(arch, n, budget)
+    if cfg.budget_ms is None:
+        return StudentPlan(arch, n, budget)
+    if latency is None:
+        raise ValueError("student_budget_ms is set but no way to measure a student's latency was given")
+    arch, measured = _fastest_fit(cfg, data, arch, width, latency)
+    return StudentPlan(arch, count_params(arch), budget, cfg.budget_ms, measured)
+
+
+def _fastest_fit(
+    cfg: DistillConfig, data: DataSpec, widest: ArchSpec, width: int, latency: LatencyOf
+) -> tuple[ArchSpec, Any]:
+    """The largest size up to ``width`` whose measured p95 is within ``cfg.budget_ms`` (a
+    bisection: latency grows with size), with its latency; a configured width is only checked."""
+    budget_ms = float(cfg.budget_ms or 0.0)
+    measured = latency(widest)
+    log.info("distill: %s width %d serves in p95 %.2f ms", cfg.family, width, measured.p95_ms)
+    if measured.p95_ms <= budget_ms:
+        return widest, measured
+    low = 1 if cfg.width is None else width
+    best: tuple[ArchSpec, Any] | None = None
+    fastest = (width, measured)
+    lo, hi = low, width - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        arch = ArchSpec.of(cfg.family, cfg.student_params(mid), data)
+        found = latency(arch)
+        log.info("distill: %s width %d serves in p95 %.2f ms", cfg.family, mid, found.p95_ms)
+        if found.p95_ms < fastest[1].p95_ms:
+            fastest = (mid, found)
+        if found.p95_ms <= budget_ms:
+            best, lo = (arch, found), mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        rows = measured.rows
+        raise StudentBudgetError(
+            f"student_budget_ms={cfg.budget_ms}: no {cfg.family} student of depth {cfg.depth} answers a "
+            f"request of {rows} rows within it; the fastest, width {fastest[0]}, takes p95 "
+            f"{fastest[1].p95_ms:.2f} ms"
+        )
+    return best
 
 
 def soft_targets(teacher: nn.Module, x: np.ndarray, temperature: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ rerun of the stage) is reused.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,3 +148,32 @@ def train_students_on_workers(
     finally:
         client.unsubscribe_topic(EPOCH_TOPIC)
     return soft_student, hard_student
+
+
+def train_candidates_on_workers(
+    client: Any, job: StudentJob, transfer: TransferSet, plans: Sequence[tuple[StudentPlan, str]]
+) -> list[TrainedStudent]:
+    """Candidates of a student search distilled at once, one Dask task each (``plans``: each
+    candidate's plan and bundle URI; a bundle already there is reused); in that order. If one
+    fails, the others are cancelled."""
+    from dataclasses import replace
+    from uuid import uuid4
+
+    futures = [
+        client.submit(
+            train_student_job,
+            replace(job, plan=plan),
+            transfer,
+            None,
+            uri,
+            pure=False,
+            key=f"distill-candidate-{uuid4().hex[:8]}",
+            resources=job.device.resources() or None,
+        )
+        for plan, uri in plans
+    ]
+    try:
+        return list(client.gather(futures))
+    except BaseException:
+        client.cancel(futures)
+        raise

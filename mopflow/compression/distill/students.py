@@ -32,6 +32,7 @@ class Students:
     baseline_epochs: int
     quantized: Any
     quantized_static: Any | None
+    search: Any = None  # the student search's result (StudentSearchResult), when one ran
 
     @property
     def kept_trained(self) -> TrainedStudent:
@@ -46,6 +47,7 @@ class StudentOutputs:
     transfer: str
     student: str
     hard_label: str
+    candidates: str = ""  # a student search's candidates' bundles (one folder each)
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,17 @@ def train_students(
     seed: int,
     outputs: StudentOutputs,
     storage_options: Mapping[str, Any],
+    latency: Any = None,
+    search: Any = None,
 ) -> Students:
     """Plan the student within its budget, make the transfer set with the teacher's soft targets on
     the workers (:mod:`mopflow.compression.distill.transfer_shards`), train the student on it and
     the same student on the real data alone (the baseline) side by side on the workers
     (:mod:`mopflow.compression.distill.student_job`), keep the one with the better validation
-    accuracy (:func:`~mopflow.compression.distill.keep.keep_student`) and quantize that one."""
+    accuracy (:func:`~mopflow.compression.distill.keep.keep_student`) and quantize that one.
+    ``latency`` measures a candidate's serving latency (``plan_student``) under a serving budget;
+    with ``search`` (a :class:`~mopflow.compression.distill.student_search.StudentSearchSetup`)
+    the student is the one a multi-objective search over families, depths and widths chose."""
     from mopflow.compression.distill.distill import matching_epochs, plan_student
     from mopflow.compression.distill.keep import keep_student
     from mopflow.compression.distill.student_job import StudentJob, train_students_on_workers
@@ -83,15 +90,7 @@ def train_students(
     from mopflow.training.models.bundle import StackedEnsemble
 
     so = storage_options
-    plan = plan_student(dcfg, teacher.num_params, data)
-    log.info(
-        "distill: student %s %s, %d params (budget %d, ensemble %d)",
-        plan.arch.family,
-        plan.arch.params,
-        plan.num_params,
-        plan.budget,
-        teacher.num_params,
-    )
+    plan = plan_student(dcfg, teacher.num_params, data, latency) if search is None else None
     # Transfer set: the training data, plus synthetic points near it labelled by the ensemble.
     stacked = isinstance(teacher.module, StackedEnsemble)
     transfer = build_transfer_set(
@@ -104,6 +103,22 @@ def train_students(
         dcfg.transfer,
         len(transfer.blocks),
     )
+    extra = {"teacher": teacher.bundle_uri, "temperature": dcfg.temperature, "alpha": dcfg.alpha}
+    found = None
+    if plan is None:
+
+        def job_of(candidate: Any) -> StudentJob:
+            return StudentJob(candidate, dcfg, manifest_uri, seed, device, dict(so), extra)
+
+        plan, found = _searched_plan(client, dcfg, job_of, data, teacher, search, latency, transfer, outputs)
+    log.info(
+        "distill: student %s %s, %d params (budget %d, ensemble %d)",
+        plan.arch.family,
+        plan.arch.params,
+        plan.num_params,
+        plan.budget,
+        teacher.num_params,
+    )
     # The baseline: same student, real data only, as many steps (same LR schedule).
     baseline_epochs = matching_epochs(dcfg.epochs, transfer.rows, transfer.real_rows)
     log.info(
@@ -113,7 +128,6 @@ def train_students(
         device.accelerator,
         device.precision,
     )
-    extra = {"teacher": teacher.bundle_uri, "temperature": dcfg.temperature, "alpha": dcfg.alpha}
     job = StudentJob(plan, dcfg, manifest_uri, seed, device, dict(so), extra)
     soft, hard = train_students_on_workers(
         client, job, transfer, baseline_epochs, (outputs.student, outputs.hard_label)
@@ -129,7 +143,45 @@ def train_students(
         if get_family(plan.arch.family).quantizable
         else None
     )
-    return Students(plan, soft, hard, student, baseline, kept, baseline_epochs, quantize_int8(chosen), static)
+    return Students(
+        plan, soft, hard, student, baseline, kept, baseline_epochs, quantize_int8(chosen), static, found
+    )
+
+
+def _searched_plan(
+    client: Any,
+    dcfg: Any,
+    job_of: Any,
+    data: DataSpec,
+    teacher: Teacher,
+    search: Any,
+    latency: Any,
+    transfer: Any,
+    outputs: StudentOutputs,
+) -> tuple[Any, Any]:
+    """The student a multi-objective search chose (its candidates distilled on the workers, on the
+    transfer set, each as ``job_of(its plan)`` says), and the search's result."""
+    from mopflow.base import storage
+    from mopflow.compression.distill.distill import StudentPlan, parameter_budget
+    from mopflow.compression.distill.student_job import train_candidates_on_workers
+    from mopflow.compression.distill.student_search import search_student_plan
+    from mopflow.training.compute.workers import cluster_workers
+
+    budget, _ = parameter_budget(dcfg, teacher.num_params)
+
+    def train(candidates: Any) -> list[tuple[str, float]]:
+        plans = [
+            (
+                StudentPlan(c.arch, c.num_params, budget),
+                storage.join(outputs.candidates, f"candidate-{c.number:04d}"),
+            )
+            for c in candidates
+        ]
+        trained = train_candidates_on_workers(client, job_of(plans[0][0]), transfer, plans)
+        return [(t.bundle_uri, float(t.history[-1]["val_acc"])) for t in trained]
+
+    parallel = max(1, len(cluster_workers(client)))
+    return search_student_plan(dcfg, data, budget, search, parallel, latency, train)
 
 
 def evaluation_report(

@@ -24,6 +24,18 @@ def _arch_params(arch: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(params.items()))
 
 
+def _latency_lines(latency: Mapping[str, Any]) -> list[str]:
+    """The student's serving latency (summaries before it was measured have none)."""
+    if latency.get("p95_ms") is None:
+        return []
+    budget = latency.get("budget_ms")
+    return [
+        f"                   serves {latency['rows']} rows in p50 {latency['p50_ms']:.2f} ms, p95 "
+        f"{latency['p95_ms']:.2f} ms on one CPU thread"
+        + ("" if budget is None else f" (student_budget_ms {budget:g})")
+    ]
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The human-readable summary that `mopflow run` prints."""
     best = summary["best_trial"]
@@ -49,6 +61,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             if stu.get("kept")
             else []
         ),
+        *_latency_lines(stu.get("latency") or {}),
         f"registered model : {reg['name']} version {reg['version']} aliases {reg['aliases']}",
         f"                   promotion: {reg['reason']}",
         f"MLflow           : {summary['mlflow']['tracking_uri']} (experiment {summary['mlflow']['experiment']},"
