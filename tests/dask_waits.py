@@ -31,20 +31,22 @@ def wait_until_executing(client: Any, keep_waiting: Callable[[], bool], timeout_
 
 
 def fit_batches_done(client: Any) -> int:
-    """The most batches that a Lightning fit running on ``client``'s workers right now has
-    finished (the fit loop's own progress record, read from the thread fitting); -1 when no fit
-    runs."""
+    """The most batches that a training pass running on ``client``'s workers right now has
+    finished (a plain pass's module count, or a Lightning fit loop's own progress record, read
+    from the thread training); -1 when no pass runs."""
 
     def done_here() -> int:
         trainer_cls = getattr(sys.modules.get("pytorch_lightning"), "Trainer", None)
-        if trainer_cls is None:
-            return -1
         found = -1
         for top in sys._current_frames().values():
             frame: FrameType | None = top
             while frame is not None:
-                trainer = frame.f_locals.get("self") if frame.f_code.co_name == "fit" else None
-                if isinstance(trainer, trainer_cls):
+                name = frame.f_code.co_name
+                if name == "plain_pass" and "module" in frame.f_locals:
+                    found = max(found, int(frame.f_locals["module"].batches_done))
+                    break
+                trainer = frame.f_locals.get("self") if name == "fit" else None
+                if trainer_cls is not None and isinstance(trainer, trainer_cls):
                     found = max(found, int(trainer.fit_loop.epoch_loop.batch_progress.current.completed))
                     break
                 frame = frame.f_back

@@ -140,6 +140,7 @@ def distill_stage(
         latency_p95_ms=served.p95_ms,
         latency_rows=served.rows,
         budget_ms=dcfg.budget_ms,
+        search=students.search.to_dict() if students.search is not None else None,
     )
 
 

@@ -139,6 +139,7 @@ class DistillRecord(Record):
     latency_p95_ms: float | None = None
     latency_rows: int | None = None
     budget_ms: float | None = None  # student_budget_ms it was sized for (None: none given)
+    search: dict[str, Any] | None = None  # the student search (StudentSearchResult.to_dict), when one ran
 
 
 class RegisterRecord(Record):

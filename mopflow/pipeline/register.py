@@ -226,6 +226,7 @@ def run_summary(
                 "rows": distill.latency_rows,
                 "budget_ms": distill.budget_ms,
             },
+            "search": distill.search,  # every candidate, the front and the choice (None: no search)
         },
         "registered": {
             "name": registered.name,

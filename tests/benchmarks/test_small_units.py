@@ -27,7 +27,7 @@ def test_a_units_fixed_cost_is_its_span_less_its_passes() -> None:
     assert found["pass_ms"] == pytest.approx(16.0)
     assert found["fixed_ms_median"] == pytest.approx(10.0)
     assert found["fixed_ms_mean"] == pytest.approx(28.0 / 3)
-    # the parts: before the pass, the Trainer around its loop, the state packed
+    # the parts: before the pass, around its loop in the pass, the state packed
     assert found["setup_ms"] == pytest.approx(7.0 / 3)
     assert found["fit_ms"] == pytest.approx(14.0 / 3)
     assert found["pack_ms"] == pytest.approx(4.0 / 3)

@@ -219,6 +219,7 @@ def test_a_student_without_static_int8_is_distilled_and_reported_without_it(
         ),
         "student_family": "rescnn",
         "student_depth": 1,
+        "student_trials": 0,  # the family as configured, not a search's choice
         "munge_multiplier": 1,
         "model_name": "rescnn-student",
     }

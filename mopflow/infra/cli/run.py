@@ -62,6 +62,14 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             else []
         ),
         *_latency_lines(stu.get("latency") or {}),
+        *(
+            [
+                f"                   chosen by a student search: candidate {stu['search']['chosen']} of "
+                f"{len(stu['search']['candidates'])}, on a Pareto front of {len(stu['search']['front'])}"
+            ]
+            if stu.get("search")
+            else []
+        ),
         f"registered model : {reg['name']} version {reg['version']} aliases {reg['aliases']}",
         f"                   promotion: {reg['reason']}",
         f"MLflow           : {summary['mlflow']['tracking_uri']} (experiment {summary['mlflow']['experiment']},"
