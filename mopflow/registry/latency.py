@@ -1,9 +1,10 @@
 """A student's serving latency, measured on the path it is served by.
 
-A request goes through the registered model's own pyfunc class
-(:class:`~mopflow.registry.pyfunc_model.BundleProbabilities`: its ``load_context`` and its
-``predict``, the input checks and the forward pass a served request pays), on this process's CPU
-with one torch thread, the serving default. The first requests warm the model up and are not
+A request goes through the model as a server loads it: the bundle saved as a pyfunc model the
+way the registry logs it (:class:`~mopflow.registry.pyfunc_model.BundleProbabilities`, with its
+signature) and loaded with ``mlflow.pyfunc.load_model``, so MLflow's input checks against the
+signature, the model's own input decoding and its forward pass are all timed, on this process's
+CPU with one torch thread, the serving default. The first requests warm the model up and are not
 counted; the next ones are timed one by one, and p50 and p95 are read from them.
 
 An untrained model of an architecture answers as fast as a trained one (the same operations on
@@ -17,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 WARMUP_REQUESTS = 5
@@ -71,19 +73,39 @@ def time_requests(
 
 
 def pyfunc_latency(bundle_dir: str, request: Any, rows: int, requests: int = TIMED_REQUESTS) -> Latency:
-    """The latency of the bundle at ``bundle_dir`` (a local folder) served by the pyfunc class the
-    registry logs, on one CPU thread."""
-    import torch
+    """The latency of the bundle at ``bundle_dir`` (a local folder) as the registry serves it: saved
+    as a pyfunc model the way it is logged (models-from-code, with the signature of ``request``),
+    loaded as a server loads it (``mlflow.pyfunc.load_model``: the input checks against the
+    signature included), timed on one CPU thread."""
+    import mlflow
+    from mlflow.models import infer_signature
     from mlflow.pyfunc import PythonModelContext
 
+    from mopflow.registry.model_registry import PYFUNC_FILE
     from mopflow.registry.pyfunc_model import BundleProbabilities
 
     model = BundleProbabilities()
     model.load_context(PythonModelContext(artifacts={"bundle": bundle_dir}, model_config={}))
+    signature = infer_signature(request, model.predict(None, request))
+    with tempfile.TemporaryDirectory(prefix="mopflow-served-") as folder:
+        saved = str(Path(folder) / "model")
+        mlflow.pyfunc.save_model(
+            saved,
+            python_model=str(PYFUNC_FILE),
+            artifacts={"bundle": bundle_dir},
+            signature=signature,
+            pip_requirements=[],  # never installed: the model is loaded in this environment
+        )
+        return _on_one_thread(mlflow.pyfunc.load_model(saved).predict, request, rows, requests)
+
+
+def _on_one_thread(predict: Callable[[Any], Any], request: Any, rows: int, requests: int) -> Latency:
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return time_requests(lambda x: model.predict(None, x), request, rows, requests=requests)
+        return time_requests(predict, request, rows, requests=requests)
     finally:
         torch.set_num_threads(threads)
 
@@ -106,12 +128,5 @@ def logged_model_latency(model_uri: str, request: Any, rows: int) -> Latency:
     """The latency of the logged (or registered) pyfunc model at ``model_uri``, loaded as a server
     loads it (``mlflow.pyfunc.load_model``), on one CPU thread."""
     import mlflow
-    import torch
 
-    model = mlflow.pyfunc.load_model(model_uri)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return time_requests(model.predict, request, rows)
-    finally:
-        torch.set_num_threads(threads)
+    return _on_one_thread(mlflow.pyfunc.load_model(model_uri).predict, request, rows, TIMED_REQUESTS)

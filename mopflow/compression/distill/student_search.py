@@ -124,6 +124,18 @@ def suggest_architecture(trial: Any, space: Sequence[FamilyRange], data: DataSpe
     return ArchSpec.of(family, family_params(family, depth if has_depth else None, width), data)
 
 
+def start_params(arch: ArchSpec) -> dict[str, Any]:
+    """The trial params that :func:`suggest_architecture` turns into ``arch``."""
+    params = dict(arch.params)
+    depth = int(params.get("depth", 1))
+    size = str(registered_families()[arch.family].size_param)
+    return {
+        "family": arch.family,
+        f"{arch.family}.depth": depth,
+        f"{arch.family}.d{depth}.width": params[size],
+    }
+
+
 def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
     """The distilled candidates no other beats on both accuracy and cost, by cost."""
     done = [c for c in candidates if c.val_acc is not None and math.isfinite(c.val_acc)]
@@ -279,15 +291,20 @@ def search_student_plan(
     parallel: int,
     latency: Callable[[ArchSpec], Any] | None,
     train: Callable[[Sequence[Candidate]], list[tuple[str, float]]],
+    start: ArchSpec | None = None,
 ) -> tuple[Any, StudentSearchResult]:
     """Run the search (``dcfg.trials`` candidates) and plan the chosen student; a budget no
     candidate meets raises :class:`~mopflow.compression.distill.distill.StudentBudgetError` naming
-    it and the fastest candidate."""
+    it and the fastest candidate. ``start``, the student the config alone would give within the
+    budgets, is the first candidate of a new study: the search then ends with a student at least
+    as accurate on validation as that one."""
     from mopflow.compression.distill.distill import StudentBudgetError, StudentPlan
 
     space = candidate_space(data, max_params)
     if not space:
         raise StudentBudgetError(f"no student family takes this data within {max_params} parameters")
+    if start is not None and not setup.study.get_trials(deepcopy=False):
+        setup.study.enqueue_trial(start_params(start))
     io = SearchIO(latency, train, setup.record)
     candidates = run_student_search(setup.study, space, data, dcfg.trials, parallel, dcfg.budget_ms, io)
     front = pareto_front(candidates)

@@ -162,7 +162,12 @@ def _searched_plan(
     """The student a multi-objective search chose (its candidates distilled on the workers, on the
     transfer set, each as ``job_of(its plan)`` says), and the search's result."""
     from mopflow.base import storage
-    from mopflow.compression.distill.distill import StudentPlan, parameter_budget
+    from mopflow.compression.distill.distill import (
+        StudentBudgetError,
+        StudentPlan,
+        parameter_budget,
+        plan_student,
+    )
     from mopflow.compression.distill.student_job import train_candidates_on_workers
     from mopflow.compression.distill.student_search import search_student_plan
     from mopflow.training.compute.workers import cluster_workers
@@ -180,8 +185,15 @@ def _searched_plan(
         trained = train_candidates_on_workers(client, job_of(plans[0][0]), transfer, plans)
         return [(t.bundle_uri, float(t.history[-1]["val_acc"])) for t in trained]
 
+    try:  # the student the config alone gives within the budgets: the search's first candidate
+        start = plan_student(dcfg, teacher.num_params, data, latency).arch
+    except StudentBudgetError as exc:
+        log.info(
+            "distill: the configured student family fits no budget (%s); the search starts anywhere", exc
+        )
+        start = None
     parallel = max(1, len(cluster_workers(client)))
-    return search_student_plan(dcfg, data, budget, search, parallel, latency, train)
+    return search_student_plan(dcfg, data, budget, search, parallel, latency, train, start)
 
 
 def evaluation_report(

@@ -120,3 +120,19 @@ def test_the_chosen_plan_is_on_the_front_within_the_budget_or_the_search_fails_n
         search_student_plan(
             tight, DATA, 5_000, StudentSearchSetup(_study(), io.record), 2, io.latency, io.train
         )
+
+
+def test_the_configured_student_is_the_first_candidate_of_a_new_study() -> None:
+    """The search starts from the student the config alone gives, so it ends with one at least as
+    accurate on validation; a rerun (the study has trials) does not enqueue it again."""
+    io = _Io()
+    study = _study()
+    start = ArchSpec.of("cnn", {"width": 9, "depth": 2}, DATA)
+    setup = StudentSearchSetup(study, io.record)
+    cfg = DistillConfig(trials=2, budget_ms=2.0)
+    _, result = search_student_plan(cfg, DATA, 5_000, setup, 1, io.latency, io.train, start)
+    assert result.candidates[0].arch == start
+    search_student_plan(
+        cfg.model_copy(update={"trials": 3}), DATA, 5_000, setup, 1, io.latency, io.train, start
+    )
+    assert sum(t.params == study.trials[0].params for t in study.trials) == 1
