@@ -36,6 +36,7 @@ def permanent_errors() -> tuple[type[BaseException], ...]:
     from mopflow.base.optuna_storage import StorageConfigError
     from mopflow.compression.distill.distill import StudentBudgetError
     from mopflow.training.data import DataValidationError, ShardIntegrityError
+    from mopflow.training.models.families import FamilyError
     from mopflow.training.search.space import SpaceError
 
     return (
@@ -47,6 +48,7 @@ def permanent_errors() -> tuple[type[BaseException], ...]:
         ShardIntegrityError,
         DataValidationError,
         StudentBudgetError,
+        FamilyError,  # a model the family cannot build: the same on every try
         StorageConfigError,
         RecordError,
         AcrossHostsError,

@@ -72,6 +72,10 @@ def test_a_serving_budget_no_student_meets_fails_naming_it_and_the_fastest() -> 
         plan_student(DistillConfig(budget_ms=0.05), 100_000, data, _WidthLatency(0.1))
     with pytest.raises(StudentBudgetError, match=r"fastest, width 8, takes p95 0.80 ms"):
         plan_student(DistillConfig(width=8, budget_ms=0.5), 100_000, data, _WidthLatency(0.1))
+    with pytest.raises(
+        StudentBudgetError, match=r"fastest, width 4, takes p95 0.40 ms"
+    ):  # rescnn: widths from 4
+        plan_student(DistillConfig(family="rescnn", budget_ms=0.05), 100_000, data, _WidthLatency(0.1))
     with pytest.raises(ValueError, match="no way to measure"):
         plan_student(DistillConfig(budget_ms=1.0), 100_000, data)
 

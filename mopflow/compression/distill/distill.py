@@ -95,7 +95,11 @@ def _fastest_fit(
     log.info("distill: %s width %d serves in p95 %.2f ms", cfg.family, width, measured.p95_ms)
     if measured.p95_ms <= budget_ms:
         return widest, measured
-    low = 1 if cfg.width is None else width
+    from mopflow.training.models.families import get_family
+
+    family = get_family(cfg.family)
+    smallest = int(family.params[str(family.size_param)]["low"])
+    low = smallest if cfg.width is None else width
     best: tuple[ArchSpec, Any] | None = None
     fastest = (width, measured)
     lo, hi = low, width - 1
