@@ -117,6 +117,18 @@ def create_app() -> FastAPI:
             raise HTTPException(status_code=404, detail=f"no chart {name} in run {run_id}") from exc
         return Response(png, media_type="image/png")
 
+    @app.get("/sweeps/student-front/{run_id}", dependencies=[Depends(require_user)])
+    def student_front(run_id: str) -> Response:
+        """The Pareto front of a run's student search (accuracy against serving latency)."""
+        client, _ = _client_and_settings()
+        try:
+            png = sweeps_page.download_student_front(client, run_id)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+        except Exception as exc:
+            raise HTTPException(status_code=404, detail=f"no student search front in run {run_id}") from exc
+        return Response(png, media_type="image/png")
+
     return app
 
 

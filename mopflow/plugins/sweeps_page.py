@@ -57,6 +57,7 @@ class Sweep:
     promoted: str | None = None
     promotion_reason: str | None = None  # the gate's reason, either way
     figures: Mapping[str, str | None] = field(default_factory=dict)  # kind -> why not drawn (None: drawn)
+    student_front_run_id: str | None = None  # the distill run, when it has a student search's front
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,7 @@ def load_sweeps(
                     if GANTT_RE.match(Path(a.path).name)
                 )
         register = _find(client, exp_id, {tag.RUN_KEY: key, tag.STAGE: "register"}, 1)
+        distill = _find(client, exp_id, {tag.RUN_KEY: key, tag.STAGE: "distill"}, 1)
         sweeps.append(
             Sweep(
                 run_id=parent.info.run_id,
@@ -226,6 +228,7 @@ def load_sweeps(
                 gantt=gantt,
                 promoted=register[0].data.tags.get(tag.PROMOTED) if register else None,
                 promotion_reason=register[0].data.tags.get(tag.PROMOTION_REASON) if register else None,
+                student_front_run_id=_with_student_front(client, distill[0]) if distill else None,
             )
         )
     return sweeps
@@ -235,6 +238,24 @@ def optuna_study_ids(storage_url: str) -> dict[str, int]:
     """Study name -> id in the Optuna storage (the ids optuna-dashboard puts in its URLs)."""
     storage = sweep_figures.storage(storage_url)
     return {s.study_name: storage.get_study_id_from_name(s.study_name) for s in storage.get_all_studies()}
+
+
+STUDENT_FRONT = "student_search/pareto_front.png"  # the distill stage's figure of a student search
+
+
+def _with_student_front(client: Any, distill: Any) -> str | None:
+    """The distill run's id when it logged a student search's Pareto front."""
+    run_id = str(distill.info.run_id)
+    names = {a.path for a in client.list_artifacts(run_id, STUDENT_FRONT.split("/")[0])}
+    return run_id if STUDENT_FRONT in names else None
+
+
+def download_student_front(client: Any, run_id: str) -> bytes:
+    """The Pareto front PNG of a distill run's student search; refuses anything but a run id."""
+    if not RUN_ID_RE.match(run_id):
+        raise ValueError(f"run id {run_id!r} is not an MLflow run id (32 hex digits)")
+    with tempfile.TemporaryDirectory() as tmp:
+        return Path(client.download_artifacts(run_id, STUDENT_FRONT, tmp)).read_bytes()
 
 
 def download_gantt(client: Any, run_id: str, name: str) -> bytes:

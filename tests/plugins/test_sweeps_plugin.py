@@ -49,6 +49,11 @@ def _log_pipeline_run(tracker: Any, key: str, dag_id: str, finished: bool, tmp: 
             (charts / f"gantt-epoch-{epoch:03d}.png").write_bytes(PNG)
         (charts / "units-epoch-001.json").write_text("[]")
         tracker.log_artifacts(search, str(charts), "mop")
+        distill = tracker.start_run("distill", {**base, "mopflow.stage": "distill"}, parent_run_id=parent)
+        front = tmp / f"{key}-front"
+        front.mkdir()
+        (front / "pareto_front.png").write_bytes(PNG)
+        tracker.log_artifacts(distill, str(front), "student_search")
         register = tracker.start_run("register", {**base, "mopflow.stage": "register"}, parent_run_id=parent)
         tracker.set_tags(
             register,
@@ -196,6 +201,21 @@ def test_gantt_chart_is_served_and_names_are_checked(client: Any, store: dict[st
     assert bad.status_code == 400 and "gantt-epoch-N.png" in bad.text
     assert client.get("/sweeps/gantt/not-a-run/gantt-epoch-001.png").status_code == 400
     assert client.get(f"/sweeps/gantt/{search}/gantt-epoch-009.png").status_code == 404
+
+
+def test_a_student_search_front_is_shown_and_served(client: Any) -> None:
+    """The finished sweep's distill run logged a student search: its Pareto front is on the page
+    and served; the running sweep has none."""
+    import re
+
+    page = client.get("/sweeps").text
+    (run_id,) = re.findall(r'src="/sweeps/student-front/([0-9a-f]{32})"', page)
+    assert page.count("Student search: the Pareto front") == 1
+    response = client.get(f"/sweeps/student-front/{run_id}")
+    assert response.status_code == 200 and response.content == PNG
+    assert client.get("/sweeps/student-front/../../etc").status_code in (400, 404)
+    assert client.get("/sweeps/student-front/not-a-run").status_code == 400
+    assert client.get(f"/sweeps/student-front/{'0' * 32}").status_code == 404
 
 
 def test_page_needs_an_authenticated_user(store: dict[str, Any]) -> None:
