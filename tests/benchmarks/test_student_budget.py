@@ -36,6 +36,18 @@ def test_a_budgeted_student_passes_within_its_budget_and_one_point_of_the_defaul
     }
 
 
+def test_a_run_that_failed_on_its_budget_fails_both_targets_and_is_named() -> None:
+    failed = {
+        "arm": "budget",
+        "overrides": [],
+        "error": "StudentBudgetError: student_budget_ms=2",
+        "wall_s": 90.0,
+    }
+    rows = [_row("default", 0.95, 4.0, None), failed]
+    assert targets(rows) == {"budget": {"meets the budget": "FAIL", "within 1 point of the default": "FAIL"}}
+    assert "budget: the run failed after 90 s: StudentBudgetError: student_budget_ms=2" in table(rows)
+
+
 def test_the_table_lists_the_search_front() -> None:
     search = {
         "chosen": 1,
