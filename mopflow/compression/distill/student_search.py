@@ -81,9 +81,15 @@ def family_params(family: str, depth: int | None, width: int) -> dict[str, Any]:
     return params
 
 
-def candidate_space(data: DataSpec, max_params: int) -> list[FamilyRange]:
+def candidate_space(
+    data: DataSpec, max_params: int, serves: Callable[[ArchSpec], bool] | None = None
+) -> list[FamilyRange]:
     """Every registered student family with a size parameter that takes ``data``: the depths
-    that fit the data and, per depth, the widths whose model has at most ``max_params``."""
+    that fit the data and, per depth, the widths whose model has at most ``max_params``. With
+    ``serves`` (whether a model serves within the latency budget), each depth's widths end at
+    the largest that serves within it (a bisection), and a depth whose smallest width does not
+    ends the family's depths (a deeper model is slower): every candidate then fits the budget,
+    and no trial is spent on one that cannot."""
     ranges = []
     for name, spec in sorted(registered_families().items()):
         if not (spec.can_be_student and spec.size_param and spec.fits(data)):
@@ -103,11 +109,41 @@ def candidate_space(data: DataSpec, max_params: int) -> list[FamilyRange]:
                 )
             except ValueError:  # this depth does not fit the data's shape
                 continue
-            if high is not None:
-                widths[depth or 1] = (int(size["low"]), high)
+            if high is None:
+                continue
+            low = int(size["low"])
+            if serves is not None:
+                fastest = serves_up_to(name, depth, low, high, data, serves)
+                if fastest is None:
+                    break
+                high = fastest
+            widths[depth or 1] = (low, high)
         if widths:
             ranges.append(FamilyRange(name, tuple(sorted(widths)), widths))
     return ranges
+
+
+def serves_up_to(
+    family: str, depth: int | None, low: int, high: int, data: DataSpec, serves: Callable[[ArchSpec], bool]
+) -> int | None:
+    """The largest width in ``[low, high]`` whose model ``serves`` (None: not even ``low``)."""
+    has_depth = "depth" in registered_families()[family].params
+
+    def ok(width: int) -> bool:
+        return serves(ArchSpec.of(family, family_params(family, depth if has_depth else None, width), data))
+
+    if not ok(low):
+        return None
+    if high == low or ok(high):  # a loose budget: two timings, no bisection
+        return high
+    best, lo, hi = low, low + 1, high - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 def suggest_architecture(trial: Any, space: Sequence[FamilyRange], data: DataSpec) -> ArchSpec:
@@ -300,9 +336,31 @@ def search_student_plan(
     as accurate on validation as that one."""
     from mopflow.compression.distill.distill import StudentBudgetError, StudentPlan
 
-    space = candidate_space(data, max_params)
+    budget_ms = dcfg.budget_ms
+    fastest: list[tuple[float, ArchSpec]] = []  # the fastest model timed while bounding the space
+
+    def serves(arch: ArchSpec) -> bool:
+        p95 = float(latency(arch).p95_ms) if latency is not None else 0.0
+        fastest[:] = [min([*fastest, (p95, arch)], key=lambda found: found[0])]
+        return budget_ms is None or p95 <= budget_ms
+
+    timed = latency is not None and budget_ms is not None
+    space = candidate_space(data, max_params, serves if timed else None)
+    if not space and fastest:
+        p95, arch = fastest[0]
+        raise StudentBudgetError(
+            f"student_budget_ms={budget_ms:g}: no student serves a request of {dcfg.request_rows} rows "
+            f"within it; the fastest, {arch.family} {arch.params}, takes p95 {p95:.2f} ms"
+        )
     if not space:
         raise StudentBudgetError(f"no student family takes this data within {max_params} parameters")
+    log.info(
+        "distill: student search over %s",
+        "; ".join(
+            f"{r.family} depths {list(r.widths)} widths up to {max(h for _, h in r.widths.values())}"
+            for r in space
+        ),
+    )
     if start is not None and not setup.study.get_trials(deepcopy=False):
         setup.study.enqueue_trial(start_params(start))
     io = SearchIO(latency, train, setup.record)
@@ -310,13 +368,13 @@ def search_student_plan(
     front = pareto_front(candidates)
     chosen = choose(front, dcfg.budget_ms)
     if chosen is None:
-        timed = [c for c in candidates if c.latency_p95_ms is not None]
-        if dcfg.budget_ms is not None and timed:
-            fastest = min(timed, key=lambda c: c.cost)
+        measured = [c for c in candidates if c.latency_p95_ms is not None]
+        if dcfg.budget_ms is not None and measured:
+            best = min(measured, key=lambda c: c.cost)
             raise StudentBudgetError(
                 f"student_budget_ms={dcfg.budget_ms:g}: none of the {len(candidates)} candidate students "
-                f"serves a request of {dcfg.request_rows} rows within it; the fastest, {fastest.arch.family} "
-                f"{fastest.arch.params}, takes p95 {fastest.latency_p95_ms:.2f} ms"
+                f"serves a request of {dcfg.request_rows} rows within it; the fastest, {best.arch.family} "
+                f"{best.arch.params}, takes p95 {best.latency_p95_ms:.2f} ms"
             )
         raise StudentBudgetError(f"none of the {len(candidates)} candidate students was distilled")
     log.info(

@@ -115,7 +115,8 @@ def test_the_chosen_plan_is_on_the_front_within_the_budget_or_the_search_fails_n
     assert plan.arch == result.chosen.arch and plan.budget_ms == 2.0
     tight = DistillConfig(trials=3, budget_ms=1e-4)
     with pytest.raises(
-        StudentBudgetError, match=r"student_budget_ms=0.0001: none of the 3 candidate students .* fastest"
+        StudentBudgetError,
+        match=r"student_budget_ms=0.0001: no student serves a request of 256 rows .* the fastest, .* takes p95",
     ):
         search_student_plan(
             tight, DATA, 5_000, StudentSearchSetup(_study(), io.record), 2, io.latency, io.train
@@ -136,3 +137,25 @@ def test_the_configured_student_is_the_first_candidate_of_a_new_study() -> None:
         cfg.model_copy(update={"trials": 3}), DATA, 5_000, setup, 1, io.latency, io.train, start
     )
     assert sum(t.params == study.trials[0].params for t in study.trials) == 1
+
+
+def test_under_a_latency_budget_the_space_holds_only_students_that_serve_within_it() -> None:
+    """Each depth's widths end at the largest that serves within the budget, found by bisection;
+    a depth whose smallest width is over it ends the family's depths; a search in that space
+    trains every candidate."""
+    io = _Io()  # p95 = 0.05 ms x width x depth
+
+    def serves(arch: ArchSpec) -> bool:
+        return io.latency(arch).p95_ms <= 2.0
+
+    space = candidate_space(DATA, 5_000, serves)
+    unbounded = {r.family: r.widths for r in candidate_space(DATA, 5_000)}
+    for family in space:
+        for depth, (_, high) in family.widths.items():
+            assert 0.05 * high * depth <= 2.0
+            assert high == unbounded[family.family][depth][1] or 0.05 * (high + 1) * depth > 2.0
+    # rescnn's widths start at 4: at 0.5 ms, depth 2 serves (0.4 ms) and depth 3 does not
+    tight = candidate_space(DATA, 5_000, lambda arch: io.latency(arch).p95_ms <= 0.5)
+    assert next(r for r in tight if r.family == "rescnn").depths == (1, 2)
+    found = run_student_search(_study(), space, DATA, 6, 2, 2.0, io.search_io())
+    assert all(c.val_acc is not None for c in found) and sorted(io.trained) == list(range(6))
