@@ -32,6 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 SUBNET_BASE = "10.213"  # 10.213.<n>.0/24, <n> per cluster; nothing else on the machine uses it
+_USED_SUBNETS: set[str] = set()  # the subnets this process's clusters took (never taken again)
 SECOND_SUBNET_BASE = "10.214"  # the second network (eth1), 10.214.<n>.0/24
 OWNERS = Path("/run/mopflow-test-hosts")  # <tag>.pid: the process that built cluster <tag>
 
@@ -184,10 +185,16 @@ class HostCluster:
             raise
 
     def _free_subnet(self) -> str:
+        """A subnet no cluster routes now and none built by this process used before: sockets
+        bound to a closed cluster's gateway can outlive it for a while (a relay's listener, a
+        connection a host left open), and a new cluster on the same addresses could not bind its
+        relays there (EADDRINUSE)."""
         routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
         for n in range(10, 250):
-            if f"{SUBNET_BASE}.{n}.0/24" not in routes:
-                return f"{SUBNET_BASE}.{n}"
+            subnet = f"{SUBNET_BASE}.{n}"
+            if f"{subnet}.0/24" not in routes and subnet not in _USED_SUBNETS:
+                _USED_SUBNETS.add(subnet)
+                return subnet
         raise RuntimeError("no free 10.213.x.0/24 subnet for test hosts")
 
     def _build(self, names: Sequence[str], tag: str) -> None:
