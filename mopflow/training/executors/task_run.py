@@ -36,7 +36,7 @@ from mopflow.training.executors.base import (
 )
 from mopflow.training.executors.chains import EPOCH_TOPIC, train_chain
 from mopflow.training.executors.task_host import TaskHost
-from mopflow.training.executors.units import init_state
+from mopflow.training.executors.units import STAGED_RECORD, init_state
 from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta
 from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
@@ -185,11 +185,30 @@ class TaskRun:
                 global_step(state),
             )
             keep = self.executor.replay_history(self.outcomes[mid], epoch - 1, self.controller)
+            keep = self._tell_unheard_last_epoch(mid, meta, epoch - 1) and keep
         self.active.add(mid)
         if keep and self.next_epoch.get(mid, 0) < self.epochs:
             self.submit(mid)
         else:
             self.finish(mid, stopped_early=not keep)
+
+    def _tell_unheard_last_epoch(self, mid: str, meta: dict[str, Any], covered: int) -> bool:
+        """Tell the controller the epoch a checkpoint covers but the saved history lacks: an
+        attempt made the state its checkpoint and was cut off before it told the epoch. The
+        record comes from the state itself (:data:`STAGED_RECORD`); False when the controller says
+        to stop."""
+        outcome = self.outcomes[mid]
+        heard = outcome.history[-1].epoch if outcome.history else -1
+        record = meta.get(STAGED_RECORD)
+        if heard != covered - 1 or not isinstance(record, dict) or int(record.get("epoch", -2)) != covered:
+            return True
+        log.info(
+            "task: %s tells epoch %d from its checkpoint: its attempt ended before it did", mid, covered + 1
+        )
+        report = EpochReport(
+            mid, covered, float(record["val_acc"]), float(record["train_loss"]), float(record["lr_end"])
+        )
+        return self.executor.report_epoch(outcome, report, self.controller)
 
     def submit(self, mid: str) -> None:
         """Submit the model's next chain; while a worker given a spot notice is still connected,

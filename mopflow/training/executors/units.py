@@ -232,7 +232,9 @@ def train_epochs_and_validate(
         # the next epoch's span starts where this one's record ended: staging counts in the task
         started, loaded = record["end"], time.time()
     packing = time.time()
-    new_state = unit.export_state()
+    # the last epoch's record travels in the state: once the coordinator makes it the checkpoint,
+    # a retry can tell that epoch even if the attempt that heard it lost it before telling it
+    new_state = unit.export_state({STAGED_RECORD: done[-1]})
     done[-1] |= {"state_bytes": len(new_state), "pack_s": time.time() - packing, "end": time.time()}
     return new_state, done
 

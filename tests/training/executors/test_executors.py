@@ -331,3 +331,30 @@ def test_task_parts_split_the_seconds_around_the_loops() -> None:
     ]
     assert task_parts(records) == {"setup": 0.5, "fit": 0.75, "pack": 0.25}
     assert task_parts([{"loop_s": 1.0}]) == {}
+
+
+def test_an_epoch_checkpointed_but_never_told_is_told_from_the_checkpoint(
+    small_manifest: str, dask_client: object, tmp_path: Path
+) -> None:
+    """An attempt made a chain's last state the checkpoint and was cut off before it told that
+    epoch (the saved history lacks it). The retry tells it from the record the state carries:
+    every epoch reaches the controller, the last one with the value the attempt measured."""
+    import json
+
+    data = DataRef.open(small_manifest)
+    spec = ModelSpec("m", CNN, seed=0)
+    shards = _shards(small_manifest)
+    first = TaskExecutor(dask_client, data, shards, checkpoint_root=str(tmp_path)).run([spec], epochs=2)["m"]
+    history = tmp_path / "m" / "history.json"
+    rows = json.loads(history.read_text())
+    history.write_text(json.dumps(rows[:1]))  # the cut-off attempt's history: epoch 0 alone
+    heard: list[EpochReport] = []
+
+    class Hear(TrainAll):
+        def on_epoch_end(self, report: EpochReport) -> bool:
+            heard.append(report)
+            return True
+
+    again = TaskExecutor(dask_client, data, shards, checkpoint_root=str(tmp_path)).run([spec], 2, Hear())["m"]
+    assert [r.epoch for r in heard] == [0, 1] and heard == first.history
+    assert again.history == first.history and again.state is not None
