@@ -330,3 +330,15 @@ def task_parts(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         "fit": float(sum(max(0.0, float(r["fit_s"]) - float(r["loop_s"])) for r in timed)),
         "pack": float(sum(float(r.get("pack_s", 0.0)) for r in timed)),
     }
+
+
+def unheard_epoch(model_id: str, meta: Mapping[str, Any], covered: int, heard: int) -> EpochReport | None:
+    """The report of the epoch ``covered`` that a checkpoint's state carries (its ``staged_record``
+    metadata), when the history heard only up to the epoch before it: an attempt made the state
+    the checkpoint and was cut off before it told the epoch. None otherwise."""
+    record = meta.get("staged_record")  # units.STAGED_RECORD
+    if heard != covered - 1 or not isinstance(record, Mapping) or int(record.get("epoch", -2)) != covered:
+        return None
+    return EpochReport(
+        model_id, covered, float(record["val_acc"]), float(record["train_loss"]), float(record["lr_end"])
+    )

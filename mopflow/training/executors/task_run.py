@@ -1,20 +1,17 @@
 """The bookkeeping of one ``task`` run (``training/executors/task.py``): active models, their
 states, and their epochs in flight as *chains*.
 
-A chain is a model's epochs up to the controller's next decision point (ASHA's next rung; the
-end of training without a pruner; one epoch under a pruner that may decide after any), trained
-in one Dask task on one worker with the model kept in memory. Each epoch of a chain but the last
-reaches the coordinator as it ends, as a Dask event (``Worker.log_event``, one topic for all runs); the
-last comes with the task's result, which carries every epoch's record too. An epoch is handed to
-the controller once, whichever way it came first: a chain run again after its worker died, or a
-late event, changes nothing.
+A chain is a model's epochs up to the controller's next decision point (ASHA's next rung, the
+end of training, or one epoch under a pruner that may decide after any), trained in one Dask
+task with the model kept in memory. Each epoch but the last reaches the coordinator as it ends,
+as a Dask event (``Worker.log_event``); the last comes with the task's result, which carries
+every epoch's record too. An epoch is handed to the controller once, whichever way it came.
 
 Checkpoints stay per epoch: the worker stages its state after each epoch but the last beside the
-model's checkpoint (``STAGED_FILE``), and the coordinator moves it into place when it takes that
-epoch in, before the controller hears of it. The checkpoint so never runs ahead of the history a
-restarted coordinator replays, even while a chain goes on after its coordinator died. A chain
-whose worker died is run again by Dask; it goes on from the newest state staged or checkpointed
-within it (``training/executors/chains.py``), so the work lost is at most an epoch, as before.
+model's checkpoint (``STAGED_FILE``), the coordinator moves it into place before the controller
+hears of the epoch, and every such state carries its epoch's record, which a retry tells when
+its attempt was cut off first. A chain whose worker died is run again by Dask from the newest
+state staged or checkpointed within it (``chains.py``): at most an epoch is lost.
 """
 
 from __future__ import annotations
@@ -33,10 +30,11 @@ from mopflow.training.executors.base import (
     ModelOutcome,
     epochs_before_decision,
     raise_if_cluster_lost,
+    unheard_epoch,
 )
 from mopflow.training.executors.chains import EPOCH_TOPIC, train_chain
 from mopflow.training.executors.task_host import TaskHost
-from mopflow.training.executors.units import STAGED_RECORD, init_state
+from mopflow.training.executors.units import init_state
 from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta
 from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
@@ -185,30 +183,14 @@ class TaskRun:
                 global_step(state),
             )
             keep = self.executor.replay_history(self.outcomes[mid], epoch - 1, self.controller)
-            keep = self._tell_unheard_last_epoch(mid, meta, epoch - 1) and keep
+            heard = [r.epoch for r in self.outcomes[mid].history]  # an attempt cut off before telling one
+            if report := unheard_epoch(mid, meta, epoch - 1, max(heard, default=-1)):
+                keep = self.executor.report_epoch(self.outcomes[mid], report, self.controller) and keep
         self.active.add(mid)
         if keep and self.next_epoch.get(mid, 0) < self.epochs:
             self.submit(mid)
         else:
             self.finish(mid, stopped_early=not keep)
-
-    def _tell_unheard_last_epoch(self, mid: str, meta: dict[str, Any], covered: int) -> bool:
-        """Tell the controller the epoch a checkpoint covers but the saved history lacks: an
-        attempt made the state its checkpoint and was cut off before it told the epoch. The
-        record comes from the state itself (:data:`STAGED_RECORD`); False when the controller says
-        to stop."""
-        outcome = self.outcomes[mid]
-        heard = outcome.history[-1].epoch if outcome.history else -1
-        record = meta.get(STAGED_RECORD)
-        if heard != covered - 1 or not isinstance(record, dict) or int(record.get("epoch", -2)) != covered:
-            return True
-        log.info(
-            "task: %s tells epoch %d from its checkpoint: its attempt ended before it did", mid, covered + 1
-        )
-        report = EpochReport(
-            mid, covered, float(record["val_acc"]), float(record["train_loss"]), float(record["lr_end"])
-        )
-        return self.executor.report_epoch(outcome, report, self.controller)
 
     def submit(self, mid: str) -> None:
         """Submit the model's next chain; while a worker given a spot notice is still connected,
