@@ -93,6 +93,7 @@ RUNTIME_ENV: dict[str, str] = {
     "MOPFLOW_PREEMPT_GRACE_S": "Seconds a worker given a spot notice (SIGTERM) has to checkpoint and leave (default 30)",
     "MOPFLOW_SHARD_CACHE": "Local folder where a worker caches remote shards: the worker's own (default its temp folder)",
     "MOPFLOW_TRAIN_MEMORY_MB": "Training rows a worker process holds in memory; a larger partition streams (default 2048)",
+    "MOPFLOW_MODEL_POOL_MB": "Built models a worker process keeps between units, for the next state to load into (default 256; 0: none)",
     "MOPFLOW_DISTILL_MEMORY_MB": "Training rows a worker training a distillation student holds in memory; more streams (default 256)",
     "MOPFLOW_SHUFFLE_BUFFER_ROWS": "Rows of the shuffle buffer of a streamed pass (default 65536)",
     "MOPFLOW_MLFLOW_UI_URL": "MLflow UI address the Sweeps page links to",

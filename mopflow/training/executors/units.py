@@ -10,11 +10,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from mopflow.base.hosts import shard_cache_here
 from mopflow.training.data.ref import DataRef
+from mopflow.training.executors.resident import pooled
+from mopflow.training.executors.worker_data import (
+    _manifest,
+    cached_bytes,
+    clear_partitions,
+    load_eval_split,
+    load_partition,
+    training_rows,
+)
+from mopflow.training.models.builtin import ArchSpec
+from mopflow.training.models.families import DataSpec
 from mopflow.training.trainable.augment import augmenter
 from mopflow.training.trainable.schedule import steps_per_epoch
 from mopflow.training.trainable.unit import ModelSpec, PassInterrupted, TrainableUnit
@@ -29,135 +40,48 @@ __all__ = [
     "train_epochs_and_validate",
     "init_state",
     "evaluate_state",
+    "cached_bytes",
+    "clear_partitions",
+    "load_eval_split",
+    "load_partition",
+    "training_rows",
 ]
 
 log = logging.getLogger(__name__)
 
 STAGED_RECORD = "staged_record"  # the metadata key of a staged epoch's record (executors/chains.py)
 
-# Worker-process cache of loaded partitions, on the device they train on: each worker loads its
-# shards once and keeps them there across units.
-_PARTITIONS: dict[tuple[str, tuple[str, ...], str], tuple[Any, Any]] = {}
-# Partitions over the memory budget: read from their shards pass by pass (training.streaming).
-_STREAMED: dict[tuple[str, tuple[str, ...]], Any] = {}
-# The same for the evaluation splits (validated after every epoch: read and verified once).
-_EVAL_SPLITS: dict[tuple[str, str], tuple[Any, Any]] = {}
-# The manifests of the data those come from, read and verified once per worker as they are.
-_MANIFESTS: dict[str, dict[str, Any]] = {}
+
+@contextmanager
+def _unit(spec: ModelSpec, data: DataRef, state: bytes | None, total_steps: int) -> Iterator[TrainableUnit]:
+    """The unit of ``spec`` on this data, carrying ``state`` (a fresh seeded one without); a
+    state loads into a model this worker kept from an earlier unit of the same architecture
+    (:mod:`~mopflow.training.executors.resident`), which goes back to the pool after the unit."""
+    manifest = _manifest(data)
+    arch = ArchSpec.from_params(spec.params, DataSpec.from_manifest(manifest))
+    with pooled(
+        _pool_key(data, arch) if state is not None else None, lambda: _built(spec, manifest)
+    ) as model:
+        unit = TrainableUnit(spec, model, total_steps, arch=arch)
+        if state is not None:
+            unit.import_state(state)
+        unit.augment = augmenter(data.augment, data.spec.modality, data.spec.input_shape)
+        yield unit
 
 
-def training_rows(data: DataRef, shard_names: Sequence[str], device: str = "cpu") -> Any:
-    """The training rows of these shards: ``(x, y)`` tensors held on ``device``
-    (:func:`load_partition`) when they fit the worker's memory budget (``MOPFLOW_TRAIN_MEMORY_MB``),
-    else a :class:`~mopflow.training.data.streaming.StreamedRows` that reads them from the shards each pass."""
-    from mopflow.training.data.examples import batch_decoder, decoded_row_bytes, stored_row_bytes
-    from mopflow.training.data.streaming import (
-        StreamedRows,
-        block_reader,
-        cache_shards,
-        shard_blocks,
-        shuffle_buffer_rows,
-        train_memory_bytes,
-    )
-
-    names = tuple(sorted(shard_names))
-    if (data.manifest_uri, names, device) in _PARTITIONS:
-        return _PARTITIONS[(data.manifest_uri, names, device)]
-    if (data.manifest_uri, names) not in _STREAMED:
-        manifest = _manifest(data)
-        rows = sum(int(e["rows"]) for e in manifest["splits"]["train"] if e["name"] in names)
-        held = rows * decoded_row_bytes(manifest)  # float32 features, int64 label
-        budget = train_memory_bytes()
-        if held <= budget:
-            return load_partition(data, names, device)
-        log.info(
-            "training data: %d rows (%.0f MB) exceed the %.0f MB budget: streaming them from %d shard(s)",
-            rows,
-            held / 2**20,
-            budget / 2**20,
-            len(names),
-        )
-        options = data.options_here()
-        local = cache_shards(data.manifest_uri, manifest, names, options, shard_cache_here())  # remote ones
-        _STREAMED[(data.manifest_uri, names)] = StreamedRows(
-            shard_blocks(data.manifest_uri, manifest, names, options),
-            block_reader(data.manifest_uri, manifest, options, local),
-            shuffle_buffer_rows(row_bytes=stored_row_bytes(manifest)),
-            batch_decoder(manifest),
-        )
-    return _STREAMED[(data.manifest_uri, names)]
+def _built(spec: ModelSpec, manifest: Mapping[str, Any]) -> Any:
+    return TrainableUnit.build(spec, manifest, 1).model
 
 
-def load_partition(data: DataRef, shard_names: Sequence[str], device: str = "cpu") -> tuple[Any, Any]:
-    """Features and labels of these training shards (rows in sorted shard order), loaded once per
-    worker process and kept on ``device``."""
-    import torch
-
-    from mopflow.training.data import load_split
-
-    names = tuple(sorted(shard_names))
-    key = (data.manifest_uri, names, device)
-    if key not in _PARTITIONS:
-        host = next((v for k, v in _PARTITIONS.items() if k[:2] == key[:2]), None)
-        if host is None:
-            x, y = load_split(
-                data.manifest_uri,
-                "train",
-                data.options_here(),
-                shard_names=list(names),
-                cache_dir=shard_cache_here(),
-            )
-            host = (torch.from_numpy(x), torch.from_numpy(y))
-        _PARTITIONS[key] = (host[0].to(device), host[1].to(device))
-    return _PARTITIONS[key]
-
-
-def cached_bytes() -> int:
-    """Bytes of training data this worker process holds (the storage footprint)."""
-    return int(
-        sum(x.numel() * x.element_size() + y.numel() * y.element_size() for x, y in _PARTITIONS.values())
-    )
-
-
-def clear_partitions() -> None:
-    """Forget the cached partitions (between benchmark runs)."""
-    _PARTITIONS.clear()
-    _STREAMED.clear()
-    _EVAL_SPLITS.clear()
-    _MANIFESTS.clear()
-
-
-def load_eval_split(data: DataRef, split: str) -> tuple[Any, Any]:
-    """Features (as a tensor) and labels of an evaluation split, loaded once per worker process
-    (evaluation moves them to the device a batch at a time)."""
-    import torch
-
-    from mopflow.training.data import load_split
-
-    key = (data.manifest_uri, split)
-    if key not in _EVAL_SPLITS:
-        x, y = load_split(data.manifest_uri, split, data.options_here(), cache_dir=shard_cache_here())
-        _EVAL_SPLITS[key] = (torch.from_numpy(x), y)
-    return _EVAL_SPLITS[key]
-
-
-def _manifest(data: DataRef) -> dict[str, Any]:
-    """The data's manifest, read and verified once per worker process (as its partitions are
-    loaded once): a unit builds its model from it every pass."""
-    from mopflow.training.data import load_manifest
-
-    if data.manifest_uri not in _MANIFESTS:
-        _MANIFESTS[data.manifest_uri] = load_manifest(data.manifest_uri, data.options_here())
-    return _MANIFESTS[data.manifest_uri]
-
-
-def _unit(spec: ModelSpec, data: DataRef, state: bytes | None, total_steps: int) -> TrainableUnit:
-    """The unit of ``spec`` on this data, carrying ``state`` (a fresh seeded one without)."""
-    unit = TrainableUnit.build(spec, _manifest(data), total_steps)
-    if state is not None:
-        unit.import_state(state)
-    unit.augment = augmenter(data.augment, data.spec.modality, data.spec.input_shape)
-    return unit
+def _pool_key(data: DataRef, arch: ArchSpec) -> tuple[str, ArchSpec] | None:
+    """What a kept model is kept under: its data (the normalisation in its buffers comes from the
+    manifest, and the state overwrites it anyway) and architecture; None when the architecture's
+    params cannot be a key (a family's param that is a list)."""
+    try:
+        hash(arch)
+    except TypeError:
+        return None
+    return (data.manifest_uri, arch)
 
 
 def train_pass(
@@ -212,7 +136,22 @@ def train_epochs_and_validate(
     started = time.time()
     _refuse_on_notice(spec, state, started)
     rows, loaded = _rows_here(spec, data, shard_names)
-    unit = _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, None))
+    with _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, None)) as unit:
+        return _train_chain(unit, data, rows, shard_names, first_epoch, epochs, on_epoch, started, loaded)
+
+
+def _train_chain(
+    unit: TrainableUnit,
+    data: DataRef,
+    rows: Any,
+    shard_names: Sequence[str],
+    first_epoch: int,
+    epochs: int,
+    on_epoch: Callable[[dict[str, Any], Callable[..., bytes]], None] | None,
+    started: float,
+    loaded: float,
+) -> tuple[bytes, list[dict[str, Any]]]:
+    """The epochs of :func:`train_epochs_and_validate` on its unit."""
     unit.meta.pop(STAGED_RECORD, None)  # carried by a staged state it goes on from: not this chain's
     x_val, y_val = load_eval_split(data, "validation")
     done: list[dict[str, Any]] = []
@@ -334,7 +273,8 @@ def _dask_address() -> str:
 
 def init_state(spec: ModelSpec, data: DataRef) -> bytes:
     """A model's initial state (seeded), before any pass."""
-    return _unit(spec, data, None, 1).export_state({"epoch": -1})
+    with _unit(spec, data, None, 1) as unit:
+        return unit.export_state({"epoch": -1})
 
 
 def evaluate_state(spec: ModelSpec, state: bytes, data: DataRef, split: str = "validation") -> float:
@@ -343,7 +283,8 @@ def evaluate_state(spec: ModelSpec, state: bytes, data: DataRef, split: str = "v
 
     torch.set_num_threads(1)
     x, y = load_eval_split(data, split)
-    return _unit(spec, data, state, 1).evaluate(x, y)
+    with _unit(spec, data, state, 1) as unit:
+        return unit.evaluate(x, y)
 
 
 def train_pass_and_validate(
@@ -367,18 +308,18 @@ def train_pass_and_validate(
     started = time.time()
     _refuse_on_notice(spec, state, started)
     rows, loaded = _rows_here(spec, data, shard_names)
-    unit = _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, epoch_steps))
-    unit.meta |= {"epoch": epoch, **dict(meta or {})}
-    record = _run_pass(unit, rows, shard_names, epoch, pass_index, started, loaded)
-    packing = time.time()
-    new_state = unit.export_state()
-    # the unit's span ends packed
-    record |= {"state_bytes": len(new_state), "pack_s": time.time() - packing, "end": time.time()}
-    if not validate:
-        return new_state, record, None
-    x_val, y_val = load_eval_split(data, "validation")
-    validated = time.perf_counter()
-    val_acc = unit.evaluate(x_val, y_val)
+    with _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, epoch_steps)) as unit:
+        unit.meta |= {"epoch": epoch, **dict(meta or {})}
+        record = _run_pass(unit, rows, shard_names, epoch, pass_index, started, loaded)
+        packing = time.time()
+        new_state = unit.export_state()
+        # the unit's span ends packed
+        record |= {"state_bytes": len(new_state), "pack_s": time.time() - packing, "end": time.time()}
+        if not validate:
+            return new_state, record, None
+        x_val, y_val = load_eval_split(data, "validation")
+        validated = time.perf_counter()
+        val_acc = unit.evaluate(x_val, y_val)
     return new_state, {**record, "val_s": time.perf_counter() - validated, "end": time.time()}, val_acc
 
 
@@ -387,12 +328,16 @@ def state_to_bundle(spec: ModelSpec, state: bytes, data: DataRef, url: str) -> s
     from mopflow.training.models.bundle import save_bundle
 
     manifest = _manifest(data)  # read and verified once per process, as the unit's build reads it
-    unit = _unit(spec, data, state, 1)
-    return save_bundle(
-        url,
-        [unit.model],
-        [unit.arch],
-        manifest["feature_columns"],
-        extra={"model_id": spec.model_id, "params": spec.params, "manifest_hash": manifest["manifest_hash"]},
-        storage_options=data.storage_options,  # written by the coordinator (the sweep): its options
-    )
+    with _unit(spec, data, state, 1) as unit:
+        return save_bundle(
+            url,
+            [unit.model],
+            [unit.arch],
+            manifest["feature_columns"],
+            extra={
+                "model_id": spec.model_id,
+                "params": spec.params,
+                "manifest_hash": manifest["manifest_hash"],
+            },
+            storage_options=data.storage_options,  # written by the coordinator (the sweep): its options
+        )

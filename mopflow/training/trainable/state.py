@@ -47,6 +47,25 @@ def load_moments(optimizer: Any, moments: Mapping[int, Mapping[str, Any]]) -> No
             }
 
 
+def pack(tensors: Mapping[str, Any], metadata: Mapping[str, str]) -> bytes:
+    """Tensors on the host (contiguous) and text metadata as safetensors bytes.
+
+    Through safetensors' numpy writer where every dtype has a numpy twin: the same bytes as its
+    torch writer, which checks each tensor for shared storage and converts it on the way, in
+    about a third of the time for a small model's state (a fifth of the cost of a unit beyond
+    its passes on GPU-short ones). bfloat16 has no numpy twin and goes through the torch writer.
+    """
+    import torch
+
+    if any(t.dtype == torch.bfloat16 for t in tensors.values()):
+        from safetensors.torch import save
+
+        return bytes(save(dict(tensors), metadata=dict(metadata)))
+    from safetensors.numpy import save as save_arrays
+
+    return bytes(save_arrays({k: t.numpy() for k, t in tensors.items()}, metadata=dict(metadata)))
+
+
 def state_metadata(data: bytes) -> dict[str, str]:
     """The safetensors header's ``__metadata__`` (the header is JSON after an 8-byte length)."""
     size = int.from_bytes(data[:8], "little")

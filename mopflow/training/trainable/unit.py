@@ -27,7 +27,7 @@ from mopflow.training.models.families import DataSpec
 from mopflow.training.trainable.augment import AugmentedBatches
 from mopflow.training.trainable.batches import Batches, pass_order, rank_share
 from mopflow.training.trainable.loop import StepCount, TrainerSteps, plain_pass, trainer_pass
-from mopflow.training.trainable.state import load_moments, moments_of, state_metadata
+from mopflow.training.trainable.state import load_moments, moments_of, pack, state_metadata
 
 EVAL_BATCH = 4096  # rows per evaluation batch: a split need not fit on the device at once
 
@@ -340,18 +340,15 @@ class TrainableUnit:
     def export_state(self, meta: Mapping[str, Any] | None = None) -> bytes:
         """The whole state as safetensors bytes: weights, AdamW moments, the RNG of a stopped
         pass, and JSON metadata (global step, the stopped pass's position, ``meta``)."""
-        from safetensors.torch import save
-
-        tensors = {
-            f"model.{k}": v.detach().cpu().contiguous().clone() for k, v in self.model.state_dict().items()
-        }
+        # no copies: packing writes every tensor into the bytes before anything trains again
+        tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
         steps: dict[str, float] = {}
         for index, moments in self._moments.items():
             for name in ("exp_avg", "exp_avg_sq"):
-                tensors[f"opt.{index}.{name}"] = moments[name].detach().cpu().contiguous().clone()
+                tensors[f"opt.{index}.{name}"] = moments[name].detach().cpu().contiguous()
             steps[str(index)] = float(moments["step"])
         if self._partial is not None and self._rng is not None:
-            tensors["extra.rng"] = self._rng.clone()
+            tensors["extra.rng"] = self._rng
         info = {
             **self.meta,
             **dict(meta or {}),
@@ -360,7 +357,7 @@ class TrainableUnit:
         }
         if self._partial is not None:
             info["partial"] = dict(self._partial)
-        return bytes(save(tensors, metadata={"meta": json.dumps(info), "steps": json.dumps(steps)}))
+        return pack(tensors, {"meta": json.dumps(info), "steps": json.dumps(steps)})
 
     def import_state(self, data: bytes) -> dict[str, Any]:
         """Load a state exported by any unit of the same spec; return its metadata."""
