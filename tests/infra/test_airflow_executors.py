@@ -84,7 +84,8 @@ def test_up_in_the_scale_out_profile_serves_its_loopback_servers(tmp_path: Path)
     assert (
         airflow.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == profile["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
     )
-    assert airflow.env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+    # the LocalExecutor the profile names, its task processes forked with the training stack imported
+    assert airflow.env["AIRFLOW__CORE__EXECUTOR"] == "mopflow.plugins.warm_executor.WarmLocalExecutor"
     assert int(airflow.env["AIRFLOW__CORE__PARALLELISM"]) >= 2
     # Tasks talk to the stack's own servers (free ports here), on the profile's storage.
     mlflow_port = int(mlflow.argv[mlflow.argv.index("--port") + 1])

@@ -11,6 +11,10 @@ from mopflow.base.settings import TRAINING_POOL
 from mopflow.infra.stack.config import DEFAULT_HOST, StackError, StackPorts, url_host
 from mopflow.infra.stack.services import HealthCheck, ServiceSpec
 
+# The LocalExecutor whose task processes fork with the training stack imported (mopflow/plugins/
+# warm_executor.py): what the stack runs when the LocalExecutor is asked for by name or by default.
+WARM_LOCAL_EXECUTOR = "mopflow.plugins.warm_executor.WarmLocalExecutor"
+
 
 def airflow_executor(environ: Mapping[str, str]) -> str:
     """The default executor's class name (the first of ``AIRFLOW__CORE__EXECUTOR``; default
@@ -18,6 +22,8 @@ def airflow_executor(environ: Mapping[str, str]) -> str:
     raw = environ.get("AIRFLOW__CORE__EXECUTOR", "").strip()
     first = raw.split(",")[0].strip()
     name = first.rpartition(":")[2].rpartition(".")[2] or "LocalExecutor"
+    if first.rpartition(":")[2] == WARM_LOCAL_EXECUTOR:
+        name = "LocalExecutor"
     if name not in ("LocalExecutor", "CeleryExecutor"):
         raise StackError(
             f"AIRFLOW__CORE__EXECUTOR={raw!r}: `mopflow up` runs the LocalExecutor or the CeleryExecutor"
@@ -49,6 +55,8 @@ def airflow_specs(
     url = f"http://{where}:{p.airflow}"
     health = HealthCheck(kind="airflow", url=f"{url}/api/v2/monitor/health")  # metadata DB + scheduler
     if executor != "CeleryExecutor":
+        if env.get("AIRFLOW__CORE__EXECUTOR", "").strip() in ("", "LocalExecutor"):
+            env = env | {"AIRFLOW__CORE__EXECUTOR": WARM_LOCAL_EXECUTOR}
         return [
             ServiceSpec(
                 name="airflow",
