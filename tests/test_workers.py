@@ -10,7 +10,7 @@ def test_a_file_is_one_unit() -> None:
     assert file_of("tests/pipeline/test_faults.py::Test::test_y") == "tests/pipeline/test_faults.py"
     # the files that build test hosts, and those whose stacks hold PostgreSQL connections, are one
     # unit: they never run at once
-    for file in ("test_airflow_across_hosts.py", "test_airflow_executors.py", "test_scale_out.py"):
+    for file in ("test_airflow_across_hosts.py", "test_airflow_executors.py"):
         assert file_of(f"tests/infra/{file}::test_x") == "tests/infra/test_across_hosts.py"
 
 

@@ -38,7 +38,6 @@ FILE_SECONDS: Mapping[str, float] = {
 SAME_WORKER: Mapping[str, str] = {
     "tests/infra/test_airflow_across_hosts.py": "tests/infra/test_across_hosts.py",
     "tests/infra/test_airflow_executors.py": "tests/infra/test_across_hosts.py",
-    "tests/infra/test_scale_out.py": "tests/infra/test_across_hosts.py",
 }
 
 

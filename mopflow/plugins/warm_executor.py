@@ -9,7 +9,8 @@ shared copy-on-write). Nothing else changes: it is the LocalExecutor.
 
 ``mopflow up`` runs it in place of the LocalExecutor (``AIRFLOW__CORE__EXECUTOR`` unset or
 ``LocalExecutor``); in an Airflow of one's own,
-``AIRFLOW__CORE__EXECUTOR=mopflow.plugins.warm_executor.WarmLocalExecutor``.
+``AIRFLOW__CORE__EXECUTOR=mopflow.plugins.warm_executor.WarmLocalExecutor``. Celery workers get the
+same from :mod:`mopflow.plugins.warm_celery`.
 """
 
 from __future__ import annotations

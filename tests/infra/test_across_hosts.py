@@ -33,7 +33,7 @@ from mopflow.infra.stack.profile import apply_profile
 from tests.conftest import PG, pg_admin_sql, require_service, skip_unless_required
 from tests.dags.test_end_to_end import TINY
 from tests.hosts import HostCluster, namespaces_problem
-from tests.scale_out_env import BIN, child_env, start_s3
+from tests.scale_out_env import BIN, BUCKET, child_env, s3_client, start_s3
 
 pytestmark = [pytest.mark.slow, pytest.mark.services]
 
@@ -320,6 +320,49 @@ def test_a_sweep_runs_across_hosts_to_a_champion(deployment: Deployment, strateg
     summary = deployment.run({"strategy": strategy}, f"xh-{strategy}")
     _trials_agree(deployment, summary, f"xh-{strategy}")
     _nothing_host_local(deployment)
+    if strategy == "mop":
+        _every_part_in_the_profiles_stores(deployment, summary)
+
+
+def _every_part_in_the_profiles_stores(deployment: Deployment, summary: dict[str, Any]) -> None:
+    """The profile's stores hold the run: every stage's MLflow run finished, with the manifest
+    hash and the Airflow run id (lineage); the Airflow run on PostgreSQL; the shards, the trials'
+    checkpoints and the registered model's files on S3."""
+    import sqlalchemy
+    from mlflow import MlflowClient
+
+    uri = deployment.env["MOPFLOW_TRACKING_URI"]
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    experiment = client.get_experiment_by_name("mopflow")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{summary['run_key']}'")
+    stages = {r.data.tags.get("mopflow.stage") for r in runs}
+    assert {"pipeline", "shard", "search", "ensemble", "distill", "register", "trial"} <= stages
+    for run in runs:
+        assert run.info.status == "FINISHED", run.info.run_name
+        assert run.data.tags["mopflow.airflow_run_id"] == summary["airflow_run_id"]
+        if run.data.tags["mopflow.stage"] != "pipeline":
+            assert run.data.tags["mopflow.manifest_hash"] == summary["manifest_hash"]
+    engine = sqlalchemy.create_engine(
+        f"postgresql+psycopg2://postgres@127.0.0.1:{PG[1]}/{deployment.dbs['airflow']}"
+    )
+    try:
+        with engine.connect() as conn:
+            states = conn.execute(
+                sqlalchemy.text("SELECT state FROM dag_run WHERE dag_id = 'mopflow_retrain' AND run_id = :r"),
+                {"r": summary["airflow_run_id"]},
+            ).scalars()
+            assert list(states) == ["success"]
+    finally:
+        engine.dispose()
+    endpoint = json.loads(deployment.worker_env["MOPFLOW_STORAGE_OPTIONS"])["client_kwargs"]["endpoint_url"]
+    keys = [
+        item["Key"]
+        for page in s3_client(endpoint).get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+        for item in page.get("Contents", [])
+    ]
+    assert any(k.startswith("data/") and k.endswith("manifest.json") for k in keys), keys[:20]
+    assert any(k.startswith("artifacts/studies/") and k.endswith("weights.safetensors") for k in keys)
+    assert any(k.startswith("mlflow/") and k.endswith("MLmodel") for k in keys)
 
 
 def test_gpus_of_the_same_number_on_two_hosts_are_two_devices(deployment: Deployment) -> None:

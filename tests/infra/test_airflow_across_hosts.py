@@ -61,6 +61,7 @@ class Stack:
         self.worker_env: dict[str, str] = {}  # a Celery worker host's environment (worker-env's settings)
         self.logs = Path()  # where this machine keeps the Celery workers' output
         self.airflow = f"http://{self.control.address}:8080"
+        self.airflow_db = ""  # Airflow's metadata database, as this machine reaches it
 
     def mopflow(self, *args: str, timeout: float = 600) -> Any:
         return self.control.run(
@@ -154,6 +155,7 @@ def stack_and_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
             "MLFLOW_S3_ENDPOINT_URL": endpoint,
         }
         stack = Stack(hosts, env, f"postgresql+psycopg2://postgres@127.0.0.1:{PG[1]}/{dbs['optuna']}")
+        stack.airflow_db = f"postgresql+psycopg2://postgres@127.0.0.1:{PG[1]}/{dbs['airflow']}"
         stack.s3_endpoint = endpoint
         up = stack.mopflow("up")
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
@@ -209,6 +211,40 @@ def test_celery_workers_on_other_hosts_run_a_sweep_and_serve_its_logs(stack_and_
     assert status == 200, log
     text = json.dumps(log)
     assert "search: study" in text, text[-2000:]  # the stage's own lines, read from the worker host
+    _every_task_went_through_celery(s, tis)
+
+
+def _every_task_went_through_celery(s: Stack, tis: list[dict[str, Any]]) -> None:
+    """Each task instance came from this test's queue with a Celery task id, and its Celery task
+    ended SUCCESS in the result backend on PostgreSQL (it may report after the task instance)."""
+    import sqlalchemy
+
+    assert {t["queue"] for t in tis} == {s.env["AIRFLOW__OPERATORS__DEFAULT_QUEUE"]}
+    run_id = tis[0]["dag_run_id"]
+    engine = sqlalchemy.create_engine(s.airflow_db)
+    try:
+        with engine.connect() as conn:
+            ids: dict[str, str | None] = dict(
+                conn.execute(
+                    sqlalchemy.text(
+                        "SELECT task_id, external_executor_id FROM task_instance WHERE run_id = :r"
+                    ),
+                    {"r": run_id},
+                ).all()
+            )
+        assert set(ids) == {t["task_id"] for t in tis} and all(ids.values()), ids
+        deadline = time.monotonic() + 60
+        while True:
+            with engine.connect() as conn:
+                results = dict(
+                    conn.execute(sqlalchemy.text("SELECT task_id, status FROM celery_taskmeta")).all()
+                )
+            if all(results.get(str(i)) == "SUCCESS" for i in ids.values()):
+                break
+            assert time.monotonic() < deadline, (ids, results)
+            time.sleep(1)
+    finally:
+        engine.dispose()
 
 
 @pytest.mark.parametrize("fault", ["killed", "cut"])

@@ -4,7 +4,8 @@ endpoint) starts Airflow with its metadata on PostgreSQL and the LocalExecutor, 
 on PostgreSQL + S3, Optuna on PostgreSQL and a Dask scheduler and workers; two mopflow_sweep runs
 triggered over the REST API run their tasks at the same time. With
 ``AIRFLOW__CORE__EXECUTOR=CeleryExecutor`` the same ``mopflow up`` runs the Airflow components
-separately with a Celery worker on Redis, and a sweep runs through that worker.
+separately with a Celery worker on Redis: a sweep through Celery workers, each task's Celery
+result checked, runs in ``test_airflow_across_hosts.py``.
 
 The fast tests check the wiring ``mopflow up`` derives from the profile without starting anything.
 """
@@ -37,7 +38,6 @@ from tests.scale_out_env import child_env, start_s3
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = str(Path(sys.executable).parent)
-REDIS = ("127.0.0.1", 6379)
 DAG_ID = "mopflow_sweep"
 
 
@@ -363,59 +363,3 @@ def test_local_executor_on_postgresql_runs_two_sweeps_in_parallel(tmp_path: Path
         a, b = (by_key[key] for key in overlaps[0])
         assert a.pid and b.pid and a.pid != b.pid
         assert a.queued_by_job_id == b.queued_by_job_id is not None
-
-
-@pytest.mark.slow
-@pytest.mark.services
-def test_celery_executor_runs_a_sweep_through_a_redis_worker(
-    tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    """Smoke test: the same `mopflow up` with AIRFLOW__CORE__EXECUTOR=CeleryExecutor (broker: the
-    profile's Redis) runs one tiny sweep; every task went through Celery (a Celery task id on each
-    task instance, its result SUCCESS in the result backend on PostgreSQL)."""
-    import sqlalchemy
-
-    require_service("Redis", *REDIS)
-    import redis
-
-    queue = f"mopflow_test_{uuid.uuid4().hex[:8]}"  # a queue of this test's own on the shared Redis
-    broker = redis.Redis(host=REDIS[0], port=REDIS[1], db=0)  # the profile's broker database
-
-    def forget_queue() -> None:  # what the worker left on Redis for this queue
-        broker.delete(queue, f"_kombu.binding.{queue}")
-        broker.close()
-
-    request.addfinalizer(forget_queue)
-    with scale_out_stack(
-        tmp_path, AIRFLOW__CORE__EXECUTOR="CeleryExecutor", AIRFLOW__OPERATORS__DEFAULT_QUEUE=queue
-    ) as s:
-        assert {r.name for r in s.state.services} == {*stack.SERVICE_ORDER, *stack.CELERY_SERVICES}
-        run_id = s.trigger(TINY | {"model_name": "celery"})
-        tis = s.wait([run_id], timeout=900)[run_id]
-        assert {t["state"] for t in tis} == {"success"}
-        assert {t["queue"] for t in tis} == {queue}
-        engine = sqlalchemy.create_engine(s.airflow_db)
-        try:
-            with engine.connect() as conn:
-                ids: dict[str, str | None] = dict(
-                    conn.execute(
-                        sqlalchemy.text(
-                            "SELECT task_id, external_executor_id FROM task_instance WHERE run_id = :r"
-                        ),
-                        {"r": run_id},
-                    ).all()
-                )
-            assert set(ids) == {t["task_id"] for t in tis} and all(ids.values()), ids
-            # A task reports its state before its Celery task returns: the last result may lag.
-            deadline = time.monotonic() + 60
-            while True:
-                with engine.connect() as conn:
-                    results: dict[str, str] = dict(
-                        conn.execute(sqlalchemy.text("SELECT task_id, status FROM celery_taskmeta")).all()
-                    )
-                if all(results.get(str(i)) == "SUCCESS" for i in ids.values()):
-                    break
-                assert time.monotonic() < deadline, (ids, results)
-                time.sleep(1)
-        finally:
-            engine.dispose()

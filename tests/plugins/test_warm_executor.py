@@ -63,3 +63,30 @@ def test_the_stack_is_imported_before_the_workers_fork(monkeypatch: pytest.Monke
     WarmLocalExecutor.start(object.__new__(WarmLocalExecutor))
     assert order == ["imported", "workers forked"]
     assert import_task_stack(("json", "no_such_module_here")) == ["no_such_module_here"]
+
+
+def test_celery_workers_of_the_stack_import_the_stack_before_their_pool_forks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Expected: every Celery service of the stack reads the warm configuration (unless the user
+    named one), which is Airflow's own; a worker's start (``worker_init``) imports the stack."""
+    from airflow.providers.celery.executors.default_celery import DEFAULT_CELERY_CONFIG
+    from celery.signals import worker_init
+
+    from mopflow.infra.stack.airflow_services import WARM_CELERY_CONFIG
+    from mopflow.plugins import warm_celery
+
+    env = {"AIRFLOW__CELERY__BROKER_URL": "redis://127.0.0.1:6379/0"}
+    specs = airflow_specs("CeleryExecutor", env, PORTS, "/bin")
+    assert {s.env["AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS"] for s in specs} == {WARM_CELERY_CONFIG}
+    mine = env | {"AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS": "my_company.celery.CONFIG"}
+    assert {
+        s.env["AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS"]
+        for s in airflow_specs("CeleryExecutor", mine, PORTS, "/bin")
+    } == {"my_company.celery.CONFIG"}
+    assert f"{warm_celery.__name__}.CELERY_CONFIG" == WARM_CELERY_CONFIG
+    assert dict(DEFAULT_CELERY_CONFIG) == warm_celery.CELERY_CONFIG
+    imported: list[str] = []
+    monkeypatch.setattr(warm_celery, "import_task_stack", lambda: imported.append("stack") or [])
+    worker_init.send(sender=None)
+    assert imported == ["stack"]

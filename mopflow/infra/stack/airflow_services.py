@@ -14,6 +14,8 @@ from mopflow.infra.stack.services import HealthCheck, ServiceSpec
 # The LocalExecutor whose task processes fork with the training stack imported (mopflow/plugins/
 # warm_executor.py): what the stack runs when the LocalExecutor is asked for by name or by default.
 WARM_LOCAL_EXECUTOR = "mopflow.plugins.warm_executor.WarmLocalExecutor"
+# The same for a Celery worker's pool: Airflow's Celery configuration, the stack imported first.
+WARM_CELERY_CONFIG = "mopflow.plugins.warm_celery.CELERY_CONFIG"
 
 
 def airflow_executor(environ: Mapping[str, str]) -> str:
@@ -67,6 +69,8 @@ def airflow_specs(
                 ports=(p.airflow, p.airflow_worker_logs, p.airflow_trigger_logs),
             )
         ]
+    if not env.get("AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS", "").strip():
+        env = env | {"AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS": WARM_CELERY_CONFIG}
     worker_logs = f"tcp://{where}:{p.airflow_worker_logs}"
     trigger_logs = f"tcp://{where}:{p.airflow_trigger_logs}"
     return [
