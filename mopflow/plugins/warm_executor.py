@@ -21,8 +21,6 @@ import time
 
 from airflow.executors.local_executor import LocalExecutor
 
-WARM_EXECUTOR = "mopflow.plugins.warm_executor.WarmLocalExecutor"
-
 # What mopflow's tasks import, the heaviest first: Lightning alone is 3 s of CPU (it pulls in
 # torch, torchmetrics, scipy.signal, matplotlib and torch._dynamo).
 TASK_IMPORTS = (
