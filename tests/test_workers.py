@@ -8,10 +8,8 @@ from tests.workers import FILE_SECONDS, file_of, heaviest_first
 def test_a_file_is_one_unit() -> None:
     assert file_of("tests/test_docs.py::test_x[a::b]") == "tests/test_docs.py"
     assert file_of("tests/pipeline/test_faults.py::Test::test_y") == "tests/pipeline/test_faults.py"
-    # the files that build test hosts, and those whose stacks hold PostgreSQL connections, are one
-    # unit: they never run at once
-    for file in ("test_airflow_across_hosts.py", "test_airflow_executors.py"):
-        assert file_of(f"tests/infra/{file}::test_x") == "tests/infra/test_across_hosts.py"
+    # the files whose stacks hold PostgreSQL connections are one unit: they never run at once
+    assert file_of("tests/infra/test_airflow_executors.py::test_x") == "tests/infra/test_across_hosts.py"
 
 
 def test_the_heaviest_files_go_first_and_the_rest_keep_their_order() -> None:

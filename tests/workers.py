@@ -13,8 +13,8 @@ from xdist.scheduler import LoadFileScheduling
 # over about a minute; any other file weighs less than each of them. Only their order matters: a
 # stale figure costs balance, never a test.
 FILE_SECONDS: Mapping[str, float] = {
-    # with the other files of SAME_WORKER: 370 + 300 s (2026-11-30) + 560 + 150 s
-    "tests/infra/test_across_hosts.py": 1380,
+    # with the other file of SAME_WORKER
+    "tests/infra/test_across_hosts.py": 700,
     "tests/infra/cli/test_local_runs.py": 420,
     "tests/benchmarks/test_quick.py": 400,
     "tests/infra/test_stack.py": 330,
@@ -30,13 +30,11 @@ FILE_SECONDS: Mapping[str, float] = {
 }
 
 
-# Files that run on one worker, one after the other, as one unit (named by the first). The two
-# that build a cluster of test hosts with a dozen servers: two such clusters at once starve two
-# CPUs. And every file whose stacks and servers hold PostgreSQL connections (Airflow's, MLflow's
-# and Optuna's pools, Celery's result backend): two of them at once exhausted the server's 100
-# connections ("sorry, too many clients already"), and an Airflow scheduler died of it.
+# Files that run on one worker, one after the other, as one unit (named by the first): the files
+# whose stacks and servers hold PostgreSQL connections (Airflow's, MLflow's and Optuna's pools,
+# Celery's result backend). Two of them at once exhausted the server's 100 connections ("sorry,
+# too many clients already"), and an Airflow scheduler died of it.
 SAME_WORKER: Mapping[str, str] = {
-    "tests/infra/test_airflow_across_hosts.py": "tests/infra/test_across_hosts.py",
     "tests/infra/test_airflow_executors.py": "tests/infra/test_across_hosts.py",
 }
 

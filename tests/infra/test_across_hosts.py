@@ -1,292 +1,92 @@
-"""The scale-out profile across hosts: a cluster of test hosts (``tests/hosts.py``), each with
-its own address, hostname and private disk, the profile's services spread over them.
+"""The scale-out profile across hosts: Airflow's stack on one test host, its tasks on two Celery
+hosts, the units of training on three Dask hosts (``tests/infra/host_deployment.py``), built once
+for the module.
 
-- ``control``: the MLflow server, the Dask scheduler, and the coordinator (``mopflow run``,
-  which runs the retraining DAG's tasks in its own process);
-- ``w1``, ``w2``, ``w3``: one Dask worker each;
-- PostgreSQL and Redis of this machine, forwarded to the bridge's address; an S3 server (moto)
-  bound to the bridge's address.
-
-Each host maps its own name to 127.0.1.1, as Debian does. A sweep runs under each strategy
-through to a registered champion, and afterwards no host holds a file of the run on its local
-disk, and Optuna and MLflow agree on every trial.
+A sweep runs under each strategy through the stack's REST API to a registered champion, and
+afterwards no host holds a file of the run on its local disk, and Optuna and MLflow agree on
+every trial. The sweeps meet the faults on the way: ``task`` loses a Dask host's link, ``ddp``
+the link between its two ranks, and the search task's Celery host is killed, then cut off.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import socket
 import sys
 import time
-import urllib.request
-import uuid
+import urllib.parse
 from collections.abc import Iterator
-from datetime import datetime
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mopflow.infra.stack.profile import apply_profile
-from tests.conftest import PG, pg_admin_sql, require_service, skip_unless_required
-from tests.dags.test_end_to_end import TINY
-from tests.hosts import HostCluster, namespaces_problem
-from tests.scale_out_env import BIN, BUCKET, child_env, s3_client, start_s3
+from mopflow.pipeline.context import make_run_key
+from tests.infra.host_deployment import (
+    CELERY_HOSTS,
+    DAG_ID,
+    DASK_HOSTS,
+    Deployment,
+    deploy,
+    log_time,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.services]
-
-WORKER_HOSTS = ("w1", "w2", "w3")
-LOCAL_FOLDERS = ("data", "artifacts", "optuna", "mlflow")  # under a host's MOPFLOW_HOME
-# The smallest sweep that still ensembles and distils: a trial or two of two epochs.
-SWEEP = {
-    "num_samples": 600,
-    "n_trials": 2,
-    "epochs": 2,
-    "top_k": 1,
-    "distill_epochs": 1,
-    "warm_start": False,  # each study its own: Optuna and MLflow then hold the same trials
-    "warm_start_studies": 0,
-}
-
-
-def _wait(check: Any, what: str, timeout: float = 120) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            if (value := check()) is not None:
-                return value
-        time.sleep(0.3)
-    raise AssertionError(f"{what} within {timeout:.0f}s")
-
-
-class Deployment:
-    """The services of the scale-out profile on the test hosts, and runs of the pipeline."""
-
-    def __init__(
-        self,
-        hosts: HostCluster,
-        env: dict[str, str],
-        worker_env: dict[str, str],
-        logs: Path,
-        dbs: dict[str, str],
-    ) -> None:
-        self.hosts, self.env, self.worker_env, self.logs, self.dbs = hosts, env, worker_env, logs, dbs
-        self.control = hosts["control"]
-        self.client: Any = None  # a Dask client in this process (processing), made at its first use
-        self.shared = logs.parent / "shared"  # config files and summaries the test reads
-        self.shared.mkdir(exist_ok=True)
-
-    def host_env(self, **extra: str) -> dict[str, str]:
-        """The environment of a process on the control host: the profile's settings, its private disk."""
-        return self.hosts.env(self.env) | extra
-
-    def start_dask_worker(self, name: str) -> None:
-        host = self.hosts[name]
-        host.start(
-            [
-                str(BIN / "dask"),
-                "worker",
-                self.env["MOPFLOW_DASK_ADDRESS"],
-                "--nworkers",
-                "1",
-                "--nthreads",
-                "1",
-                "--no-dashboard",
-                "--name",
-                name,
-            ],
-            self.hosts.env(self.worker_env),
-            self.logs / f"dask-worker-{name}.log",
-        )
-
-    def ask_scheduler(self, expression: str) -> Any:
-        """``expression`` (over a Dask client ``c``) evaluated on the control host, as JSON."""
-        code = (
-            "import json, distributed; "
-            f"c = distributed.Client({self.env['MOPFLOW_DASK_ADDRESS']!r}, timeout=20); "
-            f"print(json.dumps({expression})); c.close()"
-        )
-        done = self.control.run([sys.executable, "-c", code], self.host_env(), timeout=60)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    def dask_workers(self) -> dict[str, str]:
-        """Worker name -> address, as the scheduler knows them."""
-        return dict(
-            self.ask_scheduler("{w['name']: a for a, w in c.scheduler_info(n_workers=-1)['workers'].items()}")
-        )
-
-    def processing(self) -> dict[str, list[str]]:
-        """Worker name -> the keys of the tasks it runs now, asked by a client in this process: a
-        client process started on the control host for each look takes seconds on a busy machine,
-        and a short trial would train between two looks."""
-        if self.client is None:
-            import distributed
-
-            self.client = distributed.Client(self.env["MOPFLOW_DASK_ADDRESS"], timeout=20)
-        running = self.client.processing()
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
-        return {w["name"]: [str(k) for k in running.get(a, ())] for a, w in workers.items()}
-
-    def ensure_workers(self) -> None:
-        """Start again a Dask worker whose process ended (its host was cut off), and wait for all."""
-        for name in WORKER_HOSTS:
-            host = self.hosts[name]
-            if all(proc.poll() is not None for proc in host.procs):
-                self.start_dask_worker(name)
-        _wait(lambda: len(self.dask_workers()) == len(WORKER_HOSTS) or None, "every Dask worker joined", 180)
-
-    def start_run(self, conf: dict[str, Any], name: str) -> Any:
-        """``mopflow run`` started on the control host; :meth:`finish` waits for its summary."""
-        config = self.shared / f"{name}.json"
-        config.write_text(json.dumps(TINY | SWEEP | {"model_name": name} | conf))
-        argv = [sys.executable, "-m", "mopflow.infra.cli", "run", "--config", str(config)]
-        argv += ["--summary-json", str(self.shared / f"{name}-summary.json")]
-        return self.control.start(argv, self.host_env(), self.logs / f"run-{name}.log")
-
-    def finish(self, proc: Any, name: str, timeout: float = 900) -> dict[str, Any]:
-        """The summary of a run started by :meth:`start_run`, once it ends."""
-        returncode = proc.wait(timeout=timeout)
-        if returncode != 0:  # the run's own lines, then its full log, kept on the control host's disk
-            printed = (self.logs / f"run-{name}.log").read_text()
-            full = re.search(r"full log: (\S+)", printed)
-            kept = self.control.run(["cat", full.group(1)], {}).stdout if full else ""
-            (self.logs / f"run-{name}-full.log").write_text(kept)
-            raise AssertionError(printed[-3000:] + "\n--- full log ---\n" + kept[-12000:])
-        return dict(json.loads((self.shared / f"{name}-summary.json").read_text()))
-
-    def run(self, conf: dict[str, Any], name: str) -> dict[str, Any]:
-        """``mopflow run`` on the control host, to its end; its summary."""
-        return self.finish(self.start_run(conf, name), name)
-
-    def run_log(self, summary: dict[str, Any]) -> str:
-        """The run's full log, on the control host's own disk."""
-        done = self.control.run(
-            ["cat", str(self.hosts.private_home / "logs" / f"{summary['run_key']}.log")], {}
-        )
-        return done.stdout
-
-    def local_files(self) -> dict[str, list[str]]:
-        """Files of a run on any host's own disk: under its MOPFLOW_HOME's data, artifacts,
-        optuna and mlflow folders."""
-        home = self.hosts.private_home
-        return {
-            name: files
-            for name, host in self.hosts.hosts.items()
-            if (files := [f for folder in LOCAL_FOLDERS for f in host.files(home / folder)])
-        }
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    """Build the hosts and start the profile's services on them (once for the module)."""
-    require_service("PostgreSQL", *PG)
-    if problem := namespaces_problem():
-        skip_unless_required(problem)
-    root = tmp_path_factory.mktemp("hosts")
-    suffix = uuid.uuid4().hex[:8]
-    dbs = {part: f"mopflow_xh_{part}_{suffix}" for part in ("airflow", "mlflow", "optuna")}
-    with contextlib.ExitStack() as cleanup:
-        hosts = HostCluster(["control", *WORKER_HOSTS], root, second_network=True)
-        cleanup.callback(hosts.close)
-        for db in dbs.values():
-            pg_admin_sql(f"CREATE DATABASE {db}")
-            cleanup.callback(pg_admin_sql, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-        pg_host, pg_port = hosts.forward(PG[1])
-        pg = f"postgresql+psycopg2://postgres@{pg_host}:{pg_port}"
-        s3_port = start_s3(hosts.gateway, cleanup).rsplit(":", 1)[1]
-        # The control host reaches S3 by a name only it resolves; the workers by their own setting.
-        hosts.add_name("control", "objects", hosts.gateway)
-        endpoint = f"http://objects:{s3_port}"
-        control = hosts["control"]
-        base = child_env()
-        env = base | {
-            "MOPFLOW_PROFILE": "scale-out",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"{pg}/{dbs['airflow']}",
-            "MOPFLOW_OPTUNA_STORAGE": f"{pg}/{dbs['optuna']}",
-            "MOPFLOW_TRACKING_URI": f"http://{control.address}:5000",
-            "MOPFLOW_STORAGE_OPTIONS": json.dumps({"client_kwargs": {"endpoint_url": endpoint}}),
-            "MLFLOW_S3_ENDPOINT_URL": endpoint,
-            "MOPFLOW_DASK_ADDRESS": f"tcp://{control.address}:8786",
-            "MOPFLOW_RETRY_DELAY_S": "1",
-            # the coordinator's own shard cache, on a disk every host sees: no worker may use it
-            "MOPFLOW_SHARD_CACHE": str(root / "coordinator-shard-cache"),
-        }
-        env.pop("MOPFLOW_HOME", None)
-        apply_profile(env)  # everything else from infra/profiles/scale-out.env
-        worker_env = {k: v for k, v in env.items() if k != "MOPFLOW_SHARD_CACHE"} | {
-            "MOPFLOW_STORAGE_OPTIONS": json.dumps(
-                {"client_kwargs": {"endpoint_url": f"http://{hosts.gateway}:{s3_port}"}}
-            )
-        }
-        deployment = Deployment(hosts, env, worker_env, root / "logs", dbs)
-        cleanup.callback(lambda: deployment.client and deployment.client.close(timeout=10))
-        control.start(
-            [
-                str(BIN / "mlflow"),
-                "server",
-                "--backend-store-uri",
-                f"{pg}/{dbs['mlflow']}",
-                "--artifacts-destination",
-                env["MOPFLOW_MLFLOW_ARTIFACTS_DESTINATION"],
-                "--host",
-                control.address,
-                "--port",
-                "5000",
-                "--workers",
-                "1",
-                "--allowed-hosts",
-                f"{control.address}:5000,control:5000",
-            ],
-            deployment.host_env(),
-            deployment.logs / "mlflow.log",
-        )
-        control.start(
-            [str(BIN / "dask"), "scheduler", "--host", control.address, "--port", "8786", "--no-dashboard"],
-            deployment.host_env(),
-            deployment.logs / "dask-scheduler.log",
-        )
-        _wait(lambda: socket.create_connection((control.address, 8786), 1).close() or True, "dask scheduler")
-        for name in WORKER_HOSTS:
-            deployment.start_dask_worker(name)
-        _wait(
-            lambda: (
-                urllib.request.urlopen(f"http://{control.address}:5000/health", timeout=2).status == 200
-                or None
-            ),
-            "the MLflow server answered",
-        )
-        _wait(
-            lambda: len(deployment.dask_workers()) == len(WORKER_HOSTS) or None, "three Dask workers joined"
-        )
-        yield deployment
+    with deploy(tmp_path_factory.mktemp("hosts")) as built:
+        yield built
 
 
-def _trials_agree(deployment: Deployment, summary: dict[str, Any], name: str) -> None:
-    """Every trial of the study is COMPLETE or PRUNED, and MLflow has one run per trial with
-    the same state."""
+@dataclass(frozen=True)
+class Sweep:
+    """A sweep's model name, DAG run, run key and study."""
+
+    name: str
+    dag_id: str
+    dag_run_id: str
+    path: str = ""  # the DAG run's REST path, when triggered through the stack
+
+    @classmethod
+    def trigger(cls, d: Deployment, name: str, conf: dict[str, Any]) -> Sweep:
+        """A sweep triggered through the stack's REST API."""
+        path = d.trigger(conf | {"model_name": name})
+        return cls(name, DAG_ID, urllib.parse.unquote(path.rsplit("/", 1)[1]), path)
+
+    @property
+    def run_key(self) -> str:
+        return make_run_key(self.dag_id, self.dag_run_id)
+
+    @property
+    def study(self) -> str:
+        return f"{self.name}-{self.run_key}"
+
+
+def _study(d: Deployment, name: str) -> Any:
     import optuna
+
+    return optuna.load_study(study_name=name, storage=d.pg_url("optuna"))
+
+
+def _trials_agree(d: Deployment, sweep: Sweep) -> None:
+    """Every trial of the study is COMPLETE or PRUNED, MLflow has one run per trial with the
+    same state and each epoch once, and the champion comes from this study."""
     from mlflow import MlflowClient
 
-    from mopflow.base.optuna_storage import make_storage
-    from mopflow.base.tag_names import TRIAL, TRIAL_STATE
+    from mopflow.base.tag_names import STUDY, TRIAL, TRIAL_STATE
 
-    env = {
-        k: v.replace("@" + deployment.hosts.gateway + ":", "@127.0.0.1:") for k, v in deployment.env.items()
-    }
-    study = optuna.load_study(
-        study_name=summary["optuna"]["study_name"], storage=make_storage(env["MOPFLOW_OPTUNA_STORAGE"])
-    )
+    study = _study(d, sweep.study)
     states = {t.number: t.state.name for t in study.trials}
     assert set(states.values()) <= {"COMPLETE", "PRUNED"}, states
-    uri = deployment.env["MOPFLOW_TRACKING_URI"]
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client = MlflowClient(tracking_uri=d.tracking_uri, registry_uri=d.tracking_uri)
     experiment = client.get_experiment_by_name("mopflow")
     runs = client.search_runs(
         [experiment.experiment_id],
-        f"tags.`mopflow.run_key` = '{summary['run_key']}' and tags.`mopflow.stage` = 'trial'",
+        f"tags.`mopflow.run_key` = '{sweep.run_key}' and tags.`mopflow.stage` = 'trial'",
     )
     logged = {int(r.data.tags[TRIAL]): r.data.tags[TRIAL_STATE] for r in runs}
     assert logged == states
@@ -295,82 +95,26 @@ def _trials_agree(deployment: Deployment, summary: dict[str, Any], name: str) ->
         assert (
             len(steps) == len(set(steps)) == len(study.trials[int(run.data.tags[TRIAL])].intermediate_values)
         )
-    champion = client.get_model_version_by_alias(f"{name}-student", "champion")
-    assert champion.version == summary["registered"]["version"]
+    champion = client.get_model_version_by_alias(f"{sweep.name}-student", "champion")
+    assert champion.tags[STUDY] == sweep.study
 
 
-def _nothing_host_local(deployment: Deployment) -> None:
-    """No file of the run on any host's own disk, no shard at the coordinator's cache folder, and
-    the workers' shards in their own caches."""
-    assert deployment.local_files() == {}
-    assert not Path(deployment.env["MOPFLOW_SHARD_CACHE"]).exists()
-    cache = deployment.hosts.private_tmp / "mopflow-shard-cache"
-    cached = {name: deployment.hosts[name].files(cache) for name in WORKER_HOSTS}
+def _nothing_host_local(d: Deployment) -> None:
+    """No file of the run on any host's own disk, no shard at the coordinators' cache folder, and
+    the shards the Dask workers read in their own caches."""
+    assert d.local_files() == {}
+    assert not d.coordinator_cache.exists()
+    cache = d.hosts.private_tmp / "mopflow-shard-cache"
+    cached = {name: d.hosts[name].files(cache) for name in DASK_HOSTS}
     assert any(cached.values()), cached
-    assert not deployment.control.files(cache)
-
-
-@pytest.mark.parametrize("strategy", ["mop", "ddp"])
-def test_a_sweep_runs_across_hosts_to_a_champion(deployment: Deployment, strategy: str) -> None:
-    """A strategy through to a registered champion (``task``'s is the cut-off host's test). The
-    workers reach S3 with their own MOPFLOW_STORAGE_OPTIONS (the coordinator's endpoint name
-    does not resolve on them) and cache shards on their own disk, never at the coordinator's
-    MOPFLOW_SHARD_CACHE. Under ``ddp`` the two ranks of a trial are on two hosts."""
-    deployment.ensure_workers()
-    summary = deployment.run({"strategy": strategy}, f"xh-{strategy}")
-    _trials_agree(deployment, summary, f"xh-{strategy}")
-    _nothing_host_local(deployment)
-    if strategy == "mop":
-        _every_part_in_the_profiles_stores(deployment, summary)
-
-
-def _every_part_in_the_profiles_stores(deployment: Deployment, summary: dict[str, Any]) -> None:
-    """The profile's stores hold the run: every stage's MLflow run finished, with the manifest
-    hash and the Airflow run id (lineage); the Airflow run on PostgreSQL; the shards, the trials'
-    checkpoints and the registered model's files on S3."""
-    import sqlalchemy
-    from mlflow import MlflowClient
-
-    uri = deployment.env["MOPFLOW_TRACKING_URI"]
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    experiment = client.get_experiment_by_name("mopflow")
-    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{summary['run_key']}'")
-    stages = {r.data.tags.get("mopflow.stage") for r in runs}
-    assert {"pipeline", "shard", "search", "ensemble", "distill", "register", "trial"} <= stages
-    for run in runs:
-        assert run.info.status == "FINISHED", run.info.run_name
-        assert run.data.tags["mopflow.airflow_run_id"] == summary["airflow_run_id"]
-        if run.data.tags["mopflow.stage"] != "pipeline":
-            assert run.data.tags["mopflow.manifest_hash"] == summary["manifest_hash"]
-    engine = sqlalchemy.create_engine(
-        f"postgresql+psycopg2://postgres@127.0.0.1:{PG[1]}/{deployment.dbs['airflow']}"
-    )
-    try:
-        with engine.connect() as conn:
-            states = conn.execute(
-                sqlalchemy.text("SELECT state FROM dag_run WHERE dag_id = 'mopflow_retrain' AND run_id = :r"),
-                {"r": summary["airflow_run_id"]},
-            ).scalars()
-            assert list(states) == ["success"]
-    finally:
-        engine.dispose()
-    endpoint = json.loads(deployment.worker_env["MOPFLOW_STORAGE_OPTIONS"])["client_kwargs"]["endpoint_url"]
-    keys = [
-        item["Key"]
-        for page in s3_client(endpoint).get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
-        for item in page.get("Contents", [])
-    ]
-    assert any(k.startswith("data/") and k.endswith("manifest.json") for k in keys), keys[:20]
-    assert any(k.startswith("artifacts/studies/") and k.endswith("weights.safetensors") for k in keys)
-    assert any(k.startswith("mlflow/") and k.endswith("MLmodel") for k in keys)
+    assert not d.control.files(cache)
 
 
 def test_gpus_of_the_same_number_on_two_hosts_are_two_devices(deployment: Deployment) -> None:
-    """Every worker host shows its GPU as device 0 (CUDA_VISIBLE_DEVICES=0): a DDP gang of two
+    """Every Dask host shows its GPU as device 0 (CUDA_VISIBLE_DEVICES=0): a DDP gang of two
     fits, since they are different devices."""
     from mopflow.training.executors.ddp_workers import concurrent_trials
 
-    deployment.ensure_workers()
     devices = deployment.ask_scheduler(
         "c.run(lambda: __import__('os').environ.update(CUDA_VISIBLE_DEVICES='0')) and "
         "c.run(__import__('mopflow.training.executors.ddp_workers', fromlist=['x']).worker_device, gpu=True)"
@@ -378,129 +122,319 @@ def test_gpus_of_the_same_number_on_two_hosts_are_two_devices(deployment: Deploy
     deployment.ask_scheduler(
         "c.run(lambda: __import__('os').environ.pop('CUDA_VISIBLE_DEVICES', None)) and 1"
     )
-    assert len(set(devices.values())) == len(WORKER_HOSTS), devices
+    assert len(set(devices.values())) == len(DASK_HOSTS), devices
     assert concurrent_trials(devices, 2) == 1
 
 
 def test_host_local_locations_are_refused_with_workers_on_other_hosts(deployment: Deployment) -> None:
-    """A data root on the control host's own disk cannot be read by the workers: the stages'
+    """A data root on the coordinator's own disk cannot be read by the workers: the stages'
     check refuses it before any work, naming the setting (a permanent error: no retry)."""
     code = (
         "import distributed; from mopflow.base.settings import Settings; "
         "from mopflow.pipeline.hosts import check_cluster_hosts; "
-        f"c = distributed.Client({deployment.env['MOPFLOW_DASK_ADDRESS']!r}, timeout=20); "
+        f"c = distributed.Client({deployment.dask_address!r}, timeout=20); "
         "check_cluster_hosts(c, Settings.from_env())"
     )
-    done = deployment.control.run(
+    done = deployment.hosts[CELERY_HOSTS[0]].run(
         [sys.executable, "-c", code],
-        deployment.host_env(MOPFLOW_DATA_ROOT="/var/lib/mopflow/data"),
+        deployment.hosts.env(deployment.celery_env) | {"MOPFLOW_DATA_ROOT": "/var/lib/mopflow/data"},
         timeout=120,
     )
     assert done.returncode != 0
     assert "AcrossHostsError" in done.stderr and "MOPFLOW_DATA_ROOT='/var/lib/mopflow/data'" in done.stderr
 
 
-def test_a_task_sweep_goes_on_when_a_worker_host_is_cut_off(deployment: Deployment) -> None:
-    """Fault (a), on the ``task`` strategy's sweep: a Dask worker host's link is cut while it
-    trains a trial, and brought back later. The scheduler lets it go within the profile's TCP
-    timeout and worker TTL (not Dask's 5-minute default), its trial goes on elsewhere from its
-    checkpoint, and the sweep finishes to a champion with nothing on any host's own disk."""
-    deployment.ensure_workers()
-    name = "xh-task"
-    run = deployment.start_run({"strategy": "task", "n_trials": 3, "epochs": 3}, name)
-    busy = _wait(
-        lambda: [w for w, keys in deployment.processing().items() if keys] or None, "a trial training", 300
-    )
-    victim = deployment.hosts[busy[0]]
-    victim.cut()
-    cut_at = time.monotonic()
-    _wait(lambda: victim.name not in deployment.dask_workers() or None, f"{victim.name} let go", 120)
-    noticed_s = time.monotonic() - cut_at
-    victim.mend()
-    summary = deployment.finish(run, name)
-    _trials_agree(deployment, summary, name)
-    ttl_s = float(deployment.env["DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL"].removesuffix("s"))
-    print(f"a cut-off worker host was let go after {noticed_s:.1f} s (worker TTL {ttl_s:.0f} s)")
-    assert noticed_s <= ttl_s + 15  # + one poll of the scheduler from the control host
-    _nothing_host_local(deployment)
-
-
-def test_a_cut_link_between_ddp_ranks_resumes_the_trial_on_a_gang_without_the_lost_worker(
+def test_a_mop_sweep_by_mopflow_run_reaches_a_champion_with_every_part_in_the_profiles_stores(
     deployment: Deployment,
 ) -> None:
-    """Fault (c): the ranks of a DDP trial talk over a second network (the workers set
-    GLOO_SOCKET_IFNAME=eth1, as a cluster with its own interconnect does), and rank 1's link on it
-    is cut; the Dask workers stay connected. The trial notices within its collective timeout and
-    resumes from its checkpoint on a gang without the worker it lost."""
-    deployment.ensure_workers()
-    deployment.ask_scheduler(
-        "c.run(lambda: __import__('os').environ.update(GLOO_SOCKET_IFNAME='eth1')) and 1"
+    """``mopflow run`` on the control host with a Celery host's settings (the retraining DAG's
+    tasks in its own process, no scheduler), every unit on a Dask host. The Dask workers reach S3
+    with their own MOPFLOW_STORAGE_OPTIONS (the coordinator's endpoint name does not resolve on
+    them) and cache shards on their own disk, never at the coordinator's MOPFLOW_SHARD_CACHE."""
+    d = deployment
+    summary = d.run_pipeline("control", {"strategy": "mop"}, "xh-mop")
+    sweep = Sweep("xh-mop", "mopflow_retrain", summary["airflow_run_id"])
+    assert (sweep.run_key, sweep.study) == (summary["run_key"], summary["optuna"]["study_name"])
+    _trials_agree(d, sweep)
+    _nothing_host_local(d)
+    _every_part_in_the_profiles_stores(d, sweep)
+
+
+def _ran_on_the_celery_hosts(d: Deployment, sweep: Sweep, tis: list[dict[str, Any]]) -> None:
+    """Every task ran on a Celery host, and the search task's log, kept there, is read through
+    the stack's REST API (the api-server fetches it from that host, signed with the shared secret
+    key)."""
+    assert {t["hostname"] for t in tis} <= set(CELERY_HOSTS), {t["task_id"]: t["hostname"] for t in tis}
+    search = next(t for t in tis if t["task_id"] == "search")
+    status, log = d.api("GET", f"{sweep.path}/taskInstances/search/logs/{search['try_number']}")
+    assert status == 200, log
+    assert "search: study" in json.dumps(log), json.dumps(log)[-2000:]  # the stage's own lines
+    _every_task_went_through_celery(d, tis)
+
+
+def _every_task_went_through_celery(d: Deployment, tis: list[dict[str, Any]]) -> None:
+    """Each task instance came from this deployment's queue with a Celery task id, and its Celery
+    task ended SUCCESS in the result backend on PostgreSQL (it may report after the task instance)."""
+    import sqlalchemy
+
+    assert {t["queue"] for t in tis} == {d.stack_env["AIRFLOW__OPERATORS__DEFAULT_QUEUE"]}
+    engine = sqlalchemy.create_engine(d.pg_url("airflow"))
+    try:
+        with engine.connect() as conn:
+            ids: dict[str, str | None] = dict(
+                conn.execute(
+                    sqlalchemy.text(
+                        "SELECT task_id, external_executor_id FROM task_instance WHERE run_id = :r"
+                    ),
+                    {"r": tis[0]["dag_run_id"]},
+                ).all()
+            )
+        assert set(ids) == {t["task_id"] for t in tis} and all(ids.values()), ids
+        deadline = time.monotonic() + 60
+        while True:
+            with engine.connect() as conn:
+                results = dict(
+                    conn.execute(sqlalchemy.text("SELECT task_id, status FROM celery_taskmeta")).all()
+                )
+            if all(results.get(str(i)) == "SUCCESS" for i in ids.values()):
+                break
+            assert time.monotonic() < deadline, (ids, results)
+            time.sleep(1)
+    finally:
+        engine.dispose()
+
+
+def _every_part_in_the_profiles_stores(d: Deployment, sweep: Sweep) -> None:
+    """The profile's stores hold the run: every stage's MLflow run finished, with the manifest
+    hash and the Airflow run id (lineage); the DAG run in Airflow's metadata on PostgreSQL; the
+    shards, the trials' checkpoints and the registered model's files on S3."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=d.tracking_uri, registry_uri=d.tracking_uri)
+    experiment = client.get_experiment_by_name("mopflow")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`mopflow.run_key` = '{sweep.run_key}'")
+    stages = {r.data.tags.get("mopflow.stage") for r in runs}
+    assert {"pipeline", "shard", "search", "ensemble", "distill", "register", "trial"} <= stages
+    hashes = set()
+    for run in runs:
+        assert run.info.status == "FINISHED", run.info.run_name
+        assert run.data.tags["mopflow.airflow_run_id"] == sweep.dag_run_id
+        if run.data.tags["mopflow.stage"] != "pipeline":
+            hashes.add(run.data.tags["mopflow.manifest_hash"])
+    assert len(hashes) == 1, hashes
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(d.pg_url("airflow"))
+    try:
+        with engine.connect() as conn:
+            states = conn.execute(
+                sqlalchemy.text("SELECT state FROM dag_run WHERE dag_id = :d AND run_id = :r"),
+                {"d": sweep.dag_id, "r": sweep.dag_run_id},
+            ).scalars()
+            assert list(states) == ["success"]
+    finally:
+        engine.dispose()
+    keys = list(d.s3_keys())
+    assert any(k.startswith("data/") and k.endswith("manifest.json") for k in keys), keys[:20]
+    assert any(k.startswith("artifacts/studies/") and k.endswith("weights.safetensors") for k in keys)
+    assert any(k.startswith("mlflow/") and k.endswith("MLmodel") for k in keys)
+
+
+def test_a_task_sweep_goes_on_when_a_dask_host_is_cut_off(deployment: Deployment) -> None:
+    """Fault (a), on the ``task`` strategy's sweep, triggered through the stack's REST API and run
+    by the Celery hosts: a Dask host's link is cut while it trains a trial, and brought back later. The scheduler lets it go within the profile's TCP timeout and
+    worker TTL (not Dask's 5-minute default), its trial goes on elsewhere from its checkpoint, and
+    the sweep finishes to a champion with nothing on any host's own disk."""
+    d = deployment
+    d.ensure_dask_workers()
+    sweep = Sweep.trigger(d, "xh-task", {"strategy": "task", "n_trials": 3, "epochs": 3})
+    busy = wait_for(
+        lambda: [w for w, keys in d.processing().items() if keys] or None, "a trial training", 300
     )
-    name, timeout_s = "xh-cut-ranks", 45.0  # a rank starved by a busy machine is not lost
-    names = {address: worker for worker, address in deployment.dask_workers().items()}
+    victim = d.hosts[busy[0]]
+    victim.cut()
+    cut_at = time.monotonic()
+    wait_for(lambda: victim.name not in d.dask_workers() or None, f"{victim.name} let go", 120)
+    noticed_s = time.monotonic() - cut_at
+    victim.mend()
+    tis = d.finish(sweep.path)
+    _ran_on_the_celery_hosts(d, sweep, tis)
+    _trials_agree(d, sweep)
+    ttl_s = float(d.celery_env["DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL"].removesuffix("s"))
+    print(f"a cut-off Dask host was let go after {noticed_s:.1f} s (worker TTL {ttl_s:.0f} s)")
+    assert noticed_s <= ttl_s + 15  # + one poll of the scheduler from the control host
+    _nothing_host_local(d)
+
+
+def test_a_ddp_sweep_whose_ranks_lose_their_link_resumes_on_a_gang_without_the_lost_worker(
+    deployment: Deployment,
+) -> None:
+    """The ``ddp`` strategy's sweep and fault (c): the trial's two ranks start on two hosts and
+    talk over a second network (the workers set GLOO_SOCKET_IFNAME=eth1, as a cluster with its own
+    interconnect does); after its first epoch, rank 1's link on it is cut while the Dask workers
+    stay connected. The trial notices within its collective timeout and resumes from its
+    checkpoint on a gang without the worker it lost, to a champion."""
+    d = deployment
+    d.ensure_dask_workers()
+    d.ask_scheduler("c.run(lambda: __import__('os').environ.update(GLOO_SOCKET_IFNAME='eth1')) and 1")
+    timeout_s = 45.0  # a rank starved by a busy machine is not lost
+    names = {address: worker for worker, address in d.dask_workers().items()}
     lost = None
     try:
-        run = deployment.start_run(
-            {
-                "strategy": "ddp",
-                "n_trials": 1,
-                "epochs": 8,
-                "pruner": "none",
-                "ddp_collective_timeout_s": timeout_s,
-            },
-            name,
-        )
-        # Probes that take milliseconds (the run's log, the study), not a client process on the
-        # control host: on a busy machine that takes seconds, and the trial would end before the cut.
-        _wait(lambda: _epochs_told(deployment, name) >= 1 or None, "the trial's first epoch", 300)
-        first = _wait(lambda: _first_gang(deployment, name, names), "the trial's ranks in its log", 60)
-        lost = deployment.hosts[first[1]]
+        conf = {
+            "strategy": "ddp",
+            "n_trials": 1,
+            "epochs": 8,
+            "pruner": "none",
+            "ddp_collective_timeout_s": timeout_s,
+        }
+        sweep = Sweep.trigger(d, "xh-ddp", conf)
+        # Probes that take milliseconds (the study), not a client process on the control host:
+        # on a busy machine that takes seconds, and the trial would end before the cut.
+        wait_for(lambda: _epochs_told(d, sweep) >= 1 or None, "the trial's first epoch", 300)
+        first = _gangs(d, names)[0][1]
+        assert len(set(first)) == 2, first  # two hosts, a worker each
+        lost = d.hosts[first[1]]  # rank 1's
         lost.cut("eth1")
         cut_at = time.time()
-        summary = deployment.finish(run, name)
+        d.finish(sweep.path)
     finally:
         if lost is not None:
             lost.mend()
-        deployment.ask_scheduler(
-            "c.run(lambda: __import__('os').environ.pop('GLOO_SOCKET_IFNAME', None)) and 1"
-        )
-    _trials_agree(deployment, summary, name)
-    log = deployment.run_log(summary)
-    starts = [
-        (datetime.fromisoformat(at).timestamp(), {names.get(a, a), names.get(b, b)})
-        for at, a, b in re.findall(r"^(\S+) .*trial-0000 starts on 2 ranks \((\S+), (\S+)\)", log, re.M)
-    ]
-    assert starts[0][1] == set(first)
-    again = [(at, gang) for at, gang in starts if at > cut_at]
-    assert again and lost.name not in again[0][1], starts
+        d.ask_scheduler("c.run(lambda: __import__('os').environ.pop('GLOO_SOCKET_IFNAME', None)) and 1")
+    _trials_agree(d, sweep)
+    _nothing_host_local(d)
+    again = [(at, gang) for at, gang in _gangs(d, names) if at > cut_at]
+    assert again and lost.name not in again[0][1], again
     restarted_s = again[0][0] - cut_at
     print(
         f"ranks on {sorted(first)}, {lost.name}'s link cut: on {sorted(again[0][1])} after {restarted_s:.1f} s"
     )
     assert restarted_s <= timeout_s + 30  # the collective timeout, then the new gang's rendezvous
-    assert "starting again from its last checkpoint" in log
+    assert d.task_lines("starting again from its last checkpoint")
 
 
-def _epochs_told(deployment: Deployment, name: str) -> int:
-    """Epochs the study of run ``name``'s single trial has been told (0 before it exists)."""
-    import optuna
-
-    storage = deployment.env["MOPFLOW_OPTUNA_STORAGE"].replace(f"@{deployment.hosts.gateway}:", "@127.0.0.1:")
-    studies = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.startswith(f"{name}-")]
-    if not studies:
+def _epochs_told(d: Deployment, sweep: Sweep) -> int:
+    """Epochs the sweep's single trial has been told (0 before it exists)."""
+    try:
+        trials = _study(d, sweep.study).trials
+    except KeyError:  # the search has not made it yet
         return 0
-    trials = optuna.load_study(study_name=studies[0].study_name, storage=storage).trials
     return len(trials[0].intermediate_values) if trials else 0
 
 
-def _first_gang(deployment: Deployment, name: str, names: dict[str, str]) -> tuple[str, str] | None:
-    """The workers of rank 0 and rank 1 of run ``name``'s first trial, from the run's full log on
-    the control host (None before its gang started)."""
-    found = re.search(r"full log: (\S+)", (deployment.logs / f"run-{name}.log").read_text())
-    if found is None:
-        return None
-    log = deployment.control.run(["cat", found.group(1)], {}).stdout
-    gang = re.search(r"trial-0000 starts on 2 ranks \((\S+), (\S+)\)", log)
-    return (
-        (names.get(gang.group(1), gang.group(1)), names.get(gang.group(2), gang.group(2))) if gang else None
+def _gangs(d: Deployment, names: dict[str, str]) -> list[tuple[float, tuple[str, ...]]]:
+    """When trial-0000 started on a gang, and the gang's hosts by rank, from the search task's log."""
+    found = []
+    for record in d.task_lines("trial-0000 starts on 2 ranks"):
+        ranks = re.search(r"\((\S+), (\S+)\)", str(record["event"]))
+        assert ranks, record
+        found.append((log_time(record), tuple(names.get(a, a) for a in ranks.groups())))
+    assert found, "the trial's gang is not in the search task's log"
+    return found
+
+
+@pytest.mark.parametrize("fault", ["killed", "cut"])
+def test_a_celery_host_lost_during_the_search_is_retried_on_the_other_from_its_checkpoints(
+    deployment: Deployment, fault: str
+) -> None:
+    """Fault (b): the Celery host running the search task is lost. ``killed``: every process on it
+    dies. ``cut``: its link goes down, its processes live on, and it comes back once the retry
+    runs. Airflow notices the missing heartbeats, and the retry, on the other host, takes the
+    study's lease and resumes the trials from their checkpoints in S3: every trial COMPLETE, each
+    epoch told once, a champion registered. A cut-off try that comes back writes nothing after the
+    retry took over: the study and every object in S3 are as the retry left them once it ended."""
+    from mopflow.training.search.lease import lease_of
+    from mopflow.training.search.study import MODEL_ATTR, STALE_ATTR
+
+    d = deployment
+    d.ensure_celery_workers()  # a host killed by an earlier test is back
+    d.ensure_dask_workers()
+    sweep = Sweep.trigger(d, f"xh-celery-{fault}", {"n_trials": 3, "epochs": 4, "pruner": "none"})
+    deadline, victim = time.monotonic() + 600, ""
+    while not victim:  # the search task runs, and its first epoch was told to the study
+        assert time.monotonic() < deadline, d.api("GET", f"{sweep.path}/taskInstances/search")
+        time.sleep(0.5)
+        search = d.api("GET", f"{sweep.path}/taskInstances/search")[1]
+        if search.get("state") == "running" and _any_epoch_told(d, sweep):
+            victim = search["hostname"]
+    assert victim in CELERY_HOSTS
+    survivor = next(h for h in CELERY_HOSTS if h != victim)
+    lost_at = time.monotonic()
+    if fault == "killed":
+        d.hosts[victim].kill_all()
+    else:
+        d.hosts[victim].cut()
+        try:  # the retry starts on the other host while this one is still cut off
+            while (search := d.api("GET", f"{sweep.path}/taskInstances/search")[1]).get(
+                "try_number"
+            ) != 2 or (search.get("state") != "running"):
+                assert time.monotonic() < lost_at + 300, search
+                time.sleep(1)
+            print(
+                f"the search's retry runs on {search['hostname']} {time.monotonic() - lost_at:.1f} s after the cut"
+            )
+        finally:
+            d.hosts[victim].mend()
+    tis = d.finish(sweep.path)
+    search = next(t for t in tis if t["task_id"] == "search")
+    assert (search["try_number"], search["hostname"]) == (2, survivor), search
+    if fault == "killed":  # the killed host's worker is gone: the later tasks ran on the survivor
+        assert {t["hostname"] for t in tis if t["task_id"] in ("ensemble", "distill", "register")} == {
+            survivor
+        }
+    trials = _study(d, sweep.study).trials
+    counted = [t for t in trials if not t.user_attrs.get(STALE_ATTR)]
+    assert sorted(t.state.name for t in counted) == ["COMPLETE"] * 3, [
+        (t.number, t.state.name) for t in trials
+    ]
+    assert any(t.user_attrs.get(STALE_ATTR) for t in trials)  # the lost try's trials, failed and retried
+    assert any("resumed_from_epoch" in t.user_attrs for t in counted)  # from its checkpoint in S3
+    for trial in counted:  # each model's epochs told once, in order, whichever try trained them
+        assert sorted(trial.intermediate_values) == list(range(4)), (trial.number, trial.intermediate_values)
+    assert len({t.user_attrs[MODEL_ATTR] for t in counted}) == 3
+    assert lease_of(_study(d, sweep.study))["generation"] == 2
+    print(
+        f"search retried on {survivor} and the run done {time.monotonic() - lost_at:.1f} s after the host was {fault}"
     )
+    if fault == "cut":
+        _the_cut_off_try_ends_writing_nothing(d, victim, sweep)
+
+
+def _any_epoch_told(d: Deployment, sweep: Sweep) -> bool:
+    try:
+        return any(t.intermediate_values for t in _study(d, sweep.study).trials)
+    except KeyError:  # the search has not made the study yet
+        return False
+
+
+# The processes of an Airflow task on a Celery worker: its supervisor and the task itself.
+TASK_PROCESSES = ("airflow task supervisor", "airflow worker --")
+# How a cut-off try can end: its lease taken (mopflow), or its supervisor told or giving up (Airflow).
+ENDINGS = ("Superseded", "shouldn't be running anymore", "Too many failed heartbeats")
+
+
+def _the_cut_off_try_ends_writing_nothing(d: Deployment, victim: str, sweep: Sweep) -> None:
+    """Wait for the first try's processes on ``victim`` to end; nothing it could reach (the study,
+    the objects in S3) changed meanwhile."""
+    before = _written(d, sweep)
+    mended_at = time.monotonic()
+    while tasks := [c for c in d.hosts[victim].processes().values() if c.startswith(TASK_PROCESSES)]:
+        assert time.monotonic() < mended_at + 300, tasks
+        time.sleep(2)
+    ended_s = time.monotonic() - mended_at
+    assert _written(d, sweep) == before
+    logs = Path(d.hosts.private_home) / "airflow" / "logs"
+    found = d.hosts[victim].run(["grep", "-rhoE", "|".join(ENDINGS), str(logs)], {}).stdout
+    print(
+        f"the cut-off try ended {ended_s:.1f} s after the run, writing nothing: {sorted(set(found.split(chr(10))) - {''})}"
+    )
+
+
+def _written(d: Deployment, sweep: Sweep) -> dict[str, Any]:
+    """What a sweep can write: the study's trials, and every object in S3 with its ETag and time."""
+    trials = _study(d, sweep.study).trials
+    return {
+        "trials": [(t.number, t.state.name, t.intermediate_values, t.user_attrs) for t in trials],
+        "objects": d.s3_keys(),
+    }

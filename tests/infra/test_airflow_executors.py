@@ -5,7 +5,7 @@ on PostgreSQL + S3, Optuna on PostgreSQL and a Dask scheduler and workers; two m
 triggered over the REST API run their tasks at the same time. With
 ``AIRFLOW__CORE__EXECUTOR=CeleryExecutor`` the same ``mopflow up`` runs the Airflow components
 separately with a Celery worker on Redis: a sweep through Celery workers, each task's Celery
-result checked, runs in ``test_airflow_across_hosts.py``.
+result checked, runs in ``test_across_hosts.py``.
 
 The fast tests check the wiring ``mopflow up`` derives from the profile without starting anything.
 """

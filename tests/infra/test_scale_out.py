@@ -5,7 +5,7 @@ artifacts, shards and checkpoints on S3; an external Dask scheduler and workers)
 retraining pipeline across test hosts in ``test_across_hosts.py``, whose ``mop`` sweep also checks
 every stage's lineage tags, the Airflow run on PostgreSQL and the objects on S3; the real Airflow
 components in this profile (``mopflow up`` with the LocalExecutor and the CeleryExecutor) in
-``test_airflow_executors.py`` and ``test_airflow_across_hosts.py``."""
+``test_airflow_executors.py`` and ``test_across_hosts.py``."""
 
 from __future__ import annotations
 

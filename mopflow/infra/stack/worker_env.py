@@ -21,9 +21,15 @@ from mopflow.infra.stack.state import stack_dir
 
 WORKER_ENV_NAME = "worker.env"
 
-# Airflow's variables a worker takes as the stack has them: these sections whole (how to reach the
-# metadata database and the broker, Celery's knobs) ...
-_AIRFLOW_SECTIONS = ("AIRFLOW__DATABASE__", "AIRFLOW__CELERY__", "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__")
+# Variables a worker takes as the stack has them: these sections whole (how to reach the metadata
+# database and the broker, Celery's knobs, and Dask's: the profile's timeouts that let a silent
+# host go, which every Dask client and worker must read too) ...
+_SECTIONS = (
+    "AIRFLOW__DATABASE__",
+    "AIRFLOW__CELERY__",
+    "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__",
+    "DASK_DISTRIBUTED__",
+)
 # ... and these: the executor, where the tasks reach the Execution API, the port the api-server
 # fetches a running task's log from (its own setting, so the worker must serve there), the queue
 # the worker listens on, and the DAG files (a worker parses them itself).
@@ -63,7 +69,7 @@ def worker_env(airflow: Mapping[str, str]) -> dict[str, str]:
     wanted = [
         *_AIRFLOW_VARS,
         *_secret_vars(),
-        *sorted(k for k in airflow if k.startswith(_AIRFLOW_SECTIONS)),
+        *sorted(k for k in airflow if k.startswith(_SECTIONS)),
         *(var for var in mopflow if var not in _HOST_OWN),
         *_MLFLOW_VARS,
     ]

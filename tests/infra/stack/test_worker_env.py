@@ -33,6 +33,9 @@ SHARED = {
     "MOPFLOW_ARTIFACT_ROOT": "s3://mopflow/artifacts",
     "MOPFLOW_STORAGE_OPTIONS": '{"client_kwargs": {"endpoint_url": "http://10.0.0.5:9000"}}',
     "MOPFLOW_RETRAIN_CONFIG": "s3://mopflow/retrain.yaml",
+    # the profile's Dask timeouts: a task's Dask client on the worker host lets a silent host go as soon
+    "DASK_DISTRIBUTED__COMM__TIMEOUTS__TCP": "15s",
+    "DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": "30s",
 }
 SECRETS = {
     "AIRFLOW__CORE__FERNET_KEY": "f" * 44,
