@@ -41,6 +41,9 @@ DAG_ID = "mopflow_sweep"
 CELERY_HOSTS = ("celery1", "celery2")
 DASK_HOSTS = ("dask1", "dask2", "dask3")
 LOCAL_FOLDERS = ("data", "artifacts", "optuna", "mlflow")  # under a host's MOPFLOW_HOME
+# mopflow_retrain's Param defaults, on S3 (MOPFLOW_RETRAIN_CONFIG): every host that parses the
+# DAG files reads them there
+RETRAIN_CONFIG = {"model_name": "xh-retrain", "n_trials": 2, "top_k": 1, "epochs": 1}
 CELERY_READY = " ready."  # the line a Celery worker logs once it takes tasks ("celery@celery1 ready.")
 # The smallest sweep that still ensembles and distils. Each study its own (no warm start): Optuna
 # and MLflow then hold the same trials.
@@ -310,6 +313,7 @@ def deploy(root: Path) -> Iterator[Deployment]:
         cleanup.callback(broker.delete, queue, f"_kombu.binding.{queue}")
         s3_endpoint = start_s3(gateway, cleanup)
         s3_port = s3_endpoint.rsplit(":", 1)[1]
+        s3_client(s3_endpoint).put_object(Bucket=BUCKET, Key="retrain.yaml", Body=json.dumps(RETRAIN_CONFIG))
         for name in ("control", *CELERY_HOSTS):  # a name the Dask hosts do not resolve
             hosts.add_name(name, "objects", gateway)
         named_endpoint = f"http://objects:{s3_port}"
@@ -332,6 +336,7 @@ def deploy(root: Path) -> Iterator[Deployment]:
             "MOPFLOW_OPTUNA_STORAGE": f"{pg}/{dbs['optuna']}",
             "MOPFLOW_STORAGE_OPTIONS": json.dumps({"client_kwargs": {"endpoint_url": named_endpoint}}),
             "MLFLOW_S3_ENDPOINT_URL": named_endpoint,
+            "MOPFLOW_RETRAIN_CONFIG": f"s3://{BUCKET}/retrain.yaml",
         }
         up = d.mopflow("up")
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]

@@ -27,6 +27,7 @@ from tests.infra.host_deployment import (
     CELERY_HOSTS,
     DAG_ID,
     DASK_HOSTS,
+    RETRAIN_CONFIG,
     Deployment,
     deploy,
     log_time,
@@ -142,6 +143,26 @@ def test_host_local_locations_are_refused_with_workers_on_other_hosts(deployment
     )
     assert done.returncode != 0
     assert "AcrossHostsError" in done.stderr and "MOPFLOW_DATA_ROOT='/var/lib/mopflow/data'" in done.stderr
+
+
+def test_the_retrain_config_on_s3_gives_the_retrain_dag_its_params_where_it_is_parsed(
+    deployment: Deployment,
+) -> None:
+    """MOPFLOW_RETRAIN_CONFIG as a URL on shared storage (``s3://mopflow/retrain.yaml``, read with
+    the host's own MOPFLOW_STORAGE_OPTIONS): the stack's dag-processor reads it there, so the
+    retraining DAG's Params take its values, and the DAG files parse without error. ``mopflow
+    run`` on the control host reads it too (the ``mop`` sweep's)."""
+    d = deployment
+    assert d.celery_env["MOPFLOW_RETRAIN_CONFIG"] == "s3://mopflow/retrain.yaml"  # passed to every host
+
+    def params() -> dict[str, Any] | None:
+        status, details = d.api("GET", "/dags/mopflow_retrain/details")
+        return details["params"] if status == 200 else None
+
+    found = wait_for(params, "the retraining DAG parsed", 180)
+    assert {k: found[k]["value"] for k in RETRAIN_CONFIG} == RETRAIN_CONFIG, found
+    status, errors = d.api("GET", "/importErrors")
+    assert status == 200 and errors["total_entries"] == 0, errors
 
 
 def test_a_mop_sweep_by_mopflow_run_reaches_a_champion_with_every_part_in_the_profiles_stores(
