@@ -34,10 +34,19 @@ class ClusterLost(RuntimeError):
     telling the study anything about them, and its retry resumes them from their checkpoints."""
 
 
-def raise_if_cluster_lost(exc: BaseException) -> None:
+# A client that gave up reconnecting closes, and its close cancels the futures left with no reason
+# given: a cancel seen while the client is in one of these states is the cluster's loss too.
+CLIENT_WITHOUT_SCHEDULER = frozenset({"connecting", "closing", "closed"})
+
+
+def raise_if_cluster_lost(exc: BaseException, client: Any = None) -> None:
     """Raise :class:`ClusterLost` from ``exc`` when it is a future cancelled because the client
-    lost the scheduler; otherwise return (the caller judges ``exc`` as the unit's own error)."""
-    if isinstance(exc, CancelledError) and getattr(exc, "reason", None) == SCHEDULER_CONNECTION_LOST:
+    lost the scheduler (the cancel says so, or ``client`` is reconnecting or closed); otherwise
+    return (the caller judges ``exc`` as the unit's own error)."""
+    if not isinstance(exc, CancelledError):
+        return
+    status = str(getattr(client, "status", ""))
+    if getattr(exc, "reason", None) == SCHEDULER_CONNECTION_LOST or status in CLIENT_WITHOUT_SCHEDULER:
         raise ClusterLost(f"the connection to the Dask scheduler was lost: {exc}") from exc
 
 

@@ -244,7 +244,8 @@ class DDPExecutor(Executor):
             except Superseded:  # a later attempt drives the study: nothing more is written
                 raise
             except Exception as exc:
-                raise_if_cluster_lost(exc)  # the cluster's loss, not the trial's: it stays unfinished
+                # the cluster's loss, not the trial's: it stays unfinished
+                raise_if_cluster_lost(exc, self.client)
                 outcome.error = f"{type(exc).__name__}: {exc}"
                 log.warning("ddp: %s failed: %s", spec.model_id, outcome.error)
                 break

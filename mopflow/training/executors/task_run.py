@@ -257,7 +257,7 @@ class TaskRun:
             self._preempted(mid, epoch, exc)
             return
         except Exception as exc:
-            raise_if_cluster_lost(exc)  # the cluster's loss, not the model's: no trial fails for it
+            raise_if_cluster_lost(exc, self.executor.client)  # the cluster's loss: no trial fails for it
             log.warning("task: %s failed at epoch %d: %s", mid, self.told.get(mid, -1) + 2, exc)
             self.fail(mid, f"{type(exc).__name__}: {exc}")
             return

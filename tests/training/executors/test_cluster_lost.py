@@ -68,3 +68,20 @@ def test_only_a_cancel_for_a_lost_scheduler_is_the_clusters_loss() -> None:
     raise_if_cluster_lost(FutureCancelledError("k", "scheduler-restart"))  # judged as the unit's error
     raise_if_cluster_lost(CancelledError())
     raise_if_cluster_lost(RuntimeError("scheduler-connection-lost"))
+
+
+class _Client:
+    def __init__(self, status: str) -> None:
+        self.status = status
+
+
+def test_a_cancel_with_no_reason_from_a_client_without_its_scheduler_is_the_clusters_loss() -> None:
+    """A client that gave up reconnecting closes and cancels what it held, naming no reason: a
+    cancel seen then is the cluster's loss; the same cancel from a running client is not."""
+    from distributed.client import FutureCancelledError
+
+    for status in ("connecting", "closing", "closed"):
+        with pytest.raises(ClusterLost):
+            raise_if_cluster_lost(FutureCancelledError("k", "unknown"), _Client(status))
+    raise_if_cluster_lost(FutureCancelledError("k", "unknown"), _Client("running"))
+    raise_if_cluster_lost(RuntimeError("boom"), _Client("closed"))  # not a cancel: the unit's own error
