@@ -96,3 +96,17 @@ def test_a_module_cannot_load_under_a_second_name() -> None:
             f"ImportError: import mopflow.{name}, not {name} (the repository root is on sys.path)"
             in proc.stderr
         )
+
+
+def test_the_stages_coordinators_import_no_lightning() -> None:
+    """Lightning (about 2 s of CPU to import) loads where models train, on the workers: the
+    pipeline's stages, whose task processes coordinate, never import it themselves."""
+    code = (
+        "import sys\n"
+        "import mopflow.pipeline.search, mopflow.pipeline.ensemble, mopflow.pipeline.distill\n"
+        "import mopflow.pipeline.register, mopflow.compression.distill.distill\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('pytorch_lightning', 'lightning')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"

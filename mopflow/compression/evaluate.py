@@ -16,6 +16,9 @@ from mopflow.training.models.metrics import top1_correct
 # Rows per forward pass when measuring accuracy: an ensemble's activations for 4096 rows took
 # about 190 MB more than for 1024 (2 residual CNN members), for 16% less time.
 EVAL_ROWS = 1024
+# Timing a forward pass stops after this many seconds of timed passes, once this many are timed.
+LATENCY_BUDGET_S = 0.25
+LATENCY_MIN_REPEATS = 5
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
@@ -39,20 +42,33 @@ def serialized_bytes(module: nn.Module) -> int:
 
 @torch.no_grad()
 def latency_ms(
-    forward: Callable[[torch.Tensor], torch.Tensor], n_features: int, batch: int, repeats: int = 30
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    n_features: int,
+    batch: int,
+    repeats: int = 30,
+    budget_s: float | None = LATENCY_BUDGET_S,
 ) -> float:
-    """Median wall time of one forward pass at ``batch`` rows, in milliseconds (one CPU thread)."""
+    """Median wall time of one forward pass at ``batch`` rows, in milliseconds (one CPU thread).
+
+    Three warm-up passes, then ``repeats`` timed ones; with ``budget_s``, timing stops once that
+    many seconds are spent and at least :data:`LATENCY_MIN_REPEATS` passes are timed, so that a
+    large ensemble's slow passes do not hold up the report (a median of a few 100-ms passes is as
+    steady as one of thirty). ``None`` times exactly ``repeats`` passes."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         x = torch.randn(batch, n_features)
         for _ in range(3):
             forward(x)
-        times = []
-        for _ in range(repeats):
+        times: list[float] = []
+        spent = 0.0
+        while len(times) < repeats:
+            if budget_s is not None and spent >= budget_s and len(times) >= LATENCY_MIN_REPEATS:
+                break
             start = time.perf_counter()
             forward(x)
             times.append(time.perf_counter() - start)
+            spent += times[-1]
         return float(np.median(times) * 1e3)
     finally:
         torch.set_num_threads(threads)

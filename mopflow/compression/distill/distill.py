@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from torch import nn
 
@@ -164,6 +163,10 @@ def fit_student(
     tensors, or a :class:`~mopflow.training.data.streaming.StreamedRows` of them read pass by pass. After each
     epoch the student is validated on ``validation()``'s shards, one at a time, and the epoch is
     told to ``on_epoch`` (default :func:`report_epoch`). The model comes back on the CPU."""
+    # Lightning is imported where students train (the Dask workers), not by every process that
+    # imports this module (the distill stage's coordinator: about 2 s of CPU).
+    import pytorch_lightning as pl
+
     from mopflow.training.data.streaming import StreamedRows
     from mopflow.training.trainable.lit import quiet_lightning
     from mopflow.training.trainable.unit import ModelSpec, TrainableUnit
