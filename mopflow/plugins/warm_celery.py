@@ -16,11 +16,12 @@ from typing import Any
 from airflow.providers.celery.executors.default_celery import DEFAULT_CELERY_CONFIG
 from celery.signals import worker_init
 
-from mopflow.plugins.warm_executor import import_task_stack
+from mopflow.plugins.warm_executor import import_task_stack, settle_heap_before_forks
 
 
 def _import_before_the_pool_forks(**_: Any) -> None:
     import_task_stack()
+    settle_heap_before_forks()
 
 
 worker_init.connect(_import_before_the_pool_forks, weak=False, dispatch_uid="mopflow-warm-pool")

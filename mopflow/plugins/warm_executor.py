@@ -21,6 +21,8 @@ import time
 
 from airflow.executors.local_executor import LocalExecutor
 
+from mopflow.base.heap import collect_less_often, freeze_long_lived
+
 # What mopflow's tasks import, the heaviest first: Lightning alone is 3 s of CPU (it pulls in
 # torch, torchmetrics, scipy.signal, matplotlib and torch._dynamo).
 TASK_IMPORTS = (
@@ -57,9 +59,17 @@ def import_task_stack(modules: tuple[str, ...] = TASK_IMPORTS) -> list[str]:
     return failed
 
 
+def settle_heap_before_forks() -> None:
+    """What the forks inherit (the imported stack) out of the garbage collector's walks, its pages
+    left shared copy-on-write; every task process collects less often (:mod:`mopflow.base.heap`)."""
+    collect_less_often()
+    freeze_long_lived()
+
+
 class WarmLocalExecutor(LocalExecutor):
     """The LocalExecutor, whose worker processes fork after the training stack was imported."""
 
     def start(self) -> None:
         import_task_stack()
+        settle_heap_before_forks()
         super().start()

@@ -59,9 +59,10 @@ def test_the_stack_is_imported_before_the_workers_fork(monkeypatch: pytest.Monke
 
     order: list[str] = []
     monkeypatch.setattr(warm_executor, "import_task_stack", lambda: order.append("imported") or [])
+    monkeypatch.setattr(warm_executor, "settle_heap_before_forks", lambda: order.append("heap frozen"))
     monkeypatch.setattr(LocalExecutor, "start", lambda self: order.append("workers forked"))
     WarmLocalExecutor.start(object.__new__(WarmLocalExecutor))
-    assert order == ["imported", "workers forked"]
+    assert order == ["imported", "heap frozen", "workers forked"]
     assert import_task_stack(("json", "no_such_module_here")) == ["no_such_module_here"]
 
 
@@ -88,5 +89,6 @@ def test_celery_workers_of_the_stack_import_the_stack_before_their_pool_forks(
     assert dict(DEFAULT_CELERY_CONFIG) == warm_celery.CELERY_CONFIG
     imported: list[str] = []
     monkeypatch.setattr(warm_celery, "import_task_stack", lambda: imported.append("stack") or [])
+    monkeypatch.setattr(warm_celery, "settle_heap_before_forks", lambda: imported.append("heap frozen"))
     worker_init.send(sender=None)
-    assert imported == ["stack"]
+    assert imported == ["stack", "heap frozen"]

@@ -40,9 +40,11 @@ def run_pipeline(
     shows the run's progress (:mod:`mopflow.base.progress`).
     """
     from mopflow.base import stopping
+    from mopflow.base.heap import collect_less_often
     from mopflow.base.settings import Settings
     from mopflow.training.compute.cluster import shared_local_clusters, start_local_cluster_early
 
+    collect_less_often()  # every stage runs in this process: 4 s of a tiny run's CPU went to it
     settings = Settings.from_env()
     record, run_conf = _run_conf(settings.home, conf, resume)
     timeout_s = local_runs.stop_timeout_s()
