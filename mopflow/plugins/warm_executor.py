@@ -37,6 +37,7 @@ TASK_IMPORTS = (
     "mopflow.compression.ensemble",
     "mopflow.registry.model_registry",
 )
+REGISTRY = "mopflow.registry.model_registry"
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,10 @@ def import_task_stack(modules: tuple[str, ...] = TASK_IMPORTS) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - any import error is the task's to report
             log.warning("mopflow: could not import %s before forking task processes: %s", name, exc)
             failed.append(name)
+    if REGISTRY in modules and REGISTRY not in failed:
+        from mopflow.registry.model_registry import index_installed_packages
+
+        index_installed_packages()  # what MLflow reads to log a model (ensemble, distill)
     log.info(
         "mopflow: task processes start with the training stack imported (%.1f s of CPU once)",
         time.process_time() - started,

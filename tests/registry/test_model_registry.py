@@ -62,3 +62,17 @@ def test_cli_promote_and_rollback(tmp_path: Path) -> None:
     assert back.returncode == 0 and "-> 1" in back.stdout
     bad = cli("promote", "m-student", "7")
     assert bad.returncode == 2 and "no version '7'" in bad.stderr
+
+
+def test_the_installed_packages_are_indexed_once_ahead_of_any_model_log() -> None:
+    """The warm executors index the installed distributions before they fork: a task that logs a
+    model then finds MLflow's index built (MLflow builds it only while it is missing)."""
+    from mlflow.utils import requirements_utils
+
+    from mopflow.registry.model_registry import index_installed_packages
+
+    assert index_installed_packages()
+    distributions = requirements_utils._MODULES_TO_PACKAGES  # the costly part, built once
+    assert requirements_utils._PACKAGES_TO_MODULES["mlflow"] == "mlflow"
+    assert index_installed_packages()
+    assert requirements_utils._MODULES_TO_PACKAGES is distributions
