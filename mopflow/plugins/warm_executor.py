@@ -23,6 +23,7 @@ from airflow.executors.local_executor import LocalExecutor
 
 from mopflow.base.heap import collect_less_often, freeze_long_lived
 
+REGISTRY = "mopflow.registry.model_registry"
 # What mopflow's tasks import, the heaviest first: Lightning alone is 3 s of CPU (it pulls in
 # torch, torchmetrics, scipy.signal, matplotlib and torch._dynamo).
 TASK_IMPORTS = (
@@ -35,16 +36,17 @@ TASK_IMPORTS = (
     "mopflow.training.data",
     "mopflow.compression.distill.distill",
     "mopflow.compression.ensemble",
-    "mopflow.registry.model_registry",
+    REGISTRY,
 )
-REGISTRY = "mopflow.registry.model_registry"
 
 log = logging.getLogger(__name__)
 
 
 def import_task_stack(modules: tuple[str, ...] = TASK_IMPORTS) -> list[str]:
-    """Import ``modules`` in this process; the ones that failed (logged: a task importing one
-    fails on its own, naming it). A speed-up, never a reason for the scheduler to stop."""
+    """Import ``modules`` in this process, and with the registry among them have MLflow index the
+    installed packages (what it reads to log a model); the modules that failed (logged: a task
+    importing one fails on its own, naming it). A speed-up, never a reason for the scheduler to
+    stop."""
     failed = []
     started = time.process_time()
     for name in modules:
