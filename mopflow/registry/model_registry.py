@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +105,7 @@ def log_bundle_model(
     import mlflow
     from mlflow.models import infer_signature
 
-    from mopflow.registry.pyfunc_model import BundleProbabilities
+    from mopflow.registry.pyfunc_model import CODE_ARTIFACT, BundleProbabilities
 
     with tempfile.TemporaryDirectory() as tmp:
         fs, path = filesystem(bundle_uri, storage_options)
@@ -123,20 +124,36 @@ def log_bundle_model(
             info = mlflow.pyfunc.log_model(
                 name=name,
                 python_model=str(PYFUNC_FILE),
-                artifacts={"bundle": str(local)},
+                artifacts={"bundle": str(local), CODE_ARTIFACT: str(zip_package(Path(tmp) / "mopflow.zip"))},
                 signature=signature,
                 input_example=example,
                 pip_requirements=_pip_requirements(model.bundle.feature_columns == [EXAMPLE_COLUMN]),
-                code_paths=[str(_package_dir())],
             )
     return str(info.model_uri)
 
 
-def _package_dir() -> Path:
-    """The ``mopflow`` package folder, to ship with a logged model."""
+# A fixed time stamp for every entry: the same code zips to the same bytes.
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+
+
+def zip_package(dest: Path) -> Path:
+    """The ``mopflow`` package's files (no bytecode caches) zipped at ``dest`` as ``mopflow/...``,
+    importable with ``dest`` on ``sys.path``. A logged model ships its code as this one file: as a
+    folder (MLflow's ``code_paths``) it was some 200 files, each a request of its own to an
+    artifact store such as S3, at every log and every load."""
     import mopflow
 
-    return Path(mopflow.__file__).parent
+    package = Path(mopflow.__file__).resolve().parent
+    files = sorted(
+        f for f in package.rglob("*") if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"
+    )
+    with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as archive:
+        for file in files:
+            entry = zipfile.ZipInfo(f"mopflow/{file.relative_to(package).as_posix()}", _ZIP_TIME)
+            entry.compress_type = zipfile.ZIP_DEFLATED
+            entry.external_attr = 0o644 << 16
+            archive.writestr(entry, file.read_bytes())
+    return dest
 
 
 def register_version(client: Any, name: str, model_uri: str, run_key: str, tags: Mapping[str, str]) -> Any:

@@ -1,17 +1,22 @@
 """MLflow "model from code": a mopflow bundle served as a pyfunc returning class probabilities.
 
-Logged with ``python_model=<this file>`` and ``artifacts={"bundle": <folder>}``; loading reads
-JSON + safetensors only (no pickled objects).
+Logged with ``python_model=<this file>`` and ``artifacts={"bundle": <folder>, "mopflow_code":
+<zip>}``; loading reads JSON + safetensors only (no pickled objects). The zip holds the mopflow
+package the model was logged with, so that a process without mopflow installed serves it; this
+file imports nothing of mopflow before the zip is on the path.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import mlflow
 import numpy as np
 import pandas as pd
 from mlflow.pyfunc import PythonModel
+
+CODE_ARTIFACT = "mopflow_code"  # the artifact holding the mopflow package, zipped
 
 
 class BundleProbabilities(PythonModel):
@@ -21,6 +26,9 @@ class BundleProbabilities(PythonModel):
     Output: one ``prob_<class>`` column per class."""
 
     def load_context(self, context: Any) -> None:
+        code = context.artifacts.get(CODE_ARTIFACT)  # older models: MLflow's code/ folder instead
+        if code and "mopflow" not in sys.modules:  # the code it was logged with, ahead of any installed
+            sys.path.insert(0, code)
         from mopflow.compression.ensemble import faster_form
         from mopflow.training.models.bundle import load_bundle
 

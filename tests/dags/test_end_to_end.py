@@ -111,7 +111,19 @@ def test_champion_pyfunc_loads_in_a_fresh_process(pipeline_run: tuple[Path, dict
     home, _ = pipeline_run
     # Loading and predicting with warnings as errors: MLflow's own import-time warnings come first,
     # and the deprecations SQLAlchemy 2.1 reports from MLflow's SQLite store are not the model's.
+    # The process cannot import the installed mopflow: only the one the model ships as a zip.
     code = f"""
+import importlib.machinery, sys
+class OnlyFromAZip:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != "mopflow":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, [p for p in sys.path if p.endswith(".zip")])
+        if spec is None:
+            raise ModuleNotFoundError("mopflow is not installed here", name=name)
+        return spec
+sys.meta_path.insert(0, OnlyFromAZip)
 import json, warnings, mlflow, mlflow.pyfunc, numpy as np, pandas as pd
 warnings.simplefilter("error")
 warnings.filterwarnings("default", category=DeprecationWarning)
@@ -119,7 +131,8 @@ mlflow.set_tracking_uri("sqlite:///{home / "mlflow" / "mlflow.db"}")
 model = mlflow.pyfunc.load_model("models:/e2e-student@champion")
 cols = [f"x{{i:03d}}" for i in range(40)]
 out = model.predict(pd.DataFrame(np.random.default_rng(0).normal(size=(7, 40)).astype("float32"), columns=cols))
-print(json.dumps({{"shape": list(out.shape), "sums": out.sum(axis=1).tolist()}}))
+files = sorted({{m.__file__ for n, m in sys.modules.items() if n.split(".")[0] == "mopflow"}})
+print(json.dumps({{"shape": list(out.shape), "sums": out.sum(axis=1).tolist(), "mopflow": files}}))
 """
     clean_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "MOPFLOW_"))}
     proc = subprocess.run(
@@ -129,6 +142,10 @@ print(json.dumps({{"shape": list(out.shape), "sums": out.sum(axis=1).tolist()}})
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["shape"] == [7, 10]
     assert all(abs(s - 1.0) < 1e-4 for s in result["sums"])
+    # every mopflow module it ran came from the model's own artifact, mopflow.zip
+    assert result["mopflow"] and all("/mopflow.zip/mopflow/" in f for f in result["mopflow"]), result[
+        "mopflow"
+    ]
 
 
 @pytest.mark.slow

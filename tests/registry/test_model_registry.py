@@ -76,3 +76,24 @@ def test_the_installed_packages_are_indexed_once_ahead_of_any_model_log() -> Non
     assert requirements_utils._PACKAGES_TO_MODULES["mlflow"] == "mlflow"
     assert index_installed_packages()
     assert requirements_utils._MODULES_TO_PACKAGES is distributions
+
+
+def test_the_package_zips_whole_without_caches_and_the_same_code_to_the_same_bytes(tmp_path: Path) -> None:
+    """A logged model's code is one file: every file of the package (the pyfunc's own module among
+    them, no bytecode caches), under ``mopflow/``, the same bytes from the same code."""
+    import zipfile
+
+    import mopflow
+    from mopflow.registry.model_registry import zip_package
+
+    package = Path(mopflow.__file__).resolve().parent
+    first, second = zip_package(tmp_path / "a.zip"), zip_package(tmp_path / "b.zip")
+    assert first.read_bytes() == second.read_bytes()
+    names = set(zipfile.ZipFile(first).namelist())
+    expected = {
+        f"mopflow/{f.relative_to(package).as_posix()}"
+        for f in package.rglob("*")
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"
+    }
+    assert names == expected and "mopflow/registry/pyfunc_model.py" in names
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
