@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from mopflow.base.storage import filesystem
@@ -268,6 +269,16 @@ def champion_accuracy(
     for entry in manifest["splits"]["test"]:
         frame = read_shard(manifest_uri, manifest, entry, storage_options)
         x, y = shard_arrays(frame, manifest)
-        probs = champion.predict(served_examples(frame, x, manifest))
+        request = served_examples(frame, x, manifest)
+        # a signal's champion logged when signals were served as tables takes its columns
+        if isinstance(request, np.ndarray) and _takes_columns(champion):
+            request = pd.DataFrame(x, columns=manifest["feature_columns"])
+        probs = champion.predict(request)
         correct, rows = correct + top1_correct(probs.to_numpy(), y), rows + len(y)
     return correct / rows if rows else 0.0
+
+
+def _takes_columns(model: Any) -> bool:
+    """Whether a loaded pyfunc's signature asks for named columns (a table's), not a tensor."""
+    schema = model.metadata.get_input_schema()
+    return schema is not None and not schema.is_tensor_spec()

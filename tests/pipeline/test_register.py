@@ -291,3 +291,33 @@ def test_rerunning_the_run_that_made_the_champion_keeps_it(gate: Gate, promotion
     assert registered.previous_champion_test_acc is None
     tags = _register_run_tags(gate, promotion.ctx)
     assert tags["mopflow.promotion_reason"] == "this version is already the champion"
+
+
+def test_a_signal_is_served_as_a_tensor_and_a_champion_logged_as_a_table_is_still_scored(gate: Gate) -> None:
+    """MNIST-1D's features are one signal's steps: its models take a tensor ``(n, 40)`` (one
+    TensorSpec for MLflow to check, not 40 columns), and a table of its columns still, in their
+    order. A champion logged when signals were served as tables is scored on its own terms."""
+    from mopflow.registry.model_registry import champion_accuracy
+
+    manifest_uri = gate.shard.manifest_uri
+    manifest = load_manifest(manifest_uri)
+    x, _ = load_split(manifest_uri, "test")
+    table = pd.DataFrame(x, columns=manifest["feature_columns"])
+    as_tensor = example_input(manifest_uri, manifest, {})
+    assert isinstance(as_tensor, np.ndarray) and as_tensor.shape[1:] == (len(manifest["feature_columns"]),)
+    for name, example in (("signal-as-tensor", as_tensor), ("signal-as-table", table.iloc[:5])):
+        with mlflow.start_run(
+            experiment_id=gate.client.get_experiment_by_name(gate.settings.experiment_name).experiment_id
+        ) as run:
+            pass
+        version = mlflow.register_model(
+            log_bundle_model(run.info.run_id, "model", gate.bundles["better"], example), name
+        )
+        gate.client.set_registered_model_alias(name, CHAMPION, version.version)
+        model = mlflow.pyfunc.load_model(f"models:/{name}@{CHAMPION}")
+        assert model.metadata.get_input_schema().is_tensor_spec() == (name == "signal-as-tensor")
+        assert np.allclose(
+            model.predict(table).to_numpy(),
+            model.predict(x if name == "signal-as-tensor" else table).to_numpy(),
+        )
+        assert champion_accuracy(name, manifest_uri, manifest, {}) == pytest.approx(gate.test_accs["better"])
