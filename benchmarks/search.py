@@ -49,12 +49,12 @@ inside training and validation passes (the batch loops) over workers x wall seco
 
 The verdict (:mod:`studies.search_summary`): per strategy, the ratio of the baseline's median
 seconds to the arm's, with a bootstrap 95% interval over the seeds both measured clean (resampled
-in pairs; 2,000 resamples), and the same for epochs. Targets: TPE+ASHA reaches the target >= 2x
-sooner than ``random`` (median ratio >= 2, the interval's lower end > 1.5) under ``task`` and
-``mop``, for ``tpe+asha`` (cold) and ``tpe+asha+warm``; utilisation >= 0.85 for every arm;
-mopflow's random search within 1.2x the plain loop's seconds (the ratio of their medians over the
-seeds both ran clean, with its interval); mopflow's fastest arm faster than the plain loop's
-fastest.
+in pairs; 2,000 resamples), and the same for epochs: figures. Targets: utilisation >= 0.90 for
+every arm; mopflow's random search within 1.15x the plain loop's seconds (the ratio of their
+medians over the seeds both ran clean, with its interval); mopflow's fastest arm reaching the
+target >= 1.25x sooner than the plain loop's fastest, the interval's lower end >= 1.0. (The
+target "TPE+ASHA >= 2x sooner than random" is retired: the space and the target decide it, not
+the runtime; its ratios stay in the table.)
 
 Why not the packaged space: its residual CNNs reach 0.99 validation accuracy with almost any
 learning rate in it (random search, seed 0, passed 0.995 at its 43rd epoch), so no target on it
@@ -103,7 +103,7 @@ from studies.machine_load import LoadWatch  # noqa: E402
 from studies.plain_optuna import PLAIN_ARMS, run_plain_search  # noqa: E402
 from studies.search_summary import (  # noqa: E402
     BASELINE,
-    GOAL_ARMS,
+    COMPARED_ARMS,
     GOALS,
     PLAIN_STRATEGY,
     search_row,
@@ -311,7 +311,7 @@ def print_table(result: dict[str, Any], target: float) -> None:
         )
 
 
-PRIMARY = (BASELINE, *GOAL_ARMS)  # the goal's comparisons: run first, on every seed
+PRIMARY = (BASELINE, *COMPARED_ARMS)  # compared with random: run first, on every seed
 
 
 def run_order(args: argparse.Namespace) -> list[tuple[int, str, str]]:
@@ -469,6 +469,13 @@ def resummarize(args: argparse.Namespace) -> int:
     args.out = args.summarize
     partial = bool(recorded.get("partial"))
     result = write_results(args, recorded["rows"], partial=partial, priors=recorded.get("prior_rows", []))
+    # the figures were measured when and where the file says: only the summary is new
+    measured = ("commit", "commit_source", "date", "machine", "config", "seeds", "settings")
+    result = {k: recorded[k] for k in measured if k in recorded} | {
+        k: v for k, v in result.items() if k not in measured
+    }
+    result["resummarized"] = {"date": harness.now(), "commit": harness.commit()}
+    args.out.write_text(harness.dumps(result))
     print_table(result, args.target)
     print(f"rewrote {args.out}{' (partial: the run was stopped)' if partial else ''}")
     return 0

