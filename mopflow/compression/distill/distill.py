@@ -84,12 +84,19 @@ def plan_student(
     return StudentPlan(arch, count_params(arch), budget, cfg.budget_ms, measured)
 
 
+# A student sized before training fits this share of the serving budget: the trained student is
+# timed again once logged, and on a shared machine a second timing of the same model came out up
+# to 8% slower than the first (docs/benchmarks.md, "A student for a serving budget").
+SIZING_HEADROOM = 0.9
+
+
 def _fastest_fit(
     cfg: DistillConfig, data: DataSpec, widest: ArchSpec, width: int, latency: LatencyOf
 ) -> tuple[ArchSpec, Any]:
-    """The largest size up to ``width`` whose measured p95 is within ``cfg.budget_ms`` (a
-    bisection: latency grows with size), with its latency; a configured width is only checked."""
-    budget_ms = float(cfg.budget_ms or 0.0)
+    """The largest size up to ``width`` whose measured p95 is within :data:`SIZING_HEADROOM` of
+    ``cfg.budget_ms`` (a bisection: latency grows with size), with its latency; a configured
+    width is only checked."""
+    budget_ms = SIZING_HEADROOM * float(cfg.budget_ms or 0.0)
     measured = latency(widest)
     log.info("distill: %s width %d serves in p95 %.2f ms", cfg.family, width, measured.p95_ms)
     if measured.p95_ms <= budget_ms:
@@ -117,8 +124,8 @@ def _fastest_fit(
         rows = measured.rows
         raise StudentBudgetError(
             f"student_budget_ms={cfg.budget_ms}: no {cfg.family} student of depth {cfg.depth} answers a "
-            f"request of {rows} rows within it; the fastest, width {fastest[0]}, takes p95 "
-            f"{fastest[1].p95_ms:.2f} ms"
+            f"request of {rows} rows within {SIZING_HEADROOM:.0%} of it ({budget_ms:.3g} ms, room for "
+            f"timing noise); the fastest, width {fastest[0]}, takes p95 {fastest[1].p95_ms:.2f} ms"
         )
     return best
 
