@@ -265,13 +265,14 @@ def champion_accuracy(
     from mopflow.training.models.metrics import top1_correct
 
     champion = mlflow.pyfunc.load_model(f"models:/{name}@{CHAMPION}")
+    takes_columns = _takes_columns(champion)
     correct = rows = 0
     for entry in manifest["splits"]["test"]:
         frame = read_shard(manifest_uri, manifest, entry, storage_options)
         x, y = shard_arrays(frame, manifest)
         request = served_examples(frame, x, manifest)
         # a signal's champion logged when signals were served as tables takes its columns
-        if isinstance(request, np.ndarray) and _takes_columns(champion):
+        if isinstance(request, np.ndarray) and takes_columns:
             request = pd.DataFrame(x, columns=manifest["feature_columns"])
         probs = champion.predict(request)
         correct, rows = correct + top1_correct(probs.to_numpy(), y), rows + len(y)
