@@ -107,6 +107,15 @@ class DecisionPoints(Protocol):
         ...
 
 
+def decides_after_any_epoch(controller: Controller) -> bool:
+    """Whether ``controller`` may stop a model after any epoch: it names no decision points
+    (:class:`DecisionPoints`), or names every epoch (``decides_every_epoch``, a pruner such as
+    the median's)."""
+    if not isinstance(controller, DecisionPoints):
+        return True
+    return bool(getattr(controller, "decides_every_epoch", False))
+
+
 def epochs_before_decision(controller: Controller, epochs_done: int, epochs: int) -> int:
     """Epochs a model that has trained ``epochs_done`` of ``epochs`` may train before the
     controller next may stop it (at least one)."""

@@ -6,6 +6,12 @@ state's metadata, before the coordinator is told of it (a Dask event, :data:`EPO
 Dask runs a chain again because its worker died, the chain goes on from the newest state within
 it, staged or already made the checkpoint, and hands back the staged epochs' records too (the
 coordinator takes each epoch once, so those it heard before change nothing).
+
+A chain may run past a decision of the controller (under a pruner that may stop a model after
+any epoch, ``task`` trains a model's epochs to the end in one chain and the controller decides
+as each is heard): the coordinator then tells the chain's worker to stop it
+(:func:`stop_chain`, through ``client.run``), and the chain ends at its next batch with
+:class:`~mopflow.training.executors.units.ChainStopped`.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 from mopflow.base import storage
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import CHECKPOINT_FILE, STAGED_FILE
-from mopflow.training.executors.units import STAGED_RECORD, train_epochs_and_validate
+from mopflow.training.executors.units import STAGED_RECORD, ChainStopped, train_epochs_and_validate
 from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta, read_meta
 from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import UnitPreempted
@@ -26,6 +32,19 @@ from mopflow.training.volatile.preempt import UnitPreempted
 # One topic for every run: the scheduler keeps each topic's recent events (a bounded log), so a
 # topic per run would leave a log per run behind on a long-lived scheduler.
 EPOCH_TOPIC = "mopflow-task-epochs"
+STOPS_KEPT = 1024  # the chains told to stop that a worker remembers (a stop may come after its chain)
+
+_STOPPED: dict[str, None] = {}  # in a worker process: the keys of chains told to stop, oldest first
+
+
+async def stop_chain(key: str) -> None:
+    """Stop the chain whose Dask task is ``key`` at its next batch (``client.run`` it on the
+    chain's worker, on whose event loop it runs, so that the coordinator need not wait for it; a
+    chain already over is not affected)."""
+    _STOPPED[key] = None
+    while len(_STOPPED) > STOPS_KEPT:
+        del _STOPPED[next(iter(_STOPPED))]
+
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +66,10 @@ def train_chain(
     the state after the chain and every epoch's record; the last record says where the chain
     went on from (``resumed_from``) when an earlier attempt of it left a newer state."""
     from distributed import get_worker
+    from distributed.worker import thread_state
 
     worker = get_worker()
+    key = str(thread_state.key)
     options = data.options_here()  # this worker's, when it sets its own
     recovered: list[dict[str, Any]] = []
     resumed_from = None
@@ -69,11 +90,24 @@ def train_chain(
 
     try:
         new_state, records = train_epochs_and_validate(
-            spec, state, data, shards, first_epoch, epochs, total_epochs, tell if run_id else None
+            spec,
+            state,
+            data,
+            shards,
+            first_epoch,
+            epochs,
+            total_epochs,
+            tell if run_id else None,
+            halt=lambda: key in _STOPPED,
         )
     except UnitPreempted as stopped:  # the epochs recovered are finished epochs too
         stopped.record["epochs"] = recovered + list(stopped.record.get("epochs", []))
         raise
+    except ChainStopped as stopped:
+        log.info("%s: chain stopped after epoch %d", spec.model_id, first_epoch + len(stopped.records) - 1)
+        raise ChainStopped(spec.model_id, recovered + stopped.records) from None
+    finally:
+        _STOPPED.pop(key, None)
     records = recovered + records
     if resumed_from is not None:
         records[-1]["resumed_from"] = resumed_from

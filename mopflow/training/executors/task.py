@@ -29,7 +29,8 @@ from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, Executor, ModelOutcome
 from mopflow.training.executors.stop_notice import StopNotice
 from mopflow.training.executors.task_host import Admission
-from mopflow.training.executors.task_run import TaskRun, listen, stop_listening
+from mopflow.training.executors.task_listen import listen, stop_listening
+from mopflow.training.executors.task_run import TaskRun
 from mopflow.training.trainable.unit import ModelSpec
 
 log = logging.getLogger(__name__)

@@ -25,6 +25,7 @@ class TaskHost(RunBookkeeping, Protocol):
     data: DataRef
     shards: list[str]
     batches: bool
+    checkpoint_root: str  # "": nothing is staged or checkpointed
     admission: Admission | None
     records: list[dict[str, Any]]
     started_at: dict[str, float]

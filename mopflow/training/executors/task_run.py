@@ -1,9 +1,13 @@
 """The bookkeeping of one ``task`` run (``training/executors/task.py``): active models, their
 states, and their epochs in flight as *chains*.
 
-A chain is a model's epochs up to the controller's next decision point (ASHA's next rung, the
-end of training, or one epoch under a pruner that may decide after any), trained in one Dask
-task with the model kept in memory. Each epoch but the last reaches the coordinator as it ends,
+A chain is a model's epochs up to the controller's next decision point (ASHA's next rung, or the
+end of training), trained in one Dask task with the model kept in memory. Under a controller
+that may stop a model after any epoch (the median pruner), a chain runs to the end of training
+and the controller decides as each epoch is heard: when it stops the model, the chain's worker
+is told to end it at its next batch (``chains.stop_chain``), and what the chain trained past the
+decision is dropped, so the model's history and checkpoint end at the epoch it was stopped after.
+Without checkpoints (nothing staged to go back to), or in batches, such a chain is one epoch. Each epoch but the last reaches the coordinator as it ends,
 as a Dask event (``Worker.log_event``); the last comes with the task's result, which carries
 every epoch's record too. An epoch is handed to the controller once, whichever way it came.
 
@@ -18,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from typing import Any
 
@@ -28,16 +31,18 @@ from mopflow.training.executors.base import (
     Controller,
     EpochReport,
     ModelOutcome,
+    decides_after_any_epoch,
     epochs_before_decision,
     raise_if_cluster_lost,
     unheard_epoch,
 )
-from mopflow.training.executors.chains import EPOCH_TOPIC, train_chain
+from mopflow.training.executors.chains import stop_chain, train_chain
 from mopflow.training.executors.task_host import TaskHost
-from mopflow.training.executors.units import init_state
+from mopflow.training.executors.task_notices import account_killed, take_preempted
+from mopflow.training.executors.units import ChainStopped, init_state
 from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta
 from mopflow.training.trainable.unit import ModelSpec
-from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_seconds, task_story
+from mopflow.training.volatile.preempt import UnitPreempted
 
 # How long an epoch handed back by a spot notice waits for its worker to leave before it is
 # submitted anyway (the worker leaves within its grace period, MOPFLOW_PREEMPT_GRACE_S).
@@ -74,6 +79,12 @@ class TaskRun:
         self.deferred: dict[str, float] = {}  # model -> deadline: waiting for a leaving worker to go
         self.held: dict[str, dict[str, Any]] = {}  # in batches: epochs waiting for their batch
         self.started: dict[str, int] = {}  # model -> when it (last) started, counted in models
+        self.chains: dict[str, tuple[str, int]] = {}  # model -> its chain in flight: (Dask key, last epoch)
+        self.where: dict[str, str] = {}  # model -> the worker its chain's last heard epoch came from
+        # a chain runs to the end and a stop reaches it on its worker (see the module docstring)
+        self.to_the_end = bool(run_id and executor.checkpoint_root and not executor.batches) and (
+            decides_after_any_epoch(controller)
+        )
 
     # -- what comes in: finished chains and the epochs heard before them ---------------------
 
@@ -90,7 +101,8 @@ class TaskRun:
         done = []
         for kind, item in items:
             if kind == "epoch":
-                self.take_epoch(str(item["model"]), item)
+                record, self.where[str(item[0]["model"])] = item
+                self.take_epoch(str(record["model"]), record)
             elif item in self.in_flight:
                 done.append(item)
         return done
@@ -101,8 +113,12 @@ class TaskRun:
         checkpoint first (``staged``: the state is not in hand). A chain run again from states an
         earlier attempt staged tells their epochs only with its result, after the epochs it trains."""
         epoch = int(record["epoch"])
-        if mid not in self.active or epoch <= self.told.get(mid, -1):
-            return
+        if (
+            mid not in self.active
+            or epoch <= self.told.get(mid, -1)
+            or epoch > self.stop_after.get(mid, epoch)
+        ):
+            return  # told before, or trained past the epoch the controller stopped the model after
         if epoch > self.told.get(mid, -1) + 1:
             self.early.setdefault(mid, {})[epoch] = (record, staged)
             return
@@ -131,6 +147,19 @@ class TaskRun:
             )
         if not self.executor.report_epoch(self.outcomes[mid], report, self.controller):
             self.stop_after[mid] = epoch
+            self._stop_chain(mid, epoch)
+
+    def _stop_chain(self, mid: str, epoch: int) -> None:
+        """The model was stopped after ``epoch``: a chain of it in flight that goes on past that
+        epoch is told to stop at its next batch, on the worker it was heard from."""
+        key, last = self.chains.get(mid, ("", -1))
+        if last <= epoch:
+            return
+        where = self.where.get(mid)
+        log.info("task: %s stopped after epoch %d; its chain stops at its next batch", mid, epoch + 1)
+        self.executor.client.run(
+            stop_chain, key, workers=[where] if where else None, wait=False, on_error="ignore"
+        )
 
     # -- models in ----------------------------------------------------------------------------
 
@@ -221,8 +250,12 @@ class TaskRun:
     def _submit_now(self, mid: str) -> None:
         spec = self.specs[mid]
         epoch = self.next_epoch.get(mid, 0)
-        # in batches every epoch waits for its batch before the controller hears it: one per task
-        count = 1 if self.executor.batches else epochs_before_decision(self.controller, epoch, self.epochs)
+        if self.to_the_end:
+            count = self.epochs - epoch
+        else:  # in batches every epoch waits for its batch before the controller hears it: one per task
+            count = (
+                1 if self.executor.batches else epochs_before_decision(self.controller, epoch, self.epochs)
+            )
         state = self.states.get(mid) or init_state(spec, self.executor.data)
         future = self.executor.client.submit(
             train_chain,
@@ -240,6 +273,7 @@ class TaskRun:
             resources=spec.device.resources() or None,
         )
         self.in_flight[future] = mid
+        self.chains[mid] = (str(future.key), epoch + count - 1)
         future.add_done_callback(lambda done: self.inbox.put(("done", done)))
 
     # -- chains back ----------------------------------------------------------------------------
@@ -248,13 +282,19 @@ class TaskRun:
         """Take in one finished chain: its epochs to the controller, then the model's next chain
         or its end."""
         mid = self.in_flight.pop(future)
+        self.chains.pop(mid, None)
         epoch = self.next_epoch.get(mid, 0)
         try:
             state, records = future.result()
+        except ChainStopped as exc:  # told to stop: the epochs it finished, up to the decision
+            for record in exc.records:
+                self.take_epoch(mid, record)
+            self.end_stopped(mid)
+            return
         except UnitPreempted as exc:  # a spot notice: the epoch goes on from its batch elsewhere
             # an attempt on a worker killed before this one is work redone too
-            self._account_killed(mid, epoch, future)
-            self._preempted(mid, epoch, exc)
+            account_killed(self, mid, epoch, future)
+            take_preempted(self, mid, epoch, exc)
             return
         except Exception as exc:
             raise_if_cluster_lost(exc, self.executor.client)  # the cluster's loss: no trial fails for it
@@ -263,7 +303,7 @@ class TaskRun:
             return
         finally:  # the result is here now: the worker need not keep it (nor hand it off)
             future.release()
-        if self._account_killed(mid, epoch, future):  # Dask ran the chain again, from its newest state
+        if account_killed(self, mid, epoch, future):  # Dask ran the chain again, from its newest state
             where = records[-1].get("resumed_from") or {
                 "epoch": epoch - 1,
                 "step": global_step(self.states.get(mid)),
@@ -272,6 +312,9 @@ class TaskRun:
         *inside, last = records
         for record in inside:  # those not heard yet, each with its staged state
             self.take_epoch(mid, record)
+        if int(last["epoch"]) > self.stop_after.get(mid, int(last["epoch"])):  # it ran past a stop
+            self.end_stopped(mid)
+            return
         self.states[mid] = state
         self.executor.save_checkpoint(mid, state)
         self.next_epoch[mid] = int(last["epoch"]) + 1
@@ -285,13 +328,6 @@ class TaskRun:
         then submit the model's next chain or end it."""
         self.take_epoch(mid, last, staged=False)
         keep = mid not in self.stop_after
-        if self.stop_after.get(mid, self.told[mid]) < self.told[mid]:  # the controller broke its word
-            log.warning(
-                "task: %s was stopped after epoch %d, inside a chain that trained on to epoch %d",
-                mid,
-                self.stop_after[mid] + 1,
-                self.told[mid] + 1,
-            )
         if keep and self.next_epoch[mid] < self.epochs:
             if stopping.stop_requested():  # the run stops: the next chain starts on resume
                 return
@@ -310,52 +346,14 @@ class TaskRun:
         for mid in sorted(held, key=self.started.__getitem__):
             self.advance(mid, held[mid])
 
-    def _account_killed(self, mid: str, epoch: int, future: Any) -> bool:
-        """Record the work of attempts of this chain lost with a killed worker (from the
-        scheduler's story of its task); whether there were any."""
-        lost = redone_seconds(lost_spans(task_story(self.executor.client, str(future.key))))
-        if lost > 0:
-            self.executor.account(mid, epoch, "", "killed", lost)
-        return lost > 0
-
-    def _preempted(self, mid: str, first_epoch: int, exc: UnitPreempted) -> None:
-        """A chain stopped by a spot notice: the epochs it finished go to the controller, the state
-        at its batch is checkpointed, and it goes on from that batch on another worker (or waits
-        in its checkpoint when the run stops)."""
-        finished = list(exc.record.get("epochs", []))
-        epoch = int(finished[-1]["epoch"]) + 1 if finished else first_epoch  # the one it stopped in
-        for record in finished:  # each with its staged state, before the state at the batch
-            self.take_epoch(mid, record)
-        if exc.state is not None:
-            self.states[mid] = exc.state
-            self.executor.save_checkpoint(mid, exc.state)
-            self.next_epoch[mid] = epoch
-            self.executor.resumed[mid] = {
-                "epoch": epoch - 1,
-                "step": global_step(exc.state),
-                "after_notice": True,
-            }
-        if stopping.stop_requested():  # the run stops: the model waits in its checkpoint
-            log.info(
-                "task: %s saved at batch %d of epoch %d",
-                mid,
-                int(exc.record.get("batches", 0)),
-                epoch + 1,
-            )
-            return
-        if mid in self.stop_after:
-            self.finish(mid, stopped_early=True)
-            return
-        worker = str(exc.record.get("worker", ""))
-        self.leaving.add(worker)  # forgotten once it has left (a restarted one has a new address)
-        self.executor.account(
-            mid,
-            epoch,
-            worker,
-            "notice",
-            max(0.0, float(exc.record["end"]) - float(exc.record["saved_at"])),
-        )
-        self.submit(mid)
+    def end_stopped(self, mid: str) -> None:
+        """End a model the controller stopped while its chain trained on: its state is its
+        checkpoint, which ends at the epoch it was stopped after (what the chain trained past
+        that epoch is dropped)."""
+        found = self.executor.load_checkpoint(mid)
+        if found is not None:
+            self.states[mid] = found[0]
+        self.finish(mid, stopped_early=True)
 
     def fail(self, mid: str, error: str) -> None:
         self.outcomes[mid].error = error
@@ -370,30 +368,3 @@ class TaskRun:
         outcome.state = self.states.get(mid)
         outcome.checkpoint_uri = self.executor.kept_checkpoint(mid)
         self.controller.on_model_done(outcome)
-
-
-_LISTENING: dict[str, TaskRun] = {}  # run id -> the run in this process that hears its chains
-_LISTENING_LOCK = threading.Lock()
-
-
-def listen(client: Any, run: TaskRun) -> None:
-    """Hear ``run``'s chains' epochs as they end (events on :data:`EPOCH_TOPIC`, one handler per
-    client for every run in this process)."""
-    with _LISTENING_LOCK:
-        _LISTENING[run.run_id] = run
-    client.subscribe_topic(EPOCH_TOPIC, _hear)
-
-
-def stop_listening(run: TaskRun) -> None:
-    """``run`` is over: its late events are dropped."""
-    with _LISTENING_LOCK:
-        _LISTENING.pop(run.run_id, None)
-
-
-def _hear(event: tuple[float, dict[str, Any]]) -> None:
-    """The topic's handler (on the client's thread): an epoch a chain told as it ended, to its run."""
-    message = event[1]
-    with _LISTENING_LOCK:
-        run = _LISTENING.get(str(message.get("run", "")))
-    if run is not None:
-        run.inbox.put(("epoch", message["record"]))

@@ -52,6 +52,20 @@ log = logging.getLogger(__name__)
 STAGED_RECORD = "staged_record"  # the metadata key of a staged epoch's record (executors/chains.py)
 
 
+class ChainStopped(Exception):
+    """A chain of epochs told to stop by the coordinator (its controller stopped the model after
+    an epoch the chain had already told): it ended at its next batch, the pass it was in
+    discarded. ``records`` are the epochs it finished, each staged before it was told."""
+
+    def __init__(self, model_id: str, records: Sequence[Mapping[str, Any]]) -> None:
+        super().__init__(f"chain of {model_id} stopped after {len(records)} epoch(s)")
+        self.model_id = model_id
+        self.records = [dict(r) for r in records]
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (type(self), (self.model_id, self.records))
+
+
 @contextmanager
 def _unit(spec: ModelSpec, data: DataRef, state: bytes | None, total_steps: int) -> Iterator[TrainableUnit]:
     """The unit of ``spec`` on this data, carrying ``state`` (a fresh seeded one without); a
@@ -119,6 +133,7 @@ def train_epochs_and_validate(
     epochs: int,
     total_epochs: int,
     on_epoch: Callable[[dict[str, Any], Callable[..., bytes]], None] | None = None,
+    halt: Callable[[], bool] | None = None,
 ) -> tuple[bytes, list[dict[str, Any]]]:
     """Epochs ``first_epoch .. first_epoch + epochs - 1`` of ``spec`` over every shard, each
     validated, on one worker with the model kept in memory between them: one task, one state
@@ -131,13 +146,23 @@ def train_epochs_and_validate(
     it ends, with a function that packs the state there (``export_state``, to stage it as a
     checkpoint), so the coordinator hears of it before the chain is done. A spot notice or a
     stop ends the chain at the next batch: :class:`UnitPreempted` carries the state there and, in
-    its record's ``epochs``, the records of the epochs finished before it.
+    its record's ``epochs``, the records of the epochs finished before it. ``halt`` (asked after
+    every batch and between epochs) saying so ends the chain with :class:`ChainStopped`.
     """
     started = time.time()
     _refuse_on_notice(spec, state, started)
     rows, loaded = _rows_here(spec, data, shard_names)
     with _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, None)) as unit:
-        return _train_chain(unit, data, rows, shard_names, first_epoch, epochs, on_epoch, started, loaded)
+        return _train_chain(
+            unit,
+            data,
+            rows,
+            shard_names,
+            range(first_epoch, first_epoch + epochs),
+            on_epoch,
+            halt,
+            (started, loaded),
+        )
 
 
 def _train_chain(
@@ -145,28 +170,33 @@ def _train_chain(
     data: DataRef,
     rows: Any,
     shard_names: Sequence[str],
-    first_epoch: int,
-    epochs: int,
+    epochs: range,
     on_epoch: Callable[[dict[str, Any], Callable[..., bytes]], None] | None,
-    started: float,
-    loaded: float,
+    halt: Callable[[], bool] | None,
+    since: tuple[float, float],
 ) -> tuple[bytes, list[dict[str, Any]]]:
-    """The epochs of :func:`train_epochs_and_validate` on its unit."""
+    """The epochs of :func:`train_epochs_and_validate` on its unit; ``since``: when the chain's
+    task started and when its rows were ready."""
+    started, loaded = since
     unit.meta.pop(STAGED_RECORD, None)  # carried by a staged state it goes on from: not this chain's
     x_val, y_val = load_eval_split(data, "validation")
     done: list[dict[str, Any]] = []
-    for epoch in range(first_epoch, first_epoch + epochs):
+    for epoch in epochs:
         unit.meta["epoch"] = epoch
+        if halt is not None and halt():
+            raise ChainStopped(unit.spec.model_id, done)
         try:
-            record = _run_pass(unit, rows, shard_names, epoch, 0, started, loaded)
+            record = _run_pass(unit, rows, shard_names, epoch, 0, started, loaded, halt)
         except UnitPreempted as stopped:
             stopped.record["epochs"] = done
             raise
+        except ChainStopped:
+            raise ChainStopped(unit.spec.model_id, done) from None
         validated = time.perf_counter()
         val_acc = unit.evaluate(x_val, y_val)
         record |= {"val_acc": val_acc, "val_s": time.perf_counter() - validated, "end": time.time()}
         done.append(record)
-        if on_epoch is not None and epoch + 1 < first_epoch + epochs:  # the last comes with the result
+        if on_epoch is not None and epoch + 1 < epochs.stop:  # the last comes with the result
             on_epoch(record, unit.export_state)
         # the next epoch's span starts where this one's record ended: staging counts in the task
         started, loaded = record["end"], time.time()
@@ -212,15 +242,21 @@ def _run_pass(
     pass_index: int,
     started: float,
     loaded: float,
+    halt: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """One pass of ``unit`` over ``rows``, stopped by a spot notice at its next batch
-    (:class:`UnitPreempted`); the pass's record."""
+    (:class:`UnitPreempted`), or by ``halt`` (:class:`ChainStopped`, nothing of the pass kept);
+    the pass's record."""
     spec = unit.spec
     part = ",".join(sorted(shard_names))
     fit_started = time.time()
+    notice = preempt.NOTICE
+    stop = notice.is_set if halt is None else (lambda: notice.is_set() or halt())
     try:
-        record = unit.train_pass(rows, epoch, pass_index, part, stop=lambda: preempt.NOTICE.is_set())
+        record = unit.train_pass(rows, epoch, pass_index, part, stop=stop)
     except PassInterrupted as stopped:
+        if not notice.is_set():  # told to stop: the epochs before this one are all it keeps
+            raise ChainStopped(spec.model_id, []) from None
         log.warning(
             "%s: spot notice; stopped epoch %d pass %d at batch %d/%d",
             spec.model_id,

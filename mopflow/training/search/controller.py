@@ -177,6 +177,11 @@ class SearchController:
         if self.waiting:
             log.info("search: %d model(s) of earlier attempts wait at a rung", len(self.waiting))
 
+    @property
+    def decides_every_epoch(self) -> bool:
+        """Whether the pruner may stop a model after any epoch (it has no fixed points)."""
+        return self.prune and decision_epochs(self.cfg.pruner, self.cfg.first_rung, self.cfg.epochs) is None
+
     def next_decision(self, epochs_done: int) -> int | None:
         """The next epoch count after which the pruner may stop a model that has trained
         ``epochs_done`` epochs (its rungs; every epoch for a pruner without fixed points; None

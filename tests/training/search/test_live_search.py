@@ -112,12 +112,12 @@ def _enqueue(storage: str, cfg: SearchConfig, lrs: list[float]) -> None:
         study.enqueue_trial(optuna_params_for(cfg.search_space(), {**base, "lr": lr}))
 
 
-def _median_sweep(strategy: str, manifest: str, tmp_path: Path, client: Any) -> Any:
+def _median_sweep(strategy: str, manifest: str, tmp_path: Path, client: Any, epochs: int = 4) -> Any:
     """Two good trials, then two that cannot learn: the median pruner stops those, comparing them
     with the good ones, which were told COMPLETE while the sweep went on."""
     cfg = SearchConfig(
         n_trials=4,
-        epochs=4,
+        epochs=epochs,
         strategy=strategy,
         model_slots=2,
         ddp_world_size=2,
@@ -139,6 +139,41 @@ def _median_sweep(strategy: str, manifest: str, tmp_path: Path, client: Any) -> 
 
 def test_the_median_pruner_prunes_under_mop(small_manifest: str, dask_client: Any, tmp_path: Path) -> None:
     _median_sweep("mop", small_manifest, tmp_path, dask_client)
+
+
+def test_the_median_pruner_prunes_under_task_one_chain_a_trial(
+    small_manifest: str, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a pruner that may stop a model after any epoch, ``task`` trains each trial's epochs
+    in one chain and the pruner decides as each is heard: a pruned trial's chain is told to stop
+    at its next batch, and its history and checkpoint end at the epoch it was pruned after."""
+    from mopflow.training.executors import task_run
+    from mopflow.training.trainable.state import read_meta
+
+    chains: list[str] = []
+    ends: list[str] = []
+    submit, collect = task_run.TaskRun._submit_now, task_run.TaskRun.collect
+
+    def submitting(run: Any, mid: str) -> None:
+        chains.append(mid)
+        submit(run, mid)
+
+    def collecting(run: Any, future: Any) -> None:
+        error = future.exception() if future.status == "error" else None
+        ends.append(type(error).__name__ if error is not None else "finished")
+        collect(run, future)
+
+    monkeypatch.setattr(task_run.TaskRun, "_submit_now", submitting)
+    monkeypatch.setattr(task_run.TaskRun, "collect", collecting)
+    # pruned after epoch 3 of 6: three more epochs would have to run before the chain ended alone
+    outcome = _median_sweep("task", small_manifest, tmp_path, dask_client, epochs=6)
+    assert sorted(chains) == sorted(set(chains)) and len(chains) == 4, chains  # one Dask task a trial
+    assert ends.count("ChainStopped") == 2 and ends.count("finished") == 2, ends
+    for bad in (2, 3):
+        checkpoint = tmp_path / "ckpt" / f"trial-{bad:04d}" / "last.safetensors"
+        assert read_meta(checkpoint.read_bytes())["epoch"] == 2
+        assert not list(checkpoint.parent.glob("staged-*"))  # what it staged past the stop is gone
+    assert [len(r.history) for r in outcome.results] == [6, 6, 3, 3]
 
 
 @pytest.mark.slow
