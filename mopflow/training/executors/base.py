@@ -5,6 +5,7 @@ checkpoints"."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FILE = "last.safetensors"  # a model's latest state (training/trainable/unit.py's export)
 # a state a worker wrote inside a chain of epochs (``task``), the checkpoint once its epoch is told
 STAGED_FILE = "staged-e{epoch:04d}.safetensors"
+# a model's epoch reports, one JSON line each, beside its checkpoint (appended where storage can)
+HISTORY_FILE = "history.jsonl"
+LEGACY_HISTORY_FILE = "history.json"  # one JSON list, as earlier versions wrote it
 # Why Dask cancels every future of a client whose connection to the scheduler broke
 SCHEDULER_CONNECTION_LOST = "scheduler-connection-lost"
 
@@ -189,6 +193,8 @@ class Executor(ABC):
         self.resumed: dict[str, dict[str, Any]] = {}
         # checked before a checkpoint or history is written: a superseded attempt writes none
         self.fence: Fence = unfenced
+        # model -> the history list this executor writes for it, and how many of its reports are written
+        self._history_written: dict[str, tuple[list[EpochReport], int]] = {}
 
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
@@ -274,18 +280,38 @@ class Executor(ABC):
         hands them to its new trial, so the trial's record is whole."""
         if not self.checkpoint_root:
             return
-        uri = storage.join(self.checkpoint_root, model_id, "history.json")
-        body = json.dumps([asdict(r) for r in history]).encode()
+        uri = storage.join(self.checkpoint_root, model_id, HISTORY_FILE)
+        kept, written = self._history_written.get(model_id, (None, 0))
         self.fence()
-        storage.write_bytes_atomic(uri, body, self.data.storage_options)
+        # a model's history (this list, while it trains) is written whole the first time (an
+        # earlier attempt's lines go), then each epoch appends its line where the storage can
+        appended = kept is history and written <= len(history)
+        if appended:
+            new = "".join(json.dumps(asdict(r)) + "\n" for r in history[written:])
+            appended = storage.append_bytes(uri, new.encode(), self.data.storage_options)
+        if not appended:
+            whole = "".join(json.dumps(asdict(r)) + "\n" for r in history)
+            storage.write_bytes_atomic(uri, whole.encode(), self.data.storage_options)
+        self._history_written[model_id] = (history, len(history))
 
     def load_history(self, model_id: str, through_epoch: int) -> list[EpochReport]:
-        """The saved epoch reports up to ``through_epoch`` (those its checkpoint covers)."""
-        uri = storage.join(self.checkpoint_root, model_id, "history.json") if self.checkpoint_root else ""
-        if not uri or not storage.exists(uri, self.data.storage_options):
+        """The saved epoch reports up to ``through_epoch`` (those its checkpoint covers): the
+        last line of each epoch, a half-written last line passed over."""
+        if not self.checkpoint_root:
             return []
-        rows = json.loads(storage.read_bytes(uri, self.data.storage_options))
-        return [EpochReport(**row) for row in rows if int(row["epoch"]) <= through_epoch]
+        options = self.data.storage_options
+        folder = storage.join(self.checkpoint_root, model_id)
+        if storage.exists(uri := storage.join(folder, HISTORY_FILE), options):
+            rows = []
+            for line in storage.read_bytes(uri, options).decode().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    rows.append(json.loads(line))
+        elif storage.exists(uri := storage.join(folder, LEGACY_HISTORY_FILE), options):
+            rows = json.loads(storage.read_bytes(uri, options))
+        else:
+            return []
+        by_epoch = {int(row["epoch"]): row for row in rows if int(row["epoch"]) <= through_epoch}
+        return [EpochReport(**by_epoch[epoch]) for epoch in sorted(by_epoch)]
 
     def load_checkpoint(self, model_id: str) -> tuple[bytes, dict[str, Any]] | None:
         """The latest state of a model and its metadata (epoch, visited partitions), if it has

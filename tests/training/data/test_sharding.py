@@ -186,9 +186,10 @@ def test_a_failed_shard_write_leaves_no_manifest_and_nothing_half_written(
     assert [e["name"] for e in manifest["splits"]["test"]] == ["test-00000.parquet"]
     shutil.rmtree(folder)
     folder.mkdir()
-    # Where the test shard goes, a link to the folder itself: the written file would be moved onto
-    # itself, so that write fails; the training and validation shards (gathered first) are written.
-    (folder / "test-00000.parquet").symlink_to(".")
+    # Where the test shard goes, a folder that is not empty: the written file cannot be renamed
+    # over it, so that write fails; the training and validation shards (gathered first) are written.
+    (folder / "test-00000.parquet").mkdir()
+    (folder / "test-00000.parquet" / "in-the-way").touch()
     with pytest.raises(OSError, match="test-00000.parquet"):
         shard_dataset(cfg, str(tmp_path), dask_client)
     assert not folder.exists()  # no manifest, and the shards written before the failure are gone

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -345,9 +347,10 @@ def test_an_epoch_checkpointed_but_never_told_is_told_from_the_checkpoint(
     spec = ModelSpec("m", CNN, seed=0)
     shards = _shards(small_manifest)
     first = TaskExecutor(dask_client, data, shards, checkpoint_root=str(tmp_path)).run([spec], epochs=2)["m"]
-    history = tmp_path / "m" / "history.json"
-    rows = json.loads(history.read_text())
-    history.write_text(json.dumps(rows[:1]))  # the cut-off attempt's history: epoch 0 alone
+    history = tmp_path / "m" / "history.jsonl"
+    first_line = history.read_text().splitlines()[0]
+    assert json.loads(first_line)["epoch"] == 0
+    history.write_text(first_line + "\n")  # the cut-off attempt's history: epoch 0 alone
     heard: list[EpochReport] = []
 
     class Hear(TrainAll):
@@ -358,3 +361,38 @@ def test_an_epoch_checkpointed_but_never_told_is_told_from_the_checkpoint(
     again = TaskExecutor(dask_client, data, shards, checkpoint_root=str(tmp_path)).run([spec], 2, Hear())["m"]
     assert [r.epoch for r in heard] == [0, 1] and heard == first.history
     assert again.history == first.history and again.state is not None
+
+
+def test_a_history_is_written_whole_once_then_appended_and_read_back_by_epoch(
+    small_manifest: str, tmp_path: Path
+) -> None:
+    """Each epoch appends one line; a new history list of the model (another attempt) writes the
+    file whole again. Read back: the last line of each epoch up to the one asked for, a
+    half-written last line passed over, and an earlier version's JSON list still read."""
+    import json
+
+    from mopflow.training.executors.base import HISTORY_FILE, LEGACY_HISTORY_FILE, Executor
+
+    class Bare(Executor):
+        def _train(self, models: Any, epochs: int, controller: Any) -> dict[str, ModelOutcome]:
+            return {}
+
+    executor = Bare(DataRef.open(small_manifest), checkpoint_root=str(tmp_path))
+    reports = [EpochReport("m", epoch, 0.1 * epoch, 1.0, 0.01) for epoch in range(4)]
+    history: list[EpochReport] = []
+    for report in reports[:3]:
+        history.append(report)
+        executor.save_history("m", history)
+    path = tmp_path / "m" / HISTORY_FILE
+    assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [0, 1, 2]
+    again = [reports[0], EpochReport("m", 1, 0.9, 1.0, 0.01)]  # a retry from epoch 0's checkpoint
+    executor.save_history("m", again)
+    assert [json.loads(line)["val_acc"] for line in path.read_text().splitlines()] == [0.0, 0.9]
+    with path.open("a") as handle:  # an epoch told twice, then an append cut off by a crash
+        handle.write(json.dumps(asdict(EpochReport("m", 1, 0.8, 1.0, 0.01))) + "\n" + '{"epoch": 2, "val')
+    assert [(r.epoch, r.val_acc) for r in executor.load_history("m", 5)] == [(0, 0.0), (1, 0.8)]
+    assert executor.load_history("m", 0) == [reports[0]]
+    legacy = tmp_path / "old" / LEGACY_HISTORY_FILE
+    legacy.parent.mkdir()
+    legacy.write_text(json.dumps([asdict(r) for r in reports]))
+    assert executor.load_history("old", 2) == reports[:3]
