@@ -104,8 +104,7 @@ def train_chain(
         stopped.record["epochs"] = recovered + list(stopped.record.get("epochs", []))
         raise
     except ChainStopped as stopped:
-        log.info("%s: chain stopped after epoch %d", spec.model_id, first_epoch + len(stopped.records) - 1)
-        raise ChainStopped(spec.model_id, recovered + stopped.records) from None
+        raise ChainStopped(spec.model_id, recovered + stopped.records, stopped.dropped_s) from None
     finally:
         _STOPPED.pop(key, None)
     records = recovered + records

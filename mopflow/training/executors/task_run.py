@@ -287,6 +287,9 @@ class TaskRun:
         try:
             state, records = future.result()
         except ChainStopped as exc:  # told to stop: the epochs it finished, up to the decision
+            log.info(
+                "task: %s's chain stopped; %.3f s trained past its last epoch dropped", mid, exc.dropped_s
+            )
             for record in exc.records:
                 self.take_epoch(mid, record)
             self.end_stopped(mid)

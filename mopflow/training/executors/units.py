@@ -55,15 +55,17 @@ STAGED_RECORD = "staged_record"  # the metadata key of a staged epoch's record (
 class ChainStopped(Exception):
     """A chain of epochs told to stop by the coordinator (its controller stopped the model after
     an epoch the chain had already told): it ended at its next batch, the pass it was in
-    discarded. ``records`` are the epochs it finished, each staged before it was told."""
+    discarded. ``records`` are the epochs it finished, each staged before it was told;
+    ``dropped_s`` the seconds it trained after the last of them, for nothing."""
 
-    def __init__(self, model_id: str, records: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(self, model_id: str, records: Sequence[Mapping[str, Any]], dropped_s: float = 0.0) -> None:
         super().__init__(f"chain of {model_id} stopped after {len(records)} epoch(s)")
         self.model_id = model_id
         self.records = [dict(r) for r in records]
+        self.dropped_s = dropped_s
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (type(self), (self.model_id, self.records))
+        return (type(self), (self.model_id, self.records, self.dropped_s))
 
 
 @contextmanager
@@ -184,14 +186,14 @@ def _train_chain(
     for epoch in epochs:
         unit.meta["epoch"] = epoch
         if halt is not None and halt():
-            raise ChainStopped(unit.spec.model_id, done)
+            raise ChainStopped(unit.spec.model_id, done, time.time() - started)
         try:
             record = _run_pass(unit, rows, shard_names, epoch, 0, started, loaded, halt)
         except UnitPreempted as stopped:
             stopped.record["epochs"] = done
             raise
         except ChainStopped:
-            raise ChainStopped(unit.spec.model_id, done) from None
+            raise ChainStopped(unit.spec.model_id, done, time.time() - started) from None
         validated = time.perf_counter()
         val_acc = unit.evaluate(x_val, y_val)
         record |= {"val_acc": val_acc, "val_s": time.perf_counter() - validated, "end": time.time()}
