@@ -11,7 +11,8 @@ A chain may run past a decision of the controller (under a pruner that may stop 
 any epoch, ``task`` trains a model's epochs to the end in one chain and the controller decides
 as each is heard): the coordinator then tells the chain's worker to stop it
 (:func:`stop_chain`, through ``client.run``), and the chain ends at its next batch with
-:class:`~mopflow.training.executors.units.ChainStopped`.
+:class:`~mopflow.training.executors.units.ChainStopped`. So does a chain whose task Dask cancelled
+under it (its coordinator died or let its future go): nobody waits for what it would train.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ async def stop_chain(key: str) -> None:
 
 
 log = logging.getLogger(__name__)
+
+
+def _told_to_stop(worker: Any, key: str) -> bool:
+    """Whether the chain of task ``key`` is to end: told so (:func:`stop_chain`), or its task was
+    cancelled on ``worker`` while it ran (Dask cannot interrupt a running task)."""
+    if key in _STOPPED:
+        return True
+    task = worker.state.tasks.get(key)
+    return task is None or task.state == "cancelled"
 
 
 def train_chain(
@@ -98,7 +108,7 @@ def train_chain(
             epochs,
             total_epochs,
             tell if run_id else None,
-            halt=lambda: key in _STOPPED,
+            halt=lambda: _told_to_stop(worker, key),
         )
     except UnitPreempted as stopped:  # the epochs recovered are finished epochs too
         stopped.record["epochs"] = recovered + list(stopped.record.get("epochs", []))

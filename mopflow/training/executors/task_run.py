@@ -101,8 +101,13 @@ class TaskRun:
         done = []
         for kind, item in items:
             if kind == "epoch":
-                record, self.where[str(item[0]["model"])] = item
-                self.take_epoch(str(record["model"]), record)
+                record, worker = item
+                mid = str(record["model"])
+                moved = self.where.get(mid) != worker
+                self.where[mid] = worker
+                if moved and mid in self.stop_after:  # a stopped chain, run again elsewhere by Dask
+                    self._stop_chain(mid, self.stop_after[mid])
+                self.take_epoch(mid, record)
             elif item in self.in_flight:
                 done.append(item)
         return done
@@ -292,7 +297,10 @@ class TaskRun:
             )
             for record in exc.records:
                 self.take_epoch(mid, record)
-            self.end_stopped(mid)
+            if mid in self.stop_after:
+                self.end_stopped(mid)
+            else:  # its task was cancelled under it, not by this run: it goes on from its checkpoint
+                self.go_on_from_checkpoint(mid)
             return
         except UnitPreempted as exc:  # a spot notice: the epoch goes on from its batch elsewhere
             # an attempt on a worker killed before this one is work redone too
@@ -357,6 +365,14 @@ class TaskRun:
         if found is not None:
             self.states[mid] = found[0]
         self.finish(mid, stopped_early=True)
+
+    def go_on_from_checkpoint(self, mid: str) -> None:
+        """Submit the model's next chain from its checkpoint (the last epoch told)."""
+        found = self.executor.load_checkpoint(mid)
+        if found is not None:
+            self.states[mid], self.next_epoch[mid] = found[0], int(found[1].get("epoch", -1)) + 1
+        if not stopping.stop_requested():  # the run stops: the next chain starts on resume
+            self.submit(mid)
 
     def fail(self, mid: str, error: str) -> None:
         self.outcomes[mid].error = error

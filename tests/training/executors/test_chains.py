@@ -96,3 +96,37 @@ def test_epochs_reach_the_controller_once_and_in_order_however_they_arrive() -> 
     run.take_epoch("m", record(5), staged=False)  # the chain's last: its state is in hand
     assert [r.epoch for r in run.outcomes["m"].history] == [3, 4, 5]
     assert executor.promoted == [3, 4] and run.told["m"] == 5
+
+
+def test_a_chain_whose_task_is_cancelled_stops_at_its_next_batch(
+    small_manifest: str, dask_client: Any, tmp_path: Path
+) -> None:
+    """A coordinator that dies, or lets a chain's future go, leaves no chain training on for
+    nobody: Dask cannot interrupt a running task, but the chain sees its task cancelled on its
+    worker and ends at its next batch (here long before the 30 epochs it was given)."""
+    import time
+
+    from mopflow.training.data import load_manifest
+    from mopflow.training.executors.chains import train_chain
+    from mopflow.training.executors.units import DataRef, ModelSpec, init_state
+
+    data = DataRef.open(small_manifest)
+    shards = [e["name"] for e in load_manifest(small_manifest)["splits"]["train"]]
+    spec = ModelSpec(
+        "m", {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}
+    )
+    folder = tmp_path / "m"
+    args = (spec, init_state(spec, data), data, shards, 0, 30, 30, "no-one-listens", str(folder))
+    future = dask_client.submit(train_chain, *args, pure=False)
+    deadline = time.monotonic() + 120
+    while not list(folder.glob("staged-*")) and time.monotonic() < deadline:  # its first epoch is done
+        time.sleep(0.05)
+    future.cancel()
+
+    def running(dask_worker: Any) -> int:
+        return int(dask_worker.state.executing_count)
+
+    while sum(dask_client.run(running).values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not sum(dask_client.run(running).values())
+    assert 1 <= len(list(folder.glob("staged-*"))) < 10
