@@ -61,7 +61,7 @@ def _told_to_stop(worker: Any, key: str) -> bool:
 
 def train_chain(
     spec: ModelSpec,
-    state: bytes,
+    state: bytes | None,
     data: DataRef,
     shards: Sequence[str],
     first_epoch: int,
@@ -70,7 +70,8 @@ def train_chain(
     run_id: str,
     staged_folder: str,
 ) -> tuple[bytes, list[dict[str, Any]]]:
-    """The Dask task of a chain: ``epochs`` epochs from ``first_epoch``, each validated; each but
+    """The Dask task of a chain: ``epochs`` epochs from ``first_epoch`` (from ``state``, or the
+    model's seeded first state when None), each validated; each but
     the last staged in ``staged_folder`` (when given) and told as it ends on :data:`EPOCH_TOPIC`
     for the run ``run_id`` ("": not told). Returns
     the state after the chain and every epoch's record; the last record says where the chain

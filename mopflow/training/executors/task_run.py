@@ -39,7 +39,7 @@ from mopflow.training.executors.base import (
 from mopflow.training.executors.chains import stop_chain, train_chain
 from mopflow.training.executors.task_host import TaskHost
 from mopflow.training.executors.task_notices import account_killed, take_preempted
-from mopflow.training.executors.units import ChainStopped, init_state
+from mopflow.training.executors.units import ChainStopped
 from mopflow.training.trainable.state import StateFormatError, global_step, partial_meta
 from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile.preempt import UnitPreempted
@@ -261,7 +261,7 @@ class TaskRun:
             count = (
                 1 if self.executor.batches else epochs_before_decision(self.controller, epoch, self.epochs)
             )
-        state = self.states.get(mid) or init_state(spec, self.executor.data)
+        state = self.states.get(mid)  # None: the worker builds the model's seeded first state
         future = self.executor.client.submit(
             train_chain,
             spec,

@@ -9,7 +9,7 @@ import pytest
 
 from mopflow.training.data import load_manifest
 from mopflow.training.executors import DataRef, ModelSpec
-from mopflow.training.executors.units import train_epochs_and_validate, train_pass_and_validate
+from mopflow.training.executors.units import init_state, train_epochs_and_validate, train_pass_and_validate
 from mopflow.training.trainable.state import read_meta
 from mopflow.training.volatile import preempt
 from mopflow.training.volatile.preempt import UnitPreempted
@@ -47,6 +47,9 @@ def test_a_chain_of_epochs_ends_as_the_same_epochs_one_per_task_even_when_a_noti
     assert [record for record, _ in told] == records[:2]
     assert [read_meta(packed)["epoch"] for _, packed in told] == [0, 1]  # the state there, to stage
     assert _same_weights(chained_state, state) and read_meta(chained_state)["epoch"] == epochs - 1
+    # the seeded first state is the same built on the worker (None) or handed over from elsewhere
+    handed, _ = train_epochs_and_validate(spec, init_state(spec, data), data, shards, 0, epochs, epochs)
+    assert _same_weights(handed, chained_state)
     assert all(r["loop_s"] > 0 and r["val_s"] > 0 for r in records)
     # one task: each epoch's span starts where the last ended (staging its state counts inside)
     assert all(b["start"] == a["end"] for a, b in zip(records, records[1:], strict=False))
