@@ -36,7 +36,7 @@ from mopflow.training.executors.mop_models import MopModels
 from mopflow.training.executors.mop_workers import MEMBERSHIP_S, WorkerWatch, fetch_unit_result
 from mopflow.training.executors.scheduler import MopScheduler, Unit, round_robin
 from mopflow.training.executors.stop_notice import StopNotice
-from mopflow.training.executors.units import init_state, train_pass_and_validate
+from mopflow.training.executors.units import train_pass_and_validate
 from mopflow.training.trainable.schedule import steps_per_epoch
 from mopflow.training.trainable.state import partial_meta
 from mopflow.training.trainable.unit import ModelSpec
@@ -236,7 +236,7 @@ class MopExecutor(Executor):
         return self.client.submit(
             train_pass_and_validate,
             spec,
-            run.states.get(unit.model) or init_state(spec, self.data),
+            run.states.get(unit.model),  # None: the worker builds the model's seeded first state
             self.data,
             self.partitions[unit.partition],
             epoch,
