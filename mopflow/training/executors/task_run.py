@@ -7,9 +7,11 @@ that may stop a model after any epoch (the median pruner), a chain runs to the e
 and the controller decides as each epoch is heard: when it stops the model, the chain's worker
 is told to end it at its next batch (``chains.stop_chain``), and what the chain trained past the
 decision is dropped, so the model's history and checkpoint end at the epoch it was stopped after.
-Without checkpoints (nothing staged to go back to), or in batches, such a chain is one epoch. Each epoch but the last reaches the coordinator as it ends,
-as a Dask event (``Worker.log_event``); the last comes with the task's result, which carries
-every epoch's record too. An epoch is handed to the controller once, whichever way it came.
+Without checkpoints (nothing staged to go back to), or in batches, such a chain is one epoch.
+
+Each epoch but the last reaches the coordinator as it ends, as a Dask event
+(``Worker.log_event``); the last comes with the task's result, which carries every epoch's
+record too. An epoch is handed to the controller once, whichever way it came.
 
 Checkpoints stay per epoch: the worker stages its state after each epoch but the last beside the
 model's checkpoint (``STAGED_FILE``), the coordinator moves it into place before the controller
@@ -367,10 +369,13 @@ class TaskRun:
         self.finish(mid, stopped_early=True)
 
     def go_on_from_checkpoint(self, mid: str) -> None:
-        """Submit the model's next chain from its checkpoint (the last epoch told)."""
+        """Submit the model's next chain from its checkpoint (the last epoch told, or the batch a
+        notice stopped it at)."""
         found = self.executor.load_checkpoint(mid)
         if found is not None:
-            self.states[mid], self.next_epoch[mid] = found[0], int(found[1].get("epoch", -1)) + 1
+            state, meta = found
+            within = partial_meta(state) is not None  # the epoch it stopped in goes on
+            self.states[mid], self.next_epoch[mid] = state, int(meta.get("epoch", -1)) + (0 if within else 1)
         if not stopping.stop_requested():  # the run stops: the next chain starts on resume
             self.submit(mid)
 
