@@ -11,18 +11,18 @@ from typing import Any, Protocol
 from mopflow.training.executors.chains import EPOCH_TOPIC
 
 
-class TaskRun(Protocol):
+class ListeningRun(Protocol):
     """What of a task run (``task_run.TaskRun``) hearing its epochs touches."""
 
     run_id: str
     inbox: queue.Queue[tuple[str, Any]]
 
 
-_LISTENING: dict[str, TaskRun] = {}  # run id -> the run in this process that hears its chains
+_LISTENING: dict[str, ListeningRun] = {}  # run id -> the run in this process that hears its chains
 _LISTENING_LOCK = threading.Lock()
 
 
-def listen(client: Any, run: TaskRun) -> None:
+def listen(client: Any, run: ListeningRun) -> None:
     """Hear ``run``'s chains' epochs as they end (events on :data:`EPOCH_TOPIC`, one handler per
     client for every run in this process)."""
     with _LISTENING_LOCK:
@@ -30,7 +30,7 @@ def listen(client: Any, run: TaskRun) -> None:
     client.subscribe_topic(EPOCH_TOPIC, _hear)
 
 
-def stop_listening(run: TaskRun) -> None:
+def stop_listening(run: ListeningRun) -> None:
     """``run`` is over: its late events are dropped."""
     with _LISTENING_LOCK:
         _LISTENING.pop(run.run_id, None)

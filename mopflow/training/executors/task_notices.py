@@ -15,7 +15,7 @@ from mopflow.training.volatile.preempt import UnitPreempted, lost_spans, redone_
 log = logging.getLogger(__name__)
 
 
-class TaskRun(Protocol):
+class RunLosingChains(Protocol):
     """What of a task run (``task_run.TaskRun``) a lost chain touches."""
 
     executor: TaskHost
@@ -31,7 +31,7 @@ class TaskRun(Protocol):
     def submit(self, mid: str) -> None: ...
 
 
-def account_killed(run: TaskRun, mid: str, epoch: int, future: Any) -> bool:
+def account_killed(run: RunLosingChains, mid: str, epoch: int, future: Any) -> bool:
     """Record the work of attempts of this chain lost with a killed worker (from the
     scheduler's story of its task); whether there were any."""
     lost = redone_seconds(lost_spans(task_story(run.executor.client, str(future.key))))
@@ -40,7 +40,7 @@ def account_killed(run: TaskRun, mid: str, epoch: int, future: Any) -> bool:
     return lost > 0
 
 
-def take_preempted(run: TaskRun, mid: str, first_epoch: int, exc: UnitPreempted) -> None:
+def take_preempted(run: RunLosingChains, mid: str, first_epoch: int, exc: UnitPreempted) -> None:
     """A chain stopped by a spot notice: the epochs it finished go to the controller, the state
     at its batch is checkpointed, and it goes on from that batch on another worker (or waits
     in its checkpoint when the run stops)."""
