@@ -21,7 +21,8 @@ processes, the scheduler in this process, the workers' imports done first):
   coordinator as it ends and judged there, a stop sent to the task's worker;
 * ``task-chain``: the same without a pruner: a trial's epochs in one Dask task;
 * ``mop``: a mopflow search under model hopper parallelism with the median pruner (one epoch per
-  round), ``--model-slots`` models at once (default 4): one Dask task per model and partition;
+  round), ``--model-slots`` models at once (default 4): each unit (one model's pass over one
+  partition) a direct call to the worker's resident trainer, no Dask task;
 * ``plain``: plain Optuna and a plain PyTorch loop in ``--workers`` processes
   (:mod:`studies.plain_optuna`), the same trials (mopflow's random proposals, enqueued).
 

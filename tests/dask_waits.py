@@ -12,10 +12,13 @@ from typing import Any
 
 
 def worker_is_executing(client: Any) -> bool:
-    """Whether any worker of ``client``'s cluster is running a task right now."""
+    """Whether any worker of ``client``'s cluster is running a task, or a MOP unit of its
+    resident trainer, right now."""
 
     def running(dask_worker: Any) -> int:
-        return len(dask_worker.state.executing)
+        from mopflow.training.executors.mop_service import units_running
+
+        return len(dask_worker.state.executing) + len(units_running())
 
     return any(client.run(running).values())
 

@@ -185,11 +185,11 @@ def check_small_units(report: Report, out: Path) -> None:
     assert all(r["epochs_trained"] == epochs for r in rows.values())
     assert [rows[a]["units"] for a in rows] == [epochs, epochs, 2 * epochs, epochs]  # mop: 2 partitions
     # task: a Dask task per trial, with a decision after each epoch (a chain the pruner may stop on
-    # its worker) or without; mop: per unit
+    # its worker) or without; mop: none, its units are calls to each worker's resident trainer
     assert [rows[a]["dask_tasks"] for a in ("task", "task-chain", "mop")] == [
         settings["trials"],
         settings["trials"],
-        2 * epochs,
+        0,
     ]
     assert rows["plain"]["wall_ratio"] == 1.0 and 0 < rows["plain"]["utilisation"] <= 1
     for arm in ("task", "task-chain", "mop"):
@@ -198,7 +198,8 @@ def check_small_units(report: Report, out: Path) -> None:
         assert row["fixed_ms_median"] > 0 and row["fixed_ms_mean"] > 0
         # the parts are inside the fixed cost; the Dask tasks hold the records' spans
         assert row["setup_ms"] + row["fit_ms"] + row["pack_ms"] <= row["fixed_ms_mean"] + 0.01
-        assert row["unrecorded_ms"] > -0.1
+        if row["dask_tasks"]:  # what the unit tasks spent outside the records' spans
+            assert row["unrecorded_ms"] > -0.1
         assert 0 < row["coordinator_main_thread_cpu_ms"] <= row["coordinator_cpu_ms"]
         assert row["workers_cpu_ms"] > 0
         assert set(report["targets"]["status"][arm]) == {

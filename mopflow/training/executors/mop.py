@@ -21,6 +21,7 @@ model's last finished unit: at most that sub-epoch is lost. The seconds to redo 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,10 +34,10 @@ from mopflow.training.data import load_manifest
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, Executor, ModelOutcome
 from mopflow.training.executors.mop_models import MopModels
+from mopflow.training.executors.mop_service import UnitCalls
 from mopflow.training.executors.mop_workers import MEMBERSHIP_S, WorkerWatch, fetch_unit_result
 from mopflow.training.executors.scheduler import MopScheduler, Unit, round_robin
 from mopflow.training.executors.stop_notice import StopNotice
-from mopflow.training.executors.units import train_pass_and_validate
 from mopflow.training.trainable.schedule import steps_per_epoch
 from mopflow.training.trainable.state import partial_meta
 from mopflow.training.trainable.unit import ModelSpec
@@ -122,6 +123,7 @@ class MopExecutor(Executor):
         self.epoch_records: dict[int, list[dict[str, Any]]] = {}
         self.workers = WorkerWatch(client, self.scheduler, self._account)
         self._notice = StopNotice(client, "mop", "unit")  # asked to stop: units in flight checkpoint
+        self.units = UnitCalls(client)  # each worker's resident trainer (mop_service.py)
 
     def epoch_steps(self, spec: ModelSpec) -> int:
         """A model's optimizer steps in one epoch over every partition (its schedule's unit)."""
@@ -172,8 +174,6 @@ class MopExecutor(Executor):
     def _run_round(self, run: MopModels, current: _Round) -> None:
         """Give idle workers units and collect the finished ones until the round's queue is done,
         following the workers that leave or join meanwhile."""
-        from distributed import wait
-
         while not self.scheduler.epoch_finished:
             if stopping.stop_requested():  # the units in flight checkpoint at their next batch
                 self._stop_units(current.in_flight)
@@ -185,10 +185,9 @@ class MopExecutor(Executor):
                 self.workers.wait_for_a_worker(alive)
                 time.sleep(0.05)
                 continue
-            try:
-                done, _ = wait(list(current.in_flight), timeout=POLL_S, return_when="FIRST_COMPLETED")
-            except TimeoutError:
-                done = set()
+            done, _ = concurrent.futures.wait(
+                list(current.in_flight), timeout=POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
+            )
             self.workers.reap_dead(current.in_flight, current.submitted, connected)
             collected = [self._collect(run, current, future) for future in done]
             finished = [mid for mid in collected if mid is not None]  # their pass completed
@@ -227,29 +226,26 @@ class MopExecutor(Executor):
                 worker,
             )
 
-    def _submit_unit(self, run: MopModels, worker: str, unit: Unit) -> Any:
-        """Submit ``unit`` to ``worker`` (which holds its partition): a pass, then validation
-        when it is the model's epoch's last unit."""
+    def _submit_unit(self, run: MopModels, worker: str, unit: Unit) -> concurrent.futures.Future[Any]:
+        """Send ``unit`` to ``worker`` (which holds its partition): a pass, then validation
+        when it is the model's epoch's last unit. The worker's resident trainer runs its units
+        one at a time, in order (``mop_service.py``)."""
         spec = run.active[unit.model]
-        epoch = run.next_epoch.get(unit.model, 0)
         seen = [*run.visited.get(unit.model, []), unit.partition]
-        return self.client.submit(
-            train_pass_and_validate,
-            spec,
-            run.states.get(unit.model),  # None: the worker builds the model's seeded first state
-            self.data,
-            self.partitions[unit.partition],
-            epoch,
-            run.epochs,
-            int(unit.partition[1:]),
-            {"visited": seen, "partition": unit.partition},
-            len(set(seen)) >= len(self.partitions),  # the epoch's last unit validates
-            self.epoch_steps(spec),
-            workers=[worker],
-            allow_other_workers=False,
-            resources=spec.device.resources() or None,
-            pure=False,
-            key=f"mop-{unit.model}-e{epoch}-{unit.partition}-{time.monotonic_ns()}",
+        return self.units.call(
+            worker,
+            (
+                spec,
+                run.states.get(unit.model),  # None: the worker builds the model's seeded first state
+                self.data,
+                self.partitions[unit.partition],
+                run.next_epoch.get(unit.model, 0),
+                run.epochs,
+                int(unit.partition[1:]),
+                {"visited": seen, "partition": unit.partition},
+                len(set(seen)) >= len(self.partitions),  # the epoch's last unit validates
+                self.epoch_steps(spec),
+            ),
         )
 
     def _collect(self, run: MopModels, current: _Round, future: Any) -> str | None:
@@ -271,11 +267,12 @@ class MopExecutor(Executor):
             return None
         except Exception as exc:
             log.warning("mop: unit %s on %s was lost (%s); it goes back to the queue", unit, worker, exc)
-            self._account(unit, worker, "lost", self.workers.lost_seconds(future, started_at))
+            self._account(unit, worker, "lost", self.workers.lost_seconds(started_at))
+            if isinstance(exc, OSError):  # its worker cannot be reached: killed, or closing
+                self.workers.unreachable(worker)
             self.workers.lose(worker, current.in_flight, unit=unit)
             return None
-        finally:  # the result is here now: the worker need not keep it (nor hand it off)
-            future.release()
+        self._started_next(current, worker)
         self.scheduler.complete(worker, unit)
         run.unit_done(unit.model, state)
         if val_acc is not None:
@@ -297,6 +294,15 @@ class MopExecutor(Executor):
             current.total_units,
         )
         return unit.model
+
+    @staticmethod
+    def _started_next(current: _Round, worker: str) -> None:
+        """The unit queued behind the one ``worker`` just finished starts now: the seconds it
+        would lose count from here, not from when it was sent."""
+        now = time.time()
+        for future, (holder, _) in current.in_flight.items():
+            if holder == worker:
+                current.submitted[future] = max(current.submitted.get(future, now), now)
 
     def _preempted(
         self, run: MopModels, current: _Round, unit: Unit, worker: str, exc: UnitPreempted

@@ -16,7 +16,6 @@ from typing import Any
 
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.executors.scheduler import MopScheduler, Unit
-from mopflow.training.volatile.preempt import lost_spans, redone_seconds, task_story
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +37,10 @@ class UnitResultLost(RuntimeError):
 
 
 def fetch_unit_result(client: Any, future: Any, worker: str, poll_s: float = FETCH_POLL_S) -> Any:
-    """The result of a unit pinned to ``worker``.
+    """The result of a unit sent to ``worker``.
 
-    A unit that finished on a worker killed before its result was fetched cannot be fetched any
-    more, and Dask would run it again only on that (pinned) worker, which never comes back:
-    waiting would hang the sweep. Raises ``UnitResultLost`` once ``worker`` has left the cluster.
+    A worker that stops answering without closing its connection (cut off) would leave the call
+    waiting for ever: raises ``UnitResultLost`` once ``worker`` has left the cluster.
     """
     while True:
         try:
@@ -61,6 +59,7 @@ class WorkerWatch:
         self._missing_since: dict[str, float] = {}
         self._no_worker_since: float | None = None
         self._members: tuple[float, frozenset[str]] | None = None  # (when read, workers)
+        self._unreachable: dict[str, float] = {}  # worker -> when a call to it failed to connect
 
     def connected(self, max_age_s: float = 0.0) -> set[str]:
         """The workers in the cluster: asked of the scheduler now, or, with ``max_age_s``, as
@@ -72,13 +71,24 @@ class WorkerWatch:
 
     def alive(self, connected: set[str] | None = None) -> list[str]:
         """Workers that can take units: ``connected`` (default: asked of the scheduler now), less
-        those leaving on a notice."""
-        return sorted((self.connected() if connected is None else connected) - self.leaving)
+        those leaving on a notice and those a call failed to reach within ``REAP_GRACE_S``."""
+        return sorted((self.connected() if connected is None else connected) - self.leaving - self._shunned())
+
+    def unreachable(self, worker: str) -> None:
+        """A call to ``worker`` could not reach it (a killed worker's connection is closed at once,
+        before the scheduler has seen it go): it takes no unit for ``REAP_GRACE_S``, and its
+        partitions move; if it is still there then, it takes partitions again as a new worker."""
+        self._unreachable[worker] = time.monotonic()
+
+    def _shunned(self) -> set[str]:
+        now = time.monotonic()
+        self._unreachable = {w: t for w, t in self._unreachable.items() if now - t < REAP_GRACE_S}
+        return set(self._unreachable)
 
     def reconcile(self, connected: set[str]) -> list[str]:
         """Follow the cluster: partitions of workers gone while idle move to survivors; a new
         (restarted) worker takes partitions from the busiest. Returns the workers that take units."""
-        alive = sorted(connected - self.leaving)
+        alive = self.alive(connected)
         for holder in sorted(set(self.scheduler.placement.values()) - set(alive)):
             if holder not in self.scheduler.running and alive:
                 self.scheduler.lose_worker(holder, alive)
@@ -105,7 +115,7 @@ class WorkerWatch:
                 continue
             if future.done():  # its answer arrived after all: handled with the done futures
                 continue
-            lost = self.lost_seconds(future, submitted.pop(future, time.time()))
+            lost = self.lost_seconds(submitted.pop(future, time.time()))
             future.cancel()
             del in_flight[future]
             log.warning("mop: worker %s died running %s (no notice); the unit is redone", worker, unit)
@@ -113,11 +123,11 @@ class WorkerWatch:
             self.lose(worker, in_flight)
         self._missing_since = {w: t for w, t in self._missing_since.items() if w not in connected}
 
-    def lost_seconds(self, future: Any, submitted_at: float) -> float:
-        """Seconds the unit ran on a worker that never finished it (from the scheduler's story;
-        from its submission when the story does not tell)."""
-        spans = lost_spans(task_story(self.client, str(future.key)))
-        return redone_seconds(spans) if spans else max(0.0, time.time() - submitted_at)
+    @staticmethod
+    def lost_seconds(started_at: float) -> float:
+        """Seconds a unit ran on a worker that never finished it: from when it started (sent, or,
+        queued behind another, when that one finished) until now."""
+        return max(0.0, time.time() - started_at)
 
     def wait_for_a_worker(self, alive: list[str]) -> None:
         """Nothing runs: fail when no worker has been there for ``WORKER_WAIT_S``."""

@@ -28,7 +28,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -71,6 +72,28 @@ def notice_received() -> bool:
     return NOTICE.is_set()
 
 
+_UNITS_OUTSIDE_TASKS = [0]  # units this worker process runs outside Dask's tasks (MOP's service)
+_UNITS_LOCK = threading.Lock()
+
+
+@contextmanager
+def unit_outside_tasks() -> Iterator[None]:
+    """Count a unit this worker runs outside a Dask task while it runs: a worker leaving on a
+    notice waits for it as for a task, so that its state goes back to the coordinator first."""
+    with _UNITS_LOCK:
+        _UNITS_OUTSIDE_TASKS[0] += 1
+    try:
+        yield
+    finally:
+        with _UNITS_LOCK:
+            _UNITS_OUTSIDE_TASKS[0] -= 1
+
+
+def _busy(worker: Any) -> bool:
+    """Whether the worker still runs a task or a unit outside its tasks."""
+    return bool(worker.state.executing_count > 0 or _UNITS_OUTSIDE_TASKS[0] > 0)
+
+
 class PreemptionPlugin(WorkerPlugin):
     """On SIGTERM: raise the notice, let the running trial checkpoint and hand itself back, then
     close the worker once nothing runs or ``grace_s`` has passed (whichever comes first)."""
@@ -102,9 +125,9 @@ class PreemptionPlugin(WorkerPlugin):
     async def _leave(self, worker: Any) -> None:
         _keep_the_nanny(worker)
         deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and worker.state.executing_count > 0:
+        while time.monotonic() < deadline and _busy(worker):
             await asyncio.sleep(0.1)
-        if worker.state.executing_count > 0:
+        if _busy(worker):
             log.warning("preemption: grace period over with a task still running; leaving anyway")
         else:
             # Hand results still held here (a unit that finished as the notice came) to another

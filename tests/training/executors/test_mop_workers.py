@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
+from mopflow.training.executors import mop_workers
 from mopflow.training.executors.mop_workers import WorkerWatch
 from mopflow.training.executors.scheduler import MopScheduler
 
@@ -42,3 +45,22 @@ def test_the_loop_reuses_a_fresh_membership_and_a_direct_ask_reads_it_again() ->
     client.workers.add("w3")
     time.sleep(0.06)
     assert watch.connected(max_age_s=0.05) == {"w1", "w3"} and client.reads == 3
+
+
+def test_a_worker_a_call_could_not_reach_takes_no_unit_for_the_grace_then_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Expected: a worker whose connection failed (killed, not yet seen gone by the scheduler) is
+    left out of the workers that take units, its partitions move to the others; still there once
+    ``REAP_GRACE_S`` has passed, it takes units and partitions again."""
+    monkeypatch.setattr(mop_workers, "REAP_GRACE_S", 0.2)
+    client = _Scheduler({"w1", "w2"})
+    scheduler = MopScheduler({"p0": "w1", "p1": "w2"})
+    watch = WorkerWatch(client, scheduler, lambda *a: None)
+    watch.unreachable("w2")
+    assert watch.alive() == ["w1"]
+    assert watch.reconcile(watch.connected()) == ["w1"]
+    assert set(scheduler.placement.values()) == {"w1"}  # p1 moved to w1
+    time.sleep(0.25)
+    assert watch.reconcile(watch.connected()) == ["w1", "w2"]
+    assert sorted(scheduler.placement.values()) == ["w1", "w2"]  # w2 holds a partition again

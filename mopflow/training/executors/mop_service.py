@@ -1,0 +1,132 @@
+"""MOP's units served by a resident trainer on each worker: a direct call per unit, not a Dask task.
+
+Why: a MOP unit is one model's pass over one partition, on the worker that holds the partition.
+As a Dask task, each one cost the coordinator's process (Dask's client and scheduler) about
+4.3-4.8 ms of CPU with nothing in it (a 1-byte argument, two workers, a 2-CPU machine); the
+same trip as a direct call to the worker, the way Dask's actors make theirs, about 1.2 ms. With
+a GPU's short passes that difference is the workers' idle time (``benchmarks/small_units.py``).
+
+How: :class:`UnitService`, a worker plugin, gives every worker (those that join later too: Dask
+applies a registered plugin to them) the handler :data:`HANDLER`. A call runs
+:func:`~mopflow.training.executors.units.train_pass_and_validate` in the worker process's one
+unit thread, in order of arrival (the unit queued ahead of a worker waits behind its running
+one), and answers with the unit's result or its exception. The worker keeps what it kept for
+units run as tasks: its partitions' rows and built models (``training/executors/resident.py``).
+:class:`UnitCalls` makes the calls from the coordinator; each is a
+:class:`concurrent.futures.Future`.
+
+Faults, owned here and in the driver (``training/executors/mop.py``), since no Dask task stands
+behind a unit:
+
+* a spot notice (SIGTERM): the running unit hands its state back at its next batch and a queued
+  one hands its own back untouched, as in a task; the leaving worker waits for them
+  (:func:`~mopflow.training.volatile.preempt.unit_outside_tasks`) before it closes;
+* a killed worker: its connection closes, and the call fails at once with an ``OSError``; a worker
+  cut off answers nothing, and the driver sees it missing from the scheduler's membership. Either
+  way the unit is redone from the model's last finished unit, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from mopflow.training.volatile.preempt import unit_outside_tasks
+
+HANDLER = "mopflow_mop_unit"
+PLUGIN_NAME = "mopflow-mop-units"
+
+_UNIT_THREAD: list[concurrent.futures.ThreadPoolExecutor] = []  # this worker process's, made once
+_UNIT_THREAD_LOCK = threading.Lock()
+
+
+def _unit_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread this worker process runs units in (made at its first unit)."""
+    with _UNIT_THREAD_LOCK:
+        if not _UNIT_THREAD:
+            _UNIT_THREAD.append(
+                concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mopflow-unit")
+            )
+        return _UNIT_THREAD[0]
+
+
+_RUNNING: list[str] = []  # the unit this worker process runs now, as a label
+
+
+def unit_label(args: Sequence[Any]) -> str:
+    """A unit's label from its arguments: ``mop-<model>-e<epoch>-<partition>``."""
+    spec, epoch, meta = args[0], args[4], args[7]
+    return f"mop-{spec.model_id}-e{epoch}-{meta.get('partition', '')}"
+
+
+def units_running() -> list[str]:
+    """The labels of the units this worker process runs now (for fault tests that must hit one)."""
+    return list(_RUNNING)
+
+
+def _run_unit(args: Sequence[Any]) -> Any:
+    from mopflow.training.executors.units import train_pass_and_validate
+
+    _RUNNING.append(unit_label(args))
+    try:
+        return train_pass_and_validate(*args)
+    finally:
+        _RUNNING.clear()
+
+
+async def serve_unit(args: Sequence[Any] = ()) -> dict[str, Any]:
+    """The handler: run one unit (``train_pass_and_validate``'s arguments) in the unit thread and
+    answer ``{"status": "OK", "result": ...}`` or ``{"status": "error", "exception": ...}``."""
+    from distributed.protocol import to_serialize
+
+    with unit_outside_tasks():
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(_unit_thread(), _run_unit, args)
+        except Exception as exc:  # the unit's own outcome (a notice, a non-finite loss): the caller's
+            return {"status": "error", "exception": to_serialize(exc)}
+    return {"status": "OK", "result": to_serialize(result)}
+
+
+class UnitService(WorkerPlugin):
+    """Installs :func:`serve_unit` on a worker. Registering it again (a second sweep on the same
+    cluster) changes nothing on a worker: the handler and the unit thread are the process's."""
+
+    name = PLUGIN_NAME
+
+    def setup(self, worker: Any) -> None:
+        worker.handlers[HANDLER] = serve_unit
+
+
+class UnitCalls:
+    """The coordinator's side: units sent to workers' services, answered as futures."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        client.register_plugin(UnitService(), name=PLUGIN_NAME)
+
+    def call(self, worker: str, args: Sequence[Any]) -> concurrent.futures.Future[Any]:
+        """Send one unit (``train_pass_and_validate``'s arguments) to ``worker``. The future
+        holds its result, or raises its exception (an ``OSError`` when the worker is gone)."""
+        from distributed.protocol import to_serialize
+
+        async def ask_worker() -> Any:
+            reply = await getattr(self._rpc(worker), HANDLER)(args=to_serialize(tuple(args)))
+            if reply["status"] == "OK":
+                return reply["result"]
+            raise reply["exception"]
+
+        return asyncio.run_coroutine_threadsafe(ask_worker(), self.client.loop.asyncio_loop)
+
+    def _rpc(self, worker: str) -> Any:
+        """A connection to ``worker``: direct, or through the scheduler for a client told not to
+        reach workers itself (``direct_to_workers=False``), as Dask's actors do."""
+        if self.client.direct_to_workers is False:
+            from distributed.actor import ProxyRPC
+
+            return ProxyRPC(self.client.scheduler, worker)
+        return self.client.rpc(worker)
