@@ -1,10 +1,11 @@
-"""Benchmark of what one unit's trip through Dask costs: the floor under every MOP sub-epoch.
+"""Benchmark of what one unit's trip costs: the floor under every MOP sub-epoch.
 
 What is measured
 ----------------
-A MOP unit is one Dask task: the coordinator submits it with the model's packed state as an
-argument, the worker that holds the partition runs it, and the coordinator gathers the new state
-(to checkpoint it and to hand it to the next partition's worker). This benchmark runs that trip
+A MOP unit was one Dask task: the coordinator submitted it with the model's packed state as an
+argument, the worker that holds the partition ran it, and the coordinator gathered the new state
+(to checkpoint it and to hand it to the next partition's worker). It is now a direct call to the
+worker's resident trainer (``mopflow.training.executors.mop_service``). This benchmark runs those trips
 with no training in it, on the cluster a search runs on (``mopflow.training.compute.cluster.dask_client``:
 a LocalCluster of ``--workers`` one-thread worker processes, its scheduler in this process as in
 a search's coordinator): each unit is ``bytes(state)`` (a copy of the state it is given, so a
@@ -16,6 +17,10 @@ state of the same size comes back), on the two workers in turn, one unit at a ti
   scheduler to the worker).
 * ``dependency`` (information): the result is gathered too (a checkpoint needs it), but the next
   unit takes the previous unit's future: Dask moves the state from worker to worker.
+* ``direct``: as the MOP executor does now: no Dask task; the state goes to the worker in a call
+  to a handler of its own (:func:`~mopflow.training.executors.mop_service.call_worker`), which runs
+  the unit in the worker's unit thread (:func:`~mopflow.training.executors.mop_service.run_in_unit_thread`)
+  and answers with the new state. The scheduler takes no part in it.
 
 States of ``--sizes`` bytes (default 1, 128 KiB and 1 MiB: the benchmark search's models pack
 13 KiB to 1.7 MiB with their AdamW moments). Per unit: wall milliseconds, the CPU milliseconds of
@@ -24,7 +29,7 @@ main thread alone (``time.thread_time``: what the coordinator's own loop runs), 
 processes (``time.process_time`` in each, through ``client.run``). Each (size, mode) runs
 ``--units`` units (default 300) after 20 untimed ones, the modes and sizes interleaved, repeated
 ``--repeats`` times (default 3); the figures are the medians over the repeats, and the ratios are
-against the smallest state's ``by_value`` trip in the same run.
+against the smallest state's ``by_value`` trip in the same run (the Dask task a MOP unit was).
 
 Output: a plain-text table on stdout and every figure in ``benchmarks/results/roundtrip.json``
 (``--out`` names another folder or file; a ``--quick`` run writes there or into a temporary folder).
@@ -52,7 +57,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 from studies import harness  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "roundtrip.json"
-MODES = ("by_value", "dependency")
+MODES = ("by_value", "dependency", "direct")
+COPY_HANDLER = "mopflow_benchmark_copy"  # the direct mode's unit: bytes(state), in the unit thread
 WARMUP_UNITS = 20
 
 
@@ -68,7 +74,12 @@ def run_units(client: Any, workers: Sequence[str], size: int, mode: str, units: 
     previous: Any = None
     workers_before = _workers_cpu(client)
     wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
-    for index in range(units):
+    if mode == "direct":
+        from mopflow.training.executors.mop_service import call_worker
+
+        for index in range(units):
+            state = call_worker(client, workers[index % len(workers)], COPY_HANDLER, (state,)).result()
+    for index in range(units if mode != "direct" else 0):
         argument = previous if mode == "dependency" and previous is not None else state
         future = client.submit(
             bytes, argument, workers=[workers[index % len(workers)]], allow_other_workers=False, pure=False
@@ -91,6 +102,16 @@ def run_units(client: Any, workers: Sequence[str], size: int, mode: str, units: 
     return per_unit
 
 
+def _install_copy_handler(dask_worker: Any = None) -> None:
+    """On each worker (``client.run``): the direct mode's handler, ``bytes(state)`` run as a MOP
+    unit is (in the unit thread, answered as the service answers)."""
+    import functools
+
+    from mopflow.training.executors.mop_service import run_in_unit_thread
+
+    dask_worker.handlers[COPY_HANDLER] = functools.partial(run_in_unit_thread, bytes)
+
+
 def measure(settings: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (size, mode) ``settings.repeats`` times, interleaved; one row each with the medians."""
     from mopflow.training.compute.cluster import dask_client
@@ -99,6 +120,7 @@ def measure(settings: argparse.Namespace) -> list[dict[str, Any]]:
     runs: dict[tuple[int, str], list[dict[str, float]]] = {}
     with dask_client("", settings.workers) as client:
         workers = worker_addresses(client)
+        client.run(_install_copy_handler)
         for size in settings.sizes:
             for mode in MODES:
                 run_units(client, workers, size, mode, WARMUP_UNITS)

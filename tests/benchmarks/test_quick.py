@@ -167,7 +167,7 @@ def check_mop_bound(report: Report, out: Path) -> None:
 
 def check_roundtrip(report: Report, out: Path) -> None:
     cells = [(r["state_bytes"], r["mode"]) for r in report["rows"]]
-    assert cells == [(1, "by_value"), (1, "dependency"), (65536, "by_value"), (65536, "dependency")]
+    assert cells == [(size, mode) for size in (1, 65536) for mode in ("by_value", "dependency", "direct")]
     for row in report["rows"]:
         assert row["units"] == 20 and row["wall_ms"] > 0 and row["workers_cpu_ms"] > 0
         # the main thread is one of the process's threads: its CPU is part of the process's

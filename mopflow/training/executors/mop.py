@@ -7,15 +7,17 @@ under a pruner that may stop a model after any epoch): within it a model goes on
 epoch as soon as its own is done, and that epoch is reported then; the round's last epochs are
 reported at its end, in model order, where the controller may stop models and fill their slots.
 Each busy worker also holds a unit queued behind its running one, so it never waits for the
-coordinator between two units. The
+coordinator between two units. A unit is not a Dask task: it is a direct call to the worker's
+resident trainer (``training/executors/mop_service.py``), which runs its units one at a time. The
 models' bookkeeping is ``training/executors/mop_models.py``; following the workers of a volatile
 cluster, ``training/executors/mop_workers.py``.
 
 Volatile workers: a unit whose worker got a spot notice (SIGTERM) hands back its state packed at
 the last batch boundary (``UnitPreempted``); it is queued again as its model's next unit and
 continues from that batch on another (or the restarted) worker. A unit whose worker died without
-notice (SIGKILL) is seen missing within ``POLL_S`` (+ ``REAP_GRACE_S``) and redone from the
-model's last finished unit: at most that sub-epoch is lost. The seconds to redo are summed in
+notice (SIGKILL) fails its call as its connection closes, or is seen missing within ``POLL_S``
+(+ ``REAP_GRACE_S``), and is redone from the model's last finished unit: at most that sub-epoch
+is lost. The seconds to redo are summed in
 ``redone_unit_seconds`` and each interruption is listed in ``interruptions``.
 """
 

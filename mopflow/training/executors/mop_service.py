@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -79,17 +79,46 @@ def _run_unit(args: Sequence[Any]) -> Any:
         _RUNNING.clear()
 
 
-async def serve_unit(args: Sequence[Any] = ()) -> dict[str, Any]:
-    """The handler: run one unit (``train_pass_and_validate``'s arguments) in the unit thread and
-    answer ``{"status": "OK", "result": ...}`` or ``{"status": "error", "exception": ...}``."""
+async def run_in_unit_thread(function: Callable[..., Any], args: Sequence[Any] = ()) -> dict[str, Any]:
+    """A handler's body: ``function(*args)`` in the unit thread, answered as
+    ``{"status": "OK", "result": ...}`` or ``{"status": "error", "exception": ...}``."""
     from distributed.protocol import to_serialize
 
     with unit_outside_tasks():
         try:
-            result = await asyncio.get_running_loop().run_in_executor(_unit_thread(), _run_unit, args)
+            result = await asyncio.get_running_loop().run_in_executor(_unit_thread(), function, *args)
         except Exception as exc:  # the unit's own outcome (a notice, a non-finite loss): the caller's
             return {"status": "error", "exception": to_serialize(exc)}
     return {"status": "OK", "result": to_serialize(result)}
+
+
+async def serve_unit(args: Sequence[Any] = ()) -> dict[str, Any]:
+    """The handler: run one unit (``train_pass_and_validate``'s arguments) in the unit thread."""
+    return await run_in_unit_thread(_run_unit, (args,))
+
+
+def call_worker(
+    client: Any, worker: str, handler: str, args: Sequence[Any]
+) -> concurrent.futures.Future[Any]:
+    """Call ``handler`` on ``worker`` with ``args`` from ``client``'s event loop: a future of its
+    result, or of its exception (an ``OSError`` when the worker is gone). Direct, or through the
+    scheduler for a client told not to reach workers itself (``direct_to_workers=False``), as Dask's
+    actors do."""
+    from distributed.protocol import to_serialize
+
+    async def ask() -> Any:
+        if client.direct_to_workers is False:
+            from distributed.actor import ProxyRPC
+
+            rpc: Any = ProxyRPC(client.scheduler, worker)
+        else:
+            rpc = client.rpc(worker)
+        reply = await getattr(rpc, handler)(args=to_serialize(tuple(args)))
+        if reply["status"] == "OK":
+            return reply["result"]
+        raise reply["exception"]
+
+    return asyncio.run_coroutine_threadsafe(ask(), client.loop.asyncio_loop)
 
 
 class UnitService(WorkerPlugin):
@@ -110,23 +139,5 @@ class UnitCalls:
         client.register_plugin(UnitService(), name=PLUGIN_NAME)
 
     def call(self, worker: str, args: Sequence[Any]) -> concurrent.futures.Future[Any]:
-        """Send one unit (``train_pass_and_validate``'s arguments) to ``worker``. The future
-        holds its result, or raises its exception (an ``OSError`` when the worker is gone)."""
-        from distributed.protocol import to_serialize
-
-        async def ask_worker() -> Any:
-            reply = await getattr(self._rpc(worker), HANDLER)(args=to_serialize(tuple(args)))
-            if reply["status"] == "OK":
-                return reply["result"]
-            raise reply["exception"]
-
-        return asyncio.run_coroutine_threadsafe(ask_worker(), self.client.loop.asyncio_loop)
-
-    def _rpc(self, worker: str) -> Any:
-        """A connection to ``worker``: direct, or through the scheduler for a client told not to
-        reach workers itself (``direct_to_workers=False``), as Dask's actors do."""
-        if self.client.direct_to_workers is False:
-            from distributed.actor import ProxyRPC
-
-            return ProxyRPC(self.client.scheduler, worker)
-        return self.client.rpc(worker)
+        """Send one unit (``train_pass_and_validate``'s arguments) to ``worker``."""
+        return call_worker(self.client, worker, HANDLER, args)
