@@ -105,11 +105,12 @@ def run_units(client: Any, workers: Sequence[str], size: int, mode: str, units: 
 def _install_copy_handler(dask_worker: Any = None) -> None:
     """On each worker (``client.run``): the direct mode's handler, ``bytes(state)`` run as a MOP
     unit is (in the unit thread, answered as the service answers)."""
-    import functools
-
     from mopflow.training.executors.mop_service import run_in_unit_thread
 
-    dask_worker.handlers[COPY_HANDLER] = functools.partial(run_in_unit_thread, bytes)
+    async def copy_state(args: Sequence[Any] = ()) -> dict[str, Any]:  # Dask names handlers by __name__
+        return await run_in_unit_thread(bytes, args)
+
+    dask_worker.handlers[COPY_HANDLER] = copy_state
 
 
 def measure(settings: argparse.Namespace) -> list[dict[str, Any]]:
