@@ -1,10 +1,11 @@
 """MOP's units served by a resident trainer on each worker: a direct call per unit, not a Dask task.
 
 Why: a MOP unit is one model's pass over one partition, on the worker that holds the partition.
-As a Dask task, each one cost the coordinator's process (Dask's client and scheduler) about
-4.3-4.8 ms of CPU with nothing in it (a 1-byte argument, two workers, a 2-CPU machine); the
-same trip as a direct call to the worker, the way Dask's actors make theirs, about 1.2 ms. With
-a GPU's short passes that difference is the workers' idle time (``benchmarks/small_units.py``).
+As a Dask task, its trip took about 10.7 ms and 3-6.7 ms of the coordinator process's CPU (Dask's
+client and scheduler) with nothing in it; as a direct call to the worker, the way Dask's actors
+make theirs, 0.7-1.1 ms and 0.35-0.76 ms (``benchmarks/roundtrip.py``, states of 1 B to 1 MiB,
+two workers, a 2-CPU machine). With a GPU's short passes that difference is the workers' idle
+time (``benchmarks/small_units.py``).
 
 How: :class:`UnitService`, a worker plugin, gives every worker (those that join later too: Dask
 applies a registered plugin to them) the handler :data:`HANDLER`. A call runs
