@@ -70,16 +70,23 @@ def _workers_cpu(client: Any) -> float:
 def run_units(client: Any, workers: Sequence[str], size: int, mode: str, units: int) -> dict[str, float]:
     """``units`` trips of a state of ``size`` bytes, on ``workers`` in turn; per unit: wall, the
     coordinator process's and main thread's CPU, and the workers' CPU (milliseconds)."""
-    state: bytes = bytes(size)
-    previous: Any = None
+    trip = _direct_trips if mode == "direct" else _task_trips
     workers_before = _workers_cpu(client)
     wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
-    if mode == "direct":
-        from mopflow.training.executors.mop_service import call_worker
+    trip(client, workers, bytes(size), mode, units)
+    per_unit = {
+        "wall_ms": (time.perf_counter() - wall) * 1e3 / units,
+        "coordinator_cpu_ms": (time.process_time() - cpu) * 1e3 / units,
+        "coordinator_main_thread_cpu_ms": (time.thread_time() - main) * 1e3 / units,
+    }
+    per_unit["workers_cpu_ms"] = (_workers_cpu(client) - workers_before) * 1e3 / units
+    return per_unit
 
-        for index in range(units):
-            state = call_worker(client, workers[index % len(workers)], COPY_HANDLER, (state,)).result()
-    for index in range(units if mode != "direct" else 0):
+
+def _task_trips(client: Any, workers: Sequence[str], state: bytes, mode: str, units: int) -> None:
+    """The trips as Dask tasks, the state passed by value or as the previous task's future."""
+    previous: Any = None
+    for index in range(units):
         argument = previous if mode == "dependency" and previous is not None else state
         future = client.submit(
             bytes, argument, workers=[workers[index % len(workers)]], allow_other_workers=False, pure=False
@@ -90,16 +97,17 @@ def run_units(client: Any, workers: Sequence[str], size: int, mode: str, units: 
         if mode == "dependency":
             previous = future  # the next unit depends on it
         else:
-            future.release()  # as the MOP executor releases a unit's result once it has it
+            future.release()  # as the MOP executor released a unit's result once it had it
     if previous is not None:
         previous.release()
-    per_unit = {
-        "wall_ms": (time.perf_counter() - wall) * 1e3 / units,
-        "coordinator_cpu_ms": (time.process_time() - cpu) * 1e3 / units,
-        "coordinator_main_thread_cpu_ms": (time.thread_time() - main) * 1e3 / units,
-    }
-    per_unit["workers_cpu_ms"] = (_workers_cpu(client) - workers_before) * 1e3 / units
-    return per_unit
+
+
+def _direct_trips(client: Any, workers: Sequence[str], state: bytes, mode: str, units: int) -> None:
+    """The trips as direct calls to the workers' unit threads, as MOP's units go now."""
+    from mopflow.training.executors.mop_service import call_worker
+
+    for index in range(units):
+        state = call_worker(client, workers[index % len(workers)], COPY_HANDLER, (state,)).result()
 
 
 def _install_copy_handler(dask_worker: Any = None) -> None:
