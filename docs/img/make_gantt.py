@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mopflow.training.executors.scheduler import MopScheduler, check_invariants, round_robin
+from mopflow.training.executors.gantt import check_invariants
+from mopflow.training.executors.scheduler import MopScheduler, round_robin
 
 MODELS = ["m0", "m1", "m2", "m3"]
 PARTITIONS = ["p0", "p1", "p2"]

@@ -1,8 +1,9 @@
-"""MOP observability: a Gantt chart (worker x time, one colour per model) and the idle fraction."""
+"""MOP observability: a Gantt chart (worker x time, one colour per model), the idle fraction and
+the invariants an epoch's units keep."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
@@ -51,3 +52,22 @@ def gantt_png(records: Sequence[Mapping[str, Any]], path: str, title: str = "") 
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def check_invariants(
+    records: Iterable[Mapping[str, object]], models: Iterable[str], partitions: Iterable[str]
+) -> None:
+    """Raise AssertionError unless an epoch's unit records (model, partition, worker, start, end)
+    visit each (model, partition) exactly once, never overlap for one model, never overlap on one worker."""
+    recs = list(records)
+    seen = sorted((str(r["model"]), str(r["partition"])) for r in recs)
+    expected = sorted((m, p) for m in models for p in partitions)
+    assert seen == expected, f"units run {seen} differ from every (model, partition) once {expected}"
+    for key in ("model", "worker"):
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for r in recs:
+            groups.setdefault(str(r[key]), []).append((float(r["start"]), float(r["end"])))  # type: ignore[arg-type]
+        for name, spans in groups.items():
+            spans.sort()
+            for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+                assert start >= end, f"{key} {name} ran two units at once"

@@ -7,7 +7,9 @@ under a pruner that may stop a model after any epoch): within it a model goes on
 epoch as soon as its own is done, and that epoch is reported then; the round's last epochs are
 reported at its end, in model order, where the controller may stop models and fill their slots.
 Each busy worker also holds a unit queued behind its running one, so it never waits for the
-coordinator between two units. A unit is not a Dask task: it is a direct call to the worker's
+coordinator between two units, and a worker the round has no more units for starts a model's
+next epoch ahead of the round's decisions (``training/executors/mop_lookahead.py``). A unit is not
+a Dask task: it is a direct call to the worker's
 resident trainer (``training/executors/mop_service.py``), which runs its units one at a time. The
 models' bookkeeping is ``training/executors/mop_models.py``; following the workers of a volatile
 cluster, ``training/executors/mop_workers.py``.
@@ -35,6 +37,7 @@ from mopflow.training.compute.workers import joined_worker_addresses
 from mopflow.training.data import load_manifest
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, Executor, ModelOutcome
+from mopflow.training.executors.mop_lookahead import Lookahead
 from mopflow.training.executors.mop_models import MopModels
 from mopflow.training.executors.mop_service import UnitCalls
 from mopflow.training.executors.mop_workers import MEMBERSHIP_S, WorkerWatch, fetch_unit_result
@@ -109,6 +112,7 @@ class MopExecutor(Executor):
         partitions: int | None = None,
         before_round: Callable[[int], int] | None = None,
         schedule: str = "fixed",
+        lookahead: bool = True,
     ) -> None:
         super().__init__(data, checkpoint_root)
         self.client = client
@@ -126,6 +130,9 @@ class MopExecutor(Executor):
         self.workers = WorkerWatch(client, self.scheduler, self._account)
         self._notice = StopNotice(client, "mop", "unit")  # asked to stop: units in flight checkpoint
         self.units = UnitCalls(client)  # each worker's resident trainer (mop_service.py)
+        # next epochs started ahead of the round's decisions (none while the cluster is rescaled
+        # between rounds: the next round's placement is not known yet)
+        self.lookahead = Lookahead() if lookahead and before_round is None else None
 
     def epoch_steps(self, spec: ModelSpec) -> int:
         """A model's optimizer steps in one epoch over every partition (its schedule's unit)."""
@@ -152,6 +159,13 @@ class MopExecutor(Executor):
             )
             run.end_round(current.records, current.val_accs)
             round_index += current.epochs
+        if self.lookahead is not None:
+            self.lookahead.drop_all()
+            log.info(
+                "mop: %d unit(s) started ahead of their round, %d dropped",
+                self.lookahead.adopted + self.lookahead.dropped,
+                self.lookahead.dropped,
+            )
         return run.final_outcomes()
 
     def _start_round(self, index: int, run: MopModels) -> _Round:
@@ -171,7 +185,12 @@ class MopExecutor(Executor):
                 for u in self.scheduler.queue
                 if not (u.model == mid and u.epoch == 0 and u.partition in done)
             ]
-        return _Round(index, total_units=len(self.scheduler.queue), epochs=epochs)
+        current = _Round(index, total_units=len(self.scheduler.queue), epochs=epochs)
+        if self.lookahead is not None:  # the units started ahead that this round takes as its own
+            for future, early in self.lookahead.take(run, self.scheduler, self.workers.alive()):
+                current.in_flight[future] = (early.worker, early.unit)
+                current.submitted[future] = early.sent
+        return current
 
     def _run_round(self, run: MopModels, current: _Round) -> None:
         """Give idle workers units and collect the finished ones until the round's queue is done,
@@ -187,8 +206,9 @@ class MopExecutor(Executor):
                 self.workers.wait_for_a_worker(alive)
                 time.sleep(0.05)
                 continue
-            done, _ = concurrent.futures.wait(
-                list(current.in_flight), timeout=POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
+            early = self.lookahead.running() if self.lookahead is not None else []
+            done, _ = concurrent.futures.wait(  # a unit started ahead frees a worker's place too
+                [*current.in_flight, *early], timeout=POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
             )
             self.workers.reap_dead(current.in_flight, current.submitted, connected)
             collected = [self._collect(run, current, future) for future in done]
@@ -215,6 +235,7 @@ class MopExecutor(Executor):
         idle = [w for w in alive if w not in self.scheduler.running]
         # then one unit queued behind each running one: the worker goes on without a round trip
         given = self.scheduler.assign(idle) + self.scheduler.assign_ahead(alive)
+        self._start_ahead(run, alive)
         for worker, unit in given:
             future = self._submit_unit(run, worker, unit)
             current.in_flight[future] = (worker, unit)
@@ -228,12 +249,32 @@ class MopExecutor(Executor):
                 worker,
             )
 
-    def _submit_unit(self, run: MopModels, worker: str, unit: Unit) -> concurrent.futures.Future[Any]:
+    def _start_ahead(self, run: MopModels, alive: list[str]) -> None:
+        """Send the workers the round has no more units for the first units of models' next
+        epochs, ahead of the round's decisions (``mop_lookahead.py``)."""
+        if self.lookahead is None:
+            return
+        for worker, unit, epoch in self.lookahead.offers(run, self.scheduler, alive):
+            future = self._submit_unit(run, worker, unit, epoch=epoch, visited=[])
+            self.lookahead.note_sent(future, worker, unit, epoch, run.states[unit.model])
+            log.info(
+                "mop: %s (epoch %d) on %s starts ahead on %s", unit.model, epoch + 1, unit.partition, worker
+            )
+
+    def _submit_unit(
+        self,
+        run: MopModels,
+        worker: str,
+        unit: Unit,
+        epoch: int | None = None,
+        visited: list[str] | None = None,
+    ) -> concurrent.futures.Future[Any]:
         """Send ``unit`` to ``worker`` (which holds its partition): a pass, then validation
         when it is the model's epoch's last unit. The worker's resident trainer runs its units
-        one at a time, in order (``mop_service.py``)."""
+        one at a time, in order (``mop_service.py``). ``epoch`` and ``visited``: a unit of the
+        model's next epoch, started ahead (default: where the model stands)."""
         spec = run.active[unit.model]
-        seen = [*run.visited.get(unit.model, []), unit.partition]
+        seen = [*(run.visited.get(unit.model, []) if visited is None else visited), unit.partition]
         return self.units.call(
             worker,
             (
@@ -241,7 +282,7 @@ class MopExecutor(Executor):
                 run.states.get(unit.model),  # None: the worker builds the model's seeded first state
                 self.data,
                 self.partitions[unit.partition],
-                run.next_epoch.get(unit.model, 0),
+                run.next_epoch.get(unit.model, 0) if epoch is None else epoch,
                 run.epochs,
                 int(unit.partition[1:]),
                 {"visited": seen, "partition": unit.partition},

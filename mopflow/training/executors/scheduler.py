@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
@@ -94,6 +94,15 @@ class UnitChoice(Protocol):
         """The unit for the idle ``worker``, among ``scheduler.runnable(worker, ...)``."""
         ...
 
+    def openings(self, scheduler: MopScheduler, models: Sequence[str]) -> list[Unit]:
+        """Where ``models`` would start their next epoch, were the next round to hold the same
+        models as this one: their candidate first units, those to prefer first."""
+        ...
+
+    def opens_with(self, scheduler: MopScheduler, unit: Unit) -> bool:
+        """Whether the round just started lets ``unit`` be its model's first."""
+        ...
+
 
 class FixedPlan:
     """Each model visits the partitions in its row's order of the epoch's :func:`fixed_plan`; an
@@ -120,6 +129,15 @@ class FixedPlan:
             following.setdefault(unit.model, unit)
         return min(scheduler.runnable(worker, following.values()), key=self._planned, default=None)
 
+    def openings(self, scheduler: MopScheduler, models: Sequence[str]) -> list[Unit]:
+        # the plan is the same every epoch while the models stay: the first sub-epoch's units
+        chosen = set(models)
+        first = [(i, u) for u, (k, i) in self.position.items() if k == 0 and u.model in chosen]
+        return [Unit(u.model, u.partition) for _, u in sorted(first)]
+
+    def opens_with(self, scheduler: MopScheduler, unit: Unit) -> bool:
+        return self.position.get(unit, (-1, 0))[0] == 0
+
     def _planned(self, unit: Unit) -> tuple[int, int, Unit]:
         """Where ``unit`` comes in the plan (a unit the plan does not name, after every planned one)."""
         k, i = self.position.get(unit, (len(self.position), 0))
@@ -143,6 +161,15 @@ class GreedyQueue:
         if not candidates:
             return None
         return max(candidates, key=_work_left(scheduler))  # max keeps the first of equals
+
+    def openings(self, scheduler: MopScheduler, models: Sequence[str]) -> list[Unit]:
+        # no plan: a model may start an epoch on any partition, the longest models first
+        cost = scheduler.cost
+        order = sorted(models, key=lambda m: (-cost.get(m, 0.0), m))
+        return [Unit(m, p) for m in order for p in sorted(scheduler.placement)]
+
+    def opens_with(self, scheduler: MopScheduler, unit: Unit) -> bool:
+        return True
 
 
 def _work_left(scheduler: MopScheduler) -> Callable[[Unit], tuple[int, float]]:
@@ -234,6 +261,31 @@ class MopScheduler:
             slot[worker] = unit
             assignments.append((worker, unit))
         return assignments
+
+    def choice_openings(self, models: Sequence[str]) -> list[Unit]:
+        """Where ``models`` would start their next epoch, were the next round to hold this one's
+        models (``UnitChoice.openings``): one or more candidate units per model, preferred first."""
+        return self.choice.openings(self, models)
+
+    def adopt(self, worker: str, unit: Unit) -> bool:
+        """Take ``unit``, queued in the round just started, as sent to ``worker`` already (it was
+        started there ahead of the round): when ``worker`` holds its partition and has a free
+        place, its model has no other unit out, and the schedule starts the model with it."""
+        if (
+            unit not in self.open_units()
+            or self.placement.get(unit.partition) != worker
+            or unit.model in self.busy_models
+            or not self.choice.opens_with(self, unit)
+        ):
+            return False
+        slot = (
+            self.running if worker not in self.running else self.ahead if worker not in self.ahead else None
+        )
+        if slot is None:
+            return False
+        self.queue.remove(unit)
+        slot[worker] = unit
+        return True
 
     def units_on(self, worker: str) -> list[Unit]:
         """The units given to ``worker``: the running one, then the one ahead."""
@@ -338,22 +390,3 @@ def round_robin(partitions: Iterable[str], workers: Iterable[str]) -> dict[str, 
     if not ws:
         raise ValueError("no workers to place partitions on")
     return {p: ws[i % len(ws)] for i, p in enumerate(sorted(partitions))}
-
-
-def check_invariants(
-    records: Iterable[Mapping[str, object]], models: Iterable[str], partitions: Iterable[str]
-) -> None:
-    """Raise AssertionError unless an epoch's unit records (model, partition, worker, start, end)
-    visit each (model, partition) exactly once, never overlap for one model, never overlap on one worker."""
-    recs = list(records)
-    seen = sorted((str(r["model"]), str(r["partition"])) for r in recs)
-    expected = sorted((m, p) for m in models for p in partitions)
-    assert seen == expected, f"units run {seen} differ from every (model, partition) once {expected}"
-    for key in ("model", "worker"):
-        groups: dict[str, list[tuple[float, float]]] = {}
-        for r in recs:
-            groups.setdefault(str(r[key]), []).append((float(r["start"]), float(r["end"])))  # type: ignore[arg-type]
-        for name, spans in groups.items():
-            spans.sort()
-            for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
-                assert start >= end, f"{key} {name} ran two units at once"

@@ -11,9 +11,9 @@ import pytest
 from mopflow.training.compute.workers import cluster_workers, worker_addresses
 from mopflow.training.executors import DataRef, EpochReport, ModelOutcome, ModelSpec
 from mopflow.training.executors.base import TrainAll
-from mopflow.training.executors.gantt import gantt_png, idle_fraction
+from mopflow.training.executors.gantt import check_invariants, gantt_png, idle_fraction
 from mopflow.training.executors.mop import MopExecutor, cluster_size, partition_shards
-from mopflow.training.executors.scheduler import MopScheduler, check_invariants, fixed_plan, round_robin
+from mopflow.training.executors.scheduler import MopScheduler, fixed_plan, round_robin
 from mopflow.training.executors.task import TaskExecutor
 
 CNN = {"family": "cnn", "width": 8, "depth": 2, "lr": 0.01, "weight_decay": 0.0, "batch_size": 32}

@@ -11,12 +11,11 @@ from collections.abc import Callable
 
 import pytest
 
-from mopflow.training.executors.gantt import idle_fraction
+from mopflow.training.executors.gantt import check_invariants, idle_fraction
 from mopflow.training.executors.scheduler import (
     SCHEDULES,
     MopScheduler,
     Unit,
-    check_invariants,
     fixed_plan,
     round_robin,
 )
