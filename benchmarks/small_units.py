@@ -22,7 +22,10 @@ processes, the scheduler in this process, the workers' imports done first):
 * ``task-chain``: the same without a pruner: a trial's epochs in one Dask task;
 * ``mop``: a mopflow search under model hopper parallelism with the median pruner (one epoch per
   round), ``--model-slots`` models at once (default 4): each unit (one model's pass over one
-  partition) a direct call to the worker's resident trainer, no Dask task;
+  partition) a direct call to the worker's resident trainer, no Dask task; a worker the round has
+  no more units for starts a model's next epoch ahead of the round's decisions;
+* ``mop-no-lookahead``: the same with ``mop_lookahead`` off: every worker waits for the round's
+  decisions before its next epoch (the baseline of the lookahead, in the same run);
 * ``plain``: plain Optuna and a plain PyTorch loop in ``--workers`` processes
   (:mod:`studies.plain_optuna`), the same trials (mopflow's random proposals, enqueued).
 
@@ -30,7 +33,9 @@ Per arm: the wall seconds of the search (the plain loop's: from its processes re
 trial told) and their ratio to the plain loop's; utilisation, the seconds inside training and
 validation passes summed over the workers over workers x wall; the units run (a ``mop`` unit is a
 pass over one partition; a ``task`` or plain unit is an epoch, a pass over every partition) and
-the Dask tasks. Per unit, in milliseconds: the pass (mean); the worker's fixed cost, the unit's
+the Dask tasks; under ``mop``, a worker's idle in each round as a share of the round
+(:func:`studies.unit_costs.round_idle_figures`: median, 90th percentile, largest). Per unit, in
+milliseconds: the pass (mean); the worker's fixed cost, the unit's
 span on the worker outside its passes (median and mean, from the executor's records, which the
 search's outcome keeps; :mod:`studies.unit_costs`), its parts, and what the
 Dask tasks spent outside the records (the scheduler's task stream); the CPU of this process, the
@@ -70,7 +75,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 from studies import harness  # noqa: E402
 from studies.plain_optuna import run_plain_search  # noqa: E402
-from studies.unit_costs import TASK_PREFIX, dask_figures, stream_index, stream_since, unit_figures  # noqa: E402
+from studies.unit_costs import (  # noqa: E402
+    TASK_PREFIX,
+    dask_figures,
+    round_idle_figures,
+    stream_index,
+    stream_since,
+    unit_figures,
+)
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "small_units.json"
 PLAIN = "plain"
@@ -79,8 +91,10 @@ ARMS: dict[str, tuple[str, str] | None] = {
     "task": ("task", "median"),
     "task-chain": ("task", "none"),
     "mop": ("mop", "median"),
+    "mop-no-lookahead": ("mop", "median"),
     PLAIN: None,
 }
+ARM_SETTINGS: dict[str, dict[str, Any]] = {"mop-no-lookahead": {"mop_lookahead": False}}  # beside ARMS
 SPACE: dict[str, Any] = {  # small MLPs: a pass over 1,400 rows in about 15 ms on one CPU thread
     "families": {
         "mlp": {
@@ -124,6 +138,7 @@ def run_search(
         min_resource=epochs if pruner == "median" else None,  # no model stops before its last epoch
         strategy=strategy,  # type: ignore[arg-type]
         space=SPACE,
+        **ARM_SETTINGS.get(arm, {}),
     )
     study = f"small-{arm}-{work.name}"
     index = client.run_on_scheduler(stream_index)
@@ -138,6 +153,7 @@ def run_search(
     figures = unit_figures(records)
     units = max(int(figures["units"]), 1)
     figures |= dask_figures(client.run_on_scheduler(stream_since, index), TASK_PREFIX[strategy], records)
+    figures |= round_idle_figures(records) if strategy == "mop" else {}
     return figures | {
         "wall_s": wall,
         "utilisation": float(figures.get("busy_s", 0.0)) / (settings.workers * wall),
@@ -206,6 +222,7 @@ def _folder(root: str, name: str) -> Path:
 FIGURES = (
     "wall_s", "utilisation", "pass_ms", "fixed_ms_median", "fixed_ms_mean", "setup_ms", "fit_ms",
     "pack_ms", "unrecorded_ms", "coordinator_cpu_ms", "coordinator_main_thread_cpu_ms", "workers_cpu_ms",
+    "round_idle_median", "round_idle_p90", "round_idle_max",
 )  # fmt: skip
 
 
@@ -277,6 +294,11 @@ def table(rows: Sequence[dict[str, Any]]) -> list[str]:
                 f"{r['arm']}: per unit (mean ms) {r['setup_ms']:.2f} before the pass (rows, model, state), "
                 f"{r['fit_ms']:.2f} around the loop in the pass, {r['pack_ms']:.2f} packing the "
                 f"state; {r.get('unrecorded_ms', float('nan')):.2f} in the Dask tasks outside the records"
+            )
+        if r.get("round_idle_median") is not None:
+            lines.append(
+                f"{r['arm']}: a worker's idle in a round, share of the round: median {r['round_idle_median']:.3f}, "
+                f"90th percentile {r['round_idle_p90']:.3f}, largest {r['round_idle_max']:.3f}"
             )
     return lines
 

@@ -85,3 +85,44 @@ def stream_since(index: int, dask_scheduler: Any = None) -> list[tuple[str, floa
 def stream_index(dask_scheduler: Any = None) -> int:
     """On the scheduler: how many tasks its task stream has recorded (starting it on first use)."""
     return int(dask_scheduler.get_task_stream_index())
+
+
+def round_idle_shares(records: Sequence[Mapping[str, Any]]) -> list[float]:
+    """A MOP run's idle per worker and round, each as a share of the round's span (its first unit's
+    start to its last unit's end): the gaps between a worker's units, each counted in the round of
+    the unit before it (a unit of the next round started ahead fills its worker's gap). The run's
+    last round is left out: no work waits behind it."""
+    rounds: dict[int, list[Mapping[str, Any]]] = {}
+    workers: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        if "round" in r and "worker" in r:
+            rounds.setdefault(int(r["round"]), []).append(r)
+            workers.setdefault(str(r["worker"]), []).append(r)
+    if len(rounds) < 2:
+        return []
+    span = {k: max(float(r["end"]) for r in v) - min(float(r["start"]) for r in v) for k, v in rounds.items()}
+    idle: dict[tuple[str, int], float] = {}
+    for worker, units in workers.items():
+        units = sorted(units, key=lambda r: float(r["start"]))
+        for before, after in zip(units, units[1:], strict=False):
+            key = (worker, int(before["round"]))
+            idle[key] = idle.get(key, 0.0) + max(0.0, float(after["start"]) - float(before["end"]))
+    last = max(rounds)
+    return [
+        idle.get((w, k), 0.0) / span[k]
+        for w in sorted(workers)
+        for k in sorted(rounds)
+        if k != last and span[k] > 0
+    ]
+
+
+def round_idle_figures(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The median, 90th percentile and largest of :func:`round_idle_shares` (none without rounds)."""
+    shares = sorted(round_idle_shares(records))
+    if not shares:
+        return {}
+    return {
+        "round_idle_median": statistics.median(shares),
+        "round_idle_p90": shares[min(len(shares) - 1, int(0.9 * len(shares)))],
+        "round_idle_max": shares[-1],
+    }

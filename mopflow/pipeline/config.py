@@ -68,6 +68,7 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "bf16_compress": ("search", "bf16_compress"),
     "model_slots": ("search", "model_slots"),
     "mop_schedule": ("search", "mop_schedule"),
+    "mop_lookahead": ("search", "mop_lookahead"),
     "grid_points": ("search", "grid_points"),
     "warm_start": ("search", "warm_start"),
     "warm_start_studies": ("search", "warm_start_studies"),

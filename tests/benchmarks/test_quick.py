@@ -178,21 +178,25 @@ def check_roundtrip(report: Report, out: Path) -> None:
 
 def check_small_units(report: Report, out: Path) -> None:
     rows = {r["arm"]: r for r in report["rows"]}
-    assert list(rows) == ["task", "task-chain", "mop", "plain"]
+    assert list(rows) == ["task", "task-chain", "mop", "mop-no-lookahead", "plain"]
     settings = report["settings"]
     epochs = settings["trials"] * settings["epochs"]
     # the same work in every arm: every trial trains every epoch (none stops before its last)
     assert all(r["epochs_trained"] == epochs for r in rows.values())
-    assert [rows[a]["units"] for a in rows] == [epochs, epochs, 2 * epochs, epochs]  # mop: 2 partitions
+    assert [rows[a]["units"] for a in rows] == [epochs, epochs, 2 * epochs, 2 * epochs, epochs]  # mop: 2 partitions
     # task: a Dask task per trial, with a decision after each epoch (a chain the pruner may stop on
     # its worker) or without; mop: none, its units are calls to each worker's resident trainer
-    assert [rows[a]["dask_tasks"] for a in ("task", "task-chain", "mop")] == [
+    assert [rows[a]["dask_tasks"] for a in ("task", "task-chain", "mop", "mop-no-lookahead")] == [
         settings["trials"],
         settings["trials"],
         0,
+        0,
     ]
+    for arm in ("mop", "mop-no-lookahead"):  # a worker's idle per round, a share of the round
+        row = rows[arm]
+        assert 0 <= row["round_idle_median"] <= row["round_idle_p90"] <= row["round_idle_max"]
     assert rows["plain"]["wall_ratio"] == 1.0 and 0 < rows["plain"]["utilisation"] <= 1
-    for arm in ("task", "task-chain", "mop"):
+    for arm in ("task", "task-chain", "mop", "mop-no-lookahead"):
         row = rows[arm]
         assert 0 < row["utilisation"] <= 1 and row["pass_ms"] > 0
         assert row["fixed_ms_median"] > 0 and row["fixed_ms_mean"] > 0

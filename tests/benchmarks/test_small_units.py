@@ -46,6 +46,24 @@ def test_the_dask_tasks_time_outside_the_records_is_per_unit() -> None:
     assert unit_costs.dask_figures([], "mop-", records) == {"dask_tasks": 0}
 
 
+def test_a_workers_idle_in_a_round_is_its_gaps_over_the_rounds_span() -> None:
+    def unit(worker: str, rnd: int, start: float, end: float) -> dict[str, Any]:
+        return {"worker": worker, "round": rnd, "start": start, "end": end}
+
+    records = [
+        unit("w0", 0, 0.0, 1.0), unit("w0", 0, 1.0, 2.0), unit("w1", 0, 0.0, 3.0),  # round 0 spans 3 s
+        unit("w0", 1, 2.5, 3.5),  # w0 waited 0.5 s after round 0: a unit started ahead filled the rest
+        unit("w1", 1, 4.0, 5.0),  # w1 waited 1 s
+        unit("w0", 2, 6.0, 7.0), unit("w1", 2, 6.0, 7.0),  # round 1 spans 2.5 s; the last round is left out
+    ]  # fmt: skip
+    shares = unit_costs.round_idle_shares(records)
+    assert shares == pytest.approx([0.5 / 3, 2.5 / 2.5, 1.0 / 3, 1.0 / 2.5])
+    found = unit_costs.round_idle_figures(records)
+    assert found["round_idle_max"] == pytest.approx(1.0)
+    assert found["round_idle_median"] == pytest.approx((1.0 / 3 + 1.0 / 2.5) / 2)
+    assert unit_costs.round_idle_figures(records[:3]) == {}  # one round: nothing waits behind it
+
+
 def test_a_stream_entry_counts_its_compute_spans_only() -> None:
     entry = {
         "key": "mop-m0-e0-p0-1",
@@ -61,7 +79,7 @@ def test_the_arms_train_the_same_trials_and_quick_writes_elsewhere() -> None:
     bench = load_benchmark("small_units")
     settings, out = bench.parse_args(["--quick"])
     assert (settings.trials, settings.epochs, settings.repeats, settings.warmup) == (4, 2, 1, False)
-    assert settings.arms == ["task", "task-chain", "mop", "plain"]
+    assert settings.arms == ["task", "task-chain", "mop", "mop-no-lookahead", "plain"]
     assert out.parent != bench.RESULTS_PATH.parent  # a quick run never writes into benchmarks/results/
     settings, out = bench.parse_args([])
     assert out == bench.RESULTS_PATH and settings.warmup

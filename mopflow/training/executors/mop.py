@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ from mopflow.training.compute.workers import joined_worker_addresses
 from mopflow.training.data import load_manifest
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, Executor, ModelOutcome
-from mopflow.training.executors.mop_lookahead import Lookahead
+from mopflow.training.executors.mop_lookahead import Lookahead, Speculative
 from mopflow.training.executors.mop_models import MopModels
 from mopflow.training.executors.mop_service import UnitCalls
 from mopflow.training.executors.mop_workers import MEMBERSHIP_S, WorkerWatch, fetch_unit_result
@@ -160,7 +161,7 @@ class MopExecutor(Executor):
             run.end_round(current.records, current.val_accs)
             round_index += current.epochs
         if self.lookahead is not None:
-            self.lookahead.drop_all()
+            self._drop(self.lookahead.drop_all())
             log.info(
                 "mop: %d unit(s) started ahead of their round, %d dropped",
                 self.lookahead.adopted + self.lookahead.dropped,
@@ -187,10 +188,17 @@ class MopExecutor(Executor):
             ]
         current = _Round(index, total_units=len(self.scheduler.queue), epochs=epochs)
         if self.lookahead is not None:  # the units started ahead that this round takes as its own
-            for future, early in self.lookahead.take(run, self.scheduler, self.workers.alive()):
+            adopted, dropped = self.lookahead.take(run, self.scheduler, self.workers.alive())
+            self._drop(dropped)
+            for future, early in adopted:
                 current.in_flight[future] = (early.worker, early.unit)
                 current.submitted[future] = early.sent
         return current
+
+    def _drop(self, tokens: dict[str, list[str]]) -> None:
+        """Tell workers to drop the units started ahead that no round takes (``mop_lookahead.py``)."""
+        for worker, dropped in tokens.items():
+            self.units.drop(worker, dropped)
 
     def _run_round(self, run: MopModels, current: _Round) -> None:
         """Give idle workers units and collect the finished ones until the round's queue is done,
@@ -255,8 +263,10 @@ class MopExecutor(Executor):
         if self.lookahead is None:
             return
         for worker, unit, epoch in self.lookahead.offers(run, self.scheduler, alive):
-            future = self._submit_unit(run, worker, unit, epoch=epoch, visited=[])
-            self.lookahead.note_sent(future, worker, unit, epoch, run.states[unit.model])
+            token = f"{unit.model}:{unit.partition}:e{epoch}:{uuid.uuid4().hex[:12]}"
+            future = self._submit_unit(run, worker, unit, epoch=epoch, visited=[], token=token)
+            early = Speculative(worker, unit, epoch, run.states[unit.model], token)
+            self.lookahead.note_sent(future, early)
             log.info(
                 "mop: %s (epoch %d) on %s starts ahead on %s", unit.model, epoch + 1, unit.partition, worker
             )
@@ -268,11 +278,13 @@ class MopExecutor(Executor):
         unit: Unit,
         epoch: int | None = None,
         visited: list[str] | None = None,
+        token: str = "",
     ) -> concurrent.futures.Future[Any]:
         """Send ``unit`` to ``worker`` (which holds its partition): a pass, then validation
         when it is the model's epoch's last unit. The worker's resident trainer runs its units
         one at a time, in order (``mop_service.py``). ``epoch`` and ``visited``: a unit of the
-        model's next epoch, started ahead (default: where the model stands)."""
+        model's next epoch, started ahead (default: where the model stands); ``token``: its name
+        for a drop."""
         spec = run.active[unit.model]
         seen = [*(run.visited.get(unit.model, []) if visited is None else visited), unit.partition]
         return self.units.call(
@@ -289,6 +301,7 @@ class MopExecutor(Executor):
                 len(set(seen)) >= len(self.partitions),  # the epoch's last unit validates
                 self.epoch_steps(spec),
             ),
+            token=token,
         )
 
     def _collect(self, run: MopModels, current: _Round, future: Any) -> str | None:

@@ -14,8 +14,9 @@ unit is *speculative* until the next round starts. It is adopted as that round's
 model is still active, with the same state, and the new round's plan starts the model there. It
 is then the very unit the model would have trained anyway, so a sweep trains its models the same
 way whatever the timings. Otherwise (the model was stopped, or a model joined or left and the plan
-moved it) it is dropped, with its worker's time: at most two units a worker and round. A round's
-own unit never waits behind a speculative one, except where a fault moves partitions.
+moved it) it is dropped: its worker ends it at its next batch, or before it starts
+(``mop_service.drop_units``), so the round's units wait at most a batch behind it. A round's own
+unit never waits behind a speculative one otherwise, except where a fault moves partitions.
 
 A speculative unit's faults are its adopted unit's: the driver collects it like any other (a
 spot notice's state, a killed worker's closed connection). A dropped unit's outcome is ignored.
@@ -57,6 +58,7 @@ class Speculative:
     unit: Unit  # the next round's unit (its first epoch: ``unit.epoch == 0``)
     epoch: int  # the model's epoch it trains
     state: bytes  # the model's state it started from
+    token: str = ""  # what its worker knows it by, to drop it
     sent: float = field(default_factory=time.time)  # wall clock, as the driver's ``submitted``
 
 
@@ -107,19 +109,19 @@ class Lookahead:
                 free -= 1
         return given
 
-    def note_sent(
-        self, future: concurrent.futures.Future, worker: str, unit: Unit, epoch: int, state: bytes
-    ) -> None:
-        self.sent[future] = Speculative(worker, unit, epoch, state)
+    def note_sent(self, future: concurrent.futures.Future, spec: Speculative) -> None:
+        """``spec`` was sent; ``future`` is its call."""
+        self.sent[future] = spec
 
     def take(
         self, run: RoundModels, scheduler: MopScheduler, alive: Iterable[str]
-    ) -> list[tuple[concurrent.futures.Future, Speculative]]:
+    ) -> tuple[list[tuple[concurrent.futures.Future, Speculative]], dict[str, list[str]]]:
         """At a new round's start (its units queued): the speculative units it adopts, in the
-        order they were sent, each placed on its worker (running, or queued behind); the others
-        are dropped."""
+        order they were sent, each placed on its worker (running, or queued behind); and the
+        tokens of those dropped that have not answered yet, per worker (to be told)."""
         alive = set(alive)
         adopted: list[tuple[concurrent.futures.Future, Speculative]] = []
+        dropped: dict[str, list[str]] = {}
         for future, spec in self.sent.items():
             mid = spec.unit.model
             if (
@@ -131,14 +133,22 @@ class Lookahead:
                 and scheduler.adopt(spec.worker, spec.unit)
             ):
                 adopted.append((future, spec))
-            else:
-                log.info("mop: %s's unit on %s started ahead is dropped", mid, spec.unit.partition)
+                continue
+            log.info("mop: %s's unit on %s started ahead is dropped", mid, spec.unit.partition)
+            if not future.done():
+                dropped.setdefault(spec.worker, []).append(spec.token)
         self.adopted += len(adopted)
         self.dropped += len(self.sent) - len(adopted)
         self.sent.clear()
-        return adopted
+        return adopted, dropped
 
-    def drop_all(self) -> None:
-        """The run ends: the units started ahead are not needed."""
+    def drop_all(self) -> dict[str, list[str]]:
+        """The run ends: the units started ahead are not needed; the tokens of those that have
+        not answered yet, per worker."""
+        dropped: dict[str, list[str]] = {}
+        for future, spec in self.sent.items():
+            if not future.done():
+                dropped.setdefault(spec.worker, []).append(spec.token)
         self.dropped += len(self.sent)
         self.sent.clear()
+        return dropped

@@ -14,7 +14,9 @@ unit thread, in order of arrival (the unit queued ahead of a worker waits behind
 one), and answers with the unit's result or its exception. The worker keeps what it kept for
 units run as tasks: its partitions' rows and built models (``training/executors/resident.py``).
 :class:`UnitCalls` makes the calls from the coordinator; each is a
-:class:`concurrent.futures.Future`.
+:class:`concurrent.futures.Future`. A unit sent with a token (one started ahead of its round,
+``training/executors/mop_lookahead.py``) can be dropped: the handler :data:`DROP_HANDLER` makes it
+end at its next batch, or before it starts, with ``ChainStopped``.
 
 Faults, owned here and in the driver (``training/executors/mop.py``), since no Dask task stands
 behind a unit:
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +43,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from mopflow.training.volatile.preempt import unit_outside_tasks
 
 HANDLER = "mopflow_mop_unit"
+DROP_HANDLER = "mopflow_mop_drop"
 PLUGIN_NAME = "mopflow-mop-units"
 
 _UNIT_THREAD: list[concurrent.futures.ThreadPoolExecutor] = []  # this worker process's, made once
@@ -57,6 +61,11 @@ def _unit_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 _RUNNING: list[str] = []  # the unit this worker process runs now, as a label
+# The tokens of units the coordinator dropped (started ahead of their round), and when: a dropped
+# unit ends at its next batch, or before it starts. A drop can arrive before its unit (another
+# connection); one whose unit never comes is forgotten after DROP_KEPT_S.
+_DROPPED: dict[str, float] = {}
+DROP_KEPT_S = 600.0
 
 
 def unit_label(args: Sequence[Any]) -> str:
@@ -70,14 +79,17 @@ def units_running() -> list[str]:
     return list(_RUNNING)
 
 
-def _run_unit(args: Sequence[Any]) -> Any:
+def _run_unit(args: Sequence[Any], token: str = "") -> Any:
     from mopflow.training.executors.units import train_pass_and_validate
 
+    halt = (lambda: token in _DROPPED) if token else None
     _RUNNING.append(unit_label(args))
     try:
-        return train_pass_and_validate(*args)
+        train: Callable[..., Any] = train_pass_and_validate  # args: all but ``halt``
+        return train(*args, halt=halt)
     finally:
         _RUNNING.clear()
+        _DROPPED.pop(token, None)
 
 
 async def run_in_unit_thread(function: Callable[..., Any], args: Sequence[Any] = ()) -> dict[str, Any]:
@@ -93,18 +105,29 @@ async def run_in_unit_thread(function: Callable[..., Any], args: Sequence[Any] =
     return {"status": "OK", "result": to_serialize(result)}
 
 
-async def serve_unit(args: Sequence[Any] = ()) -> dict[str, Any]:
-    """The handler: run one unit (``train_pass_and_validate``'s arguments) in the unit thread."""
-    return await run_in_unit_thread(_run_unit, (args,))
+async def serve_unit(args: Sequence[Any] = (), token: str = "") -> dict[str, Any]:
+    """The handler: run one unit (``train_pass_and_validate``'s arguments) in the unit thread;
+    with a ``token``, :func:`drop_units` can drop it (``ChainStopped`` comes back)."""
+    return await run_in_unit_thread(_run_unit, (args, token))
+
+
+async def drop_units(args: Sequence[Any] = (), tokens: Sequence[str] = ()) -> dict[str, Any]:
+    """The handler that drops units sent with these tokens: each ends at its next batch, or
+    before it starts (one that has ended already is left alone)."""
+    now = time.monotonic()
+    for old in [t for t, when in _DROPPED.items() if now - when > DROP_KEPT_S]:
+        _DROPPED.pop(old, None)
+    _DROPPED.update(dict.fromkeys(tokens, now))
+    return {"status": "OK", "result": None}
 
 
 def call_worker(
-    client: Any, worker: str, handler: str, args: Sequence[Any]
+    client: Any, worker: str, handler: str, args: Sequence[Any], **extra: Any
 ) -> concurrent.futures.Future[Any]:
     """Call ``handler`` on ``worker`` with ``args`` from ``client``'s event loop: a future of its
     result, or of its exception (an ``OSError`` when the worker is gone). Direct, or through the
     scheduler for a client told not to reach workers itself (``direct_to_workers=False``), as Dask's
-    actors do."""
+    actors do. ``extra``: more keyword arguments of the handler (msgpack-able)."""
     from distributed.protocol import to_serialize
 
     async def ask() -> Any:
@@ -114,7 +137,7 @@ def call_worker(
             rpc: Any = ProxyRPC(client.scheduler, worker)
         else:
             rpc = client.rpc(worker)
-        reply = await getattr(rpc, handler)(args=to_serialize(tuple(args)))
+        reply = await getattr(rpc, handler)(args=to_serialize(tuple(args)), **extra)
         if reply["status"] == "OK":
             return reply["result"]
         raise reply["exception"]
@@ -130,6 +153,7 @@ class UnitService(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         worker.handlers[HANDLER] = serve_unit
+        worker.handlers[DROP_HANDLER] = drop_units
 
 
 class UnitCalls:
@@ -139,6 +163,12 @@ class UnitCalls:
         self.client = client
         client.register_plugin(UnitService(), name=PLUGIN_NAME)
 
-    def call(self, worker: str, args: Sequence[Any]) -> concurrent.futures.Future[Any]:
-        """Send one unit (``train_pass_and_validate``'s arguments) to ``worker``."""
-        return call_worker(self.client, worker, HANDLER, args)
+    def call(self, worker: str, args: Sequence[Any], token: str = "") -> concurrent.futures.Future[Any]:
+        """Send one unit (``train_pass_and_validate``'s arguments) to ``worker``; with a ``token``,
+        :meth:`drop` can drop it."""
+        return call_worker(self.client, worker, HANDLER, args, token=token)
+
+    def drop(self, worker: str, tokens: Sequence[str]) -> None:
+        """Drop the units sent to ``worker`` with ``tokens`` (not waited for: a worker gone has
+        dropped them already)."""
+        call_worker(self.client, worker, DROP_HANDLER, (), tokens=list(tokens))

@@ -336,19 +336,23 @@ def train_pass_and_validate(
     meta: Mapping[str, Any] | None = None,
     validate: bool = False,
     epoch_steps: int | None = None,
+    halt: Callable[[], bool] | None = None,
 ) -> tuple[bytes, dict[str, Any], float | None]:
     """:func:`train_pass`, then (when it ends the model's epoch) validation on the same worker.
 
     Validating where the state already is saves a task and a round trip per model-epoch, and
     the wait for a separate validation phase at the end of a MOP round; the model that trained
-    is the one validated (its state is not unpacked again).
+    is the one validated (its state is not unpacked again). ``halt`` (asked before the pass and
+    after every batch) saying so drops the unit: :class:`ChainStopped`, nothing of it kept.
     """
     started = time.time()
     _refuse_on_notice(spec, state, started)
+    if halt is not None and halt():
+        raise ChainStopped(spec.model_id, [])
     rows, loaded = _rows_here(spec, data, shard_names)
     with _unit(spec, data, state, total_epochs * _epoch_steps(spec, rows, epoch_steps)) as unit:
         unit.meta |= {"epoch": epoch, **dict(meta or {})}
-        record = _run_pass(unit, rows, shard_names, epoch, pass_index, started, loaded)
+        record = _run_pass(unit, rows, shard_names, epoch, pass_index, started, loaded, halt)
         packing = time.time()
         new_state = unit.export_state()
         # the unit's span ends packed

@@ -112,6 +112,12 @@ class SearchConfig(StageConfig):
         "the same models) or greedy (whichever worker frees first takes a unit: faster when models differ "
         "in size, but runs differ)",
     )
+    mop_lookahead: bool = Field(
+        True,
+        description="strategy=mop: a worker the round has no more units for starts a model's next epoch "
+        "before the round's decisions; kept when the model goes on (it trains the same either way), "
+        "dropped when it is stopped",
+    )
     warm_start: bool = Field(
         False, description="Enqueue the current champion's trial parameters as the first trial"
     )

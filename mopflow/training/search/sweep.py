@@ -353,6 +353,7 @@ def _mop_executor(s: ExecutorSetting) -> Executor:
         seed=s.cfg.seed,
         slots=s.cfg.model_slots,
         schedule=s.cfg.mop_schedule,
+        lookahead=s.cfg.mop_lookahead,
         # under a spot replay the cluster has one worker per bid, priced out or not at the start
         partitions=s.scaling.partitions() or (len(s.cfg.spot_bids or ()) if s.cfg.spot_trace else None),
         before_round=s.scaling.round_hook(),

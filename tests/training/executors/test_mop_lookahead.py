@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,7 +10,7 @@ from mopflow.training.data import load_manifest
 from mopflow.training.executors import DataRef, EpochReport, ModelSpec
 from mopflow.training.executors.base import TrainAll
 from mopflow.training.executors.mop import MopExecutor
-from mopflow.training.executors.mop_lookahead import Lookahead
+from mopflow.training.executors.mop_lookahead import Lookahead, Speculative
 from mopflow.training.executors.scheduler import MopScheduler, Unit, fixed_plan, round_robin
 
 MLP = {"family": "mlp", "width": 16, "depth": 1, "lr": 3e-3, "weight_decay": 0.0, "batch_size": 32}
@@ -44,6 +45,14 @@ def _round_ending(models: list[str]) -> tuple[MopScheduler, Models]:
         3, dict.fromkeys(models), {m: m.encode() for m in models}, {m: list(PARTITIONS) for m in models}
     )
     return scheduler, run
+
+
+def _future(done: bool) -> concurrent.futures.Future[Any]:
+    """A unit's call: answered (``done``) or still running on its worker."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    if done:
+        future.set_result(None)
+    return future
 
 
 def _openings(models: list[str]) -> dict[str, str]:
@@ -82,7 +91,8 @@ def test_the_next_round_adopts_a_unit_started_ahead_only_as_its_plan_has_it() ->
     lookahead = Lookahead()
     offers = lookahead.offers(run, scheduler, ["w0", "w1"])
     for worker, unit, epoch in offers:
-        lookahead.note_sent(object(), worker, unit, epoch, run.states[unit.model])  # type: ignore[arg-type]
+        state = run.states[unit.model]
+        lookahead.note_sent(_future(done=False), Speculative(worker, unit, epoch, state, token=unit.model))
     kept, stopped = offers[0][1].model, offers[-1][1].model
     scheduler.complete(next(iter(scheduler.running)))
     # the round ends: every model's epoch is reported; one is stopped
@@ -90,8 +100,14 @@ def test_the_next_round_adopts_a_unit_started_ahead_only_as_its_plan_has_it() ->
     for mid in models:
         run.next_epoch[mid], run.visited[mid] = 1, []
     scheduler.start_epoch(list(run.active), epoch=1)
-    adopted = lookahead.take(run, scheduler, ["w0", "w1"])
+    adopted, dropped = lookahead.take(run, scheduler, ["w0", "w1"])
     assert kept in {s.unit.model for _, s in adopted} and stopped not in {s.unit.model for _, s in adopted}
+    # the dropped ones still running are named to their workers, by their tokens
+    stopped_on = next(w for w, u, _ in offers if u.model == stopped)
+    assert stopped in dropped[stopped_on]
+    assert sorted(t for tokens in dropped.values() for t in tokens) == sorted(
+        u.model for _, u, _ in offers if u.model not in {s.unit.model for _, s in adopted}
+    )
     assert lookahead.adopted == len(adopted) and lookahead.dropped == len(offers) - len(adopted)
     for _, spec in adopted:  # taken out of the queue, as sent to its worker
         assert spec.unit not in scheduler.queue and spec.unit in scheduler.units_on(spec.worker)
@@ -105,11 +121,12 @@ def test_a_unit_started_ahead_from_another_state_is_dropped() -> None:
     scheduler, run = _round_ending(["a", "b", "c"])
     lookahead = Lookahead()
     for worker, unit, epoch in lookahead.offers(run, scheduler, ["w0", "w1"]):
-        lookahead.note_sent(object(), worker, unit, epoch, b"an earlier state")  # type: ignore[arg-type]
+        lookahead.note_sent(_future(done=True), Speculative(worker, unit, epoch, b"an earlier state", "t"))
     scheduler.complete(next(iter(scheduler.running)))
     run.next_epoch, run.visited = dict.fromkeys(run.active, 1), {}
     scheduler.start_epoch(list(run.active), epoch=1)
-    assert lookahead.take(run, scheduler, ["w0", "w1"]) == [] and lookahead.dropped > 0
+    # dropped, and not named to their workers: they have answered already
+    assert lookahead.take(run, scheduler, ["w0", "w1"]) == ([], {}) and lookahead.dropped > 0
     assert sorted(scheduler.queue) == sorted(Unit(m, p) for m in run.active for p in PARTITIONS)
 
 

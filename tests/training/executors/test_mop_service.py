@@ -11,6 +11,7 @@ import pytest
 from mopflow.training.data import load_manifest
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.mop_service import UnitCalls, unit_label, units_running
+from mopflow.training.executors.units import ChainStopped
 from mopflow.training.trainable.state import read_meta
 from mopflow.training.trainable.unit import ModelSpec
 from mopflow.training.volatile import preempt
@@ -89,3 +90,23 @@ def test_a_units_label_names_its_model_epoch_and_partition() -> None:
     args = (spec, None, None, ["s0"], 4, 9, 1, {"partition": "p1"}, False, None)
     assert unit_label(args) == "mop-trial-0003-e4-p1"
     assert units_running() == []  # none runs in the test process
+
+
+def test_a_unit_dropped_by_its_token_ends_without_training_and_the_others_are_untouched(
+    small_manifest: str, dask_client: Any
+) -> None:
+    """Expected: of three units sent to one worker, the second, sent with a token and dropped
+    while it waits behind the first, comes back as ``ChainStopped`` (nothing of it kept); the
+    first and third train as sent, and a drop for a token no unit carries changes nothing."""
+    args = _unit_args(small_manifest, validate=False)
+    calls = UnitCalls(dask_client)
+    worker = _workers(dask_client)[0]
+    first = calls.call(worker, args)
+    dropped = calls.call(worker, args, token="ahead-1")
+    third = calls.call(worker, args, token="ahead-2")
+    calls.drop(worker, ["ahead-1", "never-sent"])
+    with pytest.raises(ChainStopped):
+        dropped.result(timeout=60)
+    state, record, _ = first.result(timeout=60)
+    again, again_record, _ = third.result(timeout=60)
+    assert _tensors(state) == _tensors(again) and record["train_loss"] == again_record["train_loss"]
