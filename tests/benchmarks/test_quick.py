@@ -183,7 +183,8 @@ def check_small_units(report: Report, out: Path) -> None:
     epochs = settings["trials"] * settings["epochs"]
     # the same work in every arm: every trial trains every epoch (none stops before its last)
     assert all(r["epochs_trained"] == epochs for r in rows.values())
-    assert [rows[a]["units"] for a in rows] == [epochs, epochs, 2 * epochs, 2 * epochs, epochs]  # mop: 2 partitions
+    mop_units = 2 * epochs  # a model's pass over each of 2 partitions an epoch
+    assert [rows[a]["units"] for a in rows] == [epochs, epochs, mop_units, mop_units, epochs]
     # task: a Dask task per trial, with a decision after each epoch (a chain the pruner may stop on
     # its worker) or without; mop: none, its units are calls to each worker's resident trainer
     assert [rows[a]["dask_tasks"] for a in ("task", "task-chain", "mop", "mop-no-lookahead")] == [

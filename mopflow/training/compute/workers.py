@@ -10,6 +10,7 @@ the workers asks through :func:`cluster_workers` instead.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -23,6 +24,18 @@ def cluster_workers(client: Any) -> dict[str, dict[str, Any]]:
 def worker_addresses(client: Any) -> list[str]:
     """Addresses of the workers connected to ``client``'s scheduler now, sorted."""
     return sorted(cluster_workers(client))
+
+
+def declares(identity: Mapping[str, Any], resources: Mapping[str, float]) -> bool:
+    """Whether a worker (its identity, as :func:`cluster_workers` gives it) declares at least
+    ``resources`` (Dask resources, e.g. ``{"GPU": 1}``)."""
+    held = identity.get("resources") or {}
+    return all(float(held.get(name, 0)) >= float(amount) for name, amount in resources.items())
+
+
+def workers_with(client: Any, resources: Mapping[str, float]) -> list[str]:
+    """The workers connected now that declare ``resources``, sorted."""
+    return sorted(a for a, w in cluster_workers(client).items() if declares(w, resources))
 
 
 def joined_worker_addresses(client: Any, timeout_s: float = 120.0) -> list[str]:

@@ -195,6 +195,7 @@ class Executor(ABC):
         self.fence: Fence = unfenced
         # model -> the history list this executor writes for it, and how many of its reports are written
         self._history_written: dict[str, tuple[list[EpochReport], int]] = {}
+        self._records_by_model: tuple[int, dict[str, list[dict[str, Any]]]] = (0, {})  # (indexed, index)
 
     def run(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller | None = None
@@ -230,6 +231,15 @@ class Executor(ABC):
             outcome.history.append(report)
             keep = controller.on_epoch_end(report) and keep
         return keep
+
+    def records_of(self, model_id: str) -> list[dict[str, Any]]:
+        """The records of ``model_id``'s units, in order: indexed as the records grow, so that a
+        long sweep looks each finished trial up without scanning every record."""
+        indexed, index = self._records_by_model
+        for record in self.records[indexed:]:
+            index.setdefault(str(record.get("model")), []).append(record)
+        self._records_by_model = (len(self.records), index)
+        return list(index.get(model_id, []))
 
     def record_interruption(self, redone: float, **what: Any) -> None:
         """Record work lost with an interrupted unit, epoch or job (a notice or a lost worker)."""

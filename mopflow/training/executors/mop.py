@@ -34,12 +34,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mopflow.base import stopping
-from mopflow.training.compute.workers import joined_worker_addresses
 from mopflow.training.data import load_manifest
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, Executor, ModelOutcome
 from mopflow.training.executors.mop_lookahead import Lookahead, Speculative
 from mopflow.training.executors.mop_models import MopModels
+from mopflow.training.executors.mop_partitions import (
+    cluster_size,
+    eligible_workers,
+    partition_rows,
+    partition_shards,
+)
 from mopflow.training.executors.mop_service import UnitCalls
 from mopflow.training.executors.mop_workers import MEMBERSHIP_S, WorkerWatch, fetch_unit_result
 from mopflow.training.executors.scheduler import MopScheduler, Unit, round_robin
@@ -52,28 +57,6 @@ from mopflow.training.volatile.preempt import UnitPreempted
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often the coordinator looks for workers that died while running a unit
-
-
-def partition_shards(shard_names: Sequence[str], n_partitions: int) -> dict[str, list[str]]:
-    """Group the training shards into one partition per worker (the data is partitioned once)."""
-    n = max(1, min(n_partitions, len(shard_names)))
-    groups: dict[str, list[str]] = {f"p{i}": [] for i in range(n)}
-    for i, name in enumerate(sorted(shard_names)):
-        groups[f"p{i % n}"].append(name)
-    return groups
-
-
-def cluster_size(client: Any, workers: Sequence[str]) -> int:
-    """Workers the cluster is meant to have: a LocalCluster's spec (a worker restarting after a spot
-    notice, or not yet up on a loaded machine, still counts), else the workers connected now."""
-    spec = getattr(getattr(client, "cluster", None), "worker_spec", None)
-    return max(len(spec), len(workers)) if isinstance(spec, dict) and spec else len(workers)
-
-
-def partition_rows(manifest: Mapping[str, Any], partitions: Mapping[str, Sequence[str]]) -> dict[str, int]:
-    """Training rows of each partition, from the manifest's shard rows."""
-    rows = {e["name"]: int(e["rows"]) for e in manifest["splits"]["train"]}
-    return {p: sum(rows[name] for name in names) for p, names in partitions.items()}
 
 
 @dataclass
@@ -114,12 +97,16 @@ class MopExecutor(Executor):
         before_round: Callable[[int], int] | None = None,
         schedule: str = "fixed",
         lookahead: bool = True,
+        resources: Mapping[str, float] | None = None,
     ) -> None:
         super().__init__(data, checkpoint_root)
         self.client = client
         self.seed = seed
-        workers = joined_worker_addresses(client)
-        self.partitions = partition_shards(shard_names, partitions or cluster_size(client, workers))
+        # the Dask resources a unit needs (a GPU): only the workers that declare them hold partitions
+        self.resources = dict(resources or {})
+        workers = eligible_workers(client, self.resources)
+        size = len(workers) if self.resources else cluster_size(client, workers)  # the spec counts all
+        self.partitions = partition_shards(shard_names, partitions or size)
         manifest = load_manifest(data.manifest_uri, data.storage_options)
         self.partition_rows = partition_rows(manifest, self.partitions)
         self.before_round = before_round  # e.g. scale the cluster to n_j workers (training/search/scaling.py)
@@ -128,7 +115,7 @@ class MopExecutor(Executor):
         # Model slots: models training at once (at least one per partition keeps every worker busy).
         self.slots = slots or len(self.partitions)
         self.epoch_records: dict[int, list[dict[str, Any]]] = {}
-        self.workers = WorkerWatch(client, self.scheduler, self._account)
+        self.workers = WorkerWatch(client, self.scheduler, self._account, self.resources)
         self._notice = StopNotice(client, "mop", "unit")  # asked to stop: units in flight checkpoint
         self.units = UnitCalls(client)  # each worker's resident trainer (mop_service.py)
         # next epochs started ahead of the round's decisions (none while the cluster is rescaled

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from mopflow.training.compute.workers import cluster_workers
+from mopflow.training.compute.workers import cluster_workers, declares
 from mopflow.training.executors.scheduler import MopScheduler, Unit
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,15 @@ def fetch_unit_result(client: Any, future: Any, worker: str, poll_s: float = FET
 class WorkerWatch:
     """Which workers take units, and what happens to the units and partitions of those that go."""
 
-    def __init__(self, client: Any, scheduler: MopScheduler, account: Account) -> None:
+    def __init__(
+        self,
+        client: Any,
+        scheduler: MopScheduler,
+        account: Account,
+        resources: Mapping[str, float] | None = None,
+    ) -> None:
         self.client, self.scheduler, self.account = client, scheduler, account
+        self.resources = dict(resources or {})  # what a worker declares to take units (a GPU)
         self.leaving: set[str] = set()  # workers that said they are being preempted
         self._missing_since: dict[str, float] = {}
         self._no_worker_since: float | None = None
@@ -62,11 +69,13 @@ class WorkerWatch:
         self._unreachable: dict[str, float] = {}  # worker -> when a call to it failed to connect
 
     def connected(self, max_age_s: float = 0.0) -> set[str]:
-        """The workers in the cluster: asked of the scheduler now, or, with ``max_age_s``, as
-        read at most that many seconds ago."""
+        """The workers in the cluster that may take units (those declaring the units' resources):
+        asked of the scheduler now, or, with ``max_age_s``, as read at most that many seconds ago."""
         now = time.monotonic()
         if self._members is None or now - self._members[0] >= max_age_s:
-            self._members = (now, frozenset(cluster_workers(self.client)))
+            members = cluster_workers(self.client)
+            held = {a for a, w in members.items() if declares(w, self.resources)}
+            self._members = (now, frozenset(held))
         return set(self._members[1])
 
     def alive(self, connected: set[str] | None = None) -> list[str]:

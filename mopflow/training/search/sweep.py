@@ -109,7 +109,8 @@ def _search(
     data = DataRef(manifest_uri, DataSpec.from_manifest(manifest), dict(storage_options or {}), cfg.augment)
     shards = [e["name"] for e in manifest["splits"]["train"]]
     scaling = round_scaling(cfg, client)  # worker_schedule: n_j workers per round
-    executor = strategy_executor(ExecutorSetting(cfg, client, data, shards, checkpoint_root, scaling))
+    setting = ExecutorSetting(cfg, client, data, shards, checkpoint_root, scaling, opts["device"])
+    executor = strategy_executor(setting)
     executor.fence = lease.check  # no checkpoint moves into place once a later attempt took over
     forward_worker_logs(client)
     sweep = _Sweep(cfg, study, space, executor, artifact_root, study_name, opts, results, lease.check)
@@ -282,7 +283,7 @@ class _Sweep:
             else ("PRUNED" if model_id in controller.pruned else "COMPLETE")
         )
         resumed = getattr(executor, "resumed", {}).get(model_id, {})
-        records = [r for r in executor.records if r.get("model") == model_id]
+        records = executor.records_of(model_id)
         started = getattr(executor, "started_at", {}).get(model_id)
         return TrialResult(
             number=trial.number,
@@ -315,8 +316,8 @@ def _num_params(spec: ModelSpec, data: DataRef) -> int:
 
 @dataclass(frozen=True)
 class ExecutorSetting:
-    """What every strategy's executor is made from: the search config, the cluster, the data and
-    its training shards, where checkpoints go and the worker rounds (``worker_schedule``)."""
+    """What every strategy's executor is made from: the search config, the cluster, the data, its
+    training shards, where checkpoints go, the worker rounds and the device the models train on."""
 
     cfg: SearchConfig
     client: Any
@@ -324,6 +325,7 @@ class ExecutorSetting:
     shards: list[str]
     checkpoint_root: str
     scaling: RoundScaling
+    device: DeviceSpec = CPU
 
 
 def _task_executor(s: ExecutorSetting) -> Executor:
@@ -346,18 +348,13 @@ def _mop_executor(s: ExecutorSetting) -> Executor:
 
     register_preemption(s.client)  # spot notices: units checkpoint mid-pass and move on
     return MopExecutor(
-        s.client,
-        s.data,
-        s.shards,
-        s.checkpoint_root,
-        seed=s.cfg.seed,
-        slots=s.cfg.model_slots,
-        schedule=s.cfg.mop_schedule,
-        lookahead=s.cfg.mop_lookahead,
+        s.client, s.data, s.shards, s.checkpoint_root, seed=s.cfg.seed, slots=s.cfg.model_slots,
+        schedule=s.cfg.mop_schedule, lookahead=s.cfg.mop_lookahead,
+        resources=s.device.resources(),  # a GPU sweep's partitions live on its GPU workers only
         # under a spot replay the cluster has one worker per bid, priced out or not at the start
         partitions=s.scaling.partitions() or (len(s.cfg.spot_bids or ()) if s.cfg.spot_trace else None),
         before_round=s.scaling.round_hook(),
-    )
+    )  # fmt: skip
 
 
 def _ddp_executor(s: ExecutorSetting) -> Executor:

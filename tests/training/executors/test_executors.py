@@ -88,6 +88,15 @@ def test_lost_worker_requeues_its_unit_and_moves_its_partitions() -> None:
     ]
 
 
+def test_a_models_records_are_found_as_the_records_grow(small_manifest: str, dask_client: object) -> None:
+    executor = TaskExecutor(dask_client, DataRef.open(small_manifest), [])
+    executor.records += [{"model": "a", "n": 0}, {"model": "b", "n": 1}]
+    assert executor.records_of("a") == [{"model": "a", "n": 0}]
+    executor.records.append({"model": "a", "n": 2})
+    assert [r["n"] for r in executor.records_of("a")] == [0, 2]
+    assert executor.records_of("b") == [{"model": "b", "n": 1}] and executor.records_of("c") == []
+
+
 def _shards(manifest: str) -> list[str]:
     from mopflow.training.data import load_manifest
 
