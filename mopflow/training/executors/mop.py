@@ -8,11 +8,12 @@ epoch as soon as its own is done, and that epoch is reported then; the round's l
 reported at its end, in model order, where the controller may stop models and fill their slots.
 Each busy worker also holds a unit queued behind its running one, so it never waits for the
 coordinator between two units, and a worker the round has no more units for starts a model's
-next epoch ahead of the round's decisions (``training/executors/mop_lookahead.py``). A unit is not
-a Dask task: it is a direct call to the worker's
-resident trainer (``training/executors/mop_service.py``), which runs its units one at a time. The
-models' bookkeeping is ``training/executors/mop_models.py``; following the workers of a volatile
-cluster, ``training/executors/mop_workers.py``.
+next epoch ahead of the round's decisions (``training/executors/mop_lookahead.py``). A unit is
+not a Dask task: it is a direct call to the worker's resident trainer
+(``training/executors/mop_service.py``), which runs its units one at a time. The models'
+bookkeeping is ``training/executors/mop_models.py``; following the workers of a volatile cluster,
+``training/executors/mop_workers.py``; where the partitions live,
+``training/executors/mop_partitions.py``.
 
 Volatile workers: a unit whose worker got a spot notice (SIGTERM) hands back its state packed at
 the last batch boundary (``UnitPreempted``); it is queued again as its model's next unit and
