@@ -75,7 +75,7 @@ class Lookahead:
         return [future for future in self.sent if not future.done()]
 
     def _places_taken(self, worker: str) -> int:
-        return sum(1 for future, s in self.sent.items() if s.worker == worker and not future.done())
+        return sum(1 for future in self.running() if self.sent[future].worker == worker)
 
     def offers(
         self, run: RoundModels, scheduler: MopScheduler, workers: Sequence[str]
@@ -121,7 +121,6 @@ class Lookahead:
         tokens of those dropped that have not answered yet, per worker (to be told)."""
         alive = set(alive)
         adopted: list[tuple[concurrent.futures.Future, Speculative]] = []
-        dropped: dict[str, list[str]] = {}
         for future, spec in self.sent.items():
             mid = spec.unit.model
             if (
@@ -133,22 +132,20 @@ class Lookahead:
                 and scheduler.adopt(spec.worker, spec.unit)
             ):
                 adopted.append((future, spec))
-                continue
-            log.info("mop: %s's unit on %s started ahead is dropped", mid, spec.unit.partition)
-            if not future.done():
-                dropped.setdefault(spec.worker, []).append(spec.token)
+            else:
+                log.info("mop: %s's unit on %s started ahead is dropped", mid, spec.unit.partition)
+        for future, _ in adopted:
+            del self.sent[future]
         self.adopted += len(adopted)
-        self.dropped += len(self.sent) - len(adopted)
-        self.sent.clear()
-        return adopted, dropped
+        return adopted, self.drop_all()
 
     def drop_all(self) -> dict[str, list[str]]:
-        """The run ends: the units started ahead are not needed; the tokens of those that have
-        not answered yet, per worker."""
+        """Drop every unit still held (the run ends, or no round took it): the tokens of those
+        not answered yet, per worker (to be told)."""
         dropped: dict[str, list[str]] = {}
-        for future, spec in self.sent.items():
-            if not future.done():
-                dropped.setdefault(spec.worker, []).append(spec.token)
+        for future in self.running():
+            spec = self.sent[future]
+            dropped.setdefault(spec.worker, []).append(spec.token)
         self.dropped += len(self.sent)
         self.sent.clear()
         return dropped
