@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -224,7 +225,14 @@ def test_sweep_triggered_over_rest_registers_a_champion(running_stack: Stack) ->
     # The tasks logged to the stack's server: the run that produced the version is there too.
     status, mlrun = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={version['run_id']}")
     assert status == 200 and mlrun["run"]["data"], mlrun
-    s.sweep = {"airflow_run_id": run["dag_run_id"], "model": name, "version": str(version["version"])}
+    # The version this sweep registered, from its own register log: the retrain its new shards
+    # started may have registered the next one, and taken the aliases, by the time they are read.
+    events = [str(r.get("event", "")) for r in created]
+    made = next(
+        (m for e in events if (m := re.search(rf"Created version '(\d+)' of model '{name}'", e))), None
+    )
+    assert made is not None, events
+    s.sweep = {"airflow_run_id": run["dag_run_id"], "model": name, "version": made.group(1)}
 
 
 def _serve_version(s: Stack) -> str | None:
