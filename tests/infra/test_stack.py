@@ -213,25 +213,33 @@ def test_sweep_triggered_over_rest_registers_a_champion(running_stack: Stack) ->
     assert created and {r.get("level") for r in created} == {"info"}, created or records[-20:]
 
     name = f"{TINY['model_name']}-student"
-    query = urllib.parse.urlencode({"name": name, "alias": "champion"})
-    status, alias = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/alias?{query}")
-    assert status == 200, alias
-    version = alias["model_version"]
-    assert version["name"] == name and "champion" in version["aliases"]
-    status, model = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/get?name={name}")
-    assert status == 200, model
-    aliases = {a["alias"]: a["version"] for a in model["registered_model"]["aliases"]}
-    assert aliases["champion"] == aliases["challenger"] == version["version"]
-    # The tasks logged to the stack's server: the run that produced the version is there too.
-    status, mlrun = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={version['run_id']}")
-    assert status == 200 and mlrun["run"]["data"], mlrun
     # The version this sweep registered, from its own register log: the retrain its new shards
-    # started may have registered the next one, and taken the aliases, by the time they are read.
+    # start may register the next one, and move the aliases, while this test reads them.
     events = [str(r.get("event", "")) for r in created]
     made = next(
         (m for e in events if (m := re.search(rf"Created version '(\d+)' of model '{name}'", e))), None
     )
     assert made is not None, events
+    query = urllib.parse.urlencode({"name": name, "version": made.group(1)})
+    status, answer = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/model-versions/get?{query}")
+    assert status == 200, answer
+    version = answer["model_version"]
+    assert version["name"] == name
+    # The champion and the challenger are the same version once no registration is half done:
+    # this sweep's, or a later one's (the retrain's).
+    deadline = time.monotonic() + 120
+    while True:
+        status, model = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/registered-models/get?name={name}")
+        assert status == 200, model
+        aliases = {a["alias"]: a["version"] for a in model["registered_model"].get("aliases", [])}
+        if aliases.get("champion") is not None and aliases.get("champion") == aliases.get("challenger"):
+            break
+        assert time.monotonic() < deadline, aliases
+        time.sleep(1)
+    assert int(aliases["champion"]) >= int(version["version"]), (aliases, version["version"])
+    # The tasks logged to the stack's server: the run that produced the version is there too.
+    status, mlrun = request_json("GET", f"{s.mlflow}/api/2.0/mlflow/runs/get?run_id={version['run_id']}")
+    assert status == 200 and mlrun["run"]["data"], mlrun
     s.sweep = {"airflow_run_id": run["dag_run_id"], "model": name, "version": made.group(1)}
 
 
