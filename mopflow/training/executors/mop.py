@@ -58,6 +58,7 @@ from mopflow.training.volatile.preempt import UnitPreempted
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often the coordinator looks for workers that died while running a unit
+CHECKPOINT_EVERY_S = 10.0  # a model's state is checkpointed at its epochs' ends and at least this often
 
 
 @dataclass
@@ -99,6 +100,7 @@ class MopExecutor(Executor):
         schedule: str = "fixed",
         lookahead: bool = True,
         resources: Mapping[str, float] | None = None,
+        checkpoint_every_s: float = CHECKPOINT_EVERY_S,
     ) -> None:
         super().__init__(data, checkpoint_root)
         self.client = client
@@ -116,6 +118,7 @@ class MopExecutor(Executor):
         # Model slots: models training at once (at least one per partition keeps every worker busy).
         self.slots = slots or len(self.partitions)
         self.epoch_records: dict[int, list[dict[str, Any]]] = {}
+        self.checkpoint_every_s = checkpoint_every_s  # within an epoch; its end is always checkpointed
         self.workers = WorkerWatch(client, self.scheduler, self._account, self.resources)
         self._notice = StopNotice(client, "mop", "unit")  # asked to stop: units in flight checkpoint
         self.units = UnitCalls(client)  # each worker's resident trainer (mop_service.py)
@@ -222,7 +225,7 @@ class MopExecutor(Executor):
                 # partition any more (its units and partitions moved as it was seen lost)
                 self._submit_ready(run, current, self.workers.alive(connected))
             for mid in finished:
-                if mid not in ended:
+                if mid not in ended and run.checkpoint_due(mid, self.checkpoint_every_s):
                     self.save_checkpoint(mid, run.states[mid])
 
     def _submit_ready(self, run: MopModels, current: _Round, alive: list[str]) -> None:

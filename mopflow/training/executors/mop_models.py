@@ -10,9 +10,11 @@ or fill the slots freed with new models.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from mopflow.base import stopping
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import (
     Controller,
@@ -51,6 +53,9 @@ class MopModels:
         self.visited: dict[str, list[str]] = {}
         self.next_epoch: dict[str, int] = {}
         self.active: dict[str, ModelSpec] = {}
+        self.checkpointed: dict[
+            str, float
+        ] = {}  # model -> when its state was last checkpointed (or it joined)
 
     def admit(self, spec: ModelSpec) -> bool:
         """Take a model in: from its checkpoint when it has one (a restarted coordinator's retried
@@ -62,6 +67,7 @@ class MopModels:
         keep = self.executor.replay_history(outcome, done - 1, self.controller) if done else True
         if keep and done < self.epochs:
             self.active[spec.model_id] = spec
+            self.checkpointed[spec.model_id] = time.monotonic()
             return True
         outcome.stopped_early = not keep
         outcome.state = self.states.get(spec.model_id)
@@ -94,6 +100,22 @@ class MopModels:
         """A unit of the model finished: its new state and the partitions it has visited."""
         self.states[model_id] = state
         self.visited[model_id] = list(read_meta(state).get("visited", []))
+
+    def checkpoint_due(self, model_id: str, every_s: float) -> bool:
+        """Whether the model's state after its latest unit is to be checkpointed now: at the end
+        of its epoch, when the run is asked to stop, or when its last checkpoint is ``every_s``
+        seconds old. A restarted coordinator then redoes at most the model's units in flight and
+        those of its last ``every_s`` seconds; with short units, a write per unit would cost the
+        coordinator more than the unit's trip (``benchmarks/small_units.py``)."""
+        now = time.monotonic()
+        due = (
+            self.epoch_complete(model_id)
+            or stopping.stop_requested()
+            or now - self.checkpointed.get(model_id, now) >= every_s
+        )
+        if due:
+            self.checkpointed[model_id] = now
+        return due
 
     def epochs_before_decision(self) -> int:
         """Epochs every active model trains before the controller may next stop any of them."""
