@@ -69,6 +69,7 @@ CONF_FIELDS: dict[str, tuple[str, str]] = {
     "model_slots": ("search", "model_slots"),
     "mop_schedule": ("search", "mop_schedule"),
     "mop_lookahead": ("search", "mop_lookahead"),
+    "mop_ask_ahead": ("search", "mop_ask_ahead"),
     "grid_points": ("search", "grid_points"),
     "warm_start": ("search", "warm_start"),
     "warm_start_studies": ("search", "warm_start_studies"),

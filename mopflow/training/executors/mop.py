@@ -8,7 +8,8 @@ epoch as soon as its own is done, and that epoch is reported then; the round's l
 reported at its end, in model order, where the controller may stop models and fill their slots.
 Each busy worker also holds a unit queued behind its running one, so it never waits for the
 coordinator between two units, and a worker the round has no more units for starts a model's
-next epoch ahead of the round's decisions (``training/executors/mop_lookahead.py``). A unit is
+next epoch, or a successor trial's first, ahead of the round's decisions
+(``training/executors/mop_lookahead.py``). A unit is
 not a Dask task: it is a direct call to the worker's resident trainer
 (``training/executors/mop_service.py``), which runs its units one at a time. The models'
 bookkeeping is ``training/executors/mop_models.py``; following the workers of a volatile cluster,
@@ -20,8 +21,7 @@ the last batch boundary (``UnitPreempted``); it is queued again as its model's n
 continues from that batch on another (or the restarted) worker. A unit whose worker died without
 notice (SIGKILL) fails its call as its connection closes, or is seen missing within ``POLL_S``
 (+ ``REAP_GRACE_S``), and is redone from the model's last finished unit: at most that sub-epoch
-is lost. The seconds to redo are summed in
-``redone_unit_seconds`` and each interruption is listed in ``interruptions``.
+is lost. ``redone_unit_seconds`` sums the seconds to redo; ``interruptions`` lists each.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class MopExecutor(Executor):
         before_round: Callable[[int], int] | None = None,
         schedule: str = "fixed",
         lookahead: bool = True,
+        ask_ahead: bool = True,
         resources: Mapping[str, float] | None = None,
         checkpoint_every_s: float = CHECKPOINT_EVERY_S,
     ) -> None:
@@ -125,6 +126,7 @@ class MopExecutor(Executor):
         # next epochs started ahead of the round's decisions (none while the cluster is rescaled
         # between rounds: the next round's placement is not known yet)
         self.lookahead = Lookahead() if lookahead and before_round is None else None
+        self.ask_ahead = ask_ahead and self.lookahead is not None  # successors asked at a cohort's last round
 
     def epoch_steps(self, spec: ModelSpec) -> int:
         """A model's optimizer steps in one epoch over every partition (its schedule's unit)."""
@@ -140,6 +142,7 @@ class MopExecutor(Executor):
         while run.active:
             current = self._start_round(round_index, run)
             self._run_round(run, current)
+            run.tell_done()  # before this round's end asks for trials
             self.records += current.records
             for record in current.records:  # per epoch of the round (MOP's invariants hold per epoch)
                 self.epoch_records.setdefault(int(record["round"]), []).append(record)
@@ -151,6 +154,7 @@ class MopExecutor(Executor):
             )
             run.end_round(current.records, current.val_accs)
             round_index += current.epochs
+        run.tell_done()  # the last round's
         if self.lookahead is not None:
             self._drop(self.lookahead.drop_all())
             log.info(
@@ -170,6 +174,7 @@ class MopExecutor(Executor):
             self.before_round(index)
             self.scheduler.placement = round_robin(self.partitions, self.workers.alive())
         self.scheduler.start_epoch(list(run.active), epoch=index, epochs=epochs)
+        run.start_round(epochs, ask_ahead=self.ask_ahead)  # the finishing models' successors
         for mid in run.active:  # resume mid-epoch: partitions already visited are skipped
             done = set(run.visited.get(mid, []))
             self.scheduler.queue = [
@@ -201,6 +206,7 @@ class MopExecutor(Executor):
             alive = self.workers.reconcile(connected)
             if not stopping.stop_requested():
                 self._submit_ready(run, current, alive)
+            run.tell_done(at_most=1)  # the last round's finished models, told while the workers train
             if not current.in_flight:
                 self.workers.wait_for_a_worker(alive)
                 time.sleep(0.05)
@@ -256,7 +262,7 @@ class MopExecutor(Executor):
         for worker, unit, epoch in self.lookahead.offers(run, self.scheduler, alive):
             token = f"{unit.model}:{unit.partition}:e{epoch}:{uuid.uuid4().hex[:12]}"
             future = self._submit_unit(run, worker, unit, epoch=epoch, visited=[], token=token)
-            early = Speculative(worker, unit, epoch, run.states[unit.model], token)
+            early = Speculative(worker, unit, epoch, run.states.get(unit.model), token)
             self.lookahead.note_sent(future, early)
             log.info(
                 "mop: %s (epoch %d) on %s starts ahead on %s", unit.model, epoch + 1, unit.partition, worker
@@ -276,7 +282,7 @@ class MopExecutor(Executor):
         one at a time, in order (``mop_service.py``). ``epoch`` and ``visited``: a unit of the
         model's next epoch, started ahead (default: where the model stands); ``token``: its name
         for a drop."""
-        spec = run.active[unit.model]
+        spec = run.spec_of(unit.model)
         seen = [*(run.visited.get(unit.model, []) if visited is None else visited), unit.partition]
         return self.units.call(
             worker,

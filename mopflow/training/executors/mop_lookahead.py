@@ -43,11 +43,14 @@ class RoundModels(Protocol):
 
     epochs: int
     active: dict
+    joining: dict
     states: dict[str, bytes]
     visited: dict[str, list[str]]
     next_epoch: dict[str, int]
 
     def epoch_complete(self, model_id: str) -> bool: ...
+
+    def next_round(self) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class Speculative:
     worker: str
     unit: Unit  # the next round's unit (its first epoch: ``unit.epoch == 0``)
     epoch: int  # the model's epoch it trains
-    state: bytes  # the model's state it started from
+    state: bytes | None  # the model's state it started from (None: a joining model's first)
     token: str = ""  # what its worker knows it by, to drop it
     sent: float = field(default_factory=time.time)  # wall clock, as the driver's ``submitted``
 
@@ -82,7 +85,8 @@ class Lookahead:
     ) -> list[tuple[str, Unit, int]]:
         """(worker, unit, epoch) to send now: for each of ``workers`` with a free place and no
         unit of the round left to take, the next epoch's first unit of a model whose epoch is done,
-        where the round's plan would start it, earliest in the plan first."""
+        or a joining model's first, where the next round's plan would start it (as far as its
+        models are known), earliest in the plan first."""
         waiting = {u.model for u in scheduler.queue} | scheduler.busy_models
         speculated = {s.unit.model for s in self.sent.values()}
         ready = [
@@ -94,7 +98,9 @@ class Lookahead:
             and run.epoch_complete(mid)
             and run.next_epoch.get(mid, 0) + 1 < run.epochs
         ]
-        openings = scheduler.choice_openings(ready)
+        epoch = {mid: run.next_epoch.get(mid, 0) + 1 for mid in ready}
+        epoch |= {mid: 0 for mid in sorted(run.joining) if mid not in speculated}
+        openings = scheduler.choice_openings(list(epoch), run.next_round())
         given: list[tuple[str, Unit, int]] = []
         for worker in workers:
             if any(scheduler.placement.get(u.partition) == worker for u in scheduler.queue):
@@ -105,7 +111,7 @@ class Lookahead:
                 if unit is None:
                     break
                 openings = [u for u in openings if u.model != unit.model]  # one unit a model
-                given.append((worker, unit, run.next_epoch.get(unit.model, 0) + 1))
+                given.append((worker, unit, epoch[unit.model]))
                 free -= 1
         return given
 

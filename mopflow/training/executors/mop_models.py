@@ -53,9 +53,11 @@ class MopModels:
         self.visited: dict[str, list[str]] = {}
         self.next_epoch: dict[str, int] = {}
         self.active: dict[str, ModelSpec] = {}
-        self.checkpointed: dict[
-            str, float
-        ] = {}  # model -> when its state was last checkpointed (or it joined)
+        self.checkpointed: dict[str, float] = {}  # when each model was last checkpointed (or joined)
+        self.joining: dict[str, ModelSpec] = {}  # asked ahead: they join at the next round
+        self.finishing: set[str] = set()  # active models whose last epoch the current round holds
+        self.told_later: list[ModelOutcome] = []  # done at a round's end: told once the next round runs
+        self.defer_done = False  # whether the finishing models are told late (start_round)
 
     def admit(self, spec: ModelSpec) -> bool:
         """Take a model in: from its checkpoint when it has one (a restarted coordinator's retried
@@ -117,6 +119,38 @@ class MopModels:
             self.checkpointed[model_id] = now
         return due
 
+    def start_round(self, epochs: int, ask_ahead: bool) -> None:
+        """A round of ``epochs`` epochs starts: the models whose last epoch it holds are finishing.
+        With ``ask_ahead``, the trials that take their slots are asked now, before the round's end
+        tells theirs; they join at the next round, and their first units can start on workers the
+        round has no more units for (``mop_lookahead.py``). At a cohort's end the workers then
+        train while the coordinator tells the finished trials, instead of waiting for it."""
+        self.finishing = {m for m in self.active if self.next_epoch.get(m, 0) + epochs >= self.epochs}
+        self.defer_done = ask_ahead
+        free = self.executor.slots - (len(self.active) - len(self.finishing)) - len(self.joining)
+        if ask_ahead and self.finishing and free > 0:
+            self.joining |= {spec.model_id: spec for spec in self.controller.new_models(free)}
+
+    def tell_done(self, at_most: int | None = None) -> None:
+        """Hand the controller (``at_most`` of) the models done in their last epoch at the last
+        round's end: with their successors asked ahead, nothing of the next round waits for their
+        trials to be told (their bundles written), so the driver tells them one at a time between
+        the next round's units, and every one before that round's end (whose asks see them all,
+        whatever the timings)."""
+        count = len(self.told_later) if at_most is None else at_most
+        done, self.told_later = self.told_later[:count], self.told_later[count:]
+        for outcome in done:
+            self.controller.on_model_done(outcome)
+
+    def next_round(self) -> list[str]:
+        """The next round's models as far as known: the active ones not finishing, and those joining
+        (the round's decisions may stop more)."""
+        return sorted({m for m in self.active if m not in self.finishing} | set(self.joining))
+
+    def spec_of(self, model_id: str) -> ModelSpec:
+        """An active or joining model's spec."""
+        return self.active.get(model_id) or self.joining[model_id]
+
     def epochs_before_decision(self) -> int:
         """Epochs every active model trains before the controller may next stop any of them."""
         return min(
@@ -151,7 +185,9 @@ class MopModels:
         for mid in finished:
             val_acc = val_accs[mid] if mid in val_accs else float(missing[mid].result())
             self._end_epoch(mid, val_acc, records)
-        for spec in self.controller.new_models(max(0, self.executor.slots - len(self.active))):
+        joining, self.joining = list(self.joining.values()), {}  # asked ahead: they come first
+        free = max(0, self.executor.slots - len(self.active) - len(joining))
+        for spec in [*joining, *self.controller.new_models(free)]:
             if self.admit(spec):
                 log.info("mop: %s joins at the next round", spec.model_id)
 
@@ -199,7 +235,10 @@ class MopModels:
             outcome.state = self.states[mid]
             outcome.checkpoint_uri = self.executor.kept_checkpoint(mid)
             del self.active[mid]
-            self.controller.on_model_done(outcome)  # before its slot is filled again
+            if self.defer_done and mid in self.finishing:  # in its last epoch: its successor is asked
+                self.told_later.append(outcome)
+            else:
+                self.controller.on_model_done(outcome)  # before its slot is filled again
 
     def final_outcomes(self) -> dict[str, ModelOutcome]:
         """Every model's outcome, with its latest state."""

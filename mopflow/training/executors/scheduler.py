@@ -94,9 +94,11 @@ class UnitChoice(Protocol):
         """The unit for the idle ``worker``, among ``scheduler.runnable(worker, ...)``."""
         ...
 
-    def openings(self, scheduler: MopScheduler, models: Sequence[str]) -> list[Unit]:
-        """Where ``models`` would start their next epoch, were the next round to hold the same
-        models as this one: their candidate first units, those to prefer first."""
+    def openings(
+        self, scheduler: MopScheduler, models: Sequence[str], next_round: Sequence[str] | None = None
+    ) -> list[Unit]:
+        """Where ``models`` would start their next epoch, in a next round of ``next_round``'s
+        models (None: this round's): their candidate first units, those to prefer first."""
         ...
 
     def opens_with(self, scheduler: MopScheduler, unit: Unit) -> bool:
@@ -129,11 +131,13 @@ class FixedPlan:
             following.setdefault(unit.model, unit)
         return min(scheduler.runnable(worker, following.values()), key=self._planned, default=None)
 
-    def openings(self, scheduler: MopScheduler, models: Sequence[str]) -> list[Unit]:
-        # the plan is the same every epoch while the models stay: the first sub-epoch's units
+    def openings(
+        self, scheduler: MopScheduler, models: Sequence[str], next_round: Sequence[str] | None = None
+    ) -> list[Unit]:
+        # a plan depends on its models and partitions alone, never on the epoch
+        rows = {u.model for u in self.position} if next_round is None else next_round
         chosen = set(models)
-        first = [(i, u) for u, (k, i) in self.position.items() if k == 0 and u.model in chosen]
-        return [Unit(u.model, u.partition) for _, u in sorted(first)]
+        return [u for u in fixed_plan(self.seed, rows, sorted(scheduler.placement))[0] if u.model in chosen]
 
     def opens_with(self, scheduler: MopScheduler, unit: Unit) -> bool:
         return self.position.get(unit, (-1, 0))[0] == 0
@@ -162,7 +166,9 @@ class GreedyQueue:
             return None
         return max(candidates, key=_work_left(scheduler))  # max keeps the first of equals
 
-    def openings(self, scheduler: MopScheduler, models: Sequence[str]) -> list[Unit]:
+    def openings(
+        self, scheduler: MopScheduler, models: Sequence[str], next_round: Sequence[str] | None = None
+    ) -> list[Unit]:
         # no plan: a model may start an epoch on any partition, the longest models first
         cost = scheduler.cost
         order = sorted(models, key=lambda m: (-cost.get(m, 0.0), m))
@@ -262,10 +268,10 @@ class MopScheduler:
             assignments.append((worker, unit))
         return assignments
 
-    def choice_openings(self, models: Sequence[str]) -> list[Unit]:
-        """Where ``models`` would start their next epoch, were the next round to hold this one's
-        models (``UnitChoice.openings``): one or more candidate units per model, preferred first."""
-        return self.choice.openings(self, models)
+    def choice_openings(self, models: Sequence[str], next_round: Sequence[str] | None = None) -> list[Unit]:
+        """Where ``models`` would start their next epoch, in a next round of ``next_round``'s models
+        (None: this one's; ``UnitChoice.openings``): candidate units per model, preferred first."""
+        return self.choice.openings(self, models, next_round)
 
     def adopt(self, worker: str, unit: Unit) -> bool:
         """Take ``unit``, queued in the round just started, as sent to ``worker`` already (it was

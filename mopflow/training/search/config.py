@@ -118,6 +118,13 @@ class SearchConfig(StageConfig):
         "before the round's decisions; kept when the model goes on (it trains the same either way), "
         "dropped when it is stopped",
     )
+    mop_ask_ahead: bool = Field(
+        True,
+        description="strategy=mop with mop_lookahead: the trials that take the slots of models in their last "
+        "epoch are asked as that epoch starts, so their first units train while the finished trials are told; "
+        "the sampler proposes them without those models' last epoch (off: the finished trials are told, then "
+        "the next ones asked, while the workers wait)",
+    )
     warm_start: bool = Field(
         False, description="Enqueue the current champion's trial parameters as the first trial"
     )

@@ -349,7 +349,7 @@ def _mop_executor(s: ExecutorSetting) -> Executor:
     register_preemption(s.client)  # spot notices: units checkpoint mid-pass and move on
     return MopExecutor(
         s.client, s.data, s.shards, s.checkpoint_root, seed=s.cfg.seed, slots=s.cfg.model_slots,
-        schedule=s.cfg.mop_schedule, lookahead=s.cfg.mop_lookahead,
+        schedule=s.cfg.mop_schedule, lookahead=s.cfg.mop_lookahead, ask_ahead=s.cfg.mop_ask_ahead,
         resources=s.device.resources(),  # a GPU sweep's partitions live on its GPU workers only
         # under a spot replay the cluster has one worker per bid, priced out or not at the start
         partitions=s.scaling.partitions() or (len(s.cfg.spot_bids or ()) if s.cfg.spot_trace else None),

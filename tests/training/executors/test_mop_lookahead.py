@@ -26,9 +26,13 @@ class Models:
     states: dict[str, bytes] = field(default_factory=dict)
     visited: dict[str, list[str]] = field(default_factory=dict)
     next_epoch: dict[str, int] = field(default_factory=dict)
+    joining: dict[str, Any] = field(default_factory=dict)
 
     def epoch_complete(self, model_id: str) -> bool:
         return len(self.visited.get(model_id, [])) >= len(PARTITIONS)
+
+    def next_round(self) -> list[str]:
+        return sorted({*self.active, *self.joining})
 
 
 def _round_ending(models: list[str]) -> tuple[MopScheduler, Models]:
@@ -163,3 +167,50 @@ def test_a_sweep_trains_the_same_with_and_without_units_started_ahead(
     ]  # fmt: skip
     ahead = runs[True][0].lookahead
     assert ahead is not None and ahead.adopted >= 1 and ahead.sent == {}
+
+
+class Cohorts(TrainAll):
+    """Hands out ``queued`` models as slots free; records what it hears and does, in order."""
+
+    def __init__(self, queued: list[ModelSpec]) -> None:
+        self.queued = list(queued)
+        self.reports: list[EpochReport] = []
+        self.events: list[tuple[str, str]] = []
+
+    def on_epoch_end(self, report: EpochReport) -> bool:
+        self.reports.append(report)
+        self.events.append(("report", report.model_id))
+        return True
+
+    def on_model_done(self, outcome: Any) -> None:
+        self.events.append(("done", outcome.spec.model_id))
+
+    def new_models(self, free_slots: int) -> list[ModelSpec]:
+        given, self.queued = self.queued[:free_slots], self.queued[free_slots:]
+        self.events.extend(("asked", spec.model_id) for spec in given)
+        return given
+
+
+def test_a_cohorts_successors_are_asked_and_started_before_its_models_are_told(
+    small_manifest: str, dask_client: object
+) -> None:
+    """Expected: the models that take the slots of models in their last epoch are asked as that
+    round starts, and their first units, started ahead on workers the round has no more units
+    for, are adopted; the finished models are told afterwards. Every report is the same to the
+    bit as without the lookahead (asked after the tells)."""
+    data = DataRef.open(small_manifest)
+    shards = [e["name"] for e in load_manifest(small_manifest)["splits"]["train"]]
+    models = [ModelSpec(f"m{i}", MLP | {"width": 8 + 4 * i}, seed=i) for i in range(4)]
+    runs: dict[bool, tuple[MopExecutor, Cohorts]] = {}
+    for lookahead in (False, True):
+        executor = MopExecutor(dask_client, data, shards, seed=2, slots=2, lookahead=lookahead)
+        controller = Cohorts(models[2:])
+        executor.run(models[:2], epochs=1, controller=controller)
+        runs[lookahead] = (executor, controller)
+    (_, plain), (ahead, early) = runs[False], runs[True]
+    assert sorted(early.reports, key=lambda r: r.model_id) == sorted(plain.reports, key=lambda r: r.model_id)
+    assert [r.model_id for r in early.reports] == ["m0", "m1", "m2", "m3"]
+    assert plain.events.index(("asked", "m2")) > plain.events.index(("done", "m1"))
+    assert early.events.index(("asked", "m2")) < early.events.index(("report", "m0"))
+    assert early.events.index(("done", "m1")) < early.events.index(("report", "m2"))
+    assert ahead.lookahead is not None and ahead.lookahead.adopted >= 1  # only successors could be

@@ -64,9 +64,13 @@ def _sweep(cfg: SearchConfig, manifest: str, tmp_path: Path, client: Any, **kw: 
     )
 
 
+@pytest.mark.parametrize("ask_ahead", [False, True])
 def test_a_mop_sweep_tells_optuna_each_trial_when_it_finishes(
-    small_manifest: str, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_manifest: str, dask_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ask_ahead: bool
 ) -> None:
+    """Expected: each trial is told as its model finishes, its bundle written; without asking
+    ahead the sampler proposes the second cohort from the first's results, with it (the default)
+    the second cohort is asked as the first's last epoch starts, before any trial is told."""
     import mopflow.training.search.study as search
 
     spies: list[SpySampler] = []
@@ -78,7 +82,14 @@ def test_a_mop_sweep_tells_optuna_each_trial_when_it_finishes(
     real_make_sampler = search.make_sampler
     monkeypatch.setattr(search, "make_sampler", spying)
     cfg = SearchConfig(
-        n_trials=4, epochs=2, strategy="mop", model_slots=2, space=SPACE, sampler="tpe", pruner="none"
+        n_trials=4,
+        epochs=2,
+        strategy="mop",
+        model_slots=2,
+        space=SPACE,
+        sampler="tpe",
+        pruner="none",
+        mop_ask_ahead=ask_ahead,
     )
     logged: list[tuple[int, int]] = []  # (trial, trials asked by then)
     storage = str(tmp_path / "journal.log")
@@ -89,10 +100,11 @@ def test_a_mop_sweep_tells_optuna_each_trial_when_it_finishes(
 
     outcome = _sweep(cfg, small_manifest, tmp_path, dask_client, on_trial_done=on_trial_done)
     assert [r.state for r in outcome.results] == ["COMPLETE"] * 4
-    # TPE was given the first two trials, COMPLETE, before it sampled the last two.
-    assert spies[0].complete_seen == [0, 0, 2, 2]
-    # Trial runs are written as trials finish: the first two while the last two were not asked yet.
-    assert sorted(logged)[:2] == [(0, 2), (1, 2)] and len(logged) == 4
+    # Without asking ahead TPE was given the first two trials, COMPLETE, before it sampled the
+    # last two, and the first two trials' runs were written before the last two were asked.
+    seen, asked = ([0, 0, 0, 0], 4) if ask_ahead else ([0, 0, 2, 2], 2)
+    assert spies[0].complete_seen == seen
+    assert sorted(logged)[:2] == [(0, asked), (1, asked)] and len(logged) == 4
     for result in outcome.results:  # each bundle was written when its trial was told
         assert result.bundle_uri and Path(result.bundle_uri).exists()
     # the workers' seconds inside the batch loops, apart from what each unit costs around them
