@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mopflow.base.settings import Accelerator, Precision
-from mopflow.training.compute.workers import cluster_workers
+from mopflow.training.compute.workers import workers_with
 
 GPU_RESOURCE = "GPU"  # the Dask worker resource a GPU worker declares (dask worker --resources GPU=1)
 
@@ -158,9 +158,9 @@ def gpu_worker_plan(gpus: Sequence[str], trials_per_gpu: int) -> list[WorkerSpec
 
 
 def gpu_worker_addresses(client: Any) -> list[str]:
-    """The workers of a running cluster that declare the GPU resource, sorted."""
-    workers = cluster_workers(client)
-    return sorted(a for a, w in workers.items() if float((w.get("resources") or {}).get(GPU_RESOURCE, 0)) > 0)
+    """The workers of a running cluster that declare a whole GPU (what a unit on a GPU needs,
+    :meth:`DeviceSpec.resources`), sorted."""
+    return workers_with(client, {GPU_RESOURCE: 1})
 
 
 def gpu_workers(client: Any) -> int:

@@ -175,13 +175,10 @@ class MopExecutor(Executor):
             self.scheduler.placement = round_robin(self.partitions, self.workers.alive())
         self.scheduler.start_epoch(list(run.active), epoch=index, epochs=epochs)
         run.start_round(epochs, ask_ahead=self.ask_ahead)  # the finishing models' successors
-        for mid in run.active:  # resume mid-epoch: partitions already visited are skipped
-            done = set(run.visited.get(mid, []))
-            self.scheduler.queue = [
-                u
-                for u in self.scheduler.queue
-                if not (u.model == mid and u.epoch == 0 and u.partition in done)
-            ]
+        done = {mid: set(run.visited.get(mid, [])) for mid in run.active}  # resumed mid-epoch: skipped
+        self.scheduler.queue = [
+            u for u in self.scheduler.queue if not (u.epoch == 0 and u.partition in done[u.model])
+        ]
         current = _Round(index, total_units=len(self.scheduler.queue), epochs=epochs)
         if self.lookahead is not None:  # the units started ahead that this round takes as its own
             adopted, dropped = self.lookahead.take(run, self.scheduler, self.workers.alive())
