@@ -11,7 +11,11 @@ from typing import Any
 import pytest
 
 from mopflow.base import stopping
+from mopflow.training.executors.base import TrainAll
 from mopflow.training.executors.mop_models import MopModels
+from mopflow.training.trainable.unit import ModelSpec
+
+MLP = {"family": "mlp", "width": 16, "depth": 1, "lr": 3e-3, "weight_decay": 0.0, "batch_size": 32}
 
 
 @pytest.fixture
@@ -42,3 +46,34 @@ def test_an_epochs_end_and_a_stop_are_always_checkpointed(run: MopModels) -> Non
     run.visited["m0"] = ["p1"]
     stopping.request_stop(signal.SIGTERM)
     assert run.checkpoint_due("m0", every_s=10.0)
+
+
+class Successors(TrainAll):
+    """Hands out new models ``n0``, ``n1``, ... as asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def new_models(self, free_slots: int) -> list[ModelSpec]:
+        self.asked.append(free_slots)
+        start = sum(self.asked[:-1])
+        return [ModelSpec(f"n{i}", MLP, seed=i) for i in range(start, start + free_slots)]
+
+
+@pytest.mark.parametrize("ask_ahead", [True, False])
+def test_a_round_asks_ahead_only_for_the_slots_of_models_in_their_last_epoch(ask_ahead: bool) -> None:
+    """Expected: of two active models in 3-epoch runs, the one starting its last epoch is finishing;
+    with ``ask_ahead`` its successor is asked as the round starts, once (a second start asks no
+    more), and the next round's models are the one going on and the successor."""
+    host: Any = SimpleNamespace(partitions={"p0": ["s0"], "p1": ["s1"]}, slots=2)
+    controller = Successors()
+    models = MopModels(host, epochs=3, controller=controller)
+    models.active = {"m0": ModelSpec("m0", MLP, seed=0), "m1": ModelSpec("m1", MLP, seed=1)}
+    models.next_epoch = {"m0": 2, "m1": 0}
+    models.start_round(1, ask_ahead=ask_ahead)
+    models.start_round(1, ask_ahead=ask_ahead)
+    assert models.finishing == {"m0"}
+    assert list(models.joining) == (["n0"] if ask_ahead else [])
+    assert controller.asked == ([1] if ask_ahead else [])
+    assert models.next_round() == (["m1", "n0"] if ask_ahead else ["m1"])
+    assert models.spec_of("m1").model_id == "m1"
