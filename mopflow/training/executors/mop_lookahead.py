@@ -93,6 +93,14 @@ class Lookahead:
         unit of the round left to take, the next epoch's first unit of a model whose epoch is done,
         or a joining model's first, where the next round's plan would start it (as far as its
         models are known), earliest in the plan first."""
+        queued_on = {scheduler.placement.get(u.partition) for u in scheduler.queue}  # the round's
+        places = {  # the workers the round has no unit left for, and their free places
+            w: PLACES_PER_WORKER - len(scheduler.units_on(w)) - self._places_taken(w)
+            for w in workers
+            if w not in queued_on
+        }
+        if not any(free > 0 for free in places.values()):
+            return []  # mid-round, the usual case: no plan to compute
         waiting = {u.model for u in scheduler.queue} | scheduler.busy_models
         speculated = {s.unit.model for s in self.sent.values()}
         ready = [
@@ -106,12 +114,9 @@ class Lookahead:
         ]
         epoch = {mid: run.next_epoch.get(mid, 0) + 1 for mid in ready}
         epoch |= {mid: 0 for mid in sorted(run.joining) if mid not in speculated}
-        openings = scheduler.choice_openings(list(epoch), run.next_round())
+        openings = scheduler.choice_openings(list(epoch), run.next_round()) if epoch else []
         given: list[tuple[str, Unit, int]] = []
-        for worker in workers:
-            if any(scheduler.placement.get(u.partition) == worker for u in scheduler.queue):
-                continue  # the round still has units for it
-            free = PLACES_PER_WORKER - len(scheduler.units_on(worker)) - self._places_taken(worker)
+        for worker, free in places.items():
             while free > 0:
                 unit = next((u for u in openings if scheduler.placement.get(u.partition) == worker), None)
                 if unit is None:
