@@ -142,7 +142,8 @@ class MopExecutor(Executor):
         while run.active:
             current = self._start_round(round_index, run)
             self._run_round(run, current)
-            run.tell_done()  # before this round's end asks for trials
+            run.tell_done()  # before this round's reports and asks, whatever the timings
+            run.ask_ahead()
             self.records += current.records
             for record in current.records:  # per epoch of the round (MOP's invariants hold per epoch)
                 self.epoch_records.setdefault(int(record["round"]), []).append(record)
@@ -174,7 +175,7 @@ class MopExecutor(Executor):
             self.before_round(index)
             self.scheduler.placement = round_robin(self.partitions, self.workers.alive())
         self.scheduler.start_epoch(list(run.active), epoch=index, epochs=epochs)
-        run.start_round(epochs, ask_ahead=self.ask_ahead)  # the finishing models' successors
+        run.start_round(epochs, ask_ahead=self.ask_ahead)  # the finishing models' successors are due
         done = {mid: set(run.visited.get(mid, [])) for mid in run.active}  # resumed mid-epoch: skipped
         self.scheduler.queue = [
             u for u in self.scheduler.queue if not (u.epoch == 0 and u.partition in done[u.model])
@@ -204,6 +205,7 @@ class MopExecutor(Executor):
             if not stopping.stop_requested():
                 self._submit_ready(run, current, alive)
             run.tell_done(at_most=1)  # the last round's finished models, told while the workers train
+            run.ask_ahead(at_most=1)  # then this round's finishing models' successors
             if not current.in_flight:
                 self.workers.wait_for_a_worker(alive)
                 time.sleep(0.05)

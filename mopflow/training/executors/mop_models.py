@@ -58,6 +58,7 @@ class MopModels:
         self.finishing: set[str] = set()  # active models whose last epoch the current round holds
         self.told_later: list[ModelOutcome] = []  # done at a round's end: told once the next round runs
         self.defer_done = False  # whether the finishing models are told late (start_round)
+        self.asks_due = 0  # successors to ask ahead this round (start_round, ask_ahead)
 
     def admit(self, spec: ModelSpec) -> bool:
         """Take a model in: from its checkpoint when it has one (a restarted coordinator's retried
@@ -121,15 +122,25 @@ class MopModels:
 
     def start_round(self, epochs: int, ask_ahead: bool) -> None:
         """A round of ``epochs`` epochs starts: the models whose last epoch it holds are finishing.
-        With ``ask_ahead``, the trials that take their slots are asked now, before the round's end
-        tells theirs; they join at the next round, and their first units can start on workers the
-        round has no more units for (``mop_lookahead.py``). At a cohort's end the workers then
-        train while the coordinator tells the finished trials, instead of waiting for it."""
+        With ``ask_ahead``, the trials that take their slots are due to be asked in this round
+        (:meth:`ask_ahead`), before the round's end tells theirs; they join at the next round, and
+        their first units can start on workers the round has no more units for
+        (``mop_lookahead.py``). At a cohort's end the workers then train while the coordinator
+        tells the finished trials, instead of waiting for it."""
         self.finishing = {m for m in self.active if self.next_epoch.get(m, 0) + epochs >= self.epochs}
         self.defer_done = ask_ahead
         free = self.executor.slots - (len(self.active) - len(self.finishing)) - len(self.joining)
-        if ask_ahead and self.finishing and free > 0:
-            self.joining |= {spec.model_id: spec for spec in self.controller.new_models(free)}
+        self.asks_due = free if ask_ahead and self.finishing and free > 0 else 0
+
+    def ask_ahead(self, at_most: int | None = None) -> None:
+        """Ask (``at_most`` of) the successors due this round, once every model of the last round
+        is told. The driver asks one between two units (four at once took 8-18 ms, in which
+        workers ran out of units) and the rest before the round's reports, so that asks and tells
+        keep their order whatever the timings."""
+        if self.asks_due and not self.told_later:
+            count = self.asks_due if at_most is None else min(at_most, self.asks_due)
+            self.asks_due -= count
+            self.joining |= {spec.model_id: spec for spec in self.controller.new_models(count)}
 
     def tell_done(self, at_most: int | None = None) -> None:
         """Hand the controller (``at_most`` of) the models done in their last epoch at the last
