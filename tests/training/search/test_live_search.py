@@ -126,11 +126,14 @@ def _enqueue(storage: str, cfg: SearchConfig, lrs: list[float]) -> None:
 
 def _median_sweep(strategy: str, manifest: str, tmp_path: Path, client: Any, epochs: int = 4) -> Any:
     """Two good trials, then two that cannot learn: the median pruner stops those, comparing them
-    with the good ones, which were told COMPLETE while the sweep went on."""
+    with the good ones, which were told COMPLETE while the sweep went on. Under ``task`` one trial
+    runs at a time: with two, a bad trial could start beside a good one still training, and be
+    judged at its third epoch before that good one was COMPLETE (the pruner then waits an epoch)."""
     cfg = SearchConfig(
         n_trials=4,
         epochs=epochs,
         strategy=strategy,
+        parallel_trials=1 if strategy == "task" else 2,
         model_slots=2,
         ddp_world_size=2,
         space=SPACE,
