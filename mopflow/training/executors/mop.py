@@ -135,7 +135,7 @@ class MopExecutor(Executor):
     def _train(
         self, models: Sequence[ModelSpec], epochs: int, controller: Controller
     ) -> dict[str, ModelOutcome]:
-        run = MopModels(self, epochs, controller)
+        run = MopModels(self, epochs, controller, asks_ahead=self.ask_ahead)
         for spec in models:
             run.admit(spec)
         round_index = len(self.epoch_records)  # a second run (more trials) goes on numbering rounds
@@ -175,7 +175,7 @@ class MopExecutor(Executor):
             self.before_round(index)
             self.scheduler.placement = round_robin(self.partitions, self.workers.alive())
         self.scheduler.start_epoch(list(run.active), epoch=index, epochs=epochs)
-        run.start_round(epochs, ask_ahead=self.ask_ahead)  # the finishing models' successors are due
+        run.start_round(epochs)  # the finishing models' successors are due
         done = {mid: set(run.visited.get(mid, [])) for mid in run.active}  # resumed mid-epoch: skipped
         self.scheduler.queue = [
             u for u in self.scheduler.queue if not (u.epoch == 0 and u.partition in done[u.model])

@@ -19,10 +19,10 @@ moved it) it is dropped: its worker ends it at its next batch, or before it star
 unit never waits behind a speculative one otherwise, except where a fault moves partitions.
 
 At a cohort's end (every model in its last epoch) no model has a next epoch: the trials that take
-their slots are asked as that round starts (``MopModels.start_round``, the search key
-``mop_ask_ahead``), and their first units are offered like the others, from no state (the worker
-builds the model's seeded first one), where the next round's plan starts them. The finished
-models' trials are told while the next round runs (``MopModels.tell_done``).
+their slots are asked during that round, between its units (``MopModels.ask_ahead``, the search
+key ``mop_ask_ahead``), and their first units are offered like the others, from no state (the
+worker builds the model's seeded first one), where the next round's plan starts them. The
+finished models' trials are told while the next round runs (``MopModels.tell_done``).
 
 A speculative unit's faults are its adopted unit's: the driver collects it like any other (a
 spot notice's state, a killed worker's closed connection). A dropped unit's outcome is ignored.

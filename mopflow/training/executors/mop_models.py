@@ -46,8 +46,12 @@ class MopModels:
     """The bookkeeping of one :meth:`MopExecutor.run`: active models, their latest states, the
     partitions each visited in its current epoch and the epoch it trains next."""
 
-    def __init__(self, executor: MopHost, epochs: int, controller: Controller) -> None:
+    def __init__(
+        self, executor: MopHost, epochs: int, controller: Controller, asks_ahead: bool = False
+    ) -> None:
         self.executor, self.epochs, self.controller = executor, epochs, controller
+        # the finishing models' successors asked within their round, the finished told late (start_round)
+        self.asks_ahead = asks_ahead
         self.outcomes: dict[str, ModelOutcome] = {}
         self.states: dict[str, bytes] = {}
         self.visited: dict[str, list[str]] = {}
@@ -57,7 +61,6 @@ class MopModels:
         self.joining: dict[str, ModelSpec] = {}  # asked ahead: they join at the next round
         self.finishing: set[str] = set()  # active models whose last epoch the current round holds
         self.told_later: list[ModelOutcome] = []  # done at a round's end: told once the next round runs
-        self.defer_done = False  # whether the finishing models are told late (start_round)
         self.asks_due = 0  # successors to ask ahead this round (start_round, ask_ahead)
 
     def admit(self, spec: ModelSpec) -> bool:
@@ -120,17 +123,16 @@ class MopModels:
             self.checkpointed[model_id] = now
         return due
 
-    def start_round(self, epochs: int, ask_ahead: bool) -> None:
+    def start_round(self, epochs: int) -> None:
         """A round of ``epochs`` epochs starts: the models whose last epoch it holds are finishing.
-        With ``ask_ahead``, the trials that take their slots are due to be asked in this round
+        With ``asks_ahead``, the trials that take their slots are due to be asked in this round
         (:meth:`ask_ahead`), before the round's end tells theirs; they join at the next round, and
         their first units can start on workers the round has no more units for
         (``mop_lookahead.py``). At a cohort's end the workers then train while the coordinator
         tells the finished trials, instead of waiting for it."""
         self.finishing = {m for m in self.active if self.next_epoch.get(m, 0) + epochs >= self.epochs}
-        self.defer_done = ask_ahead
         free = self.executor.slots - (len(self.active) - len(self.finishing)) - len(self.joining)
-        self.asks_due = free if ask_ahead and self.finishing and free > 0 else 0
+        self.asks_due = free if self.asks_ahead and self.finishing and free > 0 else 0
 
     def ask_ahead(self, at_most: int | None = None) -> None:
         """Ask (``at_most`` of) the successors due this round, once every model of the last round
@@ -246,7 +248,7 @@ class MopModels:
             outcome.state = self.states[mid]
             outcome.checkpoint_uri = self.executor.kept_checkpoint(mid)
             del self.active[mid]
-            if self.defer_done and mid in self.finishing:  # in its last epoch: its successor is asked
+            if self.asks_ahead and mid in self.finishing:  # in its last epoch: its successor is asked
                 self.told_later.append(outcome)
             else:
                 self.controller.on_model_done(outcome)  # before its slot is filled again

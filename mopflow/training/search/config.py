@@ -121,7 +121,7 @@ class SearchConfig(StageConfig):
     mop_ask_ahead: bool = Field(
         True,
         description="strategy=mop with mop_lookahead: the trials that take the slots of models in their last "
-        "epoch are asked as that epoch starts, so their first units train while the finished trials are told; "
+        "epoch are asked during that epoch, so their first units train while the finished trials are told; "
         "the sampler proposes them without those models' last epoch (off: the finished trials are told, then "
         "the next ones asked, while the workers wait)",
     )

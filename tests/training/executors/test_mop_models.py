@@ -68,16 +68,16 @@ def test_a_round_asks_ahead_only_for_the_slots_of_models_in_their_last_epoch(ask
     successor."""
     host: Any = SimpleNamespace(partitions={"p0": ["s0"], "p1": ["s1"]}, slots=2)
     controller = Successors()
-    models = MopModels(host, epochs=3, controller=controller)
+    models = MopModels(host, epochs=3, controller=controller, asks_ahead=ask_ahead)
     models.active = {"m0": ModelSpec("m0", MLP, seed=0), "m1": ModelSpec("m1", MLP, seed=1)}
     models.next_epoch = {"m0": 2, "m1": 0}
     models.told_later = [object()]  # type: ignore[list-item]  # a model of the last round not told yet
-    models.start_round(1, ask_ahead=ask_ahead)
+    models.start_round(1)
     models.ask_ahead()
     assert not models.joining  # asked only once the last round's models are told
     models.told_later = []
     models.ask_ahead()
-    models.start_round(1, ask_ahead=ask_ahead)
+    models.start_round(1)
     models.ask_ahead()
     assert models.finishing == {"m0"}
     assert list(models.joining) == (["n0"] if ask_ahead else [])
