@@ -184,11 +184,12 @@ class SearchController:
 
     def next_decision(self, epochs_done: int) -> int | None:
         """The next epoch count after which the pruner may stop a model that has trained
-        ``epochs_done`` epochs (its rungs; every epoch for a pruner without fixed points; None
-        without pruning): ``task`` trains the epochs up to it in one task."""
+        ``epochs_done`` epochs (its rungs; every epoch past its warm-up for a pruner without fixed
+        points, the median's; None without pruning): ``task`` trains the epochs up to it in one
+        task, hearing only the decisions' epochs at once, and ``mop`` in one round."""
         points = decision_epochs(self.cfg.pruner, self.cfg.first_rung, self.cfg.epochs) if self.prune else []
-        if points is None:
-            return epochs_done + 1
+        if points is None:  # every epoch once its warm-up (``min_resource`` epochs) is over
+            return max(epochs_done + 1, self.cfg.first_rung)
         return next((point for point in points if point > epochs_done), None)
 
     def on_epoch_end(self, report: EpochReport) -> bool:

@@ -46,6 +46,27 @@ def test_executor_search_prunes_in_the_coordinator() -> None:
     assert controller.pruned[bad.model_id] == stopped_at
 
 
+def test_the_median_pruner_decides_only_past_its_warm_up() -> None:
+    """The median pruner judges nothing in its first ``min_resource`` epochs, and the controller
+    says so (``task`` hears those epochs late and ``mop`` trains them in one round); after them,
+    every epoch is a decision."""
+    from mopflow.training.executors import EpochReport
+
+    cfg = SearchConfig(n_trials=6, epochs=6, space=SPACE, pruner="median", min_resource=3)
+    study = optuna.create_study(direction="maximize", pruner=make_pruner("median", 3, 6))
+    controller = SearchController(study, cfg.search_space(), cfg, budget=6)
+    assert controller.decides_every_epoch
+    assert [controller.next_decision(done) for done in range(6)] == [3, 3, 3, 4, 5, 6]
+    for spec in controller.ask(2):  # two finished, good trials
+        trial = controller.trials[spec.model_id]
+        for epoch in range(6):
+            trial.report(0.9, epoch)
+        study.tell(trial, 0.9)
+    (bad,) = controller.ask(1)
+    kept = [controller.on_epoch_end(EpochReport(bad.model_id, epoch, 0.1, 1.0)) for epoch in range(3)]
+    assert kept == [True, True, False]  # the first epoch it may stop it after: the third
+
+
 def test_an_epoch_trained_again_is_reported_to_optuna_once(recwarn: pytest.WarningsRecorder) -> None:
     from mopflow.training.executors import EpochReport
 
