@@ -142,6 +142,17 @@ def move(src: str, dst: str, storage_options: Mapping[str, Any] | None = None) -
     fs.mv(src_path, dst_path)
 
 
+def remove(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Delete one file; one already gone is not an error."""
+    local = local_path(url)
+    with contextlib.suppress(FileNotFoundError):
+        if local is not None:
+            os.remove(local)
+            return
+        fs, path = filesystem(url, storage_options)
+        fs.rm(path)
+
+
 def remove_matching(pattern: str, storage_options: Mapping[str, Any] | None = None) -> int:
     """Delete the files a glob ``pattern`` matches; how many there were."""
     fs, path = filesystem(pattern, storage_options)

@@ -120,6 +120,13 @@ def decides_after_any_epoch(controller: Controller) -> bool:
     return bool(getattr(controller, "decides_every_epoch", False))
 
 
+def decides_after(controller: Controller, epoch: int) -> bool:
+    """Whether ``controller`` may stop a model after epoch ``epoch`` (counted from 0)."""
+    if not isinstance(controller, DecisionPoints):
+        return True
+    return controller.next_decision(epoch) == epoch + 1
+
+
 def epochs_before_decision(controller: Controller, epochs_done: int, epochs: int) -> int:
     """Epochs a model that has trained ``epochs_done`` of ``epochs`` may train before the
     controller next may stop it (at least one)."""

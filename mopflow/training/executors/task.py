@@ -1,8 +1,9 @@
 """Task parallelism on Dask: each model trains on one worker over all the data.
 
 A model's epochs between two decision points of the controller (ASHA's rungs; the end, without a
-pruner) train as one Dask task on one worker, each epoch reported to the coordinator as it ends
-(``training/executors/task_run.py``): no round trip, no state packed and unpacked, between them.
+pruner) train as one Dask task on one worker (``training/executors/task_run.py``): no round trip,
+no state packed and unpacked, between them. The coordinator hears a decision's epoch as it ends,
+the others every ``hear_every_s`` seconds (``training/executors/chains.py``).
 
 Volatile workers: a chain whose worker got a spot notice comes back as ``UnitPreempted`` with
 its state at the last batch boundary and is submitted again from there; one whose worker died
@@ -27,6 +28,7 @@ from mopflow.base import stopping
 from mopflow.training.compute.workers import cluster_workers
 from mopflow.training.data.ref import DataRef
 from mopflow.training.executors.base import Controller, Executor, ModelOutcome
+from mopflow.training.executors.chains import HEAR_EVERY_S
 from mopflow.training.executors.stop_notice import StopNotice
 from mopflow.training.executors.task_host import Admission
 from mopflow.training.executors.task_listen import listen, stop_listening
@@ -43,7 +45,9 @@ class TaskExecutor(Executor):
 
     At most ``slots`` models (default: the workers present) are active at once, or as many as
     ``admission`` allows (worker rounds). A freed slot goes to the controller's next model at
-    once, or, in ``batches``, once every active model is done (see the module docstring). Every
+    once, or, in ``batches``, once every active model is done (see the module docstring). An
+    epoch that no decision of the controller waits for is heard at most ``hear_every_s`` seconds
+    after it ends (0: each as it ends), with its state made the checkpoint then. Every
     worker that trains loads the full training set once (its storage footprint is the data times
     the number of workers), the cost MOP avoids.
     """
@@ -60,8 +64,10 @@ class TaskExecutor(Executor):
         slots: int | None = None,
         admission: Admission | None = None,
         batches: bool = False,
+        hear_every_s: float | None = None,
     ) -> None:
         super().__init__(data, checkpoint_root)
+        self.hear_every_s = HEAR_EVERY_S if hear_every_s is None else hear_every_s
         self.client = client
         self.shards = sorted(shard_names)
         self.slots = slots or len(cluster_workers(client)) or 1

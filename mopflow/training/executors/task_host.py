@@ -26,6 +26,7 @@ class TaskHost(RunBookkeeping, Protocol):
     shards: list[str]
     batches: bool
     checkpoint_root: str  # "": nothing is staged or checkpointed
+    hear_every_s: float  # how often a chain's epochs that no decision waits for are heard
     admission: Admission | None
     records: list[dict[str, Any]]
     started_at: dict[str, float]

@@ -1,6 +1,7 @@
-"""Hearing ``task``'s chains' epochs as they end: each is a Dask event on
-:data:`~mopflow.training.executors.chains.EPOCH_TOPIC`, which the scheduler stamps with the
-worker it came from; it goes to the inbox of the run in this process whose id it carries."""
+"""Hearing ``task``'s chains' epochs: a Dask event on
+:data:`~mopflow.training.executors.chains.EPOCH_TOPIC` carries the records of one or more of a
+chain's epochs, and the scheduler stamps it with the worker it came from; it goes to the inbox
+of the run in this process whose id it carries."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ def stop_listening(run: ListeningRun) -> None:
 
 
 def _hear(event: tuple[float, dict[str, Any]]) -> None:
-    """The topic's handler (on the client's thread): an epoch a chain told as it ended, to its run."""
+    """The topic's handler (on the client's thread): the epochs a chain told, to its run."""
     message = event[1]
     with _LISTENING_LOCK:
         run = _LISTENING.get(str(message.get("run", "")))
     if run is not None:
-        run.inbox.put(("epoch", (message["record"], str(message.get("worker", "")))))
+        run.inbox.put(("epochs", (list(message["records"]), str(message.get("worker", "")))))

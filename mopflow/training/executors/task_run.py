@@ -9,15 +9,17 @@ is told to end it at its next batch (``chains.stop_chain``), and what the chain 
 decision is dropped, so the model's history and checkpoint end at the epoch it was stopped after.
 Without checkpoints (nothing staged to go back to), or in batches, such a chain is one epoch.
 
-Each epoch but the last reaches the coordinator as it ends, as a Dask event
-(``Worker.log_event``); the last comes with the task's result, which carries every epoch's
-record too. An epoch is handed to the controller once, whichever way it came.
+The coordinator hears a chain's epochs as Dask events, each carrying the records since the
+last: a decision's epoch as it ends, the others every ``hear_every_s`` seconds (``chains.py``);
+the chain's result carries every record too. An epoch is handed to the controller once.
 
-Checkpoints stay per epoch: the worker stages its state after each epoch but the last beside the
-model's checkpoint (``STAGED_FILE``), the coordinator moves it into place before the controller
-hears of the epoch, and every such state carries its epoch's record, which a retry tells when
-its attempt was cut off first. A chain whose worker died is run again by Dask from the newest
-state staged or checkpointed within it (``chains.py``): at most an epoch is lost.
+The worker stages its state after each epoch but the last (``STAGED_FILE``); the state of an
+epoch it tells of (``staged`` in its record) stays, and the coordinator makes it the checkpoint
+before the controller hears of the epoch: the checkpoint never runs ahead of the history. Each
+state carries its epoch's record, which a retry tells when its attempt was cut off first. A
+chain whose worker died is run again by Dask from the newest state within it (``chains.py``): at
+most an epoch is lost; a restarted coordinator goes on from the checkpoint, at most about
+``hear_every_s`` seconds behind.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from mopflow.training.executors.base import (
     Controller,
     EpochReport,
     ModelOutcome,
+    decides_after,
     decides_after_any_epoch,
     epochs_before_decision,
     raise_if_cluster_lost,
@@ -102,24 +105,27 @@ class TaskRun:
             pass
         done = []
         for kind, item in items:
-            if kind == "epoch":
-                record, worker = item
-                mid = str(record["model"])
+            if kind == "epochs":
+                records, worker = item
+                mid = str(records[-1]["model"])
                 moved = self.where.get(mid) != worker
                 self.where[mid] = worker
                 if moved and mid in self.stop_after:  # a stopped chain, run again elsewhere by Dask
                     self._stop_chain(mid, self.stop_after[mid])
-                self.take_epoch(mid, record)
+                for record in records:
+                    self.take_epoch(mid, record)
             elif item in self.in_flight:
                 done.append(item)
         return done
 
-    def take_epoch(self, mid: str, record: dict[str, Any], staged: bool = True) -> None:
+    def take_epoch(self, mid: str, record: dict[str, Any], staged: bool | None = None) -> None:
         """Hand one trained epoch to the controller, once and in order (an epoch already told is
         passed over; one heard before an earlier epoch waits for it), its staged state made the
-        checkpoint first (``staged``: the state is not in hand). A chain run again from states an
-        earlier attempt staged tells their epochs only with its result, after the epochs it trains."""
+        checkpoint first where there is one (``staged``; None: as the record says). A chain run
+        again from states an earlier attempt staged tells their epochs only with its result,
+        after the epochs it trains."""
         epoch = int(record["epoch"])
+        staged = bool(record.get("staged")) if staged is None else staged
         if (
             mid not in self.active
             or epoch <= self.told.get(mid, -1)
@@ -264,17 +270,15 @@ class TaskRun:
                 1 if self.executor.batches else epochs_before_decision(self.controller, epoch, self.epochs)
             )
         state = self.states.get(mid)  # None: the worker builds the model's seeded first state
-        future = self.executor.client.submit(
+        decisions = [e for e in range(epoch, epoch + count - 1) if decides_after(self.controller, e)]
+        executor = self.executor
+        chain = (spec, state, executor.data, executor.shards, epoch, count, self.epochs, self.run_id)
+        future = executor.client.submit(
             train_chain,
-            spec,
-            state,
-            self.executor.data,
-            self.executor.shards,
-            epoch,
-            count,
-            self.epochs,
-            self.run_id,
-            self.executor.staged_folder(mid),
+            *chain,
+            executor.staged_folder(mid),
+            decisions,
+            executor.hear_every_s,
             pure=False,
             key=f"task-{mid}-e{epoch}-{count}-{time.monotonic_ns()}",
             resources=spec.device.resources() or None,
@@ -323,7 +327,7 @@ class TaskRun:
             }
             self.executor.resumed[mid] = dict(where)
         *inside, last = records
-        for record in inside:  # those not heard yet, each with its staged state
+        for record in inside:  # those not heard yet (a staged state made the checkpoint where one was kept)
             self.take_epoch(mid, record)
         if int(last["epoch"]) > self.stop_after.get(mid, int(last["epoch"])):  # it ran past a stop
             self.end_stopped(mid)

@@ -50,6 +50,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STAGED_RECORD = "staged_record"  # the metadata key of a staged epoch's record (executors/chains.py)
+STAGED_UNHEARD = "staged_unheard"  # and of the records of the epochs before it not heard yet
 
 
 class ChainStopped(Exception):
@@ -180,7 +181,8 @@ def _train_chain(
     """The epochs of :func:`train_epochs_and_validate` on its unit; ``since``: when the chain's
     task started and when its rows were ready."""
     started, loaded = since
-    unit.meta.pop(STAGED_RECORD, None)  # carried by a staged state it goes on from: not this chain's
+    for key in (STAGED_RECORD, STAGED_UNHEARD):  # carried by a staged state it goes on from
+        unit.meta.pop(key, None)
     x_val, y_val = load_eval_split(data, "validation")
     done: list[dict[str, Any]] = []
     for epoch in epochs:

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save
 
 from mopflow.training.executors.base import CHECKPOINT_FILE, STAGED_FILE
-from mopflow.training.executors.chains import STAGED_RECORD, newest_state_within
+from mopflow.training.executors.chains import STAGED_RECORD, STAGED_UNHEARD, newest_state_within
 from mopflow.training.trainable.state import read_meta
 
 
@@ -56,6 +56,27 @@ def test_a_chain_goes_on_from_the_newest_whole_epoch_staged_or_checkpointed_with
     assert newest_state_within(str(folder), 3, 8, {}) is None
 
 
+def test_a_state_staged_after_epochs_not_heard_yet_carries_their_records(tmp_path: Path) -> None:
+    """A chain tells the coordinator of an epoch no decision waits for only with a later one;
+    the state it stages after such epochs replaces the one before and carries the records of
+    every epoch not heard yet. Expected: a chain run again goes on from it with all their
+    records, in order, only the newest state's own epoch marked as still staged (to be made the
+    checkpoint when told)."""
+    folder = tmp_path / "trial-0000"
+    folder.mkdir()
+    unheard = [{"epoch": e, "val_acc": 0.5, "staged": False} for e in (3, 4)]
+    record = {"epoch": 5, "val_acc": 0.55, "staged": False}
+    meta = {STAGED_RECORD: record, STAGED_UNHEARD: unheard}
+    (folder / STAGED_FILE.format(epoch=5)).write_bytes(_state(5, **meta))
+    state, epoch, records = newest_state_within(str(folder), 3, 8, {}) or (b"", -1, [])
+    assert epoch == 5 and read_meta(state)["epoch"] == 5
+    assert [(r["epoch"], r["staged"], r["recovered"]) for r in records] == [
+        (3, False, True),
+        (4, False, True),
+        (5, True, True),
+    ]
+
+
 class _Executor:
     """What a run's bookkeeping asks of its executor when an epoch comes in."""
 
@@ -87,7 +108,14 @@ def test_epochs_reach_the_controller_once_and_in_order_however_they_arrive() -> 
     run.active.add("m")
 
     def record(epoch: int) -> dict[str, Any]:
-        return {"epoch": epoch, "val_acc": 0.5, "train_loss": 1.0, "lr_end": 0.1, "worker": "w"}
+        return {
+            "epoch": epoch,
+            "val_acc": 0.5,
+            "train_loss": 1.0,
+            "lr_end": 0.1,
+            "worker": "w",
+            "staged": True,
+        }
 
     run.take_epoch("m", record(4))  # heard first: waits for epoch 3
     assert run.outcomes["m"].history == [] and executor.promoted == []
@@ -130,3 +158,64 @@ def test_a_chain_whose_task_is_cancelled_stops_at_its_next_batch(
         time.sleep(0.05)
     assert not sum(dask_client.run(running).values())
     assert 1 <= len(list(folder.glob("staged-*"))) < 10
+
+
+def test_a_chain_tells_a_decisions_epoch_at_once_and_the_others_with_it(
+    small_manifest: str, dask_client: Any, tmp_path: Path
+) -> None:
+    """A chain of five epochs whose controller may stop the model only after the third, the
+    others heard at most once a minute. Expected: one event, as the third epoch ends, with the
+    records of the first three; the third's state left staged for the coordinator (the others'
+    removed as a newer one was staged, the fourth's when the chain ended); the result's records
+    say which epoch's state is staged."""
+    import threading
+
+    from mopflow.training.data import load_manifest
+    from mopflow.training.executors.chains import EPOCH_TOPIC, train_chain
+    from mopflow.training.executors.units import DataRef, ModelSpec, init_state
+
+    data = DataRef.open(small_manifest)
+    shards = [e["name"] for e in load_manifest(small_manifest)["splits"]["train"]]
+    spec = ModelSpec(
+        "m", {"family": "mlp", "width": 8, "depth": 1, "lr": 0.01, "weight_decay": 0.0, "batch_size": 64}
+    )
+    folder = tmp_path / "m"
+    heard: list[dict[str, Any]] = []
+    third_heard = threading.Event()
+
+    def hear(event: tuple[float, dict[str, Any]]) -> None:
+        if event[1].get("run") == "told-at-decisions":
+            heard.append(event[1])
+            third_heard.set()
+
+    dask_client.subscribe_topic(EPOCH_TOPIC, hear)
+    try:
+        args = (
+            spec,
+            init_state(spec, data),
+            data,
+            shards,
+            0,
+            5,
+            5,
+            "told-at-decisions",
+            str(folder),
+            [2],
+            60.0,
+        )
+        state, records = dask_client.submit(train_chain, *args, pure=False).result(timeout=120)
+        assert third_heard.wait(timeout=30)
+    finally:
+        dask_client.unsubscribe_topic(EPOCH_TOPIC)
+    assert [[r["epoch"] for r in event["records"]] for event in heard] == [[0, 1, 2]]
+    assert [r["staged"] for r in heard[0]["records"]] == [False, False, True]
+    assert sorted(p.name for p in folder.glob("staged-*")) == [STAGED_FILE.format(epoch=2)]
+    assert read_meta((folder / STAGED_FILE.format(epoch=2)).read_bytes())[STAGED_RECORD]["epoch"] == 2
+    assert [(r["epoch"], r.get("staged")) for r in records] == [
+        (0, False),
+        (1, False),
+        (2, True),
+        (3, False),
+        (4, None),  # the chain's last: its state is the result
+    ]
+    assert read_meta(state)["epoch"] == 4
