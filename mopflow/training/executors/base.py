@@ -100,10 +100,9 @@ class Controller(Protocol):
 
 @runtime_checkable
 class DecisionPoints(Protocol):
-    """A controller that says in advance after which epochs it may stop a model: between two
-    such points ``task`` trains a model's epochs in one task on one worker, reporting each as it
-    ends, with no round trip to the coordinator between them. A controller without it may stop a
-    model after any epoch (one epoch per task)."""
+    """A controller that says in advance after which epochs it may stop a model: between two such
+    points ``task`` trains a model's epochs in one task, with no round trip to the coordinator
+    between them. A controller without it may stop a model after any epoch."""
 
     def next_decision(self, epochs_done: int) -> int | None:
         """The smallest epoch count above ``epochs_done`` after which a model may be stopped
@@ -113,18 +112,14 @@ class DecisionPoints(Protocol):
 
 def decides_after_any_epoch(controller: Controller) -> bool:
     """Whether ``controller`` may stop a model after any epoch: it names no decision points
-    (:class:`DecisionPoints`), or names every epoch (``decides_every_epoch``, a pruner such as
-    the median's)."""
-    if not isinstance(controller, DecisionPoints):
-        return True
-    return bool(getattr(controller, "decides_every_epoch", False))
+    (:class:`DecisionPoints`), or every epoch (``decides_every_epoch``, the median pruner's)."""
+    every_epoch = bool(getattr(controller, "decides_every_epoch", False))
+    return every_epoch or not isinstance(controller, DecisionPoints)
 
 
 def decides_after(controller: Controller, epoch: int) -> bool:
     """Whether ``controller`` may stop a model after epoch ``epoch`` (counted from 0)."""
-    if not isinstance(controller, DecisionPoints):
-        return True
-    return controller.next_decision(epoch) == epoch + 1
+    return not isinstance(controller, DecisionPoints) or controller.next_decision(epoch) == epoch + 1
 
 
 def epochs_before_decision(controller: Controller, epochs_done: int, epochs: int) -> int:

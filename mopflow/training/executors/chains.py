@@ -3,10 +3,10 @@ between two decisions of the controller, trained in one Dask task.
 
 Every epoch but the chain's last is staged beside the model's checkpoint, its record in the
 state's metadata. The coordinator hears an epoch (a Dask event, :data:`EPOCH_TOPIC`) only where it
-needs it at once, or as often as a run's progress wants: an epoch after which the controller may
-stop the model (``decisions``) is heard as it ends, the others at most every ``hear_every_s``
-seconds (default :data:`HEAR_EVERY_S`), each event carrying the records of every epoch since the
-last (the chain's result carries them all). A heard epoch's state stays staged until the
+needs it at once, or as often as a run's progress wants: the chain's first epoch and an epoch
+after which the controller may stop the model (``decisions``) are heard as they end, the others
+at most every ``hear_every_s`` seconds (default :data:`HEAR_EVERY_S`), each event carrying the
+records of every epoch since the last (the chain's result carries them all). A heard epoch's state stays staged until the
 coordinator makes it the checkpoint; the state of an epoch not heard yet is removed once a newer
 one is staged, and carries the records of the epochs before it that were not heard either. When
 Dask runs a chain again because its worker died, the chain goes on from the newest state within
@@ -93,9 +93,9 @@ def train_chain(
     """The Dask task of a chain: ``epochs`` epochs from ``first_epoch`` (from ``state``, or the
     model's seeded first state when None), each validated; each but the last staged in
     ``staged_folder`` (when given) and told on :data:`EPOCH_TOPIC` for the run ``run_id`` ("":
-    not told): as it ends when it is one of ``decisions`` (the epochs after which the controller
-    may stop the model) or ``hear_every_s`` seconds have passed since the chain last told one,
-    else with the next one told. Returns the state after the chain and every epoch's record
+    not told): as it ends when it is the chain's first, one of ``decisions`` (the epochs after
+    which the controller may stop the model), or ``hear_every_s`` seconds have passed since the
+    chain last told one; else with the next one told. Returns the state after the chain and every epoch's record
     (``staged``: its state was left staged for the coordinator); the last record says where the
     chain went on from (``resumed_from``) when an earlier attempt of it left a newer state."""
     from distributed import get_worker
@@ -117,7 +117,7 @@ def train_chain(
 
     unheard: list[dict[str, Any]] = []  # the records of the epochs finished and not told yet
     unheard_state = ""  # the state staged after the newest of them
-    told_at = time.monotonic()
+    told_at = -float("inf")  # a chain's first epoch is heard as it ends: its checkpoint is there from then on
 
     def tell(record: dict[str, Any], pack: Any) -> None:
         nonlocal unheard, unheard_state, told_at

@@ -2,8 +2,8 @@
 
 A model's epochs between two decision points of the controller (ASHA's rungs; the end, without a
 pruner) train as one Dask task on one worker (``training/executors/task_run.py``): no round trip,
-no state packed and unpacked, between them. The coordinator hears a decision's epoch as it ends,
-the others every ``hear_every_s`` seconds (``training/executors/chains.py``).
+no state packed and unpacked, between them. The coordinator hears a chain's first epoch and a
+decision's as they end, the others every ``hear_every_s`` seconds (``training/executors/chains.py``).
 
 Volatile workers: a chain whose worker got a spot notice comes back as ``UnitPreempted`` with
 its state at the last batch boundary and is submitted again from there; one whose worker died
@@ -46,8 +46,9 @@ class TaskExecutor(Executor):
     At most ``slots`` models (default: the workers present) are active at once, or as many as
     ``admission`` allows (worker rounds). A freed slot goes to the controller's next model at
     once, or, in ``batches``, once every active model is done (see the module docstring). An
-    epoch that no decision of the controller waits for is heard at most ``hear_every_s`` seconds
-    after it ends (0: each as it ends), with its state made the checkpoint then. Every
+    epoch that no decision of the controller waits for (a chain's first aside) is heard at most
+    ``hear_every_s`` seconds after it ends (0: each as it ends), its state made the checkpoint
+    then. Every
     worker that trains loads the full training set once (its storage footprint is the data times
     the number of workers), the cost MOP avoids.
     """

@@ -10,7 +10,7 @@ decision is dropped, so the model's history and checkpoint end at the epoch it w
 Without checkpoints (nothing staged to go back to), or in batches, such a chain is one epoch.
 
 The coordinator hears a chain's epochs as Dask events, each carrying the records since the
-last: a decision's epoch as it ends, the others every ``hear_every_s`` seconds (``chains.py``);
+last: a chain's first and a decision's epoch as they end, the others every ``hear_every_s`` s;
 the chain's result carries every record too. An epoch is handed to the controller once.
 
 The worker stages its state after each epoch but the last (``STAGED_FILE``); the state of an

@@ -164,10 +164,10 @@ def test_a_chain_tells_a_decisions_epoch_at_once_and_the_others_with_it(
     small_manifest: str, dask_client: Any, tmp_path: Path
 ) -> None:
     """A chain of five epochs whose controller may stop the model only after the third, the
-    others heard at most once a minute. Expected: one event, as the third epoch ends, with the
-    records of the first three; the third's state left staged for the coordinator (the others'
-    removed as a newer one was staged, the fourth's when the chain ended); the result's records
-    say which epoch's state is staged."""
+    others heard at most once a minute. Expected: two events, as the first epoch ends (a chain's
+    first is heard at once) and as the third does, with the second's record; the first's and the
+    third's states left staged for the coordinator (the second's removed as the third's was
+    staged, the fourth's when the chain ended); the result's records say which are staged."""
     import threading
 
     from mopflow.training.data import load_manifest
@@ -186,7 +186,8 @@ def test_a_chain_tells_a_decisions_epoch_at_once_and_the_others_with_it(
     def hear(event: tuple[float, dict[str, Any]]) -> None:
         if event[1].get("run") == "told-at-decisions":
             heard.append(event[1])
-            third_heard.set()
+            if event[1]["records"][-1]["epoch"] == 2:
+                third_heard.set()
 
     dask_client.subscribe_topic(EPOCH_TOPIC, hear)
     try:
@@ -207,12 +208,12 @@ def test_a_chain_tells_a_decisions_epoch_at_once_and_the_others_with_it(
         assert third_heard.wait(timeout=30)
     finally:
         dask_client.unsubscribe_topic(EPOCH_TOPIC)
-    assert [[r["epoch"] for r in event["records"]] for event in heard] == [[0, 1, 2]]
-    assert [r["staged"] for r in heard[0]["records"]] == [False, False, True]
-    assert sorted(p.name for p in folder.glob("staged-*")) == [STAGED_FILE.format(epoch=2)]
+    assert [[r["epoch"] for r in event["records"]] for event in heard] == [[0], [1, 2]]
+    assert [r["staged"] for r in heard[1]["records"]] == [False, True]
+    assert sorted(p.name for p in folder.glob("staged-*")) == [STAGED_FILE.format(epoch=e) for e in (0, 2)]
     assert read_meta((folder / STAGED_FILE.format(epoch=2)).read_bytes())[STAGED_RECORD]["epoch"] == 2
     assert [(r["epoch"], r.get("staged")) for r in records] == [
-        (0, False),
+        (0, True),
         (1, False),
         (2, True),
         (3, False),
