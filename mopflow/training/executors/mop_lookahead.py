@@ -86,6 +86,12 @@ class Lookahead:
     def _places_taken(self, worker: str) -> int:
         return sum(1 for future in self.running() if self.sent[future].worker == worker)
 
+    def queued_everywhere(self, scheduler: MopScheduler, workers: Sequence[str]) -> bool:
+        """Whether each of ``workers`` has a unit queued behind the one it runs (the round's, or
+        one started ahead): the driver may then spend a few milliseconds (a trial told, 5-15 ms
+        on a busy machine) without a worker running out of units."""
+        return all(len(scheduler.units_on(w)) + self._places_taken(w) >= PLACES_PER_WORKER for w in workers)
+
     def offers(
         self, run: RoundModels, scheduler: MopScheduler, workers: Sequence[str]
     ) -> list[tuple[str, Unit, int]]:
