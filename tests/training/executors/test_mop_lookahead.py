@@ -89,6 +89,26 @@ def test_a_worker_with_a_unit_of_the_round_left_starts_nothing_ahead() -> None:
     assert Lookahead().offers(run, scheduler, ["w0", "w1"]) == []  # b's units and a's next are queued
 
 
+def test_a_worker_counts_as_queued_once_a_unit_waits_behind_its_running_one() -> None:
+    """The driver tells a finished trial (milliseconds of journal writes) only while every worker
+    has a unit waiting behind the one it runs: the round's, or one started ahead."""
+    models = ["a", "b", "c", "d"]
+    scheduler, run = _round_ending(models)
+    lookahead = Lookahead()
+    busy = next(iter(scheduler.running))
+    idle = next(w for w in ("w0", "w1") if w != busy)
+    assert not lookahead.queued_everywhere(scheduler, ["w0", "w1"])  # one unit runs, nothing waits
+    for worker, unit, epoch in lookahead.offers(run, scheduler, ["w0", "w1"]):
+        lookahead.note_sent(_future(done=False), Speculative(worker, unit, epoch, b"", token=unit.model))
+    assert lookahead.queued_everywhere(scheduler, [busy])  # its running unit and one started ahead
+    started_on_idle = [s.unit for s in lookahead.sent.values() if s.worker == idle]
+    assert len(started_on_idle) == 1  # it runs the one unit it was sent: nothing waits behind it
+    assert not lookahead.queued_everywhere(scheduler, ["w0", "w1"])
+    unit = started_on_idle[0]
+    lookahead.note_sent(_future(done=False), Speculative(idle, unit, 1, b"", token="second"))
+    assert lookahead.queued_everywhere(scheduler, ["w0", "w1"])
+
+
 def test_the_next_round_adopts_a_unit_started_ahead_only_as_its_plan_has_it() -> None:
     models = ["a", "b", "c", "d"]
     scheduler, run = _round_ending(models)
