@@ -25,17 +25,23 @@ def test_executor_search_stops_asking_when_the_time_budget_is_spent() -> None:
     assert len(study.trials) == 2
 
 
+def _two_good_trials(controller: SearchController, study: optuna.Study, epochs: int) -> None:
+    """Two trials asked, reported at 0.9 for ``epochs`` epochs and told COMPLETE: the median's
+    yardstick."""
+    for spec in controller.ask(2):
+        trial = controller.trials[spec.model_id]
+        for epoch in range(epochs):
+            trial.report(0.9, epoch)
+        study.tell(trial, 0.9)
+
+
 def test_executor_search_prunes_in_the_coordinator() -> None:
     from mopflow.training.executors import EpochReport
 
     cfg = SearchConfig(n_trials=6, space=SPACE, pruner="median", min_resource=2)
     study = optuna.create_study(direction="maximize", pruner=make_pruner("median", 2, 10))
     controller = SearchController(study, cfg.search_space(), cfg, budget=6)
-    for spec in controller.ask(2):  # two finished, good trials
-        trial = controller.trials[spec.model_id]
-        for epoch in range(4):
-            trial.report(0.9, epoch)
-        study.tell(trial, 0.9)
+    _two_good_trials(controller, study, epochs=4)
     (bad,) = controller.ask(1)
     stopped_at = None
     for epoch in range(4):  # the executor stops a model the first time the controller says so
@@ -57,11 +63,7 @@ def test_the_median_pruner_decides_only_past_its_warm_up() -> None:
     controller = SearchController(study, cfg.search_space(), cfg, budget=6)
     assert controller.decides_every_epoch
     assert [controller.next_decision(done) for done in range(6)] == [3, 3, 3, 4, 5, 6]
-    for spec in controller.ask(2):  # two finished, good trials
-        trial = controller.trials[spec.model_id]
-        for epoch in range(6):
-            trial.report(0.9, epoch)
-        study.tell(trial, 0.9)
+    _two_good_trials(controller, study, epochs=6)
     (bad,) = controller.ask(1)
     kept = [controller.on_epoch_end(EpochReport(bad.model_id, epoch, 0.1, 1.0)) for epoch in range(3)]
     assert kept == [True, True, False]  # the first epoch it may stop it after: the third
