@@ -204,7 +204,7 @@ class MopExecutor(Executor):
             alive = self.workers.reconcile(connected)
             if not stopping.stop_requested():
                 self._submit_ready(run, current, alive)
-            if self.lookahead is None or self.lookahead.queued_everywhere(self.scheduler, alive):
+            if self.lookahead is None or self.lookahead.driver_may_pause(self.scheduler, alive):
                 run.tell_done(at_most=1)  # the last round's finished models, told while workers train
             run.ask_ahead(at_most=1)  # then this round's finishing models' successors
             if not current.in_flight:

@@ -86,11 +86,13 @@ class Lookahead:
     def _places_taken(self, worker: str) -> int:
         return sum(1 for future in self.running() if self.sent[future].worker == worker)
 
-    def queued_everywhere(self, scheduler: MopScheduler, workers: Sequence[str]) -> bool:
-        """Whether each of ``workers`` has a unit queued behind the one it runs (the round's, or
-        one started ahead): the driver may then spend a few milliseconds (a trial told, 5-15 ms
-        on a busy machine) without a worker running out of units."""
-        return all(len(scheduler.units_on(w)) + self._places_taken(w) >= PLACES_PER_WORKER for w in workers)
+    def driver_may_pause(self, scheduler: MopScheduler, workers: Sequence[str]) -> bool:
+        """Whether the driver may spend a few milliseconds (a trial told, 5-15 ms on a busy
+        machine) without a worker running out of units: each of ``workers`` has a unit queued
+        behind the one it runs (the round's, or one started ahead), or the round has none left
+        to queue (where workers outnumber models no unit waits, and the told wait no longer)."""
+        places = {w: len(scheduler.units_on(w)) + self._places_taken(w) for w in workers}
+        return not scheduler.queue or all(n >= PLACES_PER_WORKER for n in places.values())
 
     def offers(
         self, run: RoundModels, scheduler: MopScheduler, workers: Sequence[str]

@@ -148,8 +148,8 @@ class MopModels:
         """Hand the controller (``at_most`` of) the models done in their last epoch at the last
         round's end: with their successors asked ahead, nothing of the next round waits for their
         trials to be told (their bundles written), so the driver tells them one at a time between
-        the next round's units while every worker has one queued, and every one before that
-        round's end (whose asks see them all, whatever the timings)."""
+        the next round's units while every worker has one queued (``Lookahead.driver_may_pause``),
+        and every one before that round's end (whose asks see them all, whatever the timings)."""
         count = len(self.told_later) if at_most is None else at_most
         done, self.told_later = self.told_later[:count], self.told_later[count:]
         for outcome in done:

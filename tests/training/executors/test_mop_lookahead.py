@@ -89,24 +89,25 @@ def test_a_worker_with_a_unit_of_the_round_left_starts_nothing_ahead() -> None:
     assert Lookahead().offers(run, scheduler, ["w0", "w1"]) == []  # b's units and a's next are queued
 
 
-def test_a_worker_counts_as_queued_once_a_unit_waits_behind_its_running_one() -> None:
+def test_the_driver_pauses_for_a_tell_only_while_no_worker_can_run_dry() -> None:
     """The driver tells a finished trial (milliseconds of journal writes) only while every worker
-    has a unit waiting behind the one it runs: the round's, or one started ahead."""
-    models = ["a", "b", "c", "d"]
-    scheduler, run = _round_ending(models)
+    has a unit waiting behind the one it runs (the round's, or one started ahead), or the round
+    has no unit left that a worker could be waiting for."""
+    scheduler = MopScheduler(round_robin(PARTITIONS, ["w0", "w1"]), seed=4)
+    scheduler.start_epoch(["a", "b", "c", "d"])
     lookahead = Lookahead()
-    busy = next(iter(scheduler.running))
-    idle = next(w for w in ("w0", "w1") if w != busy)
-    assert not lookahead.queued_everywhere(scheduler, ["w0", "w1"])  # one unit runs, nothing waits
-    for worker, unit, epoch in lookahead.offers(run, scheduler, ["w0", "w1"]):
-        lookahead.note_sent(_future(done=False), Speculative(worker, unit, epoch, b"", token=unit.model))
-    assert lookahead.queued_everywhere(scheduler, [busy])  # its running unit and one started ahead
-    started_on_idle = [s.unit for s in lookahead.sent.values() if s.worker == idle]
-    assert len(started_on_idle) == 1  # it runs the one unit it was sent: nothing waits behind it
-    assert not lookahead.queued_everywhere(scheduler, ["w0", "w1"])
-    unit = started_on_idle[0]
-    lookahead.note_sent(_future(done=False), Speculative(idle, unit, 1, b"", token="second"))
-    assert lookahead.queued_everywhere(scheduler, ["w0", "w1"])
+    assert len(scheduler.assign(["w0", "w1"])) == 2
+    assert not lookahead.driver_may_pause(scheduler, ["w0", "w1"])  # one unit runs on each, none waits
+    assert len(scheduler.assign_ahead(["w0"])) == 1
+    assert lookahead.driver_may_pause(scheduler, ["w0"])
+    assert not lookahead.driver_may_pause(scheduler, ["w0", "w1"])
+    (unit,) = scheduler.units_on("w1")  # a unit started ahead on w1 takes its second place
+    lookahead.note_sent(_future(done=False), Speculative("w1", unit, 1, b"", token="ahead"))
+    assert lookahead.driver_may_pause(scheduler, ["w0", "w1"])
+
+    models = ["a", "b", "c", "d"]
+    ending, _ = _round_ending(models)  # the round's last unit runs: nothing left to queue
+    assert not ending.queue and Lookahead().driver_may_pause(ending, ["w0", "w1"])
 
 
 def test_the_next_round_adopts_a_unit_started_ahead_only_as_its_plan_has_it() -> None:
