@@ -16,9 +16,10 @@ search runs on (``mopflow.training.compute.cluster.dask_client``: ``--workers`` 
 processes, the scheduler in this process, the workers' imports done first):
 
 * ``task``: a mopflow search (``run_strategy_search``) whose pruner may stop a model after any
-  epoch (Optuna's median pruner, its warm-up over all but the last epoch, so no model stops
-  before it has trained every epoch): a trial's epochs in one Dask task, each heard by the
-  coordinator as it ends and judged there, a stop sent to the task's worker;
+  epoch past its warm-up (Optuna's median pruner, its warm-up over all but the last epoch, so no
+  model stops before it has trained every epoch): a trial's epochs in one Dask task, each one the
+  pruner may judge heard by the coordinator as it ends and judged there (a stop sent to the
+  task's worker), the chain's first too, the others every 2 s or with the task's result;
 * ``task-chain``: the same without a pruner: a trial's epochs in one Dask task;
 * ``mop``: a mopflow search under model hopper parallelism with the median pruner (one epoch per
   round), ``--model-slots`` models at once (default 4): each unit (one model's pass over one
